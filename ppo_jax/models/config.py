@@ -1,0 +1,148 @@
+"""Model configuration: one dataclass drives GPT-2 and the Llama family (Llama, Mistral, Qwen2)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+FAMILIES = ("gpt2", "llama")
+# Hugging Face `model_type` -> our family. Mistral and Qwen2 are Llama with options.
+ARCH_TO_FAMILY = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
+
+_DTYPES = {
+    "float32": jnp.float32,
+    "fp32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "bf16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "fp16": jnp.float16,
+}
+
+
+def to_dtype(name: str | Any) -> Any:
+    """Maps a dtype name ('float32', 'bf16', ...) or a dtype to a jnp dtype."""
+    if not isinstance(name, str):
+        return jnp.dtype(name)
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer.
+
+    `arch` is the Hugging Face `model_type` ("gpt2", "llama", "mistral", "qwen2"); `family` follows
+    from it and selects the block structure:
+      gpt2:  learned positions, LayerNorm, GELU MLP, biases everywhere, tied embeddings.
+      llama: RoPE, RMSNorm, SwiGLU, grouped-query attention, optional q/k/v bias (Qwen2),
+             optional sliding window (Mistral).
+    """
+
+    arch: str = "gpt2"
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int | None = None  # None: same as num_heads (multi-head attention)
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    intermediate_size: int | None = None  # None: 4 * hidden_size
+    max_position_embeddings: int = 512
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Llama-3 style frequency scaling: {"factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}; a tuple of pairs so the config stays hashable.
+    rope_scaling: tuple[tuple[str, float], ...] | None = None
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False  # q/k/v projection biases (Qwen2); GPT-2 always has biases
+    sliding_window: int | None = None  # Mistral: keys older than this many positions are masked
+    activation: str | None = None  # None: "gelu_new" for gpt2, "silu" for llama
+    # Numerics and memory.
+    param_dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype of matmuls and activations
+    remat: bool = False  # rematerialise each layer in the backward pass
+    # Token ids the tokenizer uses (carried for export and sampling defaults).
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.arch not in ARCH_TO_FAMILY:
+            raise ValueError(
+                f"unsupported architecture {self.arch!r}; supported: {sorted(ARCH_TO_FAMILY)}"
+            )
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads="
+                f"{self.num_heads}; set model.head_dim explicitly"
+            )
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"model.num_heads={self.num_heads} must be a multiple of "
+                f"model.num_kv_heads={self.kv_heads}"
+            )
+        if self.family == "gpt2" and self.kv_heads != self.num_heads:
+            raise ValueError("gpt2 has no grouped-query attention: leave num_kv_heads unset")
+        to_dtype(self.param_dtype)
+        to_dtype(self.dtype)
+
+    @property
+    def family(self) -> str:
+        return ARCH_TO_FAMILY[self.arch]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def mlp_dim(self) -> int:
+        return self.intermediate_size or 4 * self.hidden_size
+
+    @property
+    def act(self) -> str:
+        return self.activation or ("gelu_new" if self.family == "gpt2" else "silu")
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, float] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @property
+    def jnp_dtype(self):
+        return to_dtype(self.dtype)
+
+    @property
+    def jnp_param_dtype(self):
+        return to_dtype(self.param_dtype)
+
+    def replace(self, **kwargs) -> "ModelConfig":
+        return dataclasses.replace(self, **kwargs)
+
+    def num_params(self, with_lm_head: bool = True) -> int:
+        """Parameter count, computed from the shapes (no allocation)."""
+        d, f, v = self.hidden_size, self.mlp_dim, self.vocab_size
+        q = self.num_heads * self.dim_per_head
+        kv = self.kv_heads * self.dim_per_head
+        if self.family == "gpt2":
+            attn = d * (q + 2 * kv) + (q + 2 * kv) + q * d + d
+            mlp = d * f + f + f * d + d
+            norms = 4 * d
+            emb = v * d + self.max_position_embeddings * d
+            final = 2 * d
+        else:
+            attn = d * (q + 2 * kv) + q * d + ((q + 2 * kv) if self.attention_bias else 0)
+            mlp = 3 * d * f
+            norms = 2 * d
+            emb = v * d
+            final = d
+        head = v * d if (with_lm_head and not self.tie_word_embeddings) else 0
+        return self.num_layers * (attn + mlp + norms) + emb + final + head

@@ -1,0 +1,168 @@
+"""The only module that knows mesh axis names.
+
+Mesh axes: `data` (pure data parallel), `fsdp` (data parallel with sharded parameters and optimizer
+state), `tensor` (Megatron-style heads / MLP / vocabulary split). Models name their parameter axes
+logically ("embed", "heads", "mlp", ...); the rules below map logical names to mesh axes. A mesh axis
+is dropped from a parameter's spec where it does not divide that dimension, so any model runs on any
+mesh shape (a 2-kv-head model on a 4-way tensor mesh keeps its kv heads replicated).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# logical axis -> mesh axes, tried in order.
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", BATCH_AXES),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("positions", None),
+    ("head_dim", None),
+    ("layers", None),
+    ("norm", None),
+    ("score", None),
+    ("length", None),
+    ("act_embed", None),
+)
+
+
+def make_mesh(shape: Sequence[int] = (1, -1, 1), devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Mesh over (data, fsdp, tensor); one entry may be -1 to take the remaining devices."""
+    devices = list(devices if devices is not None else jax.devices())
+    shape = list(shape)
+    if len(shape) != 3:
+        raise ValueError(f"mesh shape must have 3 entries (data, fsdp, tensor), got {tuple(shape)}")
+    if shape.count(-1) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got {tuple(shape)}")
+    if -1 in shape:
+        known = int(np.prod([s for s in shape if s != -1]))
+        if len(devices) % known:
+            raise ValueError(f"mesh shape {tuple(shape)} does not divide {len(devices)} devices")
+        shape[shape.index(-1)] = len(devices) // known
+    if int(np.prod(shape)) != len(devices):
+        raise ValueError(
+            f"mesh shape {tuple(shape)} needs {int(np.prod(shape))} devices but {len(devices)} are "
+            f"available; set mesh.shape so that its product is {len(devices)} (one entry may be -1)")
+    return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def _mesh_axes_for(name: str | None, rules) -> tuple[str, ...]:
+    if name is None:
+        return ()
+    for logical, mesh_axes in rules:
+        if logical == name:
+            if mesh_axes is None:
+                return ()
+            return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+    raise ValueError(f"logical axis {name!r} has no sharding rule; add it to sharding rules")
+
+
+def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+                    rules=DEFAULT_RULES) -> P:
+    """PartitionSpec for an array with logical axis `names`, keeping only mesh axes that divide.
+
+    Each mesh axis is used at most once per array; axes of size 1 are left out (they change nothing
+    and keep the specs readable).
+    """
+    used: set[str] = set()
+    spec = []
+    for name, dim in zip(names, shape):
+        chosen = []
+        size = 1
+        for axis in _mesh_axes_for(name, rules):
+            n = mesh.shape[axis]
+            if axis in used or n == 1 or dim % (size * n):
+                continue
+            chosen.append(axis)
+            size *= n
+        used.update(chosen)
+        spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+    while spec and spec[-1] is None:
+        spec.pop()
+    return P(*spec)
+
+
+def _is_boxed(x) -> bool:
+    return isinstance(x, nn.Partitioned)
+
+
+def tree_shardings(boxed_tree: Any, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
+    """NamedShardings for a tree of `nn.LogicallyPartitioned` leaves (abstract or concrete).
+
+    Leaves without logical names (optimizer counters, scalars) are replicated.
+    """
+
+    def one(leaf):
+        if _is_boxed(leaf):
+            value = leaf.value
+            return NamedSharding(mesh, logical_to_spec(leaf.names, value.shape, mesh, rules))
+        return NamedSharding(mesh, P())
+
+    return jax.tree.map(one, boxed_tree, is_leaf=_is_boxed)
+
+
+def abstract_params(init_fn: Callable[[], Any]) -> Any:
+    """Boxed abstract parameter tree (shapes, dtypes, logical names) without allocating."""
+    return jax.eval_shape(init_fn)
+
+
+def sharded_init(init_fn: Callable[[], Any], mesh: Mesh, rules=DEFAULT_RULES) -> tuple[Any, Any]:
+    """Runs `init_fn` (-> boxed params) jitted straight onto its shardings.
+
+    Returns (params, shardings), both plain (unboxed) trees: no parameter is ever materialised
+    whole on one device.
+    """
+    abstract = abstract_params(init_fn)
+    shardings = tree_shardings(abstract, mesh, rules)
+    params = jax.jit(lambda: nn.unbox(init_fn()), out_shardings=shardings)()
+    return params, shardings
+
+
+def data_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Batch-major arrays: leading axis over (data, fsdp), the rest replicated."""
+    del ndim
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def batch_divisor(mesh: Mesh) -> int:
+    """How many ways the batch axis is split: a global batch must be a multiple of this."""
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def put_batch(tree: Any, mesh: Mesh) -> Any:
+    """Places host arrays (the global batch, identical on every process) batch-sharded."""
+    sharding = data_sharding(mesh)
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+    return jax.tree.map(
+        lambda x: jax.make_array_from_callback(np.shape(x), sharding, lambda idx: np.asarray(x)[idx]),
+        tree)
+
+
+def to_host(tree: Any) -> Any:
+    """Global arrays -> NumPy on every process (metrics, samples)."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def activation_rules(rules=DEFAULT_RULES):
+    """Context that lets `nn.with_logical_constraint` in the models resolve activation axes."""
+    return nn.logical_axis_rules(rules)

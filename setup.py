@@ -1,0 +1,38 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="ppo_jax",
+    version="0.1.0",
+    description="RLHF with PPO for language models in JAX/Flax: SFT, reward models, PPO on a sharded mesh.",
+    packages=find_packages(include=["ppo_jax", "ppo_jax.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        "jax>=0.7",
+        "flax>=0.11",
+        "optax>=0.2.4",
+        "orbax-checkpoint>=0.11",
+        "ml-collections>=0.1.1",
+        "numpy>=1.26",
+        "safetensors>=0.4",
+        "transformers>=4.45",
+        "tokenizers>=0.19",
+        "absl-py>=1.0",
+        "tqdm>=4.60",
+        "tensorboardX>=2.6",
+        "matplotlib>=3.7",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=7",
+            "pytest-xdist>=3",
+            "torch",
+            "nbclient>=0.7",
+            "nbformat>=5",
+            "ipykernel>=6",
+        ],
+        "tfds": ["tensorflow-datasets>=4.9", "array-record>=0.5", "importlib_resources"],
+        "hf-datasets": ["datasets>=2.14"],
+        "bench": ["torch", "trl==0.29.1"],
+    },
+    entry_points={"console_scripts": ["ppo-jax-train=ppo_jax.train:run"]},
+)
