@@ -340,6 +340,10 @@ class CausalLM(nn.Module):
         hidden, cache = self.transformer(tokens, positions, kv_mask, cache)
         return self.project(hidden), cache
 
+    def hidden(self, tokens, positions, kv_mask):
+        """Final hidden states [B, T, D] without the output projection (slice before projecting)."""
+        return self.transformer(tokens, positions, kv_mask)[0]
+
     def project(self, hidden: Array) -> Array:
         if self.config.tie_word_embeddings:
             return self.transformer.logits(hidden)
