@@ -1,0 +1,38 @@
+"""PPO math as pure jax.numpy functions over padded [B, L] arrays (no model or mesh imports)."""
+
+from ppo_jax.ppo.advantages import (
+    ESTIMATORS,
+    estimate_advantages,
+    grpo_advantages,
+    rloo_advantages,
+    sequence_rewards,
+)
+from ppo_jax.ppo.gae import AdvantageEstimate, discounted_returns, gae
+from ppo_jax.ppo.kl import (
+    KLControllerState,
+    init_kl_controller,
+    kl_penalty,
+    update_kl_controller,
+)
+from ppo_jax.ppo.losses import entropy_from_logits, entropy_loss, kl_loss, policy_loss, value_loss
+from ppo_jax.ppo.rewards import last_token_index, process_scores, shape_rewards, whiten_rewards
+from ppo_jax.ppo.stats import (
+    Moments,
+    SumCount,
+    add_metrics,
+    finalize_metrics,
+    masked_count,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
+
+__all__ = [
+    "ESTIMATORS", "AdvantageEstimate", "KLControllerState", "Moments", "SumCount", "add_metrics",
+    "discounted_returns", "entropy_from_logits", "entropy_loss", "estimate_advantages",
+    "finalize_metrics", "gae", "grpo_advantages", "init_kl_controller", "kl_loss", "kl_penalty",
+    "last_token_index", "masked_count", "masked_mean", "masked_sum", "masked_var", "masked_whiten",
+    "policy_loss", "process_scores", "rloo_advantages", "sequence_rewards", "shape_rewards",
+    "update_kl_controller", "value_loss", "whiten_rewards",
+]
