@@ -1,0 +1,90 @@
+"""Metric and sample writers: JSONL + TensorBoard events under the workdir (process 0 writes)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def _to_float(v: Any) -> float:
+    return float(np.asarray(v))
+
+
+class MetricWriter:
+    """Appends one JSON object per step to `metrics.jsonl` and mirrors scalars to TensorBoard."""
+
+    def __init__(self, workdir: str, *, filename: str = "metrics.jsonl", tensorboard: bool = True):
+        self.active = jax.process_index() == 0
+        self.path = os.path.join(workdir, filename)
+        self._tb = None
+        if self.active:
+            os.makedirs(workdir, exist_ok=True)
+            if tensorboard:
+                from tensorboardX import SummaryWriter  # lazy: only the writer needs it
+
+                self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def write(self, step: int, scalars: Mapping[str, Any]) -> dict[str, float]:
+        row = {k: _to_float(v) for k, v in scalars.items()}
+        if self.active:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": int(step), "time": time.time(), **row},
+                                   allow_nan=True) + "\n")
+            if self._tb is not None:
+                for k, v in row.items():
+                    if math.isfinite(v):
+                        self._tb.add_scalar(k, v, int(step))
+                self._tb.flush()
+        return row
+
+    def close(self):
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: str) -> list[dict[str, float]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_samples(workdir: str, step: int, rows: Sequence[Mapping[str, Any]],
+                  filename: str = "samples.jsonl") -> None:
+    """Appends (prompt, response, score, ...) rows tagged with the step."""
+    if jax.process_index() != 0:
+        return
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, filename), "a") as f:
+        for row in rows:
+            clean = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in row.items()}
+            f.write(json.dumps({"step": int(step), **clean}) + "\n")
+
+
+class PhaseTimer:
+    """Wall-clock seconds per named phase (call `.block` on the phase's outputs to be honest)."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    def measure(self, name: str):
+        timer = self
+
+        class _Ctx:
+            def __enter__(self):
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.times[name] = timer.times.get(name, 0.0) + time.perf_counter() - self.t0
+
+        return _Ctx()
+
+    def pop(self) -> dict[str, float]:
+        out = {f"time/{k}": v for k, v in self.times.items()}
+        self.times = {}
+        return out

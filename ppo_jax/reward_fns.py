@@ -1,0 +1,86 @@
+"""Python reward functions: `fn(prompts: list[str], responses: list[str]) -> list[float]`.
+
+They run on the host between sampling and the experience math, alone or weighted together with a
+reward model. Config strings name them: a registered name ("toy_target_count") or an import path
+("my_package.rewards:brevity"). Importing a module the user names is the user's choice; file paths
+from configs are never executed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+RewardFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+def register(name: str):
+    """Decorator: makes a reward function available to configs under `name`."""
+
+    def wrap(fn: RewardFn) -> RewardFn:
+        _REGISTRY[name] = fn
+        return fn
+
+    return wrap
+
+
+def resolve(spec: str) -> RewardFn:
+    """A registered name or "module:function" -> the function, with a clear error otherwise."""
+    spec = spec.strip()
+    if spec in _REGISTRY:
+        return _REGISTRY[spec]
+    if ":" not in spec:
+        raise ValueError(f"reward function {spec!r} is not registered (known: {sorted(_REGISTRY)}); "
+                         "use a registered name or 'module:function'")
+    module_name, fn_name = spec.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r} ({e})") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"reward function {spec!r}: {module_name} has no callable {fn_name!r}")
+    return fn
+
+
+def parse(functions: str, weights: str) -> list[tuple[RewardFn, float]]:
+    """Config strings -> [(fn, weight)]."""
+    names = [s for s in functions.split(",") if s.strip()] if functions else []
+    if not names:
+        return []
+    if weights:
+        try:
+            ws = [float(w) for w in weights.split(",")]
+        except ValueError:
+            raise ValueError(f"reward.function_weights={weights!r}: use comma-separated numbers") from None
+        if len(ws) != len(names):
+            raise ValueError(f"reward.function_weights has {len(ws)} entries but reward.functions has {len(names)}")
+    else:
+        ws = [1.0] * len(names)
+    return [(resolve(n), w) for n, w in zip(names, ws)]
+
+
+def combined_scores(fns: list[tuple[RewardFn, float]], prompts: Sequence[str],
+                    responses: Sequence[str]) -> np.ndarray:
+    """Weighted sum of every function's scores: [B] float32."""
+    total = np.zeros(len(responses), np.float32)
+    for fn, weight in fns:
+        scores = np.asarray(fn(prompts, responses), np.float32)
+        if scores.shape != (len(responses),):
+            raise ValueError(f"reward function {getattr(fn, '__name__', fn)} returned shape {scores.shape}, "
+                             f"expected ({len(responses)},)")
+        total += weight * scores
+    return total
+
+
+@register("toy_target_count")
+def toy_target_count(prompts: Sequence[str], responses: Sequence[str], target: str = "w7") -> list[float]:
+    """Fraction of response words equal to `target` (the built-in toy task)."""
+    out = []
+    for response in responses:
+        words = response.split()
+        out.append(sum(w == target for w in words) / max(len(words), 1))
+    return out
