@@ -123,7 +123,8 @@ def value_loss(values: Array, old_values: Array, returns: Array, mask: Array, *,
         per_token = 0.5 * unclipped
         value_clipped = jnp.zeros(values.shape, bool)
     else:
-        clipped_values = old_values + jnp.clip(values - old_values, -clip_range, clip_range)
+        # clip(v, old - c, old + c) is v itself inside the range (old + clip(v - old) may round).
+        clipped_values = jnp.clip(values, old_values - clip_range, old_values + clip_range)
         clipped = jnp.square(clipped_values - returns)
         per_token = 0.5 * jnp.maximum(unclipped, clipped)
         value_clipped = clipped > unclipped
