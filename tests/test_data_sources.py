@@ -1,6 +1,8 @@
 """Record sources: JSONL / text / lists with precise errors, a local TFDS round trip, local HF datasets."""
 
 import json
+import subprocess
+import sys
 
 import datasets
 import numpy as np
@@ -206,3 +208,12 @@ def test_hf_datasets_bad_paths(tmp_path):
     empty = write(tmp_path / "empty.jsonl", "")
     with pytest.raises(ValueError, match="is empty"):
         data.from_hf_datasets(empty, cache_dir=tmp_path / "cache")
+
+
+def test_optional_extras_are_imported_lazily():
+    code = ("import sys, ppo_jax.data; "
+            "print(sorted(m for m in ('tensorflow_datasets', 'datasets', 'array_record') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

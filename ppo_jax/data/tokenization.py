@@ -148,7 +148,8 @@ class PromptTokenizer:
     prompt_buckets: padded prompt lengths to choose from (the maximum is always added); None pads
       every prompt batch to max_prompt_length.
     truncation: "left" (drop the start of over-long prompts / the end of over-long responses, and
-      count it) or "error" (raise, naming the example).
+      count it) or "error" (raise, naming the example). Left truncation also drops whatever the
+      template put first (BOS, system prompt); use "error" where that matters.
     chat_template: None/False = plain text; True = the tokenizer's own chat template; a string = this
       Jinja template. Templates are applied with `add_generation_prompt=True`; a string prompt
       becomes one user message (after `system_prompt`, when given).
