@@ -1,0 +1,551 @@
+"""Checkpoints: the only module that imports Orbax.
+
+A run directory holds numbered step checkpoints and, under `frozen/`, trees saved once:
+
+    <directory>/
+      12/state/...        trainable state (any pytree of jax.Arrays; typed PRNG keys included)
+      12/extra/...        JSON: data position, shuffle state, config (whatever the caller passes)
+      12/metrics/...      JSON metrics, written only when a best metric is tracked
+      frozen/reference/   trees saved once (reference / reward params)
+
+What Orbax gives us and we rely on (each one is exercised in tests/test_checkpoint.py):
+- Atomic commits: a step is written to `<step>.orbax-checkpoint-tmp` and renamed when complete, so
+  a process killed mid-save leaves only a tmp directory that the next manager ignores (and removes).
+- Asynchronous saves: `save` returns once arrays are copied off the devices; the write continues in
+  the background. A failed background write is reported (as `CheckpointSaveError`) by the next
+  `save`, `wait` or `close`; the old checkpoints are deleted only after a new one has committed.
+- Restores onto any mesh: the caller's abstract target carries the shardings to restore onto.
+- Multi-process: every process calls every method; Orbax decides which process writes what.
+
+Restore targets are checked against the checkpoint's metadata before any array is read, so a
+checkpoint from a different model names the first differing path and both shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint import checkpoint_managers as policies_lib
+
+STATE_ITEM = "state"
+EXTRA_ITEM = "extra"
+FROZEN_SUBDIR = "frozen"
+_FROZEN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+_TMP_MARKER = ".orbax-checkpoint-tmp"
+
+
+class CheckpointError(Exception):
+    """Base class of every error this module raises on purpose."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No complete checkpoint (or frozen tree) where one was asked for."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The checkpoint's tree structure or shapes differ from the restore target."""
+
+
+class CheckpointSaveError(CheckpointError, OSError):
+    """A save failed (unwritable directory, disk full, ...); earlier checkpoints are intact."""
+
+
+# --------------------------------------------------------------------------- tree paths
+
+
+def _key_token(key) -> str:
+    """One path entry as Orbax names it on disk: dict keys, attribute names, sequence indices."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _path_name(path: tuple[str, ...]) -> str:
+    return ".".join(path) if path else "<root>"
+
+
+def _is_metadata_leaf(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _flatten_with_names(tree, is_leaf=None) -> list[tuple[tuple[str, ...], Any]]:
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    return [(tuple(_key_token(k) for k in path), leaf) for path, leaf in leaves]
+
+
+def _is_key_dtype(dtype) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _stored_shape(abstract_leaf) -> tuple[int, ...]:
+    """Shape Orbax stores for a target leaf: typed PRNG keys are stored as their key data."""
+    if _is_key_dtype(abstract_leaf.dtype):
+        plain = jax.ShapeDtypeStruct(abstract_leaf.shape, abstract_leaf.dtype)
+        return tuple(jax.eval_shape(jax.random.key_data, plain).shape)
+    return tuple(abstract_leaf.shape)
+
+
+def _check_state_leaves(state) -> None:
+    """Saved leaves must be jax.Arrays: they carry the sharding Orbax writes collectively."""
+    for path, leaf in _flatten_with_names(state):
+        if not isinstance(leaf, jax.Array):
+            raise TypeError(
+                f"checkpoint state leaf `{_path_name(path)}` has type {type(leaf).__name__}, not "
+                "jax.Array; put it on the mesh first (jnp.asarray / jax.device_put), or move "
+                "non-array values into `extra`")
+
+
+def _to_abstract(abstract_state):
+    """Target leaves -> ShapeDtypeStruct with a sharding (jax.Arrays are accepted as targets)."""
+
+    def one(path, leaf):
+        name = _path_name(tuple(_key_token(k) for k in path))
+        if isinstance(leaf, jax.Array):
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            raise TypeError(
+                f"restore target leaf `{name}` has type {type(leaf).__name__}; expected "
+                "jax.ShapeDtypeStruct(shape, dtype, sharding=...) (e.g. from jax.eval_shape)")
+        if leaf.sharding is None:
+            raise ValueError(
+                f"restore target leaf `{name}` has no sharding; build the target with "
+                "jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec)) so the "
+                "checkpoint can be placed on the current mesh")
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(one, abstract_state)
+
+
+def check_tree_matches(stored_tree, abstract_state, *, what: str) -> None:
+    """Raises CheckpointMismatchError naming the first path where `abstract_state` differs.
+
+    `stored_tree` is Orbax's metadata tree (leaves with .shape/.dtype); `abstract_state` the
+    restore target. Dtypes may differ (Orbax casts on restore) except that a typed PRNG key must
+    be restored as a typed key of the same key shape.
+    """
+    stored = dict(_flatten_with_names(stored_tree, is_leaf=_is_metadata_leaf))
+    target = _flatten_with_names(abstract_state)
+    hint = ("the checkpoint was probably written for a different model or state layout; restore "
+            "with the configuration it was saved with")
+    for path, leaf in target:
+        name = _path_name(path)
+        if path not in stored:
+            raise CheckpointMismatchError(
+                f"{what} has no entry `{name}` that the restore target expects "
+                f"(shape {tuple(leaf.shape)}); {hint}")
+        found = tuple(stored[path].shape)
+        expected = _stored_shape(leaf)
+        if found != expected:
+            if _is_key_dtype(leaf.dtype):
+                detail = (f"expected a PRNG key array of shape {tuple(leaf.shape)} (key data "
+                          f"{expected}), found shape {found}")
+            else:
+                detail = f"expected shape {expected}, found {found}"
+            raise CheckpointMismatchError(f"{what} differs at `{name}`: {detail}; {hint}")
+    target_paths = {path for path, _ in target}
+    for path in stored:
+        if path not in target_paths:
+            raise CheckpointMismatchError(
+                f"{what} has an entry `{_path_name(path)}` (shape {tuple(stored[path].shape)}) "
+                f"that the restore target does not have; {hint}")
+
+
+# --------------------------------------------------------------------------- JSON payloads
+
+
+def _first_non_json(value, path="") -> str | None:
+    """Path of the first value json cannot encode, or None."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return f"{path}[{k!r}] (keys must be strings)"
+            found = _first_non_json(v, f"{path}[{k!r}]")
+            if found:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = _first_non_json(v, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return None
+    return f"{path} ({type(value).__name__})"
+
+
+def _check_extra(extra) -> dict:
+    if not isinstance(extra, Mapping):
+        raise TypeError(
+            f"checkpoint `extra` must be a dict of JSON values, got {type(extra).__name__}")
+    bad = _first_non_json(extra)
+    if bad:
+        raise TypeError(
+            f"checkpoint `extra` holds a value JSON cannot store at extra{bad}; convert it to "
+            "int/float/str/bool/list/dict (e.g. int(x), x.tolist()) or save arrays in the state")
+    return dict(extra)
+
+
+def _check_metrics(metrics, best_metric: str | None) -> dict | None:
+    if metrics is None:
+        return None
+    if not isinstance(metrics, Mapping):
+        raise TypeError(
+            f"checkpoint `metrics` must be a dict name -> number, got {type(metrics).__name__}")
+    clean = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str):
+            raise TypeError(f"checkpoint metric names must be strings, got {name!r}")
+        try:
+            clean[name] = float(np.asarray(value).item())
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"checkpoint metric {name!r} must be a scalar number, got {type(value).__name__}"
+            ) from None
+    if best_metric is not None and best_metric not in clean:
+        raise KeyError(
+            f"checkpoint metrics lack the tracked best metric {best_metric!r} (have "
+            f"{sorted(clean)}); pass it, or pass metrics=None for a checkpoint that only counts "
+            "as recent")
+    return clean
+
+
+# --------------------------------------------------------------------------- manager
+
+
+def _as_path(directory) -> epath.Path:
+    text = os.fspath(directory)
+    if "://" not in text:  # local path: Orbax wants it absolute
+        text = os.path.abspath(text)
+    return epath.Path(text)
+
+
+class CheckpointManager:
+    """Asynchronous step checkpoints (state + JSON extra) plus trees saved once.
+
+    Keeps the newest `max_to_keep` steps and, when `best_metric` is set, also the best step by
+    `metrics[best_metric]` (`best_mode` "max" or "min"; a NaN metric ranks worst). Saves happen
+    only at steps that are multiples of `save_interval_steps` (or with `force=True`).
+    Every process of a multi-process run must make the same calls.
+    """
+
+    def __init__(self, directory, *, max_to_keep: int = 3, best_metric: str | None = None,
+                 best_mode: str = "max", save_interval_steps: int = 1, async_save: bool = True):
+        if not isinstance(max_to_keep, numbers.Integral) or max_to_keep < 1:
+            raise ValueError(
+                f"checkpoint max_to_keep must be an integer >= 1, got {max_to_keep!r}")
+        if best_mode not in ("max", "min"):
+            raise ValueError(f"checkpoint best_mode must be 'max' or 'min', got {best_mode!r}")
+        if not isinstance(save_interval_steps, numbers.Integral) or save_interval_steps < 1:
+            raise ValueError(
+                f"checkpoint save_interval_steps must be an integer >= 1, got {save_interval_steps!r}")
+        if best_metric is not None and not isinstance(best_metric, str):
+            raise TypeError(
+                f"checkpoint best_metric must be a metric name (str), got {best_metric!r}")
+        self._directory = _as_path(directory)
+        self._best_metric = best_metric
+        self._best_mode = best_mode
+        self._async = bool(async_save)
+        self._pending_step: int | None = None
+        self._frozen_checkpointer = None
+        self._closed = False
+
+        policies = [policies_lib.LatestN(n=int(max_to_keep))]
+        if best_metric is not None:
+            # n=1: the single best step survives however old it is; steps saved without metrics
+            # compete only on recency (LatestN above).
+            policies.append(policies_lib.BestN(
+                get_metric_fn=self._rank, reverse=(best_mode == "min"), n=1,
+                keep_checkpoints_without_metrics=False))
+        # Due at multiples of the interval, or when JAX's preemption service (TPU) says every
+        # process reached the preemption sync point. Not Orbax's default "first save always"
+        # rule: whether to save the initial state is the caller's call (`force=True`).
+        save_policy = policies_lib.AnySavePolicy([
+            policies_lib.FixedIntervalPolicy(int(save_interval_steps)),
+            policies_lib.PreemptionCheckpointingPolicy(),
+        ])
+        options = ocp.CheckpointManagerOptions(
+            save_interval_steps=int(save_interval_steps),
+            save_decision_policy=save_policy,
+            # best_fn makes Orbax store the metrics and answer best_step(); what is deleted is
+            # decided by the preservation policy alone.
+            best_fn=self._rank if best_metric is not None else None,
+            best_mode=best_mode,
+            preservation_policy=policies_lib.AnyPreservationPolicy(policies),
+            cleanup_tmp_directories=True,  # leftovers of saves killed mid-way
+            enable_async_checkpointing=self._async,
+            create=True,
+        )
+        # Orbax removes these in the background on open; remember them for error messages.
+        self._incomplete_at_open = self._incomplete_saves()
+        try:
+            self._manager = ocp.CheckpointManager(
+                self._directory, options=options,
+                # Handlers named up front so a fresh manager can read metadata before any save.
+                item_handlers={STATE_ITEM: ocp.StandardCheckpointHandler(),
+                               EXTRA_ITEM: ocp.JsonCheckpointHandler()})
+        except OSError as e:
+            raise CheckpointSaveError(
+                f"cannot create or open the checkpoint directory {self._directory}: {e}; choose "
+                "a writable directory (e.g. the run's workdir on a disk with free space)") from e
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def directory(self) -> epath.Path:
+        return self._directory
+
+    def all_steps(self) -> list[int]:
+        """Complete (committed) steps, ascending."""
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def best_step(self) -> int | None:
+        """Best step by the tracked metric (the latest one when no metric is tracked)."""
+        return self._manager.best_step()
+
+    def metrics(self, step: int) -> dict | None:
+        """The metrics saved with `step` (only stored when a best metric is tracked)."""
+        return self._manager.metrics(step)
+
+    def reached_preemption(self, step: int) -> bool:
+        """True once every process reached JAX's preemption sync point (TPU maintenance events).
+
+        Always False where JAX's preemption service is not running (CPU, single process).
+        """
+        return bool(self._manager.reached_preemption(int(step)))
+
+    def _rank(self, metrics) -> float:
+        value = float(metrics[self._best_metric])
+        if math.isnan(value):
+            return -math.inf if self._best_mode == "max" else math.inf
+        return value
+
+    def _incomplete_saves(self) -> list[str]:
+        try:
+            return sorted(p.name for p in self._directory.iterdir() if _TMP_MARKER in p.name)
+        except OSError:
+            return []
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, step: int, state, *, extra: Mapping[str, Any],
+             metrics: Mapping[str, Any] | None = None, force: bool = False) -> bool:
+        """Starts saving `state` (pytree of jax.Arrays) and `extra` (JSON) as `step`.
+
+        Returns False (and writes nothing) when the step is not due by `save_interval_steps` or
+        is not newer than the latest saved step, unless `force`. Returns once the arrays are off
+        the devices when saving asynchronously. Raises CheckpointSaveError if this or the
+        previous asynchronous save failed; the checkpoints committed before it stay intact.
+        """
+        self._check_open()
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(f"checkpoint step must be a non-negative integer, got {step!r}")
+        step = int(step)
+        _check_state_leaves(state)
+        extra = _check_extra(extra)
+        metrics = _check_metrics(metrics, self._best_metric)
+        self._raise_if_previous_save_failed()
+        if force and step in self._manager.all_steps():
+            raise CheckpointError(
+                f"checkpoint step {step} already exists in {self._directory}; saves never overwrite "
+                "a committed step")
+        args = ocp.args.Composite(**{
+            STATE_ITEM: ocp.args.StandardSave(state),
+            EXTRA_ITEM: ocp.args.JsonSave(extra),
+        })
+        try:
+            saved = self._manager.save(step, args=args, metrics=metrics, force=force)
+        except Exception as e:  # synchronous part (or a synchronous save) failed
+            self._manager.reload()
+            raise self._save_error(step, e) from e
+        if saved:
+            self._pending_step = step
+            if not self._async:
+                self._raise_if_previous_save_failed()
+        return saved
+
+    def _save_error(self, step: int | None, cause: BaseException) -> CheckpointSaveError:
+        kept = self.all_steps()
+        which = f"checkpoint step {step}" if step is not None else "the previous checkpoint"
+        kept_text = (f"the committed checkpoints {kept} are intact and resume uses step {kept[-1]}"
+                     if kept else "no earlier checkpoint exists")
+        return CheckpointSaveError(
+            f"saving {which} to {self._directory} failed: "
+            f"{type(cause).__name__}: {cause}. Check that the directory is writable and the disk "
+            f"has free space; {kept_text}")
+
+    def _raise_if_previous_save_failed(self) -> None:
+        """Blocks on the save in flight; turns its failure into a CheckpointSaveError."""
+        step, self._pending_step = self._pending_step, None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            # Orbax already dropped the failed step from its list; reload from disk so that steps
+            # it scheduled for deletion (still on disk: deletion follows a commit) are listed.
+            self._manager.reload()
+            raise self._save_error(step, e) from e
+
+    # ------------------------------------------------------------------ restore
+
+    def restore(self, step: int | None = None, *, abstract_state) -> tuple[Any, dict]:
+        """(state, extra) of `step` (default: the latest complete step).
+
+        `abstract_state` is the target tree of jax.ShapeDtypeStruct(shape, dtype, sharding=...)
+        (jax.Arrays also work): arrays are read straight onto those shardings, so the mesh may
+        differ from the one the checkpoint was written on.
+        """
+        self._check_open()
+        self._raise_if_previous_save_failed()
+        steps = self.all_steps()
+        if not steps:
+            partial = sorted(set(self._incomplete_at_open) | set(self._incomplete_saves()))
+            note = (f" (incomplete saves, ignored: {', '.join(partial)})" if partial else "")
+            raise CheckpointNotFoundError(
+                f"no complete checkpoint in {self._directory}{note}; check the path, or start "
+                "without restoring")
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise CheckpointNotFoundError(
+                f"checkpoint step {step} is not in {self._directory}; available steps: {steps}")
+        abstract = _to_abstract(abstract_state)
+        what = f"checkpoint step {step} in {self._directory}"
+        try:
+            stored = self._manager.item_metadata(step)[STATE_ITEM]
+        except Exception as e:
+            raise CheckpointError(f"{what} is unreadable (its metadata failed to load: {e})") from e
+        if stored is None:
+            raise CheckpointError(
+                f"{what} has no '{STATE_ITEM}' item; it was not written by ppo_jax")
+        check_tree_matches(getattr(stored, "tree", stored), abstract, what=what)
+        args = ocp.args.Composite(**{
+            STATE_ITEM: ocp.args.StandardRestore(abstract),
+            EXTRA_ITEM: ocp.args.JsonRestore(),
+        })
+        try:
+            restored = self._manager.restore(step, args=args)
+        except Exception as e:
+            raise CheckpointError(f"{what} could not be restored: {type(e).__name__}: {e}") from e
+        return restored[STATE_ITEM], dict(restored[EXTRA_ITEM] or {})
+
+    # ------------------------------------------------------------------ frozen trees
+
+    def _frozen_path(self, name: str) -> epath.Path:
+        if not isinstance(name, str) or not _FROZEN_NAME.match(name) or _TMP_MARKER in name:
+            raise ValueError(
+                f"frozen tree name must be letters, digits, '_', '-', '.', got {name!r}")
+        return self._directory / FROZEN_SUBDIR / name
+
+    def has_frozen(self, name: str) -> bool:
+        """Whether a complete frozen tree `name` exists (saves in flight do not count)."""
+        return self._frozen_path(name).exists()
+
+    def save_frozen(self, name: str, tree) -> None:
+        """Starts saving `tree` once under frozen/<name> (asynchronous like `save`)."""
+        self._check_open()
+        path = self._frozen_path(name)
+        _check_state_leaves(tree)
+        if self._frozen_checkpointer is None:
+            handler = ocp.StandardCheckpointHandler()
+            self._frozen_checkpointer = (ocp.AsyncCheckpointer(handler) if self._async
+                                         else ocp.Checkpointer(handler))
+        self._wait_frozen()
+        if path.exists():
+            raise CheckpointError(
+                f"frozen tree {name!r} already exists at {path}; frozen trees are saved once "
+                "(restore it with restore_frozen)")
+        try:
+            self._frozen_checkpointer.save(path, args=ocp.args.StandardSave(tree))
+        except Exception as e:
+            raise CheckpointSaveError(
+                f"saving frozen tree {name!r} to {path} failed: {type(e).__name__}: {e}. Check "
+                "that the directory is writable and the disk has free space") from e
+        if not self._async:
+            self._wait_frozen()
+
+    def _wait_frozen(self) -> None:
+        if self._frozen_checkpointer is None:
+            return
+        try:
+            self._frozen_checkpointer.wait_until_finished()
+        except Exception as e:
+            raise CheckpointSaveError(
+                f"saving a frozen tree under {self._directory / FROZEN_SUBDIR} failed: "
+                f"{type(e).__name__}: {e}. Check that the directory is writable and the disk has "
+                "free space") from e
+
+    def restore_frozen(self, name: str, abstract):
+        """The frozen tree `name`, read onto the shardings in `abstract` (as in `restore`)."""
+        self._check_open()
+        path = self._frozen_path(name)
+        self._wait_frozen()
+        if not path.exists():
+            root = self._directory / FROZEN_SUBDIR
+            have = sorted(p.name for p in root.iterdir() if _TMP_MARKER not in p.name) \
+                if root.exists() else []
+            raise CheckpointNotFoundError(
+                f"no frozen tree {name!r} at {path}; frozen trees present: {have or 'none'}")
+        abstract = _to_abstract(abstract)
+        what = f"frozen tree {name!r} at {path}"
+        with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+            try:
+                stored = checkpointer.metadata(path).item_metadata
+            except Exception as e:
+                raise CheckpointError(
+                    f"{what} is unreadable (its metadata failed to load: {e})") from e
+            check_tree_matches(getattr(stored, "tree", stored), abstract, what=what)
+            try:
+                return checkpointer.restore(path, args=ocp.args.StandardRestore(abstract))
+            except Exception as e:
+                raise CheckpointError(
+                    f"{what} could not be restored: {type(e).__name__}: {e}") from e
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def wait(self) -> None:
+        """Blocks until every save in flight has committed.
+
+        Raises CheckpointSaveError if one failed (the committed checkpoints stay intact).
+        """
+        if self._closed:
+            return
+        try:
+            self._raise_if_previous_save_failed()
+        finally:
+            self._wait_frozen()
+
+    def close(self) -> None:
+        """Waits for saves in flight, then releases Orbax's threads. Safe to call twice."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._manager.close()
+            if self._frozen_checkpointer is not None:
+                self._frozen_checkpointer.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"checkpoint manager for {self._directory} is closed")
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
