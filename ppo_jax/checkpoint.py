@@ -23,7 +23,6 @@ checkpoint from a different model names the first differing path and both shapes
 
 from __future__ import annotations
 
-import json
 import math
 import numbers
 import os
@@ -349,7 +348,8 @@ class CheckpointManager:
         Returns False (and writes nothing) when the step is not due by `save_interval_steps` or
         is not newer than the latest saved step, unless `force`. Returns once the arrays are off
         the devices when saving asynchronously. Raises CheckpointSaveError if this or the
-        previous asynchronous save failed; the checkpoints committed before it stay intact.
+        previous asynchronous save failed (the checkpoints committed before it stay intact; when
+        it was the previous one, this step was not started: call `save` again).
         """
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
