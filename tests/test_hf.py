@@ -1,0 +1,541 @@
+"""Hugging Face checkpoints: PyTorch parity, sharded loading, export round trip, bad checkpoints.
+
+Every reference is a `transformers` PyTorch model built from a tiny config with random weights
+(biases and norm scales included, so a misplaced bias or a swapped norm shows), saved to a temp dir.
+Each tiny model is built, loaded and run once per module; tests share those results.
+"""
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import make_test_mesh
+from jax.sharding import PartitionSpec as P
+
+from ppo_jax import sharding
+from ppo_jax.models import ModelConfig, positions_from_mask, score_at_last_token
+from ppo_jax.models import hf
+from ppo_jax.models.hf import CheckpointError
+
+VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, MLP, MAX_POS = 128, 64, 2, 4, 2, 96, 64
+PAD = 0  # pad token: appears only as left padding
+LENGTHS = (10, 7, 3, 1)  # real tokens per row of the left-padded batch
+T = max(LENGTHS)
+# Llama-3 scaling whose three frequency bands (kept, smoothed, divided) all occur at head_dim 16.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+SMALL_PARAM = 1024  # elements; params at least this big must be sharded on a (1, 8, 1) mesh
+
+
+def _llama_family(cls, **kw):
+    base = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                num_key_value_heads=KV_HEADS, vocab_size=VOCAB, intermediate_size=MLP,
+                max_position_embeddings=MAX_POS, pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
+    return cls(**{**base, **kw}, attn_implementation="eager")
+
+
+HF_CONFIGS = {
+    "gpt2": lambda **kw: transformers.GPT2Config(
+        n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, vocab_size=VOCAB, n_positions=MAX_POS,
+        pad_token_id=PAD, bos_token_id=1, eos_token_id=2, attn_implementation="eager", **kw),
+    # GQA, untied head, Llama-3 rope scaling.
+    "llama": lambda **kw: _llama_family(transformers.LlamaConfig, rope_parameters=dict(LLAMA3_ROPE),
+                                        tie_word_embeddings=False, **kw),
+    # A sliding window shorter than the batch's rows, so the window really masks keys.
+    "mistral": lambda **kw: _llama_family(transformers.MistralConfig, sliding_window=4,
+                                          tie_word_embeddings=False, **kw),
+    # q/k/v biases, tied embeddings.
+    "qwen2": lambda **kw: _llama_family(transformers.Qwen2Config, tie_word_embeddings=True, **kw),
+}
+HF_CLASSES = {
+    ("gpt2", "causal_lm"): transformers.GPT2LMHeadModel,
+    ("llama", "causal_lm"): transformers.LlamaForCausalLM,
+    ("mistral", "causal_lm"): transformers.MistralForCausalLM,
+    ("qwen2", "causal_lm"): transformers.Qwen2ForCausalLM,
+    ("gpt2", "reward"): transformers.GPT2ForSequenceClassification,
+    ("llama", "reward"): transformers.LlamaForSequenceClassification,
+    ("qwen2", "reward"): transformers.Qwen2ForSequenceClassification,
+}
+CASES = [f"{arch}-{kind}" for arch, kind in HF_CLASSES]
+
+
+def _randomize(model: torch.nn.Module, seed: int):
+    """Every weight random (HF init leaves biases 0 and norm scales 1, which would hide mistakes)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+
+
+def _batch():
+    rng = np.random.default_rng(0)
+    mask = np.zeros((len(LENGTHS), T), np.int32)
+    for row, n in enumerate(LENGTHS):
+        mask[row, T - n:] = 1
+    tokens = rng.integers(PAD + 1, VOCAB, mask.shape) * mask + PAD * (1 - mask)
+    return tokens.astype(np.int32), mask
+
+
+TOKENS, MASK = _batch()
+REAL = MASK.astype(bool)
+
+
+def hf_outputs(model: torch.nn.Module, tokens=TOKENS, mask=MASK) -> np.ndarray:
+    """PyTorch logits [B, T, V] (causal LM) or scores [B] (sequence classifier)."""
+    positions = np.clip(np.cumsum(mask, -1) - 1, 0, None)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(tokens, dtype=torch.long),
+                    attention_mask=torch.tensor(mask, dtype=torch.long),
+                    position_ids=torch.tensor(positions, dtype=torch.long)).logits.numpy()
+    return out[:, 0] if out.ndim == 2 else out
+
+
+_FORWARDS = {}
+
+
+def ours(loaded: hf.LoadedModel, mesh, params=None) -> np.ndarray:
+    """Our logits [B, T, V] or scores at the last real token [B]; one compile per model and mesh."""
+    key = (loaded.config, loaded.kind, mesh.devices.shape)
+    if key not in _FORWARDS:
+        module = loaded.module
+
+        def forward(params, tokens, mask):
+            out, _ = module.apply({"params": params}, tokens, positions_from_mask(mask), mask)
+            return score_at_last_token(out, mask) if loaded.kind == "reward" else out
+
+        _FORWARDS[key] = jax.jit(forward)
+    with jax.set_mesh(mesh), sharding.activation_rules():
+        batch = sharding.put_batch((jnp.asarray(TOKENS), jnp.asarray(MASK)), mesh)
+        return np.asarray(_FORWARDS[key](loaded.params if params is None else params, *batch))
+
+
+@dataclasses.dataclass
+class Case:
+    arch: str
+    kind: str
+    path: str  # the saved PyTorch checkpoint
+    torch_model: torch.nn.Module
+    reference: np.ndarray  # PyTorch outputs on (TOKENS, MASK)
+    loaded: hf.LoadedModel  # loaded onto MESH_222
+    outputs: np.ndarray  # ours on (TOKENS, MASK)
+
+
+@pytest.fixture(scope="module")
+def mesh_222():
+    return make_test_mesh((2, 2, 2))
+
+
+@pytest.fixture(scope="module", params=CASES)
+def case(request, tmp_path_factory, mesh_222):
+    arch, kind = request.param.split("-")
+    config = HF_CONFIGS[arch](**({"num_labels": 1} if kind == "reward" else {}))
+    torch_model = HF_CLASSES[(arch, kind)](config).eval()
+    _randomize(torch_model, seed=CASES.index(request.param))
+    path = str(tmp_path_factory.mktemp(request.param))
+    torch_model.save_pretrained(path)
+    loaded = hf.load_model(path, mesh_222)
+    return Case(arch, kind, path, torch_model, hf_outputs(torch_model), loaded,
+                ours(loaded, mesh_222))
+
+
+def _flat(params) -> dict[str, np.ndarray]:
+    return {jax.tree_util.keystr(p): np.asarray(x)
+            for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Acceptance 1 and 4: parity with PyTorch on a left-padded batch.
+
+
+def test_outputs_match_pytorch(case):
+    assert case.loaded.kind == case.kind
+    if case.kind == "causal_lm":
+        assert case.outputs.shape == (len(LENGTHS), T, VOCAB)
+        # Only real tokens: padded queries see no keys and their outputs are never used.
+        err = np.abs(case.outputs[REAL] - case.reference[REAL]).max()
+        assert np.abs(case.reference[REAL]).max() > 1.0  # the comparison is not between tiny numbers
+    else:
+        # HF reads the score at the last non-pad token, ours at the last real token of the mask.
+        assert case.outputs.shape == (len(LENGTHS),)
+        err = np.abs(case.outputs - case.reference).max()
+    assert err <= 1e-4, f"{case.arch} {case.kind}: max abs difference {err}"
+
+
+def test_loaded_config(case):
+    cfg = case.loaded.config
+    assert (cfg.arch, cfg.hidden_size, cfg.num_layers, cfg.vocab_size) == (case.arch, HIDDEN, LAYERS,
+                                                                             VOCAB)
+    assert cfg.pad_token_id == PAD
+    if case.arch != "gpt2":
+        assert cfg.kv_heads == KV_HEADS and cfg.intermediate_size == MLP
+        assert cfg.attention_bias == (case.arch == "qwen2")
+        assert cfg.sliding_window == (4 if case.arch == "mistral" else None)
+    if case.arch == "llama":
+        assert cfg.rope_theta == 500000.0
+        assert cfg.rope_scaling_dict == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 64.0}
+    if case.kind == "causal_lm":
+        assert cfg.tie_word_embeddings == (case.arch in ("gpt2", "qwen2"))
+        assert ("lm_head" in case.loaded.params) != cfg.tie_word_embeddings
+    else:
+        assert set(case.loaded.params) == {"transformer", "score"}
+        np.testing.assert_array_equal(np.asarray(case.loaded.params["score"]["bias"]), 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Acceptance 3: export -> transformers -> the same model; sharded checkpoints load.
+
+
+def test_export_round_trip(case, tmp_path):
+    out = tmp_path / "exported"
+    hf.export_model(out, case.loaded.config, case.loaded.params, kind=case.kind)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert not [p for p in os.listdir(tmp_path) if p != "exported"]  # no temp dirs left behind
+    auto = (transformers.AutoModelForCausalLM if case.kind == "causal_lm"
+            else transformers.AutoModelForSequenceClassification)
+    reloaded = auto.from_pretrained(out, attn_implementation="eager").eval()
+    assert type(reloaded) is type(case.torch_model)
+    original = case.torch_model.state_dict()
+    for name, tensor in reloaded.state_dict().items():
+        torch.testing.assert_close(tensor, original[name], rtol=0, atol=0, msg=name)
+    real = REAL if case.kind == "causal_lm" else slice(None)
+    assert np.abs(hf_outputs(reloaded)[real] - case.outputs[real]).max() <= 1e-4
+
+
+def test_sharded_checkpoint_loads(case, tmp_path, mesh_222):
+    case.torch_model.save_pretrained(tmp_path, max_shard_size="40KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    assert not (tmp_path / "model.safetensors").exists()
+    loaded = hf.load_model(tmp_path, mesh_222)
+    single, sharded = _flat(case.loaded.params), _flat(loaded.params)
+    assert single.keys() == sharded.keys()
+    for name in single:
+        np.testing.assert_array_equal(sharded[name], single[name], err_msg=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Acceptance 5 (loading): a loaded model's big params are sharded, each device holding its part.
+
+
+def test_load_shards_every_large_param_on_fsdp_mesh(case):
+    mesh = make_test_mesh((1, 8, 1))
+    loaded = hf.load_model(case.path, mesh)
+    reference = _flat(case.loaded.params)
+    for (path, x) in jax.tree_util.tree_flatten_with_path(loaded.params)[0]:
+        name = jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(np.asarray(x), reference[name], err_msg=name)
+        if x.size >= SMALL_PARAM:
+            assert not x.sharding.is_fully_replicated, f"{name} {x.shape} is replicated"
+            assert x.addressable_shards[0].data.size == x.size // 8, name
+    layers = loaded.params["transformer"]["layers"]
+    assert layers["attn"]["q"]["kernel"].sharding.spec == P(None, "fsdp")
+    assert loaded.params["transformer"]["embed"]["embedding"].sharding.spec == P(None, "fsdp")
+
+
+def test_loaded_param_specs_on_222(case):
+    params = case.loaded.params
+    attn = params["transformer"]["layers"]["attn"]
+    assert attn["q"]["kernel"].sharding.spec == P(None, "fsdp", "tensor")
+    assert attn["k"]["kernel"].sharding.spec == P(None, "fsdp", "tensor")  # 2 kv heads / 2-way tensor
+    assert attn["o"]["kernel"].sharding.spec == P(None, "tensor", None, "fsdp")
+    assert params["transformer"]["embed"]["embedding"].sharding.spec == P("tensor", "fsdp")
+    if "lm_head" in params:
+        assert params["lm_head"]["kernel"].sharding.spec == P("fsdp", "tensor")
+
+
+# ---------------------------------------------------------------------------------------------
+# Config mapping.
+
+
+def test_config_round_trip(case):
+    kind = case.kind
+    hf_config = hf.config_to_hf(case.loaded.config, kind)
+    assert hf_config.architectures == [HF_CLASSES[(case.arch, kind)].__name__]
+    assert hf.config_from_hf(hf_config) == case.loaded.config
+    assert hf.config_from_hf(hf_config.to_dict()) == case.loaded.config
+
+
+def test_old_style_rope_config_is_read():
+    """config.json written by transformers 4: rope_theta and rope_scaling with "type"."""
+    new = hf.config_from_hf(HF_CONFIGS["llama"]().to_dict())
+    old = HF_CONFIGS["llama"]().to_dict()
+    del old["rope_parameters"]
+    scaling = {k: v for k, v in LLAMA3_ROPE.items() if k not in ("rope_type", "rope_theta")}
+    old.update(rope_theta=500000.0, rope_scaling={"type": "llama3", **scaling})
+    assert hf.config_from_hf(old) == new
+    linear = {**old, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    assert hf.config_from_hf(linear).rope_scaling_dict == {"rope_type": "linear", "factor": 2.0}
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"scale_attn_by_inverse_layer_idx": True}, "unsupported GPT-2 options.*scale_attn_by_inverse"),
+    ({"reorder_and_upcast_attn": True}, "unsupported GPT-2 options.*reorder_and_upcast_attn"),
+    ({"activation_function": "quick_gelu"}, "unsupported activation_function='quick_gelu'"),
+    ({"architectures": ["GPT2DoubleHeadsModel"]},
+     "unsupported architecture 'GPT2DoubleHeadsModel'.*supported: GPT2LMHeadModel, LlamaForCausalLM"),
+    ({"architectures": ["GPT2ForSequenceClassification"], "num_labels": 3}, "num_labels=1"),
+])
+def test_unsupported_gpt2_options(changes, message):
+    data = {**HF_CONFIGS["gpt2"]().to_dict(), **changes}
+    with pytest.raises(CheckpointError, match=message):
+        hf.config_from_hf(data)
+
+
+@pytest.mark.parametrize("arch, changes, message", [
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+     "unsupported rope type 'yarn'"),
+    ("llama", {"attention_bias": True}, "attention_bias=True for llama"),
+    ("llama", {"mlp_bias": True}, "mlp_bias=True"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1,
+               "layer_types": None}, "mix of sliding-window and full-attention layers"),
+    ("mistral", {"model_type": "mixtral"}, "unsupported model_type 'mixtral'"),
+])
+def test_unsupported_llama_family_options(arch, changes, message):
+    data = {**HF_CONFIGS[arch]().to_dict(), **changes}
+    data = {k: v for k, v in data.items() if v is not None or k != "layer_types"}
+    with pytest.raises(CheckpointError, match=message):
+        hf.config_from_hf(data)
+
+
+def test_qwen2_all_sliding_layers_map_to_a_window():
+    data = {**HF_CONFIGS["qwen2"]().to_dict(), "use_sliding_window": True, "sliding_window": 4,
+            "max_window_layers": 0}
+    del data["layer_types"]
+    assert hf.config_from_hf(data).sliding_window == 4
+
+
+def test_config_to_hf_refuses_what_the_architecture_cannot_express():
+    with pytest.raises(CheckpointError, match="use arch='qwen2'"):
+        hf.config_to_hf(ModelConfig(arch="llama", attention_bias=True))
+    with pytest.raises(CheckpointError, match="qwen2 always has q/k/v biases"):
+        hf.config_to_hf(ModelConfig(arch="qwen2"))
+    with pytest.raises(CheckpointError, match="llama has no sliding window"):
+        hf.config_to_hf(ModelConfig(arch="llama", sliding_window=8))
+
+
+# ---------------------------------------------------------------------------------------------
+# dtypes, reward-head bias, tokenizer, atomic export.
+
+
+def test_bfloat16_checkpoint_loads_bit_exact(tmp_path, mesh_222):
+    model = transformers.Qwen2ForCausalLM(HF_CONFIGS["qwen2"]()).eval()
+    _randomize(model, seed=7)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    loaded = hf.load_model(tmp_path / "bf16", mesh_222, param_dtype="bfloat16", dtype="bfloat16")
+    assert loaded.config.param_dtype == "bfloat16" and loaded.config.dtype == "bfloat16"
+    q = loaded.params["transformer"]["layers"]["attn"]["q"]["kernel"]  # [L, D, H, Dh]
+    assert q.dtype == jnp.bfloat16
+    torch_q = model.model.layers[1].self_attn.q_proj.weight.detach().float().numpy()  # [H*Dh, D]
+    np.testing.assert_array_equal(
+        np.asarray(q[1]).astype(np.float32), torch_q.T.reshape(HIDDEN, HEADS, -1))
+    upcast = hf.load_model(tmp_path / "bf16", mesh_222)  # default: float32 params
+    assert upcast.params["transformer"]["ln_f"]["scale"].dtype == jnp.float32
+    # Export keeps bfloat16, and transformers reads back the very same bits.
+    hf.export_model(tmp_path / "out", loaded.config, loaded.params)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    for name, tensor in reloaded.state_dict().items():
+        assert tensor.dtype == torch.bfloat16, name
+        torch.testing.assert_close(tensor, model.state_dict()[name], rtol=0, atol=0, msg=name)
+
+
+def _reward_case_params(case, bias):
+    params = dict(case.loaded.params)
+    params["score"] = {**params["score"], "bias": jnp.full((1,), bias, jnp.float32)}
+    return params
+
+
+@pytest.mark.parametrize("case", ["gpt2-reward"], indirect=True)
+def test_gpt2_score_bias_is_folded_into_final_norm_on_export(case, tmp_path, mesh_222):
+    params = _reward_case_params(case, 0.37)
+    expected = ours(case.loaded, mesh_222, params)
+    np.testing.assert_allclose(expected, case.outputs + 0.37, atol=1e-5)
+    hf.export_model(tmp_path, case.loaded.config, params, kind="reward")
+    reloaded = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    np.testing.assert_allclose(hf_outputs(reloaded), expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["llama-reward"], indirect=True)
+def test_llama_score_bias_cannot_be_exported(case, tmp_path):
+    with pytest.raises(CheckpointError, match="has no score bias"):
+        hf.export_model(tmp_path / "out", case.loaded.config, _reward_case_params(case, 0.5),
+                        kind="reward")
+    assert not (tmp_path / "out").exists()
+
+
+def _tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate("abcdefgh")}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
+                                                bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("case", ["qwen2-causal_lm"], indirect=True)
+def test_export_with_tokenizer_and_replace_existing(case, tmp_path):
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "stale.txt").write_text("from an older export")
+    hf.export_model(out, case.loaded.config, case.loaded.params, tokenizer=_tiny_tokenizer())
+    assert not (out / "stale.txt").exists()
+    tokenizer = hf.load_tokenizer(out)
+    assert tokenizer("a b h")["input_ids"] == [3, 4, 10]
+    assert tokenizer.pad_token_id == 0
+    assert hf.load_config(out) == (case.loaded.config, "causal_lm")
+
+
+@pytest.mark.parametrize("case", ["qwen2-causal_lm"], indirect=True)
+def test_failed_export_leaves_existing_directory_untouched(case, tmp_path):
+    class BrokenTokenizer:
+        def save_pretrained(self, path):
+            raise OSError("disk full")
+
+    out = tmp_path / "model"
+    hf.export_model(out, case.loaded.config, case.loaded.params)
+    before = {p: (out / p).read_bytes() for p in os.listdir(out)}
+    with pytest.raises(OSError, match="disk full"):
+        hf.export_model(out, case.loaded.config, case.loaded.params, tokenizer=BrokenTokenizer())
+    assert {p: (out / p).read_bytes() for p in os.listdir(out)} == before
+    assert os.listdir(tmp_path) == ["model"]  # the temp dir is gone
+
+
+def test_export_of_params_missing_a_tensor_names_it(tmp_path):
+    config = ModelConfig(arch="llama", vocab_size=VOCAB, hidden_size=32, num_heads=4,
+                         tie_word_embeddings=False)
+    abstract = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype),
+                            jax.eval_shape(lambda: hf.make_model(config, "causal_lm").init(
+                                jax.random.key(0), jnp.zeros((1, 2), jnp.int32),
+                                jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2), jnp.int32))))
+    params = dict(abstract["params"])
+    del params["lm_head"]
+    with pytest.raises(CheckpointError, match="params lack.*lm_head/kernel"):
+        hf.export_model(tmp_path / "out", config, params)
+    assert not os.listdir(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Acceptance 6: each bad checkpoint has its own message.
+
+
+@pytest.fixture
+def bad(case, tmp_path):
+    """A writable copy of a good checkpoint, to break."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(case.path, path)
+    return path
+
+
+def _edit_config(path, **changes):
+    data = json.loads((path / "config.json").read_text())
+    data.update(changes)
+    (path / "config.json").write_text(json.dumps(data))
+
+
+def _rewrite_weights(path, transform):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    save_file(transform(tensors), path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_missing_directory(tmp_path, mesh_222):
+    with pytest.raises(CheckpointError, match=r"checkpoint directory .*nowhere does not exist"):
+        hf.load_model(tmp_path / "nowhere", mesh_222)
+
+
+BAD_CASES = ["gpt2-causal_lm", "llama-causal_lm"]
+
+
+@pytest.mark.parametrize("case", BAD_CASES, indirect=True)
+class TestBadCheckpoints:
+    def test_missing_config(self, bad, mesh_222):
+        (bad / "config.json").unlink()
+        with pytest.raises(CheckpointError, match=r"has no config\.json"):
+            hf.load_model(bad, mesh_222)
+
+    def test_config_is_not_json(self, bad, mesh_222):
+        (bad / "config.json").write_text("{not json")
+        with pytest.raises(CheckpointError, match=r"config\.json is not valid JSON"):
+            hf.load_model(bad, mesh_222)
+
+    def test_missing_weights(self, bad, mesh_222):
+        (bad / "model.safetensors").unlink()
+        with pytest.raises(CheckpointError, match=r"has no weights: expected model\.safetensors"):
+            hf.load_model(bad, mesh_222)
+
+    def test_pickled_weights_are_refused(self, bad, mesh_222):
+        (bad / "model.safetensors").rename(bad / "pytorch_model.bin")
+        with pytest.raises(CheckpointError,
+                           match=r"only pickled weights \(pytorch_model\.bin\).*never unpickles"):
+            hf.load_model(bad, mesh_222)
+
+    def test_unsupported_architecture(self, bad, mesh_222):
+        _edit_config(bad, architectures=["GPTNeoXForCausalLM"])
+        with pytest.raises(CheckpointError, match=r"unsupported architecture 'GPTNeoXForCausalLM'"
+                                                  r".*supported: GPT2LMHeadModel, LlamaForCausalLM, "
+                                                  r"MistralForCausalLM, Qwen2ForCausalLM"):
+            hf.load_model(bad, mesh_222)
+
+    def test_truncated_safetensors(self, bad, mesh_222):
+        data = (bad / "model.safetensors").read_bytes()
+        (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
+        with pytest.raises(CheckpointError, match=r"model\.safetensors is not a readable safetensors "
+                                                  r"file \(truncated or corrupt\?\)"):
+            hf.load_model(bad, mesh_222)
+
+    def test_corrupt_safetensors(self, bad, mesh_222):
+        (bad / "model.safetensors").write_bytes(b"\x00\x01garbage" * 100)
+        with pytest.raises(CheckpointError, match=r"model\.safetensors is not a readable safetensors"):
+            hf.load_model(bad, mesh_222)
+
+    def test_shape_mismatch(self, bad, mesh_222, case):
+        _edit_config(bad, vocab_size=VOCAB + 8)
+        embed = "transformer.wte.weight" if case.arch == "gpt2" else "model.embed_tokens.weight"
+        with pytest.raises(CheckpointError, match=rf"shape mismatch: tensor '{embed}' in "
+                                                  rf"model\.safetensors has shape \[{VOCAB}, {HIDDEN}\], "
+                                                  rf"but config\.json implies \[{VOCAB + 8}, {HIDDEN}\]"):
+            hf.load_model(bad, mesh_222)
+
+    def test_missing_tensor(self, bad, mesh_222, case):
+        name = ("transformer.h.1.mlp.c_fc.bias" if case.arch == "gpt2"
+                else "model.layers.1.mlp.up_proj.weight")
+        _rewrite_weights(bad, lambda t: {k: v for k, v in t.items() if k != name})
+        with pytest.raises(CheckpointError, match=rf"tensor '{name}' is missing from the checkpoint"):
+            hf.load_model(bad, mesh_222)
+
+    def test_weights_the_config_does_not_use(self, bad, mesh_222, case):
+        _edit_config(bad, **({"n_layer": 1} if case.arch == "gpt2" else {"num_hidden_layers": 1}))
+        layer = "transformer.h.1." if case.arch == "gpt2" else "model.layers.1."
+        with pytest.raises(CheckpointError, match=rf"has \d+ tensors that config\.json does not use "
+                                                  rf"\({re.escape(layer)}"):
+            hf.load_model(bad, mesh_222)
+
+    def test_index_names_a_missing_shard(self, bad, mesh_222):
+        (bad / "model.safetensors").rename(bad / "model-00001-of-00002.safetensors")
+        (bad / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+            "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+        with pytest.raises(CheckpointError, match=r"lists shard files that do not exist: "
+                                                  r"\['model-00002-of-00002\.safetensors'\]"):
+            hf.load_model(bad, mesh_222)
+
+    def test_wrong_kind_requested(self, bad, mesh_222):
+        with pytest.raises(CheckpointError, match=r"holds a causal_lm checkpoint.*kind='reward'"):
+            hf.load_model(bad, mesh_222, kind="reward")
+
+
+def test_tokenizer_directory_missing(tmp_path):
+    with pytest.raises(CheckpointError, match="tokenizer directory .* does not exist"):
+        hf.load_tokenizer(tmp_path / "nowhere")
