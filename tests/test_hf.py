@@ -243,6 +243,19 @@ def test_load_shards_every_large_param_on_fsdp_mesh(case):
     assert loaded.params["transformer"]["embed"]["embedding"].sharding.spec == P(None, "fsdp")
 
 
+def test_load_with_head_dim_sharded_reads_the_same_values(case, mesh_222):
+    """Rules that split head_dim make a shard non-contiguous in the HF layout (the reader then
+    takes the whole window and slices it): values must not change."""
+    rules = tuple((name, "tensor" if name == "head_dim" else None if name in ("heads", "kv_heads")
+                   else axes) for name, axes in sharding.DEFAULT_RULES)
+    loaded = hf.load_model(case.path, mesh_222, rules)
+    q = loaded.params["transformer"]["layers"]["attn"]["q"]["kernel"]
+    assert q.sharding.spec == P(None, "fsdp", None, "tensor")
+    reference = _flat(case.loaded.params)
+    for name, x in _flat(loaded.params).items():
+        np.testing.assert_array_equal(x, reference[name], err_msg=name)
+
+
 def test_loaded_param_specs_on_222(case):
     params = case.loaded.params
     attn = params["transformer"]["layers"]["attn"]
@@ -285,6 +298,8 @@ def test_old_style_rope_config_is_read():
     ({"architectures": ["GPT2DoubleHeadsModel"]},
      "unsupported architecture 'GPT2DoubleHeadsModel'.*supported: GPT2LMHeadModel, LlamaForCausalLM"),
     ({"architectures": ["GPT2ForSequenceClassification"], "num_labels": 3}, "num_labels=1"),
+    ({"architectures": ["LlamaForCausalLM"]}, "model_type='gpt2' but architectures=.*must agree"),
+    ({"model_type": None}, "config.json has no model_type"),
 ])
 def test_unsupported_gpt2_options(changes, message):
     data = {**HF_CONFIGS["gpt2"]().to_dict(), **changes}

@@ -26,7 +26,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ import ml_dtypes
 import numpy as np
 
 from ppo_jax import sharding
-from ppo_jax.models.config import ModelConfig, to_dtype
+from ppo_jax.models.config import ModelConfig
 from ppo_jax.models.transformer import CausalLM, ScalarModel, positions_from_mask
 
 
@@ -106,6 +106,9 @@ def _hf_config_object(hf_config: Mapping[str, Any] | Any):
 
     data = dict(hf_config)
     model_type = data.get("model_type")
+    if model_type is None:
+        raise CheckpointError("config.json has no model_type (expected one of gpt2, llama, mistral, "
+                              "qwen2)")
     if model_type not in {t for t, _ in ARCHITECTURES.values()}:
         raise CheckpointError(
             f"unsupported model_type {model_type!r} in config.json; supported architectures: "
@@ -127,6 +130,11 @@ def checkpoint_kind(hf_config: Mapping[str, Any] | Any) -> str:
     if unknown:
         raise CheckpointError(
             f"unsupported architecture {unknown[0]!r} in config.json; supported: {_supported_list()}")
+    model_type = data.get("model_type")
+    wrong = [n for n in names if model_type is not None and ARCHITECTURES[n][0] != model_type]
+    if wrong:
+        raise CheckpointError(f"config.json says model_type={model_type!r} but architectures="
+                              f"{names}; they must agree")
     kinds = {ARCHITECTURES[n][1] for n in names}
     if len(kinds) > 1:
         raise CheckpointError(f"config.json names architectures of different kinds: {names}")
