@@ -327,7 +327,17 @@ def test_qwen2_all_sliding_layers_map_to_a_window():
     data = {**HF_CONFIGS["qwen2"]().to_dict(), "use_sliding_window": True, "sliding_window": 4,
             "max_window_layers": 0}
     del data["layer_types"]
-    assert hf.config_from_hf(data).sliding_window == 4
+    config = hf.config_from_hf(data)
+    assert config.sliding_window == 4
+    assert hf.config_from_hf(hf.config_to_hf(config)) == config
+
+
+def test_linear_rope_scaling_round_trips():
+    data = {**HF_CONFIGS["llama"]().to_dict(),
+            "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}
+    config = hf.config_from_hf(data)
+    assert config.rope_scaling_dict == {"rope_type": "linear", "factor": 2.0}
+    assert hf.config_from_hf(hf.config_to_hf(config).to_dict()) == config
 
 
 def test_config_to_hf_refuses_what_the_architecture_cannot_express():

@@ -313,10 +313,9 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
         hidden_act=config.act, attention_dropout=0.0)
     scaling = config.rope_scaling_dict
     if scaling is not None:
-        scaling.setdefault("rope_type", "llama3")
-        for key in ("original_max_position_embeddings",):
-            if key in scaling:
-                scaling[key] = int(scaling[key])
+        scaling.setdefault("rope_type", "llama3")  # what transformer.rope_inverse_frequencies assumes
+        if "original_max_position_embeddings" in scaling:  # transformers validates it as an int
+            scaling["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
     if _transformers_major() >= 5:
         family["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta,
                                      **(scaling or {})}
