@@ -74,6 +74,7 @@ def ppo_config() -> ml_collections.ConfigDict:
     c.data.eval_prompts = ""  # held-out prompt source for evaluation ("" = a held-out split of the toy task)
     c.data.prompt_length = 16  # static prompt length (tokens, left-padded)
     c.data.truncation = "left"  # over-long prompts: "left" (drop the oldest tokens) or "error"
+    c.data.chat_template = False  # wrap prompts in the tokenizer's chat template (with the generation prompt)
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.batch_size = 32  # prompts per PPO iteration (global, across all devices and hosts)

@@ -1,39 +1,71 @@
-"""Prompt batches for the PPO trainer (interim: replaced by ppo_jax.data loader integration)."""
+"""Prompt batches for the PPO trainer: a config-named source through `ppo_jax.data`.
+
+Prompts are padded to exactly `data.prompt_length` (one static shape, so the rollout compiles once)
+and each process reads its own disjoint rows of every global batch.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+
 import numpy as np
+
+from ppo_jax import data as data_lib
+
+
+def prompt_source(spec: str, *, field: str, vocab_size: int, seed: int, split: str = "train"):
+    """"toy" | path.jsonl | path.txt -> a data Source of {"prompt": ...} records."""
+    if spec == "toy":
+        from ppo_jax import toy
+
+        # Disjoint seeds for train and eval prompts.
+        texts = toy.prompts(2048 if split == "train" else 256, vocab_size, seed + (0 if split == "train" else 10_000))
+        return data_lib.from_list([{"prompt": t} for t in texts], name=f"toy[{split}]")
+    ext = os.path.splitext(spec)[1].lower()
+    if ext in (".jsonl", ".json"):
+        return data_lib.from_jsonl(spec, fields={"prompt": field})
+    if ext == ".txt":
+        return data_lib.from_text(spec)
+    raise ValueError(f"data.prompts={spec!r}: use 'toy', a .jsonl file or a .txt file")
 
 
 class PromptStream:
-    def __init__(self, config, tokenizer, prompts=None):
-        from ppo_jax import toy
+    """Endless, resumable batches of left-padded prompts `[b, Lq]` for this process."""
 
-        self.config = config
-        self.tokenizer = tokenizer
-        if prompts is None:
-            prompts = toy.prompts(1024, len(tokenizer), config.seed)
-        self.texts = list(prompts)
-        self.length = config.data.prompt_length
-        self.batch = config.rollout.batch_size
-        self.pos = 0
-        self.epoch = 0
-        self.truncated = 0
-        self.order = np.random.default_rng((config.seed, 0)).permutation(len(self.texts))
+    def __init__(self, config, tokenizer, *, prompts: Sequence[str] | None = None, split: str = "train",
+                 vocab_size: int | None = None):
+        d = config.data
+        if prompts is not None:
+            if not prompts:
+                raise ValueError("the prompt list is empty")
+            source = data_lib.from_list([{"prompt": p} for p in prompts], name="prompts")
+        else:
+            spec = d.prompts if split == "train" else (d.eval_prompts or d.prompts)
+            if split != "train" and d.eval_prompts == "" and d.prompts != "toy":
+                raise ValueError("train.eval_every > 0 needs data.eval_prompts (held-out prompts)")
+            source = prompt_source(spec, field=d.field, vocab_size=vocab_size or len(tokenizer),
+                                   seed=config.seed, split=split)
+        if len(source) == 0:
+            raise ValueError(f"no prompts in {d.prompts!r}")
+        self.tokenizer = data_lib.PromptTokenizer(
+            tokenizer, max_prompt_length=d.prompt_length, truncation=d.truncation,
+            chat_template=d.chat_template or None)
+        self.loader = data_lib.PromptLoader(
+            source, self.tokenizer, global_batch_size=config.rollout.batch_size, kind="prompt",
+            seed=config.seed, shuffle=split == "train",
+            agree_length=lambda _: d.prompt_length)
 
-    def next_batch(self):
-        rows = []
-        for _ in range(self.batch):
-            if self.pos == len(self.texts):
-                self.epoch += 1
-                self.pos = 0
-                self.order = np.random.default_rng((self.config.seed, self.epoch)).permutation(len(self.texts))
-            rows.append(self.texts[self.order[self.pos]])
-            self.pos += 1
-        ids = [self.tokenizer(t, add_special_tokens=True)["input_ids"][-self.length:] for t in rows]
-        tokens = np.full((self.batch, self.length), self.tokenizer.pad_token_id, np.int32)
-        mask = np.zeros((self.batch, self.length), np.int32)
-        for i, r in enumerate(ids):
-            tokens[i, self.length - len(r):] = r
-            mask[i, self.length - len(r):] = 1
-        return tokens, mask
+    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        batch = next(self.loader)
+        return batch.tokens, batch.mask
+
+    @property
+    def truncated(self) -> int:
+        return self.tokenizer.num_truncated_prompts
+
+    def state(self) -> dict:
+        return self.loader.state()
+
+    def restore(self, state: dict) -> None:
+        self.loader.restore(state)

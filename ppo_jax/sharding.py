@@ -145,8 +145,14 @@ def batch_divisor(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
+def put_local_batch(tree: Any, mesh: Mesh) -> Any:
+    """This process's rows (a contiguous block of the global batch) -> global batch-sharded arrays."""
+    sharding = data_sharding(mesh)
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree)
+
+
 def put_batch(tree: Any, mesh: Mesh) -> Any:
-    """Places host arrays (the global batch, identical on every process) batch-sharded."""
+    """Places host arrays (the whole global batch, identical on every process) batch-sharded."""
     sharding = data_sharding(mesh)
     if jax.process_count() == 1:
         return jax.device_put(tree, sharding)

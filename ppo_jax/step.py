@@ -385,11 +385,11 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
         (grads, metrics), _ = jax.lax.scan(micro_step, zeros, idx)
         metrics = ppo.finalize_metrics(metrics)
         policy_grads, value_grads = grads
-        metrics["grad_norm/policy"] = optax.global_norm(policy_grads)
+        metrics["grad_norm/policy"] = optax.tree.norm(policy_grads)
         updates, policy_opt = policy_tx.update(policy_grads, state.policy_opt, state.policy)
         state = state.replace(policy=optax.apply_updates(state.policy, updates), policy_opt=policy_opt)
         if state.value is not None:
-            metrics["grad_norm/value"] = optax.global_norm(value_grads)
+            metrics["grad_norm/value"] = optax.tree.norm(value_grads)
             updates, value_opt = value_tx.update(value_grads, state.value_opt, state.value)
             state = state.replace(value=optax.apply_updates(state.value, updates), value_opt=value_opt)
         return state, metrics

@@ -49,6 +49,17 @@ def _override_dtypes(cfg: ModelConfig, section) -> ModelConfig:
     return cfg.replace(**kw) if kw else cfg
 
 
+def policy_model_config(config) -> ModelConfig:
+    """The policy architecture, read without loading weights (config.json or policy.model)."""
+    if config.policy.path:
+        from ppo_jax.models import hf
+
+        cfg, _ = hf.load_config(config.policy.path)
+    else:
+        cfg = config_lib.model_config_from_dict(config.policy.model)
+    return _override_dtypes(cfg, config.policy)
+
+
 def load_policy(config, mesh, key) -> ModelBundle:
     """The initial policy: a Hugging Face directory, or a fresh model from `policy.model`."""
     if config.policy.path:
@@ -60,7 +71,7 @@ def load_policy(config, mesh, key) -> ModelBundle:
         module = CausalLM(loaded.config)
         shardings = jax.tree.map(lambda x: x.sharding, loaded.params)
         return ModelBundle(module, loaded.params, shardings, loaded.config)
-    cfg = _override_dtypes(config_lib.model_config_from_dict(config.policy.model), config.policy)
+    cfg = policy_model_config(config)
     module = CausalLM(cfg)
     params, shardings = init_params(module, key, mesh)
     return ModelBundle(module, params, shardings, cfg)
@@ -113,26 +124,27 @@ class PPOTrainer:
         key = jax.random.key(config.seed)
         init_key, self._sample_key, state_key = jax.random.split(key, 3)
 
-        # -- Models and tokenizer (no compilation of the training steps yet).
-        self.policy = load_policy(config, self.mesh, init_key)
-        self.reward = load_reward(config, self.mesh)
+        # -- Everything that can be checked is checked before any weights load or anything compiles.
+        self.policy_config = policy_model_config(config)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
-        self.reward_functions = list(reward_functions) if reward_functions is not None else reward_fns.parse(
-            config.reward.functions, config.reward.function_weights)
-        if reward_functions is not None:
-            config_has_rm = bool(config.reward.path)
-            if not (config_has_rm or self.reward_functions):
-                raise config_lib.ConfigError("no reward: pass reward_functions or set reward.path")
+        self.reward_functions = (list(reward_functions) if reward_functions is not None else
+                                 reward_fns.parse(config.reward.functions, config.reward.function_weights))
         self.sizes = config_lib.validate(
-            config, batch_divisor=sharding.batch_divisor(self.mesh),
-            max_positions=self.policy.config.max_position_embeddings,
-            vocab_size=self.policy.config.vocab_size) if reward_functions is None else self._validate_with_fns()
+            _with_reward_functions(config) if reward_functions else config,
+            batch_divisor=sharding.batch_divisor(self.mesh),
+            max_positions=self.policy_config.max_position_embeddings,
+            vocab_size=self.policy_config.vocab_size)
         self._check_tokenizers()
         self.hp = step_lib.PPOHyper.from_config(config, self.sizes)
         self.stop_ids = config_lib.stop_token_ids(config, self._eos_id())
         if not self.stop_ids:
-            raise config_lib.ConfigError("rollout.stop_token_ids is empty and the tokenizer has no EOS token; set one")
+            raise config_lib.ConfigError("rollout.stop_token_ids is empty and the tokenizer has no EOS token; "
+                                         "set rollout.stop_token_ids")
         self.prompts = self._load_prompts(prompts)
+
+        # -- Weights.
+        self.policy = load_policy(config, self.mesh, init_key)
+        self.reward = load_reward(config, self.mesh)
 
         # -- The four trees.
         reference = _copy_tree(self.policy.params, self.policy.shardings)
@@ -152,12 +164,6 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ setup helpers
 
-    def _validate_with_fns(self):
-        return config_lib.validate(
-            _with_reward_functions(self.config), batch_divisor=sharding.batch_divisor(self.mesh),
-            max_positions=self.policy.config.max_position_embeddings,
-            vocab_size=self.policy.config.vocab_size)
-
     def _load_tokenizer(self):
         if self.config.policy.path:
             from ppo_jax.models import hf
@@ -165,21 +171,21 @@ class PPOTrainer:
             return hf.load_tokenizer(self.config.policy.path)
         from ppo_jax import toy
 
-        return toy.tokenizer(self.policy.config.vocab_size)
+        return toy.tokenizer(self.policy_config.vocab_size)
 
     def _eos_id(self):
         eos = getattr(self.tokenizer, "eos_token_id", None)
-        return eos if eos is not None else self.policy.config.eos_token_id
+        return eos if eos is not None else self.policy_config.eos_token_id
 
     def _check_tokenizers(self):
         tok = self.tokenizer
         if tok.pad_token_id is None:
             raise config_lib.ConfigError("the policy tokenizer has no pad token; set tokenizer.pad_token "
                                          "(a token distinct from EOS) before training")
-        if len(tok) > self.policy.config.vocab_size:
+        if len(tok) > self.policy_config.vocab_size:
             raise config_lib.ConfigError(f"the tokenizer has {len(tok)} tokens but the policy's vocabulary has "
-                                         f"{self.policy.config.vocab_size}")
-        if self.reward is not None:
+                                         f"{self.policy_config.vocab_size}")
+        if self.config.reward.path:
             from ppo_jax.models import hf
 
             reward_tok = hf.load_tokenizer(self.config.reward.path)
@@ -189,9 +195,12 @@ class PPOTrainer:
                     "model would read different token ids; use a reward model trained with the policy's tokenizer")
 
     def _load_prompts(self, prompts):
-        from ppo_jax import prompts as prompts_lib
+        from ppo_jax.prompts import PromptStream
 
-        return prompts_lib.PromptStream(self.config, self.tokenizer, prompts=prompts)
+        vocab = self.policy_config.vocab_size
+        self.eval_prompts = (PromptStream(self.config, self.tokenizer, split="eval", vocab_size=vocab)
+                             if self.config.train.eval_every else None)
+        return PromptStream(self.config, self.tokenizer, prompts=prompts, vocab_size=vocab)
 
     def _init_state(self, key):
         def abstract_boxed(bundle):
@@ -241,24 +250,35 @@ class PPOTrainer:
         rollout_sh = jax.tree.map(lambda _: batch, step_lib.Rollout(*([0] * 7)))
         exp_sh = jax.tree.map(lambda _: batch, step_lib.Experience(*([0] * 10)))
 
-        def wrap(fn):
-            def run(*args):
-                with jax.set_mesh(mesh), sharding.activation_rules():
-                    return fn(*args)
-            return run
+        self.trace_counts = {"experience": 0, "update": 0}
 
-        self._experience = wrap(jax.jit(
-            experience, in_shardings=(self.state_shardings, self.frozen_shardings, rollout_sh),
-            out_shardings=(exp_sh, replicated)))
-        self._update = wrap(jax.jit(
-            update, in_shardings=(self.state_shardings, exp_sh),
-            out_shardings=(self.state_shardings, replicated), donate_argnums=(0,)))
+        def traced(name, fn):
+            def counted(*args):
+                self.trace_counts[name] += 1  # runs once per trace, never per call
+                return fn(*args)
+            return counted
+
+        self.experience_jit = jax.jit(
+            traced("experience", experience),
+            in_shardings=(self.state_shardings, self.frozen_shardings, rollout_sh),
+            out_shardings=(exp_sh, replicated))
+        self.update_jit = jax.jit(
+            traced("update", update), in_shardings=(self.state_shardings, exp_sh),
+            out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
+
+    def _experience(self, state, frozen, rollout):
+        with jax.set_mesh(self.mesh), sharding.activation_rules():
+            return self.experience_jit(state, frozen, rollout)
+
+    def _update(self, state, exp):
+        with jax.set_mesh(self.mesh), sharding.activation_rules():
+            return self.update_jit(state, exp)
 
     # ------------------------------------------------------------------ the loop
 
     def rollout(self, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key) -> tuple[step_lib.Rollout, Any]:
         """Samples responses and scores them with the Python reward functions (host)."""
-        toks, mask = sharding.put_batch((prompt_tokens, prompt_mask), self.mesh)
+        toks, mask = sharding.put_local_batch((prompt_tokens, prompt_mask), self.mesh)
         out = self.sampler(self.state.policy, toks, mask, key)
         if self.reward_functions:
             host = sharding.to_host({"pt": out.prompt_tokens, "pm": out.prompt_mask, "t": out.tokens,
@@ -308,6 +328,20 @@ class PPOTrainer:
         self._last_rollout = (rollout, exp)
         return {k: float(np.asarray(v)) for k, v in scalars.items()}
 
+    def evaluate(self) -> dict[str, float]:
+        """Scores responses to held-out prompts (same compiled rollout and experience functions)."""
+        totals: dict[str, float] = {}
+        n = int(self.config.train.eval_batches)
+        for i in range(n):
+            tokens, mask = self.eval_prompts.next_batch()
+            key = jax.random.fold_in(jax.random.fold_in(self._sample_key, 1 << 30), i)
+            rollout, _ = self.rollout(tokens, mask, key)
+            _, metrics = self._experience(self.state, self.frozen, rollout)
+            for k in ("objective/scores", "objective/kl", "objective/rlhf_reward", "response/length_mean",
+                      "val/eos_rate"):
+                totals[k] = totals.get(k, 0.0) + float(metrics[k]) / n
+        return {f"eval/{k.split('/')[1]}": v for k, v in totals.items()}
+
     def samples(self, max_rows: int = 8) -> list[dict[str, Any]]:
         rollout, exp = self._last_rollout
         host = sharding.to_host({"pt": rollout.prompt_tokens, "pm": rollout.prompt_mask,
@@ -331,6 +365,8 @@ class PPOTrainer:
                 scalars = self.run_iteration()
                 step = int(self.state.step)
                 self.history.append(scalars)
+                if cfg.eval_every and step % cfg.eval_every == 0:
+                    scalars.update(self.evaluate())
                 if step % cfg.log_every == 0 or step == cfg.iterations:
                     self.writer.write(step, scalars)
                 if cfg.sample_every and step % cfg.sample_every == 0:
