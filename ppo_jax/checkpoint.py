@@ -442,6 +442,20 @@ class CheckpointManager:
             raise CheckpointError(f"{what} could not be restored: {type(e).__name__}: {e}") from e
         return restored[STATE_ITEM], dict(restored[EXTRA_ITEM] or {})
 
+    def read_extra(self, step: int | None = None) -> tuple[int, dict]:
+        """(step, extra JSON) of `step` (default: the latest) without reading any array."""
+        self._check_open()
+        self._raise_if_previous_save_failed()
+        steps = self.all_steps()
+        if not steps:
+            raise CheckpointNotFoundError(f"no complete checkpoint in {self._directory}")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise CheckpointNotFoundError(
+                f"checkpoint step {step} is not in {self._directory}; available steps: {steps}")
+        restored = self._manager.restore(step, args=ocp.args.Composite(**{EXTRA_ITEM: ocp.args.JsonRestore()}))
+        return step, dict(restored[EXTRA_ITEM] or {})
+
     # ------------------------------------------------------------------ frozen trees
 
     def _frozen_path(self, name: str) -> epath.Path:

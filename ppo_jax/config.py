@@ -130,6 +130,9 @@ def ppo_config() -> ml_collections.ConfigDict:
     c.train.eval_batches = 1  # held-out batches per evaluation
     c.train.checkpoint_every = 0  # save a checkpoint every N iterations; 0 = only at the end
     c.train.keep_checkpoints = 2  # checkpoints kept
+    c.train.best_metric = ""  # also keep the best checkpoint by this metric (e.g. "eval/scores"); "" = off
+    c.train.best_mode = "max"  # "max" or "min" for train.best_metric
+    c.train.max_consecutive_nonfinite = 3  # stop after this many iterations in a row with skipped (non-finite) updates
     c.train.progress = True  # tqdm progress bar
     return c
 
@@ -204,6 +207,10 @@ def validate(config, *, batch_divisor: int = 1, max_positions: int | None = None
            "no reward: set reward.path (a reward model) and/or reward.functions (Python reward functions)")
     _check(config.data.truncation in ("left", "error"), f"data.truncation={config.data.truncation!r}: use left or error")
     _check(config.train.iterations >= 1, f"train.iterations must be >= 1, got {config.train.iterations}")
+    _check(config.train.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {config.train.keep_checkpoints}")
+    _check(config.train.best_mode in ("max", "min"), f"train.best_mode={config.train.best_mode!r}: use max or min")
+    _check(config.train.max_consecutive_nonfinite >= 1,
+           f"train.max_consecutive_nonfinite must be >= 1, got {config.train.max_consecutive_nonfinite}")
 
     rows = r.batch_size * r.num_samples
     _check(rows % p.num_minibatches == 0,

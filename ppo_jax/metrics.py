@@ -20,16 +20,22 @@ def _to_float(v: Any) -> float:
 class MetricWriter:
     """Appends one JSON object per step to `metrics.jsonl` and mirrors scalars to TensorBoard."""
 
-    def __init__(self, workdir: str, *, filename: str = "metrics.jsonl", tensorboard: bool = True):
+    def __init__(self, workdir: str, *, filename: str = "metrics.jsonl", tensorboard: bool = True,
+                 resume_step: int = 0):
+        """resume_step: the step a resumed run restarts after; rows logged beyond it by the
+        interrupted run (after its last checkpoint) are dropped so no step appears twice."""
         self.active = jax.process_index() == 0
         self.path = os.path.join(workdir, filename)
         self._tb = None
         if self.active:
             os.makedirs(workdir, exist_ok=True)
+            if resume_step and os.path.exists(self.path):
+                truncate_after(self.path, resume_step)
             if tensorboard:
                 from tensorboardX import SummaryWriter  # lazy: only the writer needs it
 
-                self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+                self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
+                                         purge_step=resume_step + 1 if resume_step else None)
 
     def write(self, step: int, scalars: Mapping[str, Any]) -> dict[str, float]:
         row = {k: _to_float(v) for k, v in scalars.items()}
@@ -47,6 +53,16 @@ class MetricWriter:
     def close(self):
         if self._tb is not None:
             self._tb.close()
+
+
+def truncate_after(path: str, step: int) -> None:
+    """Drops JSONL rows whose "step" is beyond `step` (rewritten atomically)."""
+    with open(path) as f:
+        keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
 
 
 def read_metrics(path: str) -> list[dict[str, float]]:

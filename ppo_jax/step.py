@@ -286,6 +286,13 @@ def make_experience_fn(policy_model: CausalLM, value_model: ScalarModel | None,
 # Update.
 
 
+def all_finite(tree) -> Array:
+    """[] bool: every floating-point leaf of `tree` is finite."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+              if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
 def make_optimizer(config, lr: float, total_steps: int) -> optax.GradientTransformation:
     """AdamW behind global-norm clipping, with linear warmup then constant / linear / cosine."""
     o = config.optim
@@ -366,8 +373,13 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
 
-    def minibatch_step(state: TrainState, exp: Experience, idx):
-        """idx [num_microbatches, micro_rows] -> one optimizer step on the policy (and value)."""
+    def minibatch_step(state: TrainState, exp: Experience, exp_finite, idx):
+        """idx [num_microbatches, micro_rows] -> one optimizer step on the policy (and value).
+
+        A non-finite experience or gradient skips the step: parameters and optimizer state stay
+        exactly as they were, and `skipped` says so.
+        """
+        old_state = state
         num_tokens = jnp.maximum(exp.mask[idx.reshape(-1)].sum().astype(jnp.float32), 1.0)
 
         def rows(micro_idx):
@@ -392,17 +404,24 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
             metrics["grad_norm/value"] = optax.tree.norm(value_grads)
             updates, value_opt = value_tx.update(value_grads, state.value_opt, state.value)
             state = state.replace(value=optax.apply_updates(state.value, updates), value_opt=value_opt)
+        ok = exp_finite & all_finite(grads)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+        state = old_state.replace(
+            policy=keep(state.policy, old_state.policy), policy_opt=keep(state.policy_opt, old_state.policy_opt),
+            value=keep(state.value, old_state.value), value_opt=keep(state.value_opt, old_state.value_opt))
+        metrics["skipped"] = 1.0 - ok.astype(jnp.float32)
         return state, metrics
 
-    def epoch_step(exp, state, epoch_key):
+    def epoch_step(exp, exp_finite, state, epoch_key):
         perm = jax.random.permutation(epoch_key, rows)
         idx = perm.reshape(hp.num_minibatches, hp.num_microbatches, micro_rows)
-        return jax.lax.scan(lambda s, i: minibatch_step(s, exp, i), state, idx)
+        return jax.lax.scan(lambda s, i: minibatch_step(s, exp, exp_finite, i), state, idx)
 
     def update(state: TrainState, exp: Experience):
         iteration_key = jax.random.fold_in(state.key, state.step)
         epoch_keys = jax.random.split(jax.random.fold_in(iteration_key, 1), hp.epochs)
-        state, metrics = jax.lax.scan(lambda s, k: epoch_step(exp, s, k), state, epoch_keys)
+        exp_finite = all_finite(exp)
+        state, metrics = jax.lax.scan(lambda s, k: epoch_step(exp, exp_finite, s, k), state, epoch_keys)
         # metrics: [epochs, minibatches] each. Averages under TRL's names, plus the very first
         # minibatch, where the policy has not moved yet (its ratio must be exactly 1, DESIGN.md §5).
         out = {name: metrics[key].mean() for key, name in UPDATE_METRIC_NAMES.items() if key in metrics}
@@ -411,7 +430,9 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
         mask = exp.mask.astype(jnp.float32)
         seq_kl = (ppo.kl_penalty(exp.old_logprobs, exp.ref_logprobs, hp.kl_estimator) * mask).sum(-1).mean()
         kl = ppo.update_kl_controller(state.kl, seq_kl, rows)
+        kl = jax.tree.map(lambda new, old: jnp.where(exp_finite, new, old), kl, state.kl)
         state = state.replace(kl=kl, step=state.step + 1)
+        out["nonfinite/skipped_minibatches"] = metrics["skipped"].sum()
         return state, out
 
     return update

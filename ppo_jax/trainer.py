@@ -7,32 +7,29 @@ validates everything before compiling, then `train()` runs the iterations.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
-import time
-from collections.abc import Callable, Iterator, Sequence
+import signal
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from ppo_jax import config as config_lib
 from ppo_jax import metrics as metrics_lib
 from ppo_jax import ppo, reward_fns, sampling, sharding, step as step_lib
+from ppo_jax.checkpoint import CheckpointManager
 from ppo_jax.models import CausalLM, ModelConfig, ScalarModel, init_params
 
 Array = jax.Array
 
 
-@dataclasses.dataclass
-class ModelBundle:
-    """A model definition, its params and their shardings."""
-
-    module: Any
-    params: Any
-    shardings: Any
-    config: ModelConfig
+class NonFiniteError(RuntimeError):
+    """Too many consecutive updates were skipped for non-finite losses, gradients or rewards."""
 
 
 def _copy_tree(params, shardings):
@@ -60,72 +57,114 @@ def policy_model_config(config) -> ModelConfig:
     return _override_dtypes(cfg, config.policy)
 
 
-def load_policy(config, mesh, key) -> ModelBundle:
-    """The initial policy: a Hugging Face directory, or a fresh model from `policy.model`."""
-    if config.policy.path:
-        from ppo_jax.models import hf
-
-        loaded = hf.load_model(config.policy.path, mesh, kind="causal_lm",
-                               param_dtype=config.policy.param_dtype or None,
-                               dtype=config.policy.dtype or None)
-        module = CausalLM(loaded.config)
-        shardings = jax.tree.map(lambda x: x.sharding, loaded.params)
-        return ModelBundle(module, loaded.params, shardings, loaded.config)
-    cfg = policy_model_config(config)
-    module = CausalLM(cfg)
-    params, shardings = init_params(module, key, mesh)
-    return ModelBundle(module, params, shardings, cfg)
-
-
-def load_reward(config, mesh) -> ModelBundle | None:
+def reward_model_config(config) -> ModelConfig | None:
     if not config.reward.path:
         return None
     from ppo_jax.models import hf
 
-    loaded = hf.load_model(config.reward.path, mesh, kind="reward")
-    module = ScalarModel(loaded.config, head_init="reward")
-    return ModelBundle(module, loaded.params, jax.tree.map(lambda x: x.sharding, loaded.params),
-                       loaded.config)
+    cfg, kind = hf.load_config(config.reward.path)
+    if kind != "reward":
+        raise config_lib.ConfigError(
+            f"reward.path={config.reward.path!r} holds a {kind} checkpoint; the reward model must be a "
+            "sequence classifier with one label (ForSequenceClassification, num_labels=1)")
+    return cfg
 
 
-def init_value(config, mesh, policy: ModelBundle, reward: ModelBundle | None) -> ModelBundle:
-    """Value model from the reward model (N+ style) or from the policy backbone with a zero head."""
-    if config.value.init == "reward":
-        assert reward is not None
-        return ModelBundle(reward.module, _copy_tree(reward.params, reward.shardings), reward.shardings,
-                           reward.config)
-    module = ScalarModel(policy.config, head_init="zero")
-    abstract = jax.eval_shape(lambda: module.init(
-        jax.random.key(0), jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32),
-        jnp.ones((1, 2), jnp.int32))["params"])
-    shardings = sharding.tree_shardings(abstract, mesh)
-    head = jax.tree.map(lambda s: jnp.zeros(s.value.shape, s.value.dtype), abstract["score"],
-                        is_leaf=lambda x: hasattr(x, "names"))
-
-    def build(transformer):
-        return {"transformer": jax.tree.map(jnp.copy, transformer), "score": head}
-
-    params = jax.jit(build, out_shardings=shardings)(policy.params["transformer"])
-    return ModelBundle(module, params, shardings, policy.config)
+def boxed_params(module) -> Any:
+    """Abstract params of `module` with their logical axis names (nothing allocated)."""
+    dummy = jnp.zeros((1, 2), jnp.int32)
+    return jax.eval_shape(lambda: module.init(jax.random.key(0), dummy, dummy, dummy + 1)["params"])
 
 
-def _opt_shardings(tx, params_shardings_boxed_abstract, mesh):
-    return sharding.tree_shardings(jax.eval_shape(tx.init, params_shardings_boxed_abstract), mesh)
+@dataclasses.dataclass(frozen=True)
+class Modules:
+    """The Flax modules of the four trees (definitions only, no parameters)."""
+
+    policy: CausalLM
+    value: ScalarModel | None  # None for critic-free estimators
+    reward: ScalarModel | None  # None when only Python reward functions score
+
+
+def make_modules(config, policy_cfg: ModelConfig, reward_cfg: ModelConfig | None, uses_critic: bool) -> Modules:
+    value = None
+    if uses_critic:
+        value = (ScalarModel(reward_cfg, head_init="reward") if config.value.init == "reward"
+                 else ScalarModel(policy_cfg, head_init="zero"))
+    reward = ScalarModel(reward_cfg, head_init="reward") if reward_cfg is not None else None
+    return Modules(policy=CausalLM(policy_cfg), value=value, reward=reward)
+
+
+def make_optimizers(config, uses_critic: bool):
+    opt_steps = int(config.train.iterations) * int(config.ppo.epochs) * int(config.ppo.num_minibatches)
+    policy_tx = step_lib.make_optimizer(config, config.optim.policy_lr, opt_steps)
+    value_tx = step_lib.make_optimizer(config, config.optim.value_lr, opt_steps) if uses_critic else None
+    return policy_tx, value_tx
+
+
+def init_kl(config):
+    p = config.ppo
+    return ppo.init_kl_controller(p.kl_controller, p.kl_coef, target=p.kl_target, horizon=p.kl_horizon)
+
+
+def abstract_train_state(config, modules: Modules, policy_tx, value_tx, mesh):
+    """(abstract TrainState of ShapeDtypeStructs carrying shardings, TrainState of shardings).
+
+    Built once from `jax.eval_shape` and the logical axis rules: the shardings every step is
+    jitted with, and the target a checkpoint restores onto (whatever mesh it was saved on).
+    """
+    policy = boxed_params(modules.policy)
+    value = boxed_params(modules.value) if modules.value is not None else None
+    boxed = step_lib.TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32), policy=policy,
+        policy_opt=jax.eval_shape(policy_tx.init, policy),
+        value=value, value_opt=jax.eval_shape(value_tx.init, value) if value is not None else None,
+        kl=jax.eval_shape(lambda: init_kl(config)), key=jax.eval_shape(lambda: jax.random.key(0)))
+    shardings = sharding.tree_shardings(boxed, mesh)
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            nn.unbox(boxed), shardings)
+    return abstract, shardings
+
+
+def initial_params(config, modules: Modules, shardings: step_lib.TrainState, mesh, key, reward_params):
+    """Fresh policy and value params: from policy.path (Hugging Face) or a random init."""
+    if config.policy.path:
+        from ppo_jax.models import hf
+
+        loaded = hf.load_model(config.policy.path, mesh, kind="causal_lm",
+                               param_dtype=config.policy.param_dtype or None, dtype=config.policy.dtype or None)
+        policy = jax.device_put(loaded.params, shardings.policy)
+    else:
+        policy, _ = init_params(modules.policy, key, mesh)
+    value = None
+    if modules.value is not None:
+        if config.value.init == "reward":
+            value = _copy_tree(reward_params, shardings.value)
+        else:
+            head = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                nn.unbox(boxed_params(modules.value))["score"])
+            value = jax.jit(lambda t: {"transformer": jax.tree.map(jnp.copy, t), "score": head},
+                            out_shardings=shardings.value)(policy["transformer"])
+    return policy, value
 
 
 class PPOTrainer:
-    """Builds everything once from a config, then runs PPO iterations."""
+    """Builds everything once from a config, then runs PPO iterations.
+
+    A workdir that already holds a checkpoint is resumed from its newest complete step: trainable
+    state, KL controller, keys and the data position, so the continued run is the run that would
+    have happened without the interruption.
+    """
 
     def __init__(self, config, workdir: str, *, tokenizer=None, prompts: Sequence[str] | None = None,
                  reward_functions: Sequence[tuple[Callable, float]] | None = None, mesh=None):
         self.config = config
-        self.workdir = workdir
+        self.workdir = str(workdir)
         self.mesh = mesh or sharding.make_mesh(tuple(config.mesh.shape))
-        key = jax.random.key(config.seed)
-        init_key, self._sample_key, state_key = jax.random.split(key, 3)
+        init_key, self._sample_key, state_key = jax.random.split(jax.random.key(config.seed), 3)
 
         # -- Everything that can be checked is checked before any weights load or anything compiles.
         self.policy_config = policy_model_config(config)
+        self.reward_config = reward_model_config(config)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.reward_functions = (list(reward_functions) if reward_functions is not None else
                                  reward_fns.parse(config.reward.functions, config.reward.function_weights))
@@ -142,27 +181,95 @@ class PPOTrainer:
                                          "set rollout.stop_token_ids")
         self.prompts = self._load_prompts(prompts)
 
-        # -- Weights.
-        self.policy = load_policy(config, self.mesh, init_key)
-        self.reward = load_reward(config, self.mesh)
+        # -- Modules, optimizers and the shardings of everything, from abstract shapes.
+        self.modules = make_modules(config, self.policy_config, self.reward_config, self.hp.uses_critic)
+        self.policy_tx, self.value_tx = make_optimizers(config, self.hp.uses_critic)
+        self.abstract_state, self.state_shardings = abstract_train_state(
+            config, self.modules, self.policy_tx, self.value_tx, self.mesh)
 
-        # -- The four trees.
-        reference = _copy_tree(self.policy.params, self.policy.shardings)
-        self.value = init_value(config, self.mesh, self.policy, self.reward) if self.hp.uses_critic else None
-        iters = int(config.train.iterations)
-        opt_steps = iters * self.hp.epochs * self.hp.num_minibatches
-        self.policy_tx = step_lib.make_optimizer(config, config.optim.policy_lr, opt_steps)
-        self.value_tx = step_lib.make_optimizer(config, config.optim.value_lr, opt_steps) if self.value else None
-        self.state, self.state_shardings = self._init_state(state_key)
-        self.frozen = step_lib.FrozenParams(reference=reference,
-                                            reward=self.reward.params if self.reward else None)
+        # -- Weights: the frozen reward model, then a checkpoint to resume or fresh trainable state.
+        reward_params = None
+        if self.modules.reward is not None:
+            from ppo_jax.models import hf
+
+            reward_params = hf.load_model(config.reward.path, self.mesh, kind="reward").params
+        self.checkpoints = CheckpointManager(
+            os.path.join(self.workdir, "checkpoints"), max_to_keep=int(config.train.keep_checkpoints),
+            best_metric=config.train.best_metric or None, best_mode=config.train.best_mode)
+        self.resumed_from = self.checkpoints.latest_step()
+        if self.resumed_from is not None:
+            self.state, reference = self._restore()
+        else:
+            policy, value = initial_params(config, self.modules, self.state_shardings, self.mesh,
+                                           init_key, reward_params)
+            reference = _copy_tree(policy, self.state_shardings.policy)
+            self.state = self._fresh_state(policy, value, state_key)
+        self.frozen = step_lib.FrozenParams(reference=reference, reward=reward_params)
         self.frozen_shardings = step_lib.FrozenParams(
-            reference=self.policy.shardings, reward=self.reward.shardings if self.reward else None)
+            reference=self.state_shardings.policy,
+            reward=jax.tree.map(lambda x: x.sharding, reward_params) if reward_params is not None else None)
         self._build_steps()
-        self.writer = metrics_lib.MetricWriter(workdir)
+        start = self.resumed_from or 0
+        self.writer = metrics_lib.MetricWriter(self.workdir, resume_step=start)
+        if jax.process_index() == 0:
+            self.tokenizer.save_pretrained(os.path.join(self.workdir, "tokenizer"))
         self.history: list[dict[str, float]] = []
+        self._stop_signal: str | None = None
+        self._consecutive_nonfinite = 0
+        self._reference_saved = self.checkpoints.has_frozen("reference")
 
     # ------------------------------------------------------------------ setup helpers
+
+    def _fresh_state(self, policy, value, key) -> step_lib.TrainState:
+        sh = self.state_shardings
+        policy_opt = jax.jit(self.policy_tx.init, out_shardings=sh.policy_opt)(policy)
+        value_opt = (jax.jit(self.value_tx.init, out_shardings=sh.value_opt)(value)
+                     if value is not None else None)
+        state = step_lib.TrainState(step=jnp.zeros((), jnp.int32), policy=policy, policy_opt=policy_opt,
+                                    value=value, value_opt=value_opt, kl=init_kl(self.config), key=key)
+        return jax.device_put(state, sh)
+
+    def _restore(self):
+        state, extra = self.checkpoints.restore(abstract_state=self.abstract_state)
+        if extra.get("reward_source") != self._reward_source():
+            raise config_lib.ConfigError(
+                f"the checkpoint in {self.workdir} was trained against reward {extra.get('reward_source')} "
+                f"but the config now names {self._reward_source()}; resume with the original reward or use a "
+                "new workdir")
+        reference = self.checkpoints.restore_frozen("reference", self.abstract_state.policy)
+        self.prompts.restore(extra["data"])
+        if self.eval_prompts is not None and extra.get("eval_data"):
+            self.eval_prompts.restore(extra["eval_data"])
+        return state, reference
+
+    def _reward_source(self) -> dict[str, Any]:
+        """What scores this run (recorded in checkpoints; a resume must use the same)."""
+        source: dict[str, Any] = {"path": self.config.reward.path, "functions": self.config.reward.functions}
+        if self.config.reward.path:
+            from ppo_jax.models import hf
+
+            source["files"] = hf.fingerprint(self.config.reward.path)
+        return source
+
+    def save_checkpoint(self, force: bool = False) -> bool:
+        """Saves trainable state + data position (the reference once, in frozen/)."""
+        step = int(self.state.step)
+        if not self._reference_saved:
+            self.checkpoints.save_frozen("reference", self.frozen.reference)
+            self._reference_saved = True
+        extra = {
+            "data": self.prompts.state(),
+            "eval_data": self.eval_prompts.state() if self.eval_prompts is not None else None,
+            "config": json.loads(self.config.to_json_best_effort()),
+            "policy_model": dataclasses.asdict(self.policy_config),
+            "value_model": dataclasses.asdict(self.modules.value.config) if self.modules.value else None,
+            "value_head_init": self.modules.value.head_init if self.modules.value else None,
+            "reward_source": self._reward_source(),
+        }
+        metrics = self.history[-1] if self.history else None
+        best = self.config.train.best_metric
+        metrics = {best: metrics[best]} if (best and metrics and best in metrics) else None
+        return self.checkpoints.save(step, self.state, extra=extra, metrics=metrics, force=force)
 
     def _load_tokenizer(self):
         if self.config.policy.path:
@@ -202,36 +309,9 @@ class PPOTrainer:
                              if self.config.train.eval_every else None)
         return PromptStream(self.config, self.tokenizer, prompts=prompts, vocab_size=vocab)
 
-    def _init_state(self, key):
-        def abstract_boxed(bundle):
-            return jax.eval_shape(lambda: bundle.module.init(
-                jax.random.key(0), jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32),
-                jnp.ones((1, 2), jnp.int32))["params"])
-
-        policy_opt_sh = _opt_shardings(self.policy_tx, abstract_boxed(self.policy), self.mesh)
-        policy_opt = jax.jit(self.policy_tx.init, out_shardings=policy_opt_sh)(self.policy.params)
-        if self.value is not None:
-            value_opt_sh = _opt_shardings(self.value_tx, abstract_boxed(self.value), self.mesh)
-            value_opt = jax.jit(self.value_tx.init, out_shardings=value_opt_sh)(self.value.params)
-        else:
-            value_opt_sh = value_opt = None
-        p = self.config.ppo
-        kl = ppo.init_kl_controller(p.kl_controller, p.kl_coef, target=p.kl_target, horizon=p.kl_horizon)
-        replicated = sharding.replicated(self.mesh)
-        state = step_lib.TrainState(
-            step=jnp.zeros((), jnp.int32), policy=self.policy.params, policy_opt=policy_opt,
-            value=self.value.params if self.value else None, value_opt=value_opt, kl=kl, key=key)
-        shardings = step_lib.TrainState(
-            step=replicated, policy=self.policy.shardings, policy_opt=policy_opt_sh,
-            value=self.value.shardings if self.value else None, value_opt=value_opt_sh,
-            kl=jax.tree.map(lambda _: replicated, kl), key=replicated)
-        state = jax.device_put(state, shardings)
-        return state, shardings
-
     def _build_steps(self):
-        mesh, hp = self.mesh, self.hp
+        mesh, hp, modules = self.mesh, self.hp, self.modules
         batch = sharding.data_sharding(mesh)
-        rows = self.sizes.rollout_rows
         replicated = sharding.replicated(mesh)
         r = self.config.rollout
         self.sampling_config = sampling.SamplingConfig(
@@ -239,17 +319,13 @@ class PPOTrainer:
             temperature=float(r.temperature), top_k=int(r.top_k), top_p=float(r.top_p),
             stop_token_ids=tuple(self.stop_ids), pad_token_id=int(self.tokenizer.pad_token_id),
             num_samples=int(r.num_samples), cache_dtype=r.cache_dtype or None)
-        self.sampler = sampling.make_sampler(self.policy.module, self.sampling_config, mesh,
-                                             self.policy.shardings)
-        experience = step_lib.make_experience_fn(
-            self.policy.module, self.value.module if self.value else None,
-            self.reward.module if self.reward else None, hp)
-        update = step_lib.make_update_fn(
-            self.policy.module, self.value.module if self.value else None, self.policy_tx,
-            self.value_tx, hp, rows, batch)
+        self.sampler = sampling.make_sampler(modules.policy, self.sampling_config, mesh,
+                                             self.state_shardings.policy)
+        experience = step_lib.make_experience_fn(modules.policy, modules.value, modules.reward, hp)
+        update = step_lib.make_update_fn(modules.policy, modules.value, self.policy_tx, self.value_tx, hp,
+                                         self.sizes.rollout_rows, batch)
         rollout_sh = jax.tree.map(lambda _: batch, step_lib.Rollout(*([0] * 7)))
         exp_sh = jax.tree.map(lambda _: batch, step_lib.Experience(*([0] * 10)))
-
         self.trace_counts = {"experience": 0, "update": 0}
 
         def traced(name, fn):
@@ -334,7 +410,7 @@ class PPOTrainer:
         n = int(self.config.train.eval_batches)
         for i in range(n):
             tokens, mask = self.eval_prompts.next_batch()
-            key = jax.random.fold_in(jax.random.fold_in(self._sample_key, 1 << 30), i)
+            key = jax.random.fold_in(jax.random.fold_in(self._sample_key, (1 << 30) + int(self.state.step)), i)
             rollout, _ = self.rollout(tokens, mask, key)
             _, metrics = self._experience(self.state, self.frozen, rollout)
             for k in ("objective/scores", "objective/kl", "objective/rlhf_reward", "response/length_mean",
@@ -353,18 +429,54 @@ class PPOTrainer:
         return [{"prompt": p, "response": r, "score": float(s), "kl": float(k)}
                 for p, r, s, k in zip(prompts, responses, host["s"], kl)]
 
+    def _handle_nonfinite(self, step: int, scalars: dict[str, float]) -> None:
+        """Counts skipped updates, writes the offending samples, stops after too many in a row."""
+        if scalars.get("nonfinite/skipped_minibatches", 0.0) == 0.0:
+            self._consecutive_nonfinite = 0
+            return
+        self._consecutive_nonfinite += 1
+        rollout, exp = self._last_rollout
+        host = sharding.to_host({"s": exp.scores, "a": exp.advantages, "old": exp.old_logprobs,
+                                 "pt": rollout.prompt_tokens, "pm": rollout.prompt_mask,
+                                 "t": rollout.tokens, "m": rollout.mask})
+        bad = ~(np.isfinite(host["s"]) & np.isfinite(host["a"]).all(-1) & np.isfinite(host["old"]).all(-1))
+        rows = np.nonzero(bad)[0] if bad.any() else np.arange(min(8, len(bad)))
+        prompts, responses = self.decode(host["pt"][rows], host["pm"][rows], host["t"][rows], host["m"][rows])
+        metrics_lib.write_samples(self.workdir, step, [
+            {"row": int(r), "prompt": p, "response": t, "score": float(host["s"][r])}
+            for r, p, t in zip(rows, prompts, responses)], filename="nonfinite_samples.jsonl")
+        limit = int(self.config.train.max_consecutive_nonfinite)
+        if self._consecutive_nonfinite >= limit:
+            self.checkpoints.wait()
+            last = self.checkpoints.latest_step()
+            where = (f"the last good checkpoint, step {last} in {self.checkpoints.directory}, is intact"
+                     if last is not None else "no checkpoint was saved")
+            raise NonFiniteError(
+                f"{self._consecutive_nonfinite} consecutive iterations had non-finite losses, gradients or "
+                f"rewards (their updates were skipped; the samples are in "
+                f"{os.path.join(self.workdir, 'nonfinite_samples.jsonl')}); {where}")
+
+    def _on_signal(self, signum, frame):
+        del frame
+        self._stop_signal = signal.Signals(signum).name
+
     def train(self) -> list[dict[str, float]]:
+        """Runs until train.iterations, a SIGTERM/SIGINT (saved, then stops) or a fatal error."""
         cfg = self.config.train
         progress = None
         if cfg.progress and jax.process_index() == 0:
             from tqdm.auto import tqdm
 
             progress = tqdm(total=int(cfg.iterations), desc="ppo", initial=int(self.state.step))
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             while int(self.state.step) < cfg.iterations:
                 scalars = self.run_iteration()
                 step = int(self.state.step)
                 self.history.append(scalars)
+                self._handle_nonfinite(step, scalars)
                 if cfg.eval_every and step % cfg.eval_every == 0:
                     scalars.update(self.evaluate())
                 if step % cfg.log_every == 0 or step == cfg.iterations:
@@ -376,11 +488,31 @@ class PPOTrainer:
                     progress.set_postfix(score=f"{scalars['objective/scores']:.3f}",
                                          kl=f"{scalars['objective/kl']:.3f}",
                                          tok_s=f"{scalars['perf/tokens_per_sec']:.0f}")
+                preempted = self.checkpoints.reached_preemption(step)
+                stop = self._stop_signal is not None or preempted
+                healthy = self._consecutive_nonfinite == 0
+                due = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
+                if healthy and (due or stop or step == cfg.iterations):
+                    self.save_checkpoint(force=True)
+                if stop:
+                    self.checkpoints.wait()
+                    reason = self._stop_signal or "a TPU preemption notice"
+                    self.stopped_by = reason
+                    print(f"Stopped by {reason} after iteration {step}; checkpoint step "
+                          f"{self.checkpoints.latest_step()} saved in {self.checkpoints.directory}. "
+                          "Run the same command again to resume exactly where it stopped.", flush=True)
+                    break
         finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
             if progress is not None:
                 progress.close()
             self.writer.close()
+            self.checkpoints.wait()
         return self.history
+
+    def close(self):
+        self.checkpoints.close()
 
 
 def _with_reward_functions(config):

@@ -730,6 +730,22 @@ def load_config(path: str | os.PathLike) -> tuple[ModelConfig, str]:
     return config_from_hf(data), checkpoint_kind(data)
 
 
+def fingerprint(path: str | os.PathLike) -> dict[str, Any]:
+    """Identifies a checkpoint without reading its tensors: config.json's hash and each weight
+    file's size and safetensors-header hash (the header lists every tensor's dtype, shape and
+    byte offsets). Recorded in PPO checkpoints so a resume is refused against a different model."""
+    import hashlib
+
+    path = Path(path)
+    out: dict[str, Any] = {"config": hashlib.sha256((path / "config.json").read_bytes()).hexdigest()}
+    for f in _weight_files(path):
+        with open(f, "rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+            header = fh.read(min(header_len, 100_000_000))
+        out[f.name] = {"bytes": f.stat().st_size, "header_sha256": hashlib.sha256(header).hexdigest()}
+    return out
+
+
 def load_model(path: str | os.PathLike, mesh: jax.sharding.Mesh, rules=sharding.DEFAULT_RULES, *,
                param_dtype: str | None = None, dtype: str | None = None,
                kind: str | None = None) -> LoadedModel:
