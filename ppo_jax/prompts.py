@@ -65,7 +65,12 @@ class PromptStream:
         return self.tokenizer.num_truncated_prompts
 
     def state(self) -> dict:
-        return self.loader.state()
+        """Data position and the cumulative tokenizer counters (JSON, for checkpoints)."""
+        tok = self.tokenizer
+        return {"loader": self.loader.state(), "num_prompts": tok.num_prompts,
+                "num_truncated_prompts": tok.num_truncated_prompts}
 
     def restore(self, state: dict) -> None:
-        self.loader.restore(state)
+        self.loader.restore(state["loader"])
+        self.tokenizer.num_prompts = int(state["num_prompts"])
+        self.tokenizer.num_truncated_prompts = int(state["num_truncated_prompts"])

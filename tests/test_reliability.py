@@ -1,0 +1,224 @@
+"""Never lose a run: exact resume after a real SIGTERM, the non-finite guard, the preemption path of
+the CLI, export of a trained policy, and bad input that must fail before anything is written."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import make_test_mesh
+from test_trainer import REPO, tiny_config
+
+from ppo_jax import reward_fns
+from ppo_jax.export import export_checkpoint
+from ppo_jax.trainer import NonFiniteError, PPOTrainer
+
+ITERATIONS = 4
+
+
+def _toy_reward_then_sigterm_at(call: int):
+    """The toy reward; on its `call`-th call the process sends itself a real SIGTERM."""
+    calls = {"n": 0}
+
+    def reward(prompts, responses):
+        calls["n"] += 1
+        if calls["n"] == call:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return reward_fns.toy_target_count(prompts, responses)
+
+    return reward
+
+
+def _comparable(row):
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "perf/"))}
+
+
+def test_resume_after_sigterm_is_bitwise_identical(tmp_path):
+    def config():
+        return tiny_config(**{"train.iterations": ITERATIONS, "optim.schedule": "cosine",
+                              "optim.warmup_steps": 2, "ppo.kl_controller": "adaptive"})
+
+    mesh = make_test_mesh((1, 1, 1))
+    straight = PPOTrainer(config(), str(tmp_path / "straight"), mesh=mesh,
+                          reward_functions=[(reward_fns.toy_target_count, 1.0)])
+    expected = straight.train()
+    expected_params = jax.device_get(straight.state)
+    straight.close()
+
+    workdir = str(tmp_path / "interrupted")
+    first = PPOTrainer(config(), workdir, mesh=mesh, reward_functions=[(_toy_reward_then_sigterm_at(2), 1.0)])
+    partial = first.train()
+    assert first.stopped_by == "SIGTERM" and len(partial) == 2
+    first.close()
+
+    resumed = PPOTrainer(config(), workdir, mesh=mesh, reward_functions=[(reward_fns.toy_target_count, 1.0)])
+    assert resumed.resumed_from == 2
+    rest = resumed.train()
+    assert len(rest) == ITERATIONS - 2
+    for want, got in zip(expected[2:], rest):
+        assert _comparable(got) == _comparable(want)  # bitwise: exact float equality
+    got_params = jax.device_get(resumed.state)
+    for a, b in zip(jax.tree.leaves(expected_params.policy) + jax.tree.leaves(expected_params.value),
+                    jax.tree.leaves(got_params.policy) + jax.tree.leaves(got_params.value)):
+        np.testing.assert_array_equal(a, b)
+    assert float(got_params.kl.coef) == float(expected_params.kl.coef)
+    resumed.close()
+    # No step logged twice, none missing.
+    steps = [json.loads(line)["step"] for line in open(os.path.join(workdir, "metrics.jsonl"))]
+    assert steps == list(range(1, ITERATIONS + 1))
+
+    # The trained policy exports to a Hugging Face directory whose logits match ours.
+    out = export_checkpoint(workdir, str(tmp_path / "hf"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    ids = np.array([[5, 9, 7, 11, 2, 6]], np.int32)
+    with torch.no_grad():
+        theirs = model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    ours, _ = resumed.modules.policy.apply({"params": jax.device_get(resumed.state.policy)}, ids,
+                                           np.arange(6)[None], np.ones_like(ids))
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4)
+
+
+def test_nonfinite_rewards_skip_updates_then_stop_with_checkpoint_intact(tmp_path):
+    calls = {"n": 0}
+
+    def poisoned(prompts, responses):
+        calls["n"] += 1
+        scores = np.asarray(reward_fns.toy_target_count(prompts, responses), np.float32)
+        if calls["n"] >= 2:  # from the second iteration on, one row's reward is NaN
+            scores[3] = np.nan
+        return scores
+
+    config = tiny_config(**{"train.iterations": 6, "train.max_consecutive_nonfinite": 2,
+                            "train.checkpoint_every": 1})
+    trainer = PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 1, 1)),
+                         reward_functions=[(poisoned, 1.0)])
+    with pytest.raises(NonFiniteError, match=r"2 consecutive iterations had non-finite .* the last good "
+                                             r"checkpoint, step 1 in .* is intact"):
+        trainer.train()
+    history = trainer.history
+    assert history[0]["nonfinite/skipped_minibatches"] == 0
+    assert [h["nonfinite/skipped_minibatches"] for h in history[1:]] == [4.0, 4.0]  # 2 epochs x 2 minibatches
+    # Skipped updates leave the parameters exactly as they were after step 1.
+    restored, _ = trainer.checkpoints.restore(1, abstract_state=trainer.abstract_state)
+    for a, b in zip(jax.tree.leaves(jax.device_get(restored.policy)),
+                    jax.tree.leaves(jax.device_get(trainer.state.policy))):
+        np.testing.assert_array_equal(a, b)
+    assert trainer.checkpoints.all_steps() == [1]
+    rows = [json.loads(line) for line in open(tmp_path / "nonfinite_samples.jsonl")]
+    assert {r["row"] for r in rows} == {3} and all(r["score"] != r["score"] for r in rows)  # NaN
+    trainer.close()
+
+
+def test_cli_sigterm_saves_and_says_how_to_resume(tmp_path):
+    workdir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ppo_jax.train", f"--config={REPO}/configs/ppo_toy.py",
+           f"--workdir={workdir}", "--config.train.iterations=1000", "--config.train.progress=False",
+           "--config.rollout.batch_size=8", "--config.rollout.response_length=4",
+           "--config.data.prompt_length=8", "--config.ppo.epochs=1"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, "the run never logged a step"
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "Stopped by SIGTERM" in stdout and "Run the same command again to resume" in stdout
+    steps = sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())
+    assert steps and steps[-1] == json.loads(metrics.read_text().splitlines()[-1])["step"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: each case fails with its message and writes nothing.
+
+
+def _hf_dir(tmp_path, name="policy"):
+    """A tiny GPT-2 with a word tokenizer (pad != eos) saved as a Hugging Face directory."""
+    from ppo_jax import toy
+
+    tok = toy.tokenizer(32)
+    cfg = transformers.GPT2Config(vocab_size=32, n_embd=32, n_layer=1, n_head=2, n_positions=32,
+                                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    path = tmp_path / name
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path, tok
+
+
+def _expect_error(config, tmp_path, match, **kwargs):
+    workdir = tmp_path / "workdir"
+    with pytest.raises(Exception, match=match):
+        PPOTrainer(config, str(workdir), mesh=make_test_mesh((1, 1, 1)), **kwargs)
+    assert not workdir.exists()
+
+
+def test_nonexistent_policy_path(tmp_path):
+    _expect_error(tiny_config(**{"policy.path": str(tmp_path / "nope")}), tmp_path, "does not exist")
+
+
+def test_empty_prompt_file(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    _expect_error(tiny_config(**{"data.prompts": str(tmp_path / "empty.jsonl")}), tmp_path, "empty")
+
+
+def test_malformed_prompt_file_names_the_line(tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "w1 w2"}\n{"prompt": oops}\n')
+    _expect_error(tiny_config(**{"data.prompts": str(tmp_path / "p.jsonl")}), tmp_path, r"p.jsonl:2")
+
+
+def test_prompt_longer_than_limit_with_error_policy(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text(" ".join(["w1"] * 20) + "\n")
+    config = tiny_config(**{"data.prompts": str(path), "data.truncation": "error"})
+    trainer = PPOTrainer(config, str(tmp_path / "run"), mesh=make_test_mesh((1, 1, 1)))
+    with pytest.raises(ValueError, match="more than max_prompt_length=8"):
+        trainer.prompts.next_batch()
+
+
+def test_tokenizer_without_pad_token(tmp_path):
+    from ppo_jax import toy
+
+    tok = toy.tokenizer(32)
+    tok.pad_token = None
+    _expect_error(tiny_config(), tmp_path, "no pad token", tokenizer=tok)
+
+
+def test_policy_and_reward_tokenizers_differ(tmp_path):
+    policy, _ = _hf_dir(tmp_path)
+    other = transformers.GPT2Config(vocab_size=40, n_embd=32, n_layer=1, n_head=2, n_positions=32,
+                                    pad_token_id=0, num_labels=1)
+    transformers.GPT2ForSequenceClassification(other).save_pretrained(tmp_path / "rm")
+    from ppo_jax.data import build_word_tokenizer
+
+    build_word_tokenizer([f"v{i}" for i in range(36)]).save_pretrained(tmp_path / "rm")
+    config = tiny_config(**{"policy.path": str(policy), "reward.path": str(tmp_path / "rm")})
+    _expect_error(config, tmp_path, "tokenizers differ")
+
+
+def test_corrupt_safetensors(tmp_path):
+    policy, _ = _hf_dir(tmp_path)
+    weights = policy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    _expect_error(tiny_config(**{"policy.path": str(policy)}), tmp_path, "model.safetensors")
+
+
+def test_checkpoint_from_a_different_model_shape(tmp_path):
+    config = tiny_config(**{"train.iterations": 1})
+    trainer = PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
+    trainer.train()
+    trainer.close()
+    wider = tiny_config(**{"train.iterations": 2})
+    wider.policy.model.hidden_size = 64
+    with pytest.raises(Exception, match=r"policy.*(64|32)"):
+        PPOTrainer(wider, str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
