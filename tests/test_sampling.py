@@ -1,0 +1,426 @@
+"""Rollout sampler: greedy vs transformers.generate, log-probs vs the training forward, distribution
+of the drawn tokens, stop tokens, samples per prompt, meshes, recompiles, bf16 cache.
+
+References nobody here wrote: transformers' generate (PyTorch) for greedy decoding, and float64 NumPy
+softmax / top-k / top-p written plainly below for everything random.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+from conftest import make_test_mesh
+
+from ppo_jax import sharding
+from ppo_jax.models import CausalLM, ModelConfig, init_params, positions_from_mask
+from ppo_jax.sampling import SampleOutput, SamplingConfig, make_sampler, sample, truncation_metrics
+
+BATCH, PROMPT_LEN, NEW = 8, 8, 12
+PAD = 255  # a real vocabulary entry, never in STOPS
+STOPS = tuple(range(3, 255, 8))  # 32 ids: about 1 in 8 draws stops a row
+
+
+def _model_and_params(arch="gpt2", vocab=256, embed_scale=7.0):
+    """Tiny model; the embedding is scaled up so next-token distributions are far from uniform
+    (random init gives near-uniform logits, which would hide any dependence on the logits)."""
+    config = ModelConfig(arch=arch, vocab_size=vocab, hidden_size=32, num_layers=2, num_heads=4,
+                         num_kv_heads=2 if arch == "llama" else None, max_position_embeddings=64)
+    model = CausalLM(config)
+    params, shardings = init_params(model, jax.random.key(0), make_test_mesh((1, 1, 1)))
+    embed = params["transformer"]["embed"]
+    embed["embedding"] = embed["embedding"] * embed_scale
+    return model, params, shardings
+
+
+def _prompts(batch=BATCH, length=PROMPT_LEN, vocab=256, seed=0):
+    """Left-padded prompts [batch, length] with lengths from `length` down to 1 (pad id PAD)."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab - 1, (batch, length)).astype(np.int32)
+    lengths = np.maximum(length - np.arange(batch) % length, 1)
+    mask = (np.arange(length)[None, :] >= length - lengths[:, None]).astype(np.int32)
+    return np.where(mask == 1, tokens, PAD if vocab > PAD else 0).astype(np.int32), mask
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return _model_and_params("gpt2")
+
+
+_jitted_sample = jax.jit(sample, static_argnames=("model", "config"))
+
+
+def _run(model, params, config, prompts, key=1):
+    tokens, mask = prompts
+    return jax.device_get(_jitted_sample(params, tokens, mask, jax.random.key(key), model=model,
+                                         config=config))
+
+
+_forwards = {}
+
+
+def _training_logits(model, params, out: SampleOutput) -> np.ndarray:
+    """Full forward over prompt + response, as the trainer does: logits predicting each response
+    token, [R, N, V] float64."""
+    tokens = np.concatenate([out.prompt_tokens, out.tokens], axis=1)
+    mask = np.concatenate([out.prompt_mask, out.mask], axis=1)
+    if model not in _forwards:  # one jitted forward per model: compiled once per shape
+        _forwards[model] = jax.jit(lambda p, t, pos, m: model.apply({"params": p}, t, pos, m)[0])
+    logits = _forwards[model](params, tokens, positions_from_mask(mask), mask)
+    lq = out.prompt_tokens.shape[1]
+    return np.asarray(logits, np.float64)[:, lq - 1:-1]
+
+
+def _log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _allowed_reference(scaled: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """Boolean [..., V]: tokens top-k then top-p keep, computed plainly in float64."""
+    allowed = np.ones(scaled.shape, bool)
+    flat_scaled = scaled.reshape(-1, scaled.shape[-1])
+    flat_allowed = allowed.reshape(-1, scaled.shape[-1])
+    for row, allow in zip(flat_scaled, flat_allowed):
+        order = np.argsort(-row, kind="stable")
+        if top_k:
+            allow[order[top_k:]] = row[order[top_k:]] >= row[order[top_k - 1]]  # ties stay
+        probs = np.where(allow, np.exp(row - row.max()), 0.0)
+        probs /= probs.sum()
+        mass_before = 0.0
+        for token in order:
+            if not allow[token]:
+                continue
+            if mass_before >= top_p:
+                allow[token] = False
+            mass_before += probs[token]
+    return flat_allowed.reshape(scaled.shape)
+
+
+def _gather(x, tokens):
+    return np.take_along_axis(x, tokens[..., None], axis=-1)[..., 0]
+
+
+# --------------------------------------------------------------------------------------------
+# Samplings shared by several tests (each config compiles once).
+
+STOP_CONFIG = SamplingConfig(max_new_tokens=NEW, pad_token_id=PAD, stop_token_ids=STOPS, temperature=0.7,
+                             num_samples=2)
+FREE_CONFIG = dataclasses.replace(STOP_CONFIG, stop_token_ids=())
+MIN_CONFIG = dataclasses.replace(STOP_CONFIG, min_new_tokens=4)
+TOP_P_CONFIG = dataclasses.replace(STOP_CONFIG, top_p=0.8, temperature=1.3)
+
+
+@pytest.fixture(scope="module")
+def stop_run(gpt2):
+    model, params, _ = gpt2
+    return _run(model, params, STOP_CONFIG, _prompts())
+
+
+@pytest.fixture(scope="module")
+def free_run(gpt2):
+    model, params, _ = gpt2
+    return _run(model, params, FREE_CONFIG, _prompts())
+
+
+@pytest.fixture(scope="module")
+def min_run(gpt2):
+    model, params, _ = gpt2
+    return _run(model, params, MIN_CONFIG, _prompts())
+
+
+@pytest.fixture(scope="module")
+def top_p_run(gpt2):
+    model, params, _ = gpt2
+    return _run(model, params, TOP_P_CONFIG, _prompts())
+
+
+def _expected_mask(tokens: np.ndarray, stops) -> np.ndarray:
+    """1 up to and including the first stop token of each row (plain loop)."""
+    mask = np.zeros(tokens.shape, np.int32)
+    for r, row in enumerate(tokens):
+        for t, token in enumerate(row):
+            mask[r, t] = 1
+            if token in stops:
+                break
+    return mask
+
+
+# --------------------------------------------------------------------------------------------
+# Log-probs.
+
+
+@pytest.mark.parametrize("run_name, config", [("stop_run", STOP_CONFIG), ("min_run", MIN_CONFIG),
+                                               ("top_p_run", TOP_P_CONFIG)])
+def test_logprobs_equal_training_forward(gpt2, request, run_name, config):
+    model, params, _ = gpt2
+    out = request.getfixturevalue(run_name)
+    scaled = _training_logits(model, params, out) / config.temperature
+    mask = out.mask.astype(bool)
+    expected = np.where(mask, _gather(_log_softmax(scaled), out.tokens), 0.0)
+    np.testing.assert_allclose(out.logprobs, expected, atol=1e-5, rtol=0)
+    assert np.all(out.logprobs[~mask] == 0) and np.all(out.sampling_logprobs[~mask] == 0)
+
+
+def test_sampling_logprobs_follow_the_truncated_distribution(gpt2, min_run, top_p_run, stop_run):
+    """sampling_logprobs: log-probs renormalised over what top-p / min_new_tokens left allowed."""
+    model, params, _ = gpt2
+    np.testing.assert_array_equal(stop_run.sampling_logprobs, stop_run.logprobs)  # nothing truncates
+
+    scaled = _training_logits(model, params, top_p_run) / TOP_P_CONFIG.temperature
+    allowed = _allowed_reference(scaled, 0, TOP_P_CONFIG.top_p)
+    mask = top_p_run.mask.astype(bool)
+    assert np.all(_gather(allowed, top_p_run.tokens)[mask]), "a token outside the nucleus was drawn"
+    truncated = _log_softmax(np.where(allowed, scaled, -np.inf))
+    expected = np.where(mask, _gather(truncated, top_p_run.tokens), 0.0)
+    np.testing.assert_allclose(top_p_run.sampling_logprobs, expected, atol=1e-5, rtol=0)
+    assert np.all(top_p_run.sampling_logprobs[mask] >= top_p_run.logprobs[mask] - 1e-6)
+    assert np.any(allowed.sum(-1)[mask] < 256), "top-p never removed anything: test is vacuous"
+
+    scaled = _training_logits(model, params, min_run) / MIN_CONFIG.temperature
+    suppressed = np.zeros(scaled.shape, bool)
+    suppressed[:, :MIN_CONFIG.min_new_tokens, list(STOPS)] = True
+    truncated = _log_softmax(np.where(suppressed, -np.inf, scaled))
+    mask = min_run.mask.astype(bool)
+    expected = np.where(mask, _gather(truncated, min_run.tokens), 0.0)
+    np.testing.assert_allclose(min_run.sampling_logprobs, expected, atol=1e-5, rtol=0)
+
+
+def test_truncation_metrics(stop_run, top_p_run):
+    untruncated = jax.device_get(truncation_metrics(stop_run))
+    assert untruncated["sampling/kept_mass"] == pytest.approx(1.0)
+    assert untruncated["sampling/log_ratio"] == pytest.approx(0.0)
+    truncated = jax.device_get(truncation_metrics(top_p_run))
+    mask = top_p_run.mask.astype(bool)
+    log_kept = (top_p_run.logprobs - top_p_run.sampling_logprobs)[mask]
+    assert truncated["sampling/log_ratio"] == pytest.approx(log_kept.mean(), abs=1e-6)
+    assert truncated["sampling/kept_mass"] == pytest.approx(np.exp(log_kept).mean(), abs=1e-6)
+    assert TOP_P_CONFIG.top_p - 1e-3 <= truncated["sampling/kept_mass"] < 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# Stop tokens, lengths, samples per prompt.
+
+
+def test_stop_tokens_mask_and_pad(stop_run):
+    out = stop_run
+    expected_mask = _expected_mask(out.tokens, STOPS)
+    np.testing.assert_array_equal(out.mask, expected_mask)
+    np.testing.assert_array_equal(out.lengths, expected_mask.sum(-1))
+    assert np.all(out.tokens[out.mask == 0] == PAD)
+    last = out.tokens[np.arange(len(out.tokens)), out.lengths - 1]
+    np.testing.assert_array_equal(out.stopped, np.isin(last, STOPS))
+    # Both kinds of rows occur, so both branches were exercised.
+    assert out.stopped.any() and not out.stopped.all()
+    assert np.all(out.lengths[~out.stopped] == NEW)
+    # Several different stop ids ended rows.
+    assert len(set(last[out.stopped].tolist())) >= 2
+
+
+def test_stopping_only_truncates(stop_run, free_run):
+    """Each row's randomness is its own: with stop tokens, a row's tokens are the stop-free row's
+    tokens cut after the first stop token."""
+    mask = stop_run.mask.astype(bool)
+    np.testing.assert_array_equal(stop_run.tokens[mask], free_run.tokens[mask])
+    np.testing.assert_array_equal(stop_run.logprobs[mask], free_run.logprobs[mask])
+
+
+def test_rows_that_never_stop(free_run):
+    assert np.all(free_run.mask == 1)
+    assert np.all(free_run.lengths == NEW)
+    assert not free_run.stopped.any()
+    assert np.all(free_run.logprobs < 0)
+
+
+def test_min_new_tokens(min_run):
+    m = MIN_CONFIG.min_new_tokens
+    assert not np.isin(min_run.tokens[:, :m], STOPS).any()
+    np.testing.assert_array_equal(min_run.mask, _expected_mask(min_run.tokens, STOPS))
+    assert np.all(min_run.lengths >= m + 1)
+    assert min_run.stopped.any()
+
+
+def test_samples_per_prompt_are_consecutive_rows(gpt2, stop_run):
+    """n samples of B prompts == one sample of each prompt repeated n times (same key, same row)."""
+    model, params, _ = gpt2
+    tokens, mask = _prompts()
+    n = STOP_CONFIG.num_samples
+    np.testing.assert_array_equal(stop_run.prompt_tokens, np.repeat(tokens, n, axis=0))
+    np.testing.assert_array_equal(stop_run.prompt_mask, np.repeat(mask, n, axis=0))
+    single = _run(model, params, dataclasses.replace(STOP_CONFIG, num_samples=1),
+                  (np.repeat(tokens, n, axis=0), np.repeat(mask, n, axis=0)))
+    np.testing.assert_array_equal(single.tokens, stop_run.tokens)
+    np.testing.assert_allclose(single.logprobs, stop_run.logprobs, atol=1e-6)
+    # The samples of one prompt differ from each other.
+    assert np.any(stop_run.tokens[0::2] != stop_run.tokens[1::2], axis=-1).sum() >= BATCH - 1
+
+
+# --------------------------------------------------------------------------------------------
+# Greedy, top-k, the drawn distribution.
+
+
+def test_top_k_one_equals_greedy(gpt2):
+    model, params, _ = gpt2
+    greedy = _run(model, params, dataclasses.replace(FREE_CONFIG, greedy=True), _prompts())
+    top1 = _run(model, params, dataclasses.replace(FREE_CONFIG, top_k=1), _prompts(), key=7)
+    np.testing.assert_array_equal(top1.tokens, greedy.tokens)
+    np.testing.assert_allclose(top1.logprobs, greedy.logprobs, atol=1e-6)
+    np.testing.assert_array_equal(greedy.sampling_logprobs, 0.0)
+    np.testing.assert_allclose(top1.sampling_logprobs, 0.0, atol=1e-6)
+    # Greedy picks the argmax of the training forward.
+    logits = _training_logits(model, params, greedy)
+    np.testing.assert_array_equal(greedy.tokens, logits.argmax(-1))
+
+
+def test_top_k_keeps_only_the_k_most_likely(gpt2):
+    model, params, _ = gpt2
+    config = dataclasses.replace(FREE_CONFIG, top_k=5, temperature=1.5)
+    out = _run(model, params, config, _prompts())
+    scaled = _training_logits(model, params, out) / config.temperature
+    allowed = _allowed_reference(scaled, 5, 1.0)
+    assert np.all(_gather(allowed, out.tokens))
+    truncated = _log_softmax(np.where(allowed, scaled, -np.inf))
+    np.testing.assert_allclose(out.sampling_logprobs, _gather(truncated, out.tokens), atol=1e-5, rtol=0)
+    # Not always the top token: it really samples among the k.
+    assert np.mean(out.tokens != scaled.argmax(-1)) > 0.1
+
+
+# Frequencies of the first drawn token over many rows, on an 8-token vocabulary. With N draws each
+# count is Binomial(N, p); the test passes when Pearson's chi-square statistic over the allowed
+# tokens is below its 1 - 1e-6 quantile, and every frequency is within 5.5 binomial standard
+# deviations of p (a failure chance of about 4e-8 per token for a correct sampler).
+DRAWS = 16384
+
+
+@pytest.fixture(scope="module")
+def llama_vocab8():
+    return _model_and_params("llama", vocab=8, embed_scale=1.0)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (3, 1.0), (0, 0.7), (4, 0.8)])
+def test_first_token_frequencies_match_tempered_softmax(llama_vocab8, top_k, top_p):
+    model, params, _ = llama_vocab8
+    temperature = 0.8
+    tokens = np.array([[0, 1, 5, 2, 6]], np.int32)
+    mask = np.array([[0, 1, 1, 1, 1]], np.int32)
+    config = SamplingConfig(max_new_tokens=1, pad_token_id=0, temperature=temperature, top_k=top_k,
+                            top_p=top_p, num_samples=DRAWS)
+    out = _run(model, params, config, (tokens, mask), key=3)
+    logits, _ = model.apply({"params": params}, tokens, positions_from_mask(mask), mask)
+    scaled = np.asarray(logits, np.float64)[0, -1] / temperature
+    probs = np.exp(_log_softmax(scaled))
+    allowed = _allowed_reference(scaled, top_k, top_p)
+    expected = np.where(allowed, probs, 0.0) / probs[allowed].sum()
+    assert 0.05 < expected.max() < 0.9, f"distribution too flat or too peaked to test: {expected}"
+
+    counts = np.bincount(out.tokens[:, 0], minlength=8)
+    assert counts[~allowed].sum() == 0, f"drew disallowed tokens: counts {counts}, allowed {allowed}"
+    freq = counts / DRAWS
+    bound = 5.5 * np.sqrt(expected * (1 - expected) / DRAWS)
+    assert np.all(np.abs(freq - expected) <= bound), (freq, expected, bound)
+    chi2 = np.sum((counts[allowed] - DRAWS * expected[allowed]) ** 2 / (DRAWS * expected[allowed]))
+    assert chi2 < scipy.stats.chi2.ppf(1 - 1e-6, df=allowed.sum() - 1), (chi2, counts, expected)
+    np.testing.assert_allclose(out.logprobs[:, 0], np.log(probs[out.tokens[:, 0]]), atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Meshes and compilation.
+
+
+def test_same_key_same_tokens_on_every_mesh(gpt2, top_p_run, mesh):
+    """Sharded over the mesh, the sampler draws exactly what the unsharded one drew; a second call
+    with the same shapes reuses the compiled program."""
+    model, params, _ = gpt2
+    shardings = _shardings_on(model, mesh)
+    params = jax.device_put(params, shardings)
+    sampler = make_sampler(model, TOP_P_CONFIG, mesh, shardings)
+    tokens, mask = _prompts()
+    out = jax.device_get(sampler(params, tokens, mask, jax.random.key(1)))
+    np.testing.assert_array_equal(out.tokens, top_p_run.tokens)
+    np.testing.assert_array_equal(out.mask, top_p_run.mask)
+    np.testing.assert_allclose(out.logprobs, top_p_run.logprobs, atol=1e-5)
+    again = sampler(params, tokens[::-1].copy(), mask[::-1].copy(), jax.random.key(2))
+    jax.block_until_ready(again)
+    assert sampler.trace_count == 1 and sampler.jitted._cache_size() == 1
+    assert again.tokens.sharding.spec == jax.sharding.PartitionSpec(sharding.BATCH_AXES)
+
+
+def _shardings_on(model, mesh):
+    """Parameter shardings of `model` on `mesh` (from the abstract, logically named tree)."""
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    mask = jnp.ones((1, 4), jnp.int32)
+    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, positions_from_mask(mask), mask))
+    return sharding.tree_shardings(abstract["params"], mesh)
+
+
+def test_new_shape_traces_again_same_shape_does_not(gpt2):
+    model, params, shardings = gpt2
+    sampler = make_sampler(model, dataclasses.replace(FREE_CONFIG, max_new_tokens=3), make_test_mesh((1, 1, 1)),
+                           shardings)
+    tokens, mask = _prompts()
+    for seed in range(3):
+        jax.block_until_ready(sampler(params, tokens, mask, jax.random.key(seed)))
+    assert sampler.trace_count == 1
+    jax.block_until_ready(sampler(params, tokens[:4], mask[:4], jax.random.key(0)))
+    assert sampler.trace_count == 2
+
+
+def test_bf16_cache_halves_cache_memory(gpt2):
+    model, params, shardings = gpt2
+    mesh = make_test_mesh((1, 1, 1))
+    tokens, mask = _prompts()
+    key = jax.random.key(1)
+    temp_bytes, outputs = {}, {}
+    for dtype in ("float32", "bfloat16"):
+        sampler = make_sampler(model, dataclasses.replace(FREE_CONFIG, cache_dtype=dtype), mesh, shardings)
+        compiled = sampler.lower(params, tokens, mask, key).compile()
+        temp_bytes[dtype] = compiled.memory_analysis().temp_size_in_bytes
+        outputs[dtype] = jax.device_get(compiled(params, tokens, mask, key))
+    mc = model.config
+    rows, slots = BATCH * FREE_CONFIG.num_samples, PROMPT_LEN + NEW - 1
+    fp32_cache_bytes = 2 * mc.num_layers * rows * slots * mc.kv_heads * mc.dim_per_head * 4
+    saved = temp_bytes["float32"] - temp_bytes["bfloat16"]
+    # Every cache buffer halves (the prefill cache of B rows and the loop's cache of B * n rows), so
+    # the program needs at least half an fp32 cache fewer bytes.
+    assert saved >= 0.5 * fp32_cache_bytes, (temp_bytes, fp32_cache_bytes)
+    # bf16 keys/values: log-probs still match the fp32 training forward to bf16 rounding.
+    out = outputs["bfloat16"]
+    scaled = _training_logits(model, params, out) / FREE_CONFIG.temperature
+    np.testing.assert_allclose(out.logprobs, _gather(_log_softmax(scaled), out.tokens), atol=5e-2)
+    assert np.mean(out.tokens == outputs["float32"].tokens) > 0.5
+
+
+# --------------------------------------------------------------------------------------------
+# Input validation (before anything compiles).
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("max_new_tokens", 0, "max_new_tokens"),
+    ("min_new_tokens", 99, "min_new_tokens"),
+    ("temperature", 0.0, "greedy=True"),
+    ("top_k", -1, "top_k"),
+    ("top_p", 0.0, "top_p"),
+    ("num_samples", 0, "num_samples"),
+    ("cache_dtype", "int3", "dtype"),
+])
+def test_bad_config_is_rejected(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(FREE_CONFIG, **{field: value})
+
+
+def test_bad_inputs_are_rejected(gpt2):
+    model, params, shardings = gpt2
+    tokens, mask = _prompts()
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        _run(model, params, dataclasses.replace(FREE_CONFIG, stop_token_ids=(300,)), (tokens, mask))
+    with pytest.raises(ValueError, match="prompt_mask shape"):
+        _run(model, params, FREE_CONFIG, (tokens, mask[:, 1:]))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        _run(model, params, dataclasses.replace(FREE_CONFIG, max_new_tokens=60), (tokens, mask))
+    mesh = make_test_mesh((8, 1, 1))
+    sampler = make_sampler(model, FREE_CONFIG, mesh, _shardings_on(model, mesh))
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        sampler(params, tokens[:6], mask[:6], jax.random.key(0))
+    assert sampler.trace_count == 0
