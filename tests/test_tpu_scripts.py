@@ -291,7 +291,8 @@ def test_launch_prints_one_ssh_to_all_workers_then_follows_worker_0(sandbox):
         'to stop it first" >&2; exit 1; fi',
         f"rm -f {logs}/train.pid {logs}/train.exit",
         f"if [ -f {logs}/train.log ]; then mv {logs}/train.log {logs}/train.$(date +%Y%m%d-%H%M%S).log; fi",
-        f"nohup setsid bash -c {shlex.quote(WRAPPER)} {logs} env PYTHONUNBUFFERED=1 {R}/venv/bin/python "
+        f"nohup setsid bash -c {shlex.quote(WRAPPER)} {logs} env PYTHONUNBUFFERED=1 PPO_JAX_DISTRIBUTED=auto "
+        f"{R}/venv/bin/python "
         "-m ppo_jax.train --config=configs/ppo_toy.py '--workdir=gs://my-bucket/runs/toy run' "
         "'--config.prompt=it'\\''s a \"test\" $HOME' --config.seed=3 > /dev/null 2>&1 < /dev/null & "
         'echo "launched on $(hostname); log: ~/ppo_jax/logs/train.log"'])
@@ -305,7 +306,7 @@ def test_launch_passes_args_env_and_module_through_exactly(sandbox):
     start = remote.index("bash")
     assert remote[start:start + 4] == ["bash", "-c", WRAPPER, "$HOME/ppo_jax/logs"]
     program = remote[start + 4:remote.index(">", start)]
-    assert program == ["env", "PYTHONUNBUFFERED=1", "XLA_FLAGS=--xla_a=1 --xla_b", "PPO_JAX_X=y z",
+    assert program == ["env", "PYTHONUNBUFFERED=1", "PPO_JAX_DISTRIBUTED=auto", "XLA_FLAGS=--xla_a=1 --xla_b", "PPO_JAX_X=y z",
                        "$HOME/ppo_jax/venv/bin/python", "-m", "ppo_jax.sft", *TRAIN_ARGS]
 
 
@@ -347,7 +348,7 @@ def test_launch_remote_command_runs_on_a_worker_shell(sandbox, tmp_path, shell):
     write_exe(home / "ppo_jax" / "venv" / "bin" / "python", f"""
         #!/bin/bash
         printf '%s\\0' "$@" > {argv_file}
-        echo "cwd=$PWD unbuffered=$PYTHONUNBUFFERED"
+        echo "cwd=$PWD unbuffered=$PYTHONUNBUFFERED distributed=$PPO_JAX_DISTRIBUTED"
         echo "to stderr" >&2
         if [ -n "$FAKE_SLEEP" ]; then sleep "$FAKE_SLEEP"; fi
         exit "${{FAKE_EXIT:-0}}"
@@ -365,7 +366,7 @@ def test_launch_remote_command_runs_on_a_worker_shell(sandbox, tmp_path, shell):
     assert wait_for(logs / "train.exit").strip() == "3"
     assert argv_file.read_text().split("\0")[:-1] == ["-m", "ppo_jax.train", *TRAIN_ARGS]
     log = (logs / "train.log").read_text()
-    assert f"cwd={home}/ppo_jax/src unbuffered=1" in log and "to stderr" in log
+    assert f"cwd={home}/ppo_jax/src unbuffered=1 distributed=auto" in log and "to stderr" in log
 
     # A long-running training: a second launch refuses, --replace stops it and starts anew.
     result = on_worker(launch_remote(sandbox, "--env=FAKE_SLEEP=300"))
@@ -642,6 +643,35 @@ def test_bad_env_fallback_is_reported(sandbox):
     result = run_script(sandbox, "create.sh", "--zone=us-central2-b", env={"PPO_JAX_TPU_SPOT": "maybe"})
     assert result.returncode == 2
     assert "$PPO_JAX_TPU_SPOT must be 1/true/yes or 0/false/no, got 'maybe'" in result.stderr
+
+
+# ----------------------------------------------------------------------------- docs
+
+def doc_script_calls():
+    """(exported env, argv) of every tpu_scripts/ command in docs/tpu.md's bash blocks."""
+    text = (REPO / "docs" / "tpu.md").read_text()
+    calls = []
+    for block in text.split("```bash\n")[1:]:
+        block = block.split("```")[0].replace("\\\n", " ")
+        env = {}
+        for line in block.splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:1] == ["export"]:
+                env.update(w.split("=", 1) for w in words[1:] if "=" in w)
+            elif words and words[0].startswith("tpu_scripts/"):
+                calls.append((dict(env), words))
+    return calls
+
+
+def test_docs_examples_are_valid_dry_runs(sandbox):
+    calls = doc_script_calls()
+    scripts = {Path(argv[0]).name for _, argv in calls}
+    assert scripts == set(EXECUTABLES), scripts  # every script has a worked example
+    for env, argv in calls:
+        result = run_script(sandbox, Path(argv[0]).name, "--dry-run", *argv[1:], env=env)
+        assert result.returncode == 0, (argv, result.stderr)
+        assert result.stdout.startswith(("gcloud ", "git ")), (argv, result.stdout)
+    assert not sandbox["calls"].exists()
 
 
 # ----------------------------------------------------------------------------- static checks

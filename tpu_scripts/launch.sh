@@ -13,8 +13,9 @@ Usage: $SCRIPT_NAME [flags] -- TRAIN_ARGS...
 
 Run 'python -m <module> TRAIN_ARGS...' from ~/<remote-dir>/src with the
 virtualenv made by setup.sh, on all workers at once (multi-host JAX: the same
-program on every host; jax.distributed.initialize() needs no arguments on TPU
-VMs). Each worker writes ~/<remote-dir>/logs/$LOG_FILE (an older one is renamed
+program on every host). It runs with PYTHONUNBUFFERED=1 and
+PPO_JAX_DISTRIBUTED=auto, so the trainer calls jax.distributed.initialize()
+without arguments, which on TPU VMs finds the other workers itself. Each worker writes ~/<remote-dir>/logs/$LOG_FILE (an older one is renamed
 with a timestamp), $PID_FILE, and $EXIT_FILE when the program ends by itself.
 
 Flags:
@@ -95,7 +96,11 @@ PID="$LOGS/$PID_FILE"
 # the exit status when the program ends by itself. Its logs directory is $0.
 # shellcheck disable=SC2016  # the wrapper's $ are for the worker's shell
 WRAPPER='echo $$ > "$0"/'"$PID_FILE"'; "$@" > "$0"/'"$LOG_FILE"' 2>&1; echo $? > "$0"/'"$EXIT_FILE"
-PROGRAM="$(quote_cmd env PYTHONUNBUFFERED=1 "${ENV_ASSIGNMENTS[@]}") $REMOTE/venv/bin/python"
+# PPO_JAX_DISTRIBUTED=auto: the trainer calls jax.distributed.initialize() with
+# no arguments, which on TPU VMs finds the other workers by itself (--env after
+# it can override it: with env, the last assignment wins).
+PROGRAM="$(quote_cmd env PYTHONUNBUFFERED=1 PPO_JAX_DISTRIBUTED=auto "${ENV_ASSIGNMENTS[@]}")"
+PROGRAM+=" $REMOTE/venv/bin/python"
 PROGRAM+=" $(quote_cmd -m "$MODULE" "${TRAIN_ARGS[@]}")"
 RUNNING="[ -f $PID ] && alive \"\$(cat $PID)\""
 

@@ -195,7 +195,11 @@ recreate() {
   "${CREATE[@]}" || { note "create failed; trying again at the next check"; return 0; }
   "${SETUP[@]}" || { note "setup failed; trying again at the next check"; return 0; }
   "${LAUNCH[@]}" || { note "launch failed; trying again at the next check"; return 0; }
-  note "relaunched: the trainer resumes from the last checkpoint in $WORKDIR"
+  if ((DRY_RUN)); then
+    note "dry run: the trainer would resume from the last checkpoint in $WORKDIR"
+  else
+    note "relaunched: the trainer resumes from the last checkpoint in $WORKDIR"
+  fi
 }
 
 relaunch() {
