@@ -20,6 +20,8 @@ setup(
         "tqdm>=4.60",
         "tensorboardX>=2.6",
         "matplotlib>=3.7",
+        "etils[epath]",
+        "ml_dtypes",
     ],
     extras_require={
         "test": [
@@ -32,6 +34,7 @@ setup(
         ],
         "tfds": ["tensorflow-datasets>=4.9", "array-record>=0.5", "importlib_resources"],
         "hf-datasets": ["datasets>=2.14"],
+        "gcs": ["gcsfs"],
         "bench": ["torch", "trl==0.29.1"],
     },
     entry_points={"console_scripts": ["ppo-jax-train=ppo_jax.train:run"]},

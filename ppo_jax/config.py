@@ -47,6 +47,12 @@ def ppo_config() -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict()
     c.mesh.shape = (1, -1, 1)  # (data, fsdp, tensor); one entry may be -1 = all remaining devices
 
+    c.distributed = ml_collections.ConfigDict()
+    c.distributed.coordinator_address = ""  # "host:port" of process 0 for multi-host runs ("" = env or single process)
+    c.distributed.num_processes = 0  # processes in the job (with coordinator_address)
+    c.distributed.process_id = -1  # this process's index (with coordinator_address)
+    c.distributed.auto = False  # let JAX detect the cluster (TPU VMs, SLURM); also PPO_JAX_DISTRIBUTED=auto
+
     c.policy = ml_collections.ConfigDict()
     c.policy.path = ""  # Hugging Face directory or ppo_jax checkpoint of the initial policy; "" = build from policy.model
     c.policy.model = model_config_dict(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4,

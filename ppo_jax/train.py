@@ -17,10 +17,12 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, samples 
 
 def main(argv):
     del argv
-    from ppo_jax import config as config_lib
-    from ppo_jax.trainer import PPOTrainer
+    from ppo_jax import config as config_lib, distributed
 
     config = _CONFIG.value
+    distributed.initialize(config)  # before anything touches a device
+    from ppo_jax.trainer import PPOTrainer
+
     try:
         trainer = PPOTrainer(config, _WORKDIR.value)
     except (config_lib.ConfigError, ValueError, FileNotFoundError) as e:

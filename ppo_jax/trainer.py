@@ -439,8 +439,13 @@ class PPOTrainer:
         host = sharding.to_host({"s": exp.scores, "a": exp.advantages, "old": exp.old_logprobs,
                                  "pt": rollout.prompt_tokens, "pm": rollout.prompt_mask,
                                  "t": rollout.tokens, "m": rollout.mask})
-        bad = ~(np.isfinite(host["s"]) & np.isfinite(host["a"]).all(-1) & np.isfinite(host["old"]).all(-1))
-        rows = np.nonzero(bad)[0] if bad.any() else np.arange(min(8, len(bad)))
+        # The source first: a bad score or log-prob; advantages are whitened over the whole batch,
+        # so one bad row makes them all non-finite.
+        rows = np.arange(min(8, len(host["s"])))
+        for bad in (~np.isfinite(host["s"]), ~np.isfinite(host["old"]).all(-1), ~np.isfinite(host["a"]).all(-1)):
+            if bad.any():
+                rows = np.nonzero(bad)[0]
+                break
         prompts, responses = self.decode(host["pt"][rows], host["pm"][rows], host["t"][rows], host["m"][rows])
         metrics_lib.write_samples(self.workdir, step, [
             {"row": int(r), "prompt": p, "response": t, "score": float(host["s"][r])}

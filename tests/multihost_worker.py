@@ -1,0 +1,46 @@
+"""One process of a real multi-process PPO run on CPU (started by test_multihost.py).
+
+argv: process_id num_processes port workdir out_json
+Each process has 4 CPU devices; together they form one (2, 2, 2) mesh over gloo collectives.
+"""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def main():
+    process_id, num_processes, port, workdir, out = sys.argv[1:6]
+    from test_trainer import tiny_config
+
+    from ppo_jax import distributed, sharding
+    from ppo_jax.trainer import PPOTrainer
+
+    config = tiny_config(**{"train.iterations": 2, "mesh.shape": (2, 2, 2)})
+    config.distributed.coordinator_address = f"127.0.0.1:{port}"
+    config.distributed.num_processes = int(num_processes)
+    config.distributed.process_id = int(process_id)
+    assert distributed.initialize(config)
+    assert jax.device_count() == 8 and jax.local_device_count() == 4
+    trainer = PPOTrainer(config, workdir)
+    history = trainer.train()
+    policy = sharding.to_host(trainer.state.policy)
+    trainer.close()
+    if jax.process_index() == 0:
+        flat = {jax.tree_util.keystr(k): np.asarray(v).tolist()
+                for k, v in jax.tree_util.tree_leaves_with_path(policy)}
+        with open(out, "w") as f:
+            json.dump({"history": history, "policy": flat}, f)
+
+
+if __name__ == "__main__":
+    main()
