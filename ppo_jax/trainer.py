@@ -193,17 +193,23 @@ class PPOTrainer:
             from ppo_jax.models import hf
 
             reward_params = hf.load_model(config.reward.path, self.mesh, kind="reward").params
-        self.checkpoints = CheckpointManager(
-            os.path.join(self.workdir, "checkpoints"), max_to_keep=int(config.train.keep_checkpoints),
-            best_metric=config.train.best_metric or None, best_mode=config.train.best_mode)
-        self.resumed_from = self.checkpoints.latest_step()
-        if self.resumed_from is not None:
+        checkpoint_dir = os.path.join(self.workdir, "checkpoints")
+        resuming = os.path.isdir(checkpoint_dir)
+        if resuming:
+            self.checkpoints = self._checkpoint_manager(checkpoint_dir)
+            resuming = self.checkpoints.latest_step() is not None
+        if resuming:
+            self.resumed_from = self.checkpoints.latest_step()
             self.state, reference = self._restore()
         else:
+            self.resumed_from = None
             policy, value = initial_params(config, self.modules, self.state_shardings, self.mesh,
                                            init_key, reward_params)
             reference = _copy_tree(policy, self.state_shardings.policy)
             self.state = self._fresh_state(policy, value, state_key)
+            # Only now, with every input read and checked, does the run write anything.
+            if not hasattr(self, "checkpoints"):
+                self.checkpoints = self._checkpoint_manager(checkpoint_dir)
         self.frozen = step_lib.FrozenParams(reference=reference, reward=reward_params)
         self.frozen_shardings = step_lib.FrozenParams(
             reference=self.state_shardings.policy,
@@ -219,6 +225,11 @@ class PPOTrainer:
         self._reference_saved = self.checkpoints.has_frozen("reference")
 
     # ------------------------------------------------------------------ setup helpers
+
+    def _checkpoint_manager(self, directory: str) -> CheckpointManager:
+        t = self.config.train
+        return CheckpointManager(directory, max_to_keep=int(t.keep_checkpoints),
+                                 best_metric=t.best_metric or None, best_mode=t.best_mode)
 
     def _fresh_state(self, policy, value, key) -> step_lib.TrainState:
         sh = self.state_shardings

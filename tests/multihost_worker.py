@@ -20,7 +20,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 def main():
     process_id, num_processes, port, workdir, out = sys.argv[1:6]
-    from test_trainer import tiny_config
+    from tiny_configs import tiny_config
 
     from ppo_jax import distributed, sharding
     from ppo_jax.trainer import PPOTrainer

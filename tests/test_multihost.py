@@ -10,7 +10,7 @@ import sys
 import jax
 import numpy as np
 from conftest import make_test_mesh
-from test_trainer import tiny_config
+from tiny_configs import tiny_config
 
 from ppo_jax.trainer import PPOTrainer
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 import transformers
 from conftest import make_test_mesh
-from test_trainer import REPO, tiny_config
+from test_trainer import REPO
+from tiny_configs import tiny_config
 
 from ppo_jax import reward_fns
 from ppo_jax.export import export_checkpoint

@@ -12,33 +12,11 @@ import pytest
 from conftest import make_test_mesh
 
 from ppo_jax import config as config_lib
-from ppo_jax.config import ConfigError, ppo_config
+from ppo_jax.config import ConfigError
+from tiny_configs import tiny_config  # noqa: F401 (re-exported for other tests)
 from ppo_jax.trainer import PPOTrainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def tiny_config(**overrides):
-    """A tiny GPT-2-shaped policy on the toy task; overrides as {"section.field": value}."""
-    c = ppo_config()
-    c.policy.model.vocab_size = 32
-    c.policy.model.hidden_size = 32
-    c.policy.model.num_heads = 2
-    c.policy.model.num_layers = 2
-    c.policy.model.max_position_embeddings = 32
-    c.reward.functions = "toy_target_count"
-    c.data.prompt_length = 8
-    c.rollout.batch_size = 32
-    c.rollout.response_length = 8
-    c.ppo.epochs = 2
-    c.ppo.num_minibatches = 2
-    c.ppo.num_microbatches = 2
-    c.train.progress = False
-    c.train.sample_every = 0
-    for key, value in overrides.items():
-        section, field = key.split(".")
-        c[section][field] = value
-    return c
 
 
 def run(config, tmp_path, mesh_shape=(1, 1, 1), iterations=None):
