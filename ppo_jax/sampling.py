@@ -18,7 +18,7 @@ old log-probs taken from `logprobs`, the true importance ratio pi_new/pi_behavio
 exp(sampling_logprobs - logprobs) >= 1 per token. `truncation_metrics` summarises it for logging.
 
 Randomness. Output row r draws one uniform per step from `fold_in(fold_in(key, r), step)` and turns
-it into a token by inverse CDF, so a row's tokens depend only on the key, its row index and its own
+it into a token by inverse CDF (`response_uniforms`, `draw_from_logits`), so a row's tokens depend only on the key, its row index and its own
 logits: the same key gives the same tokens on every mesh shape, and a row's tokens do not change when
 other rows stop or when the batch grows.
 """
@@ -236,23 +236,28 @@ class TokenChoice:
     sampling_logprobs: Array
 
 
-def step_uniforms(row_keys: Array, step: Array) -> Array:
-    """One uniform in [0, 1) per row for response position `step`: row_keys [R] -> [R] float32."""
-    return jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, step), (), jnp.float32))(row_keys)
+def response_uniforms(key: Array, rows: int, steps: int) -> Array:
+    """The uniforms [rows, steps] in [0, 1) that drive sampling: entry (r, t) is drawn from
+    fold_in(fold_in(key, r), t), so it depends on neither the batch size nor the sharding.
 
-
-def choose_tokens(logits: Array, step: Array, row_keys: Array, config: SamplingConfig) -> TokenChoice:
-    """Picks one token per row from logits [R, V] (float32) at response position `step`.
-
-    row_keys [R]: one typed PRNG key per row; the step is folded in here.
+    Drawn once before decoding (cheap: one number per token) rather than inside the loop.
     """
+    def one(row, step):
+        return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, row), step), (), jnp.float32)
+
+    return jax.vmap(jax.vmap(one, in_axes=(None, 0)), in_axes=(0, None))(jnp.arange(rows), jnp.arange(steps))
+
+
+def choose_tokens(logits: Array, step: Array, uniforms: Array, config: SamplingConfig) -> TokenChoice:
+    """Picks one token per row from logits [R, V] (float32) at response position `step`, using
+    uniforms [R] (this step's column of `response_uniforms`)."""
     scaled = logits.astype(jnp.float32) / config.temperature
     full_logprobs = jax.nn.log_softmax(scaled, axis=-1)
     allowed = processed_logits(scaled, step, config)
     if config.greedy:
         tokens = jnp.argmax(allowed, axis=-1).astype(jnp.int32)
     else:
-        tokens = draw_from_logits(allowed, step_uniforms(row_keys, step))
+        tokens = draw_from_logits(allowed, uniforms)
     logprobs = jnp.take_along_axis(full_logprobs, tokens[:, None], axis=-1)[:, 0]
     if config.greedy:
         sampling_logprobs = jnp.zeros_like(logprobs)
@@ -384,7 +389,11 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
         cache = _constrain_cache(cache.replace(k=repeat(cache.k, 1), v=repeat(cache.v, 1)))
     rows = batch * n
     prompt_lengths = prompt_mask.sum(axis=-1)
-    row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(rows))
+    uniforms = _constrain(response_uniforms(key, rows, new), ("batch", "length"))
+
+    def choose(state: DecodeState) -> TokenChoice:
+        column = jax.lax.dynamic_index_in_dim(uniforms, state.step, axis=1, keepdims=False)
+        return choose_tokens(state.logits, state.step, column, config)
 
     def zeros(dtype):
         return _constrain(jnp.zeros((rows, new), dtype), ("batch", "length"))
@@ -393,7 +402,7 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
         step=jnp.zeros((), jnp.int32), logits=logits, cache=cache, kv_mask=kv_mask,
         done=jnp.zeros((rows,), bool), tokens=zeros(jnp.int32) + config.pad_token_id,
         logprobs=zeros(jnp.float32), sampling_logprobs=zeros(jnp.float32), mask=zeros(jnp.int32))
-    state = _record(state, choose_tokens(state.logits, state.step, row_keys, config), config)
+    state = _record(state, choose(state), config)
 
     def keep_going(state: DecodeState) -> Array:
         return (state.step < new) & ~jnp.all(state.done)
@@ -407,7 +416,7 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
         logits, cache = model.apply({"params": params}, previous, positions, kv_mask, state.cache,
                                     jnp.zeros((rows,), jnp.int32), method=_forward_last)
         state = state.replace(logits=logits, cache=cache, kv_mask=kv_mask)
-        return _record(state, choose_tokens(logits, state.step, row_keys, config), config)
+        return _record(state, choose(state), config)
 
     state = jax.lax.while_loop(keep_going, decode_one, state)
     return SampleOutput(
