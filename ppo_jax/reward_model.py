@@ -1,0 +1,464 @@
+"""Reward model training: Bradley-Terry on (prompt, chosen, rejected) preferences.
+
+    loss = -log sigmoid(r(x, y_chosen) - r(x, y_rejected))
+
+r is a `ScalarModel` (a transformer with a scalar head) read at the last real token of
+prompt + response (+ EOS), exactly as the PPO trainer reads it. The transformer starts from a causal
+LM (usually the SFT model: `model.path`), the head from N(0, 1/sqrt(D + 1)) (Stiennon et al.).
+
+Normalisation (optional, `normalize.source`): after training, scores of the SFT policy's own samples
+(or of the responses in the preference data) are brought to mean 0 and std 1 by a gain and a bias on
+the head: score' = gain * score + bias, folded exactly into the head's kernel and bias. GPT-2 exports
+carry the bias (folded into the final LayerNorm bias by `hf.export_model`); Llama-family heads have
+nowhere to store it, so for them the bias is only written to normalization.json - put it in the PPO
+config as reward.bias.
+
+Shapes: B pairs, L = data.max_prompt_length + data.max_response_length, D hidden size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from ppo_jax import config as config_lib
+from ppo_jax import data as data_lib
+from ppo_jax import metrics as metrics_lib
+from ppo_jax import sharding, step as step_lib, supervised
+from ppo_jax.models import CausalLM, ScalarModel, init_params, positions_from_mask, score_at_last_token
+
+Array = jax.Array
+
+NORMALIZE_SOURCES = ("none", "policy", "preferences")
+
+
+def reward_model_config() -> ml_collections.ConfigDict:
+    """Default reward-model config: every field commented. Files under configs/ override it."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # seeds the head init, data order and normalisation samples
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.shape = (1, -1, 1)  # (data, fsdp, tensor); one entry may be -1 = all remaining devices
+    c.model = supervised.model_section()
+    c.model.path = ""  # start from: a causal LM (the SFT model: its transformer, a fresh head) or a reward model; "" = fresh
+    c.tokenizer_path = ""  # Hugging Face tokenizer directory; "" = model.path's (a tokenizer passed in code wins)
+
+    c.data = ml_collections.ConfigDict()
+    c.data.train = ""  # JSONL file of {prompt, chosen, rejected} records; "" = records passed in code
+    c.data.eval = ""  # held-out JSONL file (validation accuracy); "" = none (or records passed in code)
+    c.data.prompt_field = "prompt"  # JSONL field holding the prompt
+    c.data.chosen_field = "chosen"  # JSONL field holding the preferred response
+    c.data.rejected_field = "rejected"  # JSONL field holding the other response
+    c.data.max_prompt_length = 16  # longest prompt kept, in tokens (use the PPO data.prompt_length)
+    c.data.max_response_length = 32  # longest response, tokens incl. EOS (use the PPO rollout.response_length:
+    #                                  a longer response is cut without EOS, as an unfinished rollout is)
+    c.data.truncation = "left"  # over-long examples: "left" (cut and count them) or "error"
+
+    c.normalize = ml_collections.ConfigDict()
+    c.normalize.source = "none"  # samples to normalise on: "none", "policy" (sample normalize.policy_path) or
+    #                              "preferences" (the chosen and rejected responses of data.train)
+    c.normalize.policy_path = ""  # causal LM to sample from for source="policy"; "" = model.path
+    c.normalize.num_prompts = 512  # prompts (policy) or pairs (preferences) to normalise on
+    c.normalize.temperature = 1.0  # sampling temperature for source="policy" (use the PPO rollout temperature)
+
+    c.train = supervised.train_section(batch_size=32, steps=500)
+    c.optim = supervised.optim_section(lr=3e-4)
+    return c
+
+
+def validate(config) -> None:
+    supervised.validate_common(config, "reward_model")
+    n = config.normalize
+    if n.source not in NORMALIZE_SOURCES:
+        raise config_lib.ConfigError(f"reward_model: normalize.source={n.source!r}: use one of {NORMALIZE_SOURCES}")
+    if n.source != "none" and n.num_prompts < 2:
+        raise config_lib.ConfigError(f"reward_model: normalize.num_prompts must be >= 2, got {n.num_prompts}")
+    if n.source == "policy":
+        if not (n.policy_path or config.model.path):
+            raise config_lib.ConfigError("reward_model: normalize.source='policy' needs normalize.policy_path "
+                                         "(or model.path): the policy whose samples should score mean 0")
+        if not n.temperature > 0:
+            raise config_lib.ConfigError(f"reward_model: normalize.temperature must be > 0, got {n.temperature}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure math.
+
+
+def sequence_scores(model: ScalarModel, params, tokens: Array, mask: Array) -> Array:
+    """Score at the last real token of each left-padded row: tokens, mask [B, L] -> [B] float32."""
+    values, _ = model.apply({"params": params}, tokens, positions_from_mask(mask), mask)
+    return score_at_last_token(values, mask)
+
+
+def pair_scores(model: ScalarModel, params, batch: data_lib.PreferenceBatch) -> tuple[Array, Array]:
+    """(chosen [B], rejected [B]) scores from one [2B, L] forward."""
+    b = batch.chosen_tokens.shape[0]
+    tokens = jnp.concatenate([batch.chosen_tokens, batch.rejected_tokens], axis=0)
+    mask = jnp.concatenate([batch.chosen_mask, batch.rejected_mask], axis=0)
+    scores = sequence_scores(model, params, tokens, mask)
+    return scores[:b], scores[b:]
+
+
+def bradley_terry_loss(chosen: Array, rejected: Array, weight: Array | None = None):
+    """-log sigmoid(chosen - rejected), weighted mean over pairs; metrics alongside.
+
+    chosen, rejected, weight [B]. Accuracy counts a tie as wrong (the model must prefer the chosen).
+    """
+    weight = jnp.ones_like(chosen) if weight is None else weight.astype(jnp.float32)
+    count = jnp.maximum(weight.sum(), 1.0)
+    margin = chosen - rejected
+    losses = jax.nn.softplus(-margin)  # = -log sigmoid(margin), stable for large |margin|
+    loss = (losses * weight).sum() / count
+    metrics = {
+        "loss": loss,
+        "accuracy": ((margin > 0) * weight).sum() / count,
+        "margin": (margin * weight).sum() / count,
+        "score_mean": ((chosen + rejected) * weight).sum() / (2 * count),
+    }
+    return loss, metrics
+
+
+def _zero_score_bias(grads):
+    """The Bradley-Terry loss sees only score differences: the head bias has no gradient in exact
+    arithmetic, but float rounding leaves ~1e-9 that Adam would blow up to a full step. Pin it."""
+    if "score" in grads and "bias" in grads["score"]:
+        grads = {**grads, "score": {**grads["score"], "bias": jnp.zeros_like(grads["score"]["bias"])}}
+    return grads
+
+
+def make_train_step(model: ScalarModel, tx):
+    def train_step(state: supervised.TrainState, batch: data_lib.PreferenceBatch):
+        def loss_fn(params):
+            chosen, rejected = pair_scores(model, params, batch)
+            return bradley_terry_loss(chosen, rejected)
+
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        grads = _zero_score_bias(grads)
+        metrics = {f"train/{k}": v for k, v in metrics.items()}
+        metrics["train/grad_norm"] = optax.tree.norm(grads)
+        return supervised.apply_gradients(tx, state, grads), metrics
+
+    return train_step
+
+
+def make_eval_step(model: ScalarModel):
+    """Sums over valid pairs (batches of an eval pass add up exactly)."""
+
+    def eval_step(params, batch: data_lib.PreferenceBatch, valid: Array):
+        chosen, rejected = pair_scores(model, params, batch)
+        margin = chosen - rejected
+        w = valid.astype(jnp.float32)
+        return {"loss": (jax.nn.softplus(-margin) * w).sum(), "correct": ((margin > 0) * w).sum(),
+                "margin": (margin * w).sum(), "pairs": w.sum()}
+
+    return eval_step
+
+
+def fold_normalization(params, gain: float, bias: float):
+    """Head params with score' = gain * score + bias folded in (exact: the head is affine)."""
+    score = params["score"]
+    new_score = {"kernel": score["kernel"] * jnp.asarray(gain, score["kernel"].dtype),
+                 "bias": score["bias"] * jnp.asarray(gain, score["bias"].dtype) + jnp.asarray(bias, score["bias"].dtype)}
+    return {**params, "score": new_score}
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer.
+
+
+def _source(path: str, records, fields: Mapping[str, str], what: str):
+    if path and records is not None:
+        raise ValueError(f"{what}: both a file (config) and records (code) were given; pass one")
+    if path:
+        return data_lib.from_jsonl(path, fields=fields)
+    if records is not None:
+        return data_lib.from_list(list(records), fields=fields, name=what)
+    return None
+
+
+class RewardModelTrainer:
+    """Builds the reward model, data and jitted steps once from a config; `train()` runs the loop,
+    normalises (optionally) and exports to <workdir>/hf."""
+
+    def __init__(self, config, workdir: str, *, tokenizer=None,
+                 train_records: Sequence[Mapping[str, Any]] | None = None,
+                 eval_records: Sequence[Mapping[str, Any]] | None = None, mesh=None):
+        validate(config)
+        self.config = config
+        self.workdir = workdir
+        self.mesh = mesh or sharding.make_mesh(tuple(config.mesh.shape))
+        supervised.check_batch_size(config.train.batch_size, self.mesh, "reward_model")
+        d = config.data
+        fields = {"prompt": d.prompt_field, "chosen": d.chosen_field, "rejected": d.rejected_field}
+        train_source = _source(d.train, train_records, fields, "reward_model train data")
+        if train_source is None:
+            raise config_lib.ConfigError("reward_model: no training data; set data.train (a JSONL file of "
+                                         "prompt/chosen/rejected) or pass train_records")
+        self.train_source = train_source
+        self.eval_source = _source(d.eval, eval_records, fields, "reward_model eval data")
+        self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
+
+        from ppo_jax.models import hf
+
+        key = jax.random.key(config.seed)
+        head_key, self._normalize_key = jax.random.split(key)
+        start_kind = None
+        if config.model.path:
+            cfg, start_kind = hf.load_config(config.model.path)
+            cfg = supervised.override_dtypes(cfg, config.model)
+        else:
+            cfg = supervised.model_config_from_section(config.model, self.tokenizer)
+        supervised.check_tokenizer(self.tokenizer, cfg.vocab_size, "reward_model")
+        self.length = int(d.max_prompt_length + d.max_response_length)
+        if cfg.family == "gpt2" and self.length > cfg.max_position_embeddings:
+            raise config_lib.ConfigError(
+                f"reward_model: data.max_prompt_length + data.max_response_length = {self.length} exceeds "
+                f"the model's max_position_embeddings={cfg.max_position_embeddings}; shorten one of them")
+        self.model_config = cfg
+        self.module = ScalarModel(cfg, head_init="reward")
+        abstract = hf.abstract_params(cfg, "reward")
+        self.param_shardings = sharding.tree_shardings(abstract, self.mesh)
+        params = self._initial_params(config, start_kind, head_key)
+
+        self.prompt_tokenizer = data_lib.PromptTokenizer(
+            self.tokenizer, max_prompt_length=int(d.max_prompt_length), truncation=d.truncation,
+            max_response_length=int(d.max_response_length))
+        self.loader = data_lib.PromptLoader(train_source, self.prompt_tokenizer, int(config.train.batch_size),
+                                            kind="preference", seed=int(config.seed))
+        self.tx = step_lib.make_optimizer(config, float(config.optim.lr), int(config.train.steps))
+        self.state, self.state_shardings = supervised.init_train_state(
+            params, self.param_shardings, abstract, self.tx, self.mesh)
+        self.checkpoints = supervised.checkpoint_manager(workdir, config.train.keep_checkpoints)
+        self.state = supervised.resume(self.checkpoints, self.state, self.state_shardings, self.loader)
+
+        data_sh = sharding.data_sharding(self.mesh)
+        batch_sh = data_lib.PreferenceBatch(*([data_sh] * 6))
+        replicated = sharding.replicated(self.mesh)
+        self._train_step = supervised.wrap_mesh(jax.jit(
+            make_train_step(self.module, self.tx), in_shardings=(self.state_shardings, batch_sh),
+            out_shardings=(self.state_shardings, replicated), donate_argnums=(0,)), self.mesh)
+        self._eval_step = supervised.wrap_mesh(jax.jit(
+            make_eval_step(self.module), in_shardings=(self.param_shardings, batch_sh, data_sh),
+            out_shardings=replicated), self.mesh)
+        self._score = supervised.wrap_mesh(jax.jit(
+            lambda p, t, m: sequence_scores(self.module, p, t, m),
+            in_shardings=(self.param_shardings, data_sh, data_sh), out_shardings=data_sh), self.mesh)
+        self.writer = metrics_lib.MetricWriter(workdir)
+        self.normalization: dict[str, float] | None = None
+
+    def _load_tokenizer(self):
+        from ppo_jax.models import hf
+
+        path = self.config.tokenizer_path or self.config.model.path
+        if not path:
+            raise config_lib.ConfigError("reward_model: no tokenizer; pass tokenizer=..., or set "
+                                         "tokenizer_path or model.path")
+        return hf.load_tokenizer(path)
+
+    def _initial_params(self, config, start_kind: str | None, head_key):
+        """A reward model checkpoint as is; a causal LM's transformer + a fresh N(0, 1/sqrt(D+1)) head;
+        or a fresh model."""
+        from ppo_jax.models import hf
+
+        if start_kind == "reward":
+            return hf.load_model(config.model.path, self.mesh, kind="reward",
+                                 param_dtype=config.model.param_dtype or None,
+                                 dtype=config.model.dtype or None).params
+        if start_kind == "causal_lm":
+            loaded = hf.load_model(config.model.path, self.mesh, kind="causal_lm",
+                                   param_dtype=config.model.param_dtype or None,
+                                   dtype=config.model.dtype or None)
+            cfg = self.model_config
+            head_sh = self.param_shardings["score"]
+            dtype = cfg.jnp_param_dtype
+
+            def head(key):
+                kernel = jax.random.normal(key, (cfg.hidden_size, 1), jnp.float32) / math.sqrt(cfg.hidden_size + 1)
+                return {"kernel": kernel.astype(dtype), "bias": jnp.zeros((1,), dtype)}
+
+            score = jax.jit(head, out_shardings=head_sh)(head_key)
+            return {"transformer": loaded.params["transformer"], "score": score}
+        params, _ = init_params(self.module, head_key, self.mesh)
+        return params
+
+    # -- steps
+
+    @property
+    def params(self):
+        return self.state.params
+
+    @property
+    def step(self) -> int:
+        return int(self.state.step)
+
+    def _place(self, tree):
+        return supervised.place_local_batch(tree, self.mesh)
+
+    def train_step(self) -> dict[str, float]:
+        batch = next(self.loader)
+        self.state, metrics = self._train_step(self.state, self._place(batch))
+        scalars = supervised.host_scalars(metrics)
+        scalars.update(self.loader.metrics())
+        return scalars
+
+    def evaluate(self, source=None, prefix: str = "eval") -> dict[str, float]:
+        """Bradley-Terry loss, accuracy (chosen scored strictly higher) and mean margin on every pair of
+        the eval data (or train.eval_batches batches of it)."""
+        source = self.eval_source if source is None else source
+        if source is None:
+            return {}
+        totals = {"loss": 0.0, "correct": 0.0, "margin": 0.0, "pairs": 0.0}
+        for i, records in enumerate(data_lib.iterate_once(source, int(self.config.train.batch_size))):
+            if self.config.train.eval_batches and i >= self.config.train.eval_batches:
+                break
+            batch = self.prompt_tokenizer.preferences(records.records, length=self.length)
+            out = jax.device_get(self._eval_step(self.state.params, *self._place((batch, records.valid))))
+            for k in totals:
+                totals[k] += float(out[k])
+        n = max(totals["pairs"], 1.0)
+        return {f"{prefix}/loss": totals["loss"] / n, f"{prefix}/accuracy": totals["correct"] / n,
+                f"{prefix}/margin": totals["margin"] / n, f"{prefix}/pairs": totals["pairs"]}
+
+    def score_tokens(self, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """Scores of left-padded sequences [N, L] (prompt + response), in batches of train.batch_size."""
+        b = int(self.config.train.batch_size)
+        n = tokens.shape[0]
+        out = []
+        for start in range(0, n, b):
+            t, m = tokens[start:start + b], mask[start:start + b]
+            fill = b - t.shape[0]
+            if fill:  # a full batch keeps one compiled shape; the filler rows are dropped below
+                t = np.concatenate([t, np.repeat(t[-1:], fill, 0)])
+                m = np.concatenate([m, np.repeat(m[-1:], fill, 0)])
+            # Global rows, identical on every process: put_batch / to_host, not the per-process path.
+            scores = np.asarray(sharding.to_host(self._score(self.state.params, *sharding.put_batch((t, m), self.mesh))))
+            out.append(scores[:b - fill])
+        return np.concatenate(out) if out else np.zeros((0,), np.float32)
+
+    def score(self, prompts: Sequence[str], responses: Sequence[str]) -> np.ndarray:
+        """Scores of (prompt, response) texts; each response gets an EOS unless it is over-long."""
+        encoded = self.prompt_tokenizer.encode_sft([{"prompt": p, "response": r} for p, r in zip(prompts, responses)])
+        batch = self.prompt_tokenizer.pad_sft(encoded, length=self.length)
+        return self.score_tokens(batch.tokens, batch.mask)
+
+    def save(self, step: int, scalars=None) -> None:
+        if step not in self.checkpoints.all_steps():
+            self.checkpoints.save(step, self.state, extra={"data": self.loader.state()}, force=True)
+
+    # -- normalisation
+
+    def _normalization_scores(self) -> np.ndarray:
+        n = self.config.normalize
+        if n.source == "preferences":
+            count = min(int(n.num_prompts), len(self.train_source))
+            records = [self.train_source[i] for i in range(count)]
+            prompts = [r["prompt"] for r in records] * 2
+            responses = [r["chosen"] for r in records] + [r["rejected"] for r in records]
+            return self.score(prompts, responses)
+        return self._policy_sample_scores()
+
+    def _policy_sample_scores(self) -> np.ndarray:
+        """Scores of the policy's own samples on the training prompts (as PPO will score them)."""
+        from ppo_jax import sampling
+        from ppo_jax.models import hf
+
+        n, d = self.config.normalize, self.config.data
+        loaded = hf.load_model(n.policy_path or self.config.model.path, self.mesh, kind="causal_lm")
+        policy = CausalLM(loaded.config)
+        prompts = []
+        seen: dict[str, None] = {}
+        for i in range(len(self.train_source)):  # distinct prompts, in data order
+            p = self.train_source[i]["prompt"]
+            if isinstance(p, str) and p not in seen:
+                seen[p] = None
+                prompts.append(p)
+            if len(prompts) == int(n.num_prompts):
+                break
+        b = int(self.config.train.batch_size)
+        sampler = sampling.make_sampler(policy, sampling.SamplingConfig(
+            max_new_tokens=int(d.max_response_length), pad_token_id=int(self.tokenizer.pad_token_id),
+            stop_token_ids=(int(self.tokenizer.eos_token_id),), temperature=float(n.temperature)),
+            self.mesh, jax.tree.map(lambda x: x.sharding, loaded.params))
+        score_fn = supervised.wrap_mesh(jax.jit(
+            lambda p, pt, pm, t, m: step_lib.sequence_scores(self.module, p, pt, pm, t, m)), self.mesh)
+        scores = []
+        for start in range(0, len(prompts), b):
+            chunk = prompts[start:start + b]
+            chunk = chunk + [chunk[-1]] * (b - len(chunk))
+            batch = self.prompt_tokenizer.prompts(chunk, length=int(d.max_prompt_length))
+            toks, mask = sharding.put_batch((batch.tokens, batch.mask), self.mesh)
+            out = sampler(loaded.params, toks, mask, jax.random.fold_in(self._normalize_key, start))
+            s = sharding.to_host(score_fn(self.state.params, out.prompt_tokens, out.prompt_mask, out.tokens, out.mask))
+            scores.append(np.asarray(s)[:min(b, len(prompts) - start)])
+        return np.concatenate(scores)
+
+    def normalize(self) -> dict[str, float]:
+        """Sets the head so the normalisation samples score mean 0, std 1; returns the statistics."""
+        scores = self._normalization_scores().astype(np.float64)
+        mean, std = float(scores.mean()), float(scores.std())
+        if not std > 1e-8:
+            raise ValueError(f"reward_model: normalisation samples all score {mean:.4g} (std {std:.2g}); the "
+                             f"reward model does not tell them apart, so there is no scale to normalise")
+        gain, bias = 1.0 / std, -mean / std
+        fold_bias = self.model_config.family == "gpt2"  # only GPT-2 exports can carry a score offset
+        params = fold_normalization(self.state.params, gain, bias if fold_bias else 0.0)
+        params = jax.device_put(params, self.param_shardings)
+        self.state = self.state.replace(params=params)
+        self.normalization = {"mean": mean, "std": std, "gain": gain, "bias": bias,
+                              "bias_in_head": fold_bias, "ppo_reward_bias": 0.0 if fold_bias else bias,
+                              "num_samples": int(scores.size), "source": self.config.normalize.source}
+        if jax.process_index() == 0:
+            os.makedirs(self.workdir, exist_ok=True)
+            with open(os.path.join(self.workdir, "normalization.json"), "w") as f:
+                json.dump(self.normalization, f, indent=2)
+        return self.normalization
+
+    # -- the loop
+
+    def train(self) -> list[dict[str, float]]:
+        """Runs to train.steps (resuming from the latest checkpoint), normalises, exports <workdir>/hf."""
+        try:
+            history = supervised.run_loop(
+                desc="reward model", total_steps=int(self.config.train.steps), state_step=lambda: self.step,
+                train_step=self.train_step, evaluate=self.evaluate if self.eval_source is not None else None,
+                save=self.save, config_train=self.config.train, writer=self.writer)
+            if self.config.normalize.source != "none":
+                stats = self.normalize()
+                row = {"step": self.step, **self.writer.write(
+                    self.step, {f"normalize/{k}": float(v) for k, v in stats.items() if k != "source"})}
+                history.append(row)
+        finally:
+            self.close()
+        if self.config.train.export:
+            self.export()
+        return history
+
+    def export(self, out_dir: str | None = None) -> str:
+        """The current params as a Hugging Face ForSequenceClassification model (with the tokenizer)."""
+        from ppo_jax.models import hf
+
+        out_dir = out_dir or os.path.join(self.workdir, "hf")
+        hf.export_model(out_dir, self.model_config, self.state.params, kind="reward", tokenizer=self.tokenizer)
+        return out_dir
+
+    def close(self) -> None:
+        self.checkpoints.close()
+        self.writer.close()
+
+
+def main(argv=None) -> None:
+    """`python -m ppo_jax.reward_model --config=configs/reward_model.py --workdir=DIR [--config.x=y ...]`."""
+    supervised.command_line(lambda config, workdir: RewardModelTrainer(config, workdir), "reward_model", argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""Supervised fine-tuning: next-token loss on response tokens only (prompt tokens are context, not
+targets), on the mesh, with Orbax checkpoints, JSONL + TensorBoard metrics and a Hugging Face export.
+
+    trainer = SFTTrainer(sft_config(), workdir, tokenizer=tok, train_records=[{"prompt", "response"}, ...])
+    trainer.train()            # -> logged rows; <workdir>/hf is the fine-tuned model (GPT2LMHeadModel, ...)
+
+Shapes: B examples, L = data.max_prompt_length + data.max_response_length (one static length, so one
+compiled step), V vocabulary. Sequences are prompt + response + EOS, left-padded (`ppo_jax.data`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from ppo_jax import config as config_lib
+from ppo_jax import data as data_lib
+from ppo_jax import metrics as metrics_lib
+from ppo_jax import sharding, step as step_lib, supervised
+from ppo_jax.models import CausalLM, init_params, positions_from_mask
+
+Array = jax.Array
+
+
+def sft_config() -> ml_collections.ConfigDict:
+    """Default SFT config: every field commented. Files under configs/ override what they need."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # seeds parameter init and data order
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.shape = (1, -1, 1)  # (data, fsdp, tensor); one entry may be -1 = all remaining devices
+    c.model = supervised.model_section()
+    c.tokenizer_path = ""  # Hugging Face tokenizer directory; "" = model.path's (a tokenizer passed in code wins)
+
+    c.data = ml_collections.ConfigDict()
+    c.data.train = ""  # JSONL file of {prompt, response} records; "" = records passed in code
+    c.data.eval = ""  # held-out JSONL file; "" = none (or records passed in code)
+    c.data.prompt_field = "prompt"  # JSONL field holding the prompt
+    c.data.response_field = "response"  # JSONL field holding the response
+    c.data.max_prompt_length = 16  # longest prompt kept, in tokens
+    c.data.max_response_length = 32  # longest response kept, in tokens including its EOS
+    c.data.truncation = "left"  # over-long examples: "left" (cut and count them) or "error"
+
+    c.train = supervised.train_section(batch_size=32, steps=1000)
+    c.optim = supervised.optim_section(lr=1e-3)
+    return c
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure math.
+
+
+def response_token_nll(model: CausalLM, params, tokens: Array, mask: Array, loss_mask: Array):
+    """Per-token negative log-likelihood of the targets, and whether the argmax got them right.
+
+    tokens, mask, loss_mask [B, L] (left-padded). Position t predicts token t + 1; a target counts
+    where loss_mask[t + 1] = 1 (response tokens and their EOS). Returns nll, correct, weight, each
+    [B, L - 1] float32, zero where weight is 0.
+    """
+    logits, _ = model.apply({"params": params}, tokens, positions_from_mask(mask), mask)
+    logits = logits[:, :-1]
+    targets = tokens[:, 1:]
+    weight = loss_mask[:, 1:].astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    return -picked * weight, correct * weight, weight
+
+
+def sft_loss(model: CausalLM, params, batch: data_lib.SFTBatch) -> tuple[Array, dict[str, Array]]:
+    """Token-mean NLL over every response token of the batch (each token weighs the same)."""
+    nll, correct, weight = response_token_nll(model, params, batch.tokens, batch.mask, batch.loss_mask)
+    count = jnp.maximum(weight.sum(), 1.0)
+    loss = nll.sum() / count
+    return loss, {"train/loss": loss, "train/accuracy": correct.sum() / count, "train/tokens": weight.sum()}
+
+
+def make_train_step(model: CausalLM, tx):
+    def train_step(state: supervised.TrainState, batch: data_lib.SFTBatch):
+        (_, metrics), grads = jax.value_and_grad(lambda p: sft_loss(model, p, batch), has_aux=True)(state.params)
+        metrics["train/grad_norm"] = optax.tree.norm(grads)
+        return supervised.apply_gradients(tx, state, grads), metrics
+
+    return train_step
+
+
+def make_eval_step(model: CausalLM):
+    """Sums (not means), so batches of an eval pass add up exactly: nll, correct, tokens."""
+
+    def eval_step(params, batch: data_lib.SFTBatch):
+        nll, correct, weight = response_token_nll(model, params, batch.tokens, batch.mask, batch.loss_mask)
+        return {"nll": nll.sum(), "correct": correct.sum(), "tokens": weight.sum()}
+
+    return eval_step
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer.
+
+
+def _source(path: str, records, fields: Mapping[str, str], what: str):
+    if path and records is not None:
+        raise ValueError(f"{what}: both a file (config) and records (code) were given; pass one")
+    if path:
+        return data_lib.from_jsonl(path, fields=fields)
+    if records is not None:
+        return data_lib.from_list(list(records), fields=tuple(fields), name=what)
+    return None
+
+
+class SFTTrainer:
+    """Builds the model, data and jitted steps once from a config; `train()` runs the loop."""
+
+    def __init__(self, config, workdir: str, *, tokenizer=None,
+                 train_records: Sequence[Mapping[str, Any]] | None = None,
+                 eval_records: Sequence[Mapping[str, Any]] | None = None, mesh=None):
+        supervised.validate_common(config, "sft")
+        self.config = config
+        self.workdir = workdir
+        self.mesh = mesh or sharding.make_mesh(tuple(config.mesh.shape))
+        supervised.check_batch_size(config.train.batch_size, self.mesh, "sft")
+        d = config.data
+        fields = {"prompt": d.prompt_field, "response": d.response_field}
+        train_source = _source(d.train, train_records, fields, "sft train data")
+        if train_source is None:
+            raise config_lib.ConfigError("sft: no training data; set data.train (a JSONL file) or pass "
+                                         "train_records")
+        eval_source = _source(d.eval, eval_records, fields, "sft eval data")
+        self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
+
+        # Model (validated before any compile).
+        from ppo_jax.models import hf
+
+        if config.model.path:
+            cfg, kind = hf.load_config(config.model.path)
+            if kind != "causal_lm":
+                raise config_lib.ConfigError(f"sft: model.path={config.model.path} holds a {kind} "
+                                             f"checkpoint; SFT needs a causal LM")
+            cfg = supervised.override_dtypes(cfg, config.model)
+        else:
+            cfg = supervised.model_config_from_section(config.model, self.tokenizer)
+        supervised.check_tokenizer(self.tokenizer, cfg.vocab_size, "sft")
+        self.length = int(d.max_prompt_length + d.max_response_length)
+        if cfg.family == "gpt2" and self.length > cfg.max_position_embeddings:
+            raise config_lib.ConfigError(
+                f"sft: data.max_prompt_length + data.max_response_length = {self.length} exceeds the "
+                f"model's max_position_embeddings={cfg.max_position_embeddings}; shorten one of them")
+        self.model_config = cfg
+        self.module = CausalLM(cfg)
+        if config.model.path:
+            loaded = hf.load_model(config.model.path, self.mesh, kind="causal_lm",
+                                   param_dtype=config.model.param_dtype or None,
+                                   dtype=config.model.dtype or None)
+            params = loaded.params
+            param_shardings = jax.tree.map(lambda x: x.sharding, params)
+        else:
+            params, param_shardings = init_params(self.module, jax.random.key(config.seed), self.mesh)
+
+        self.prompt_tokenizer = data_lib.PromptTokenizer(
+            self.tokenizer, max_prompt_length=int(d.max_prompt_length), truncation=d.truncation,
+            max_response_length=int(d.max_response_length))
+        self.loader = data_lib.PromptLoader(train_source, self.prompt_tokenizer,
+                                            int(config.train.batch_size), kind="sft", seed=int(config.seed))
+        self.eval_source = eval_source
+
+        self.tx = step_lib.make_optimizer(config, float(config.optim.lr), int(config.train.steps))
+        self.state, self.state_shardings = supervised.init_train_state(
+            params, param_shardings, hf.abstract_params(cfg, "causal_lm"), self.tx, self.mesh)
+        self.checkpoints = supervised.checkpoint_manager(workdir, config.train.keep_checkpoints)
+        self.state = supervised.resume(self.checkpoints, self.state, self.state_shardings, self.loader)
+
+        batch_sh = data_lib.SFTBatch(*([sharding.data_sharding(self.mesh)] * 3))
+        replicated = sharding.replicated(self.mesh)
+        self._train_step = supervised.wrap_mesh(jax.jit(
+            make_train_step(self.module, self.tx), in_shardings=(self.state_shardings, batch_sh),
+            out_shardings=(self.state_shardings, replicated), donate_argnums=(0,)), self.mesh)
+        self._eval_step = supervised.wrap_mesh(jax.jit(
+            make_eval_step(self.module), in_shardings=(self.state_shardings.params, batch_sh),
+            out_shardings=replicated), self.mesh)
+        self.writer = metrics_lib.MetricWriter(workdir)
+
+    def _load_tokenizer(self):
+        from ppo_jax.models import hf
+
+        path = self.config.tokenizer_path or self.config.model.path
+        if not path:
+            raise config_lib.ConfigError("sft: no tokenizer; pass tokenizer=..., or set tokenizer_path or "
+                                         "model.path")
+        return hf.load_tokenizer(path)
+
+    # -- steps
+
+    @property
+    def params(self):
+        return self.state.params
+
+    @property
+    def step(self) -> int:
+        return int(self.state.step)
+
+    def _place(self, batch: data_lib.SFTBatch) -> data_lib.SFTBatch:
+        return supervised.place_local_batch(batch, self.mesh)
+
+    def train_step(self) -> dict[str, float]:
+        batch = next(self.loader)
+        self.state, metrics = self._train_step(self.state, self._place(batch))
+        scalars = supervised.host_scalars(metrics)
+        scalars.update(self.loader.metrics())
+        return scalars
+
+    def evaluate(self) -> dict[str, float]:
+        """Token-mean NLL, perplexity and next-token accuracy on the eval data (all of it, or
+        train.eval_batches batches)."""
+        if self.eval_source is None:
+            return {}
+        totals = {"nll": 0.0, "correct": 0.0, "tokens": 0.0}
+        for i, records in enumerate(data_lib.iterate_once(self.eval_source, int(self.config.train.batch_size))):
+            if self.config.train.eval_batches and i >= self.config.train.eval_batches:
+                break
+            batch = self.prompt_tokenizer.sft(records.records, length=self.length)
+            # Filler rows of the last batch (valid=False) count for nothing.
+            batch = batch.replace(loss_mask=batch.loss_mask * records.valid[:, None].astype(np.int32))
+            out = jax.device_get(self._eval_step(self.state.params, self._place(batch)))
+            for k in totals:
+                totals[k] += float(out[k])
+        count = max(totals["tokens"], 1.0)
+        nll = totals["nll"] / count
+        return {"eval/loss": nll, "eval/perplexity": float(np.exp(min(nll, 50.0))),
+                "eval/accuracy": totals["correct"] / count, "eval/tokens": totals["tokens"]}
+
+    def save(self, step: int, scalars=None) -> None:
+        if step not in self.checkpoints.all_steps():
+            self.checkpoints.save(step, self.state, extra={"data": self.loader.state()}, force=True)
+
+    def train(self) -> list[dict[str, float]]:
+        """Runs to train.steps (resuming from the latest checkpoint), then exports to <workdir>/hf."""
+        try:
+            history = supervised.run_loop(
+                desc="sft", total_steps=int(self.config.train.steps), state_step=lambda: self.step,
+                train_step=self.train_step, evaluate=self.evaluate if self.eval_source is not None else None,
+                save=self.save, config_train=self.config.train, writer=self.writer)
+        finally:
+            self.close()
+        if self.config.train.export:
+            self.export()
+        return history
+
+    def export(self, out_dir: str | None = None) -> str:
+        """The current params as a Hugging Face causal LM (with the tokenizer); default <workdir>/hf."""
+        from ppo_jax.models import hf
+
+        out_dir = out_dir or os.path.join(self.workdir, "hf")
+        hf.export_model(out_dir, self.model_config, self.state.params, kind="causal_lm",
+                        tokenizer=self.tokenizer)
+        return out_dir
+
+    def close(self) -> None:
+        """Waits for checkpoint saves in flight and releases the writers (safe to call twice)."""
+        self.checkpoints.close()
+        self.writer.close()
+
+
+def main(argv=None) -> None:
+    """`python -m ppo_jax.sft --config=configs/sft.py --workdir=DIR [--config.x=y ...]`."""
+    supervised.command_line(lambda config, workdir: SFTTrainer(config, workdir), "sft", argv)
+
+
+if __name__ == "__main__":
+    main()
