@@ -1,0 +1,30 @@
+"""Memory plan of PPO on a Llama-3-70B-shaped policy (bf16 params and compute), for `ppo_jax.plan`.
+
+    python -m ppo_jax.plan --config=configs/plan_llama70b.py --device_memory_gib=95 \
+        --platform=tpu --tpu_topology=v5p:2x4x4                                   # v5p-64
+    python -m ppo_jax.plan --config=configs/plan_llama70b.py --config.mesh.shape=1,8,1 --device_memory_gb=141
+
+All four trees are 70B: the reward model is a separate 70B ScalarModel and the value model is grown
+from the policy. Adam moments follow the parameter dtype (optax), so they are bf16 here; for fp32
+master weights and fp32 Adam states add --config.policy.param_dtype=float32. A 70B policy with an
+8B reward / value model: configs/plan_llama70b_rm8b.py. Only shapes are used: no weights exist.
+"""
+
+from ppo_jax.config import ppo_config
+from ppo_jax.plan import llama_model
+
+
+def get_config():
+    config = ppo_config()  # every field and its meaning: ppo_jax/config.py
+    config.mesh.shape = (1, 32, 1)  # v5p-64: 32 chips (64 TensorCores), fsdp over all of them
+    # remat: each layer is recomputed in the backward pass instead of keeping its activations.
+    config.policy.model = llama_model("llama3-70b", param_dtype="bfloat16", dtype="bfloat16", remat=True)
+    config.reward.functions = "toy_target_count"  # any reward source; the planner adds a reward model
+    config.data.prompt_length = 512  # tokens, left-padded
+    config.rollout.batch_size = 128  # prompts per iteration
+    config.rollout.response_length = 512  # new tokens per response
+    config.rollout.forward_microbatch = 32  # rows per experience forward
+    config.ppo.epochs = 2  # PPO epochs per rollout batch
+    config.ppo.num_minibatches = 4  # 32 rows per optimizer step
+    config.ppo.num_microbatches = 1  # 32 rows per gradient slice (1 per chip on 32 chips)
+    return config

@@ -1,0 +1,542 @@
+"""Memory planner: per-device bytes of the four trees, optimizer states, KV cache and every jitted phase.
+
+    python -m ppo_jax.plan --config=configs/plan_llama7b.py --config.mesh.shape=1,8,1 --device_memory_gb=141
+    python -m ppo_jax.plan --config=configs/plan_llama7b.py --device_memory_gib=95 \
+        --platform=tpu --tpu_topology=v5p:2x4x4          # XLA:TPU itself, no TPU needed (libtpu)
+
+Nothing is allocated. The planner builds the trainer's own modules, optimizers, abstract train state
+(shapes, dtypes and shardings from the logical axis rules) and the trainer's own jitted programs
+(sampler, experience, update), lowers them on abstract inputs, compiles them, and reads
+`compiled.memory_analysis()`, which is per device.
+
+What the numbers mean:
+  * Parameter, optimizer-state, KV-cache and batch-array bytes are shape arithmetic on the shardings
+    (per-device shard shape x itemsize): exact by construction, whatever the compiler. They agree
+    with the compiler's argument bytes (tests/test_plan.py checks it).
+  * A phase's argument / output / aliased (donated) / temp bytes come from `memory_analysis()`.
+    Arguments, outputs and aliases are the same on every backend. Temps are the compiler's own buffer
+    assignment, so they depend on which compiler ran:
+      - `--platform=tpu --tpu_topology=...`: XLA:TPU compiling for compile-only devices of that slice
+        (libtpu installed, no TPU attached): the numbers a TPU run of these programs gets.
+      - `--platform=cpu` (default): XLA:CPU with one fake CPU device per mesh device, so any mesh size
+        plans on any machine. Its temps are an estimate of an accelerator's, not a measurement: XLA:CPU
+        computes bf16 dots in f32 (f32 copies of gathered weights), fuses less and has no flash-style
+        attention; see CPU_COMPILER_OPTIONS. Measured against XLA:TPU they come out higher.
+      - `--platform=gpu|tpu|default` without a topology: this machine's own devices (enough of them).
+  * A phase's peak = live + outputs - aliased + temps, where live is everything the trainer holds on
+    the devices when the phase starts (all four trees, optimizer states, the state's scalars, this
+    phase's batch inputs and the previous iteration's rollout and experience, which it keeps for
+    samples), by shape arithmetic. Not the compiler's argument bytes: jit prunes arguments a program
+    does not read (the experience step never reads the optimizer states), yet they stay in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import types
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ppo_jax import config as config_lib
+from ppo_jax import sharding
+from ppo_jax import step as step_lib
+from ppo_jax import trainer as trainer_lib
+from ppo_jax.models import ModelConfig, init_cache
+
+GB = 10**9
+GIB = 2**30
+
+# The sampler pins its cache with these logical names (ppo_jax.sampling._constrain_cache).
+KV_CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+
+# XLA:CPU has no bf16 matmuls: it converts bf16 weights to f32 next to each dot, and its loop-invariant
+# code motion then hoists those converts out of the layer scan, materialising an f32 copy of every
+# stacked weight (measured: 105 of 143 GiB of temps for a 70B experience step on 8 devices). TPU and
+# GPU multiply in bf16 and have no such copies, so CPU estimates are compiled without that pass.
+# Measured against XLA:TPU (Llama-2-7B shape, v5p-64), the CPU temps stay above the TPU's.
+CPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+
+
+# Published architectures (their Hugging Face config.json), for planning without a checkpoint.
+LLAMA_SHAPES = {
+    "llama2-7b": dict(arch="llama", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
+                      num_kv_heads=32, intermediate_size=11008, max_position_embeddings=4096,
+                      rope_theta=10000.0, bos_token_id=1, eos_token_id=2),
+    "llama3-8b": dict(arch="llama", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
+                      num_kv_heads=8, intermediate_size=14336, max_position_embeddings=8192,
+                      rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001),
+    "llama3-70b": dict(arch="llama", vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64,
+                       num_kv_heads=8, intermediate_size=28672, max_position_embeddings=8192,
+                       rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001),
+}
+
+
+def llama_model(name: str, **overrides):
+    """A model section (as policy.model) with the shape of a published Llama: see LLAMA_SHAPES."""
+    if name not in LLAMA_SHAPES:
+        raise config_lib.ConfigError(f"unknown model shape {name!r}; known: {', '.join(LLAMA_SHAPES)}")
+    fields = dict(LLAMA_SHAPES[name], norm_eps=1e-5, tie_word_embeddings=False)
+    fields.update(overrides)
+    return config_lib.model_config_dict(**fields)
+
+
+# ----------------------------------------------------------------------------------------------
+# Results.
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseMemory:
+    """Per-device bytes of one jitted phase.
+
+    argument/output/alias/temp: `compiled.memory_analysis()`; arguments are those the program reads
+    (jit prunes unused ones), alias = outputs written into donated arguments. live: everything on the
+    device when the phase starts (shape arithmetic), whether the program reads it or not.
+    """
+
+    name: str
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    live_bytes: int
+    compile_seconds: float
+
+    @property
+    def peak_bytes(self) -> int:
+        """Live buffers, plus new outputs (those not written into donated inputs), plus temps."""
+        return self.live_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSummary:
+    arch: str
+    num_params: int  # whole model, all devices
+    param_dtype: str
+    dtype: str
+    remat: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Per-device memory of a PPO run on one mesh (bytes unless named otherwise)."""
+
+    mesh_shape: tuple[int, int, int]  # (data, fsdp, tensor)
+    platform: str  # the compiler whose temp bytes these are ("cpu", "tpu", "gpu")
+    device_kind: str  # e.g. "cpu", "TPU v5" (v5p)
+    compiler_options: dict[str, Any]  # XLA options the phases were compiled with
+    policy_model: ModelSummary
+    reward_model: ModelSummary
+    value_model: ModelSummary | None  # None for critic-free estimators
+    value_init: str
+    batch: dict[str, int]  # prompts, samples, rows, prompt/response length, minibatch sizes
+    params: dict[str, int]  # policy, reference, reward, value -> per-device bytes
+    optimizer: dict[str, int]  # policy, value -> per-device bytes of the optax states
+    kv_cache_bytes: int  # the sampler's [L, rows, slots, K, Dh] k and v (inside its temps)
+    batch_arrays: dict[str, int]  # rollout, experience -> per-device bytes
+    phases: tuple[PhaseMemory, ...]
+
+    @property
+    def resident_bytes(self) -> int:
+        """Trees that stay on the devices for the whole run."""
+        return sum(self.params.values()) + sum(self.optimizer.values())
+
+    @property
+    def peak_phase(self) -> PhaseMemory:
+        return max(self.phases, key=lambda p: p.peak_bytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak_phase.peak_bytes
+
+    @property
+    def num_devices(self) -> int:
+        return int(np.prod(self.mesh_shape))
+
+    def fits(self, device_memory_bytes: float) -> bool:
+        """Whether every phase's peak fits in `device_memory_bytes` per device."""
+        return self.peak_bytes <= device_memory_bytes
+
+    def to_dict(self, device_memory_bytes: float | None = None) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["phases"] = [dict(dataclasses.asdict(p), peak_bytes=p.peak_bytes) for p in self.phases]
+        d["resident_bytes"] = self.resident_bytes
+        d["peak_bytes"] = self.peak_bytes
+        d["peak_phase"] = self.peak_phase.name
+        d["num_devices"] = self.num_devices
+        d["device_memory_bytes"] = device_memory_bytes
+        d["fits"] = None if device_memory_bytes is None else self.fits(device_memory_bytes)
+        return d
+
+
+# ----------------------------------------------------------------------------------------------
+# Shape arithmetic on shardings (exact).
+
+
+def device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of ShapeDtypeStructs with shardings.
+
+    Every device holds the same shard shape (sharding.logical_to_spec only uses mesh axes that divide),
+    so the first device's shard is every device's.
+    """
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shard = leaf.sharding.shard_shape(leaf.shape)
+        total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def _summary(cfg: ModelConfig) -> ModelSummary:
+    return ModelSummary(arch=cfg.arch, num_params=cfg.num_params(), param_dtype=cfg.param_dtype,
+                        dtype=cfg.dtype, remat=cfg.remat)
+
+
+def _abstract(boxed: Any, mesh) -> Any:
+    """Boxed abstract params -> ShapeDtypeStructs carrying their shardings."""
+    shardings = sharding.tree_shardings(boxed, mesh)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        nn.unbox(boxed), shardings)
+
+
+# ----------------------------------------------------------------------------------------------
+# Configuration.
+
+
+def planned_reward_config(config, policy_cfg: ModelConfig) -> tuple[ModelConfig, str]:
+    """The reward model architecture to plan with, and where it came from.
+
+    `config.plan.reward_model` (a model section, as policy.model) if the config has one; else the
+    config.json of reward.path (no weights read); else the policy's architecture.
+    """
+    plan_section = config.get("plan")
+    if plan_section is not None and plan_section.get("reward_model") is not None:
+        return config_lib.model_config_from_dict(plan_section.reward_model), "plan.reward_model"
+    if config.reward.path:
+        return trainer_lib.reward_model_config(config), f"reward.path={config.reward.path}"
+    return policy_cfg, "same as the policy"
+
+
+def _validated_sizes(config, mesh, policy_cfg: ModelConfig) -> config_lib.DerivedSizes:
+    """config.validate, with the planned reward model standing in for a reward source."""
+    checked = config.copy_and_resolve_references()
+    with checked.unlocked():
+        if not checked.reward.path:
+            checked.reward.path = "<planned reward model>"  # validate only checks that one is named
+    return config_lib.validate(checked, batch_divisor=sharding.batch_divisor(mesh),
+                               max_positions=policy_cfg.max_position_embeddings,
+                               vocab_size=policy_cfg.vocab_size)
+
+
+def _trainer_programs(config, mesh, sizes, hp, modules, policy_tx, value_tx, state_shardings,
+                      frozen_shardings, stop_ids, pad_id):
+    """The trainer's own sampler and jitted experience/update steps, built by `PPOTrainer._build_steps`.
+
+    The planner must measure exactly the programs a run compiles, so rather than repeating their
+    wiring (shardings, donation) it gives `_build_steps` the attributes it reads, on an instance
+    whose `__init__` (which loads weights and data) never runs.
+    """
+    t = trainer_lib.PPOTrainer.__new__(trainer_lib.PPOTrainer)
+    t.config, t.mesh, t.sizes, t.hp, t.modules = config, mesh, sizes, hp, modules
+    t.policy_tx, t.value_tx = policy_tx, value_tx
+    t.state_shardings, t.frozen_shardings = state_shardings, frozen_shardings
+    t.stop_ids = stop_ids
+    t.tokenizer = types.SimpleNamespace(pad_token_id=pad_id)
+    t._build_steps()
+    return t
+
+
+def _compile(name: str, lowered, live: int, compiler_options: dict[str, Any]) -> PhaseMemory:
+    start = time.perf_counter()
+    compiled = lowered.compile(compiler_options=compiler_options or None)
+    seconds = time.perf_counter() - start
+    m = compiled.memory_analysis()
+    if m is None:
+        raise RuntimeError(f"the {jax.default_backend()} compiler gives no memory analysis for {name}")
+    return PhaseMemory(name=name, argument_bytes=int(m.argument_size_in_bytes),
+                       output_bytes=int(m.output_size_in_bytes), alias_bytes=int(m.alias_size_in_bytes),
+                       temp_bytes=int(m.temp_size_in_bytes), live_bytes=int(live),
+                       compile_seconds=round(seconds, 2))
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan.
+
+
+PHASES = ("sampler", "experience", "update")
+
+
+def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES) -> MemoryPlan:
+    """Plans a PPO run of `config` on `mesh` (default: config.mesh.shape over this process's devices).
+
+    `phases`: the programs to compile (all three by default; the peak is over these). Raises
+    config.ConfigError for a config that cannot run, before anything is compiled.
+    """
+    unknown = sorted(set(phases) - set(PHASES))
+    if unknown or not phases:
+        raise config_lib.ConfigError(f"phases {list(phases)}: name one or more of {', '.join(PHASES)}")
+    mesh = mesh if mesh is not None else sharding.make_mesh(tuple(config.mesh.shape))
+    policy_cfg = trainer_lib.policy_model_config(config)
+    reward_cfg, _ = planned_reward_config(config, policy_cfg)
+    sizes = _validated_sizes(config, mesh, policy_cfg)
+    hp = step_lib.PPOHyper.from_config(config, sizes)
+
+    modules = trainer_lib.make_modules(config, policy_cfg, reward_cfg, hp.uses_critic)
+    policy_tx, value_tx = trainer_lib.make_optimizers(config, hp.uses_critic)
+    state, state_shardings = trainer_lib.abstract_train_state(config, modules, policy_tx, value_tx, mesh)
+    reward = _abstract(trainer_lib.boxed_params(modules.reward), mesh)
+    frozen = step_lib.FrozenParams(reference=state.policy, reward=reward)
+    frozen_shardings = jax.tree.map(lambda s: s.sharding, frozen)
+
+    params = {"policy": device_bytes(state.policy), "reference": device_bytes(frozen.reference),
+              "reward": device_bytes(frozen.reward),
+              "value": device_bytes(state.value) if state.value is not None else 0}
+    optimizer = {"policy": device_bytes(state.policy_opt),
+                 "value": device_bytes(state.value_opt) if state.value_opt is not None else 0}
+
+    stop_ids = config_lib.stop_token_ids(config, policy_cfg.eos_token_id) or (0,)
+    pad_id = policy_cfg.pad_token_id if policy_cfg.pad_token_id is not None else 0
+    steps = _trainer_programs(config, mesh, sizes, hp, modules, policy_tx, value_tx, state_shardings,
+                              frozen_shardings, stop_ids, pad_id)
+
+    # Sampler: prompts [B, Lq] in, SampleOutput with R = B * n rows out.
+    batch_sh = sharding.data_sharding(mesh)
+    prompts = jax.ShapeDtypeStruct((int(config.rollout.batch_size), int(config.data.prompt_length)),
+                                   jnp.int32, sharding=batch_sh)
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
+                               sharding=sharding.replicated(mesh))
+    sampler_lowered = steps.sampler.lower(state.policy, prompts, prompts, key)
+    sample = sampler_lowered.out_info
+    rows = sample.tokens.shape[0]
+    rollout = step_lib.Rollout(
+        prompt_tokens=sample.prompt_tokens, prompt_mask=sample.prompt_mask, tokens=sample.tokens,
+        mask=sample.mask, sampler_logprobs=sample.logprobs, stopped=sample.stopped,
+        host_scores=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=batch_sh))
+
+    with jax.set_mesh(mesh), sharding.activation_rules():
+        experience_lowered = steps.experience_jit.lower(state, frozen, rollout)
+        experience = experience_lowered.out_info[0]
+        update_lowered = steps.update_jit.lower(state, experience)
+
+    slots = int(config.data.prompt_length) + int(config.rollout.response_length) - 1
+    cache = jax.eval_shape(lambda: init_cache(policy_cfg, rows, slots, steps.sampling_config.cache_dtype))
+    cache_sh = jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(KV_CACHE_AXES, cache.k.shape, mesh))
+    kv_cache_bytes = 2 * device_bytes(jax.ShapeDtypeStruct(cache.k.shape, cache.k.dtype, sharding=cache_sh))
+    batch_arrays = {"rollout": device_bytes(rollout), "experience": device_bytes(experience)}
+
+    # On the devices when each phase starts: every tree and the state's scalars for the whole run, the
+    # previous iteration's (rollout, experience) that the trainer keeps for samples, and the phase's
+    # batch inputs (the update runs while the current rollout is still referenced).
+    key_data = jax.eval_shape(jax.random.key_data, state.key)  # the key is replicated: every device holds it
+    resident = (sum(params.values()) + sum(optimizer.values()) + device_bytes((state.step, state.kl))
+                + math.prod(key_data.shape) * key_data.dtype.itemsize)
+    held = batch_arrays["rollout"] + batch_arrays["experience"]
+    programs = {
+        "sampler": (sampler_lowered, resident + held + device_bytes((prompts, prompts))),
+        "experience": (experience_lowered, resident + held + batch_arrays["rollout"]),
+        "update": (update_lowered, resident + held + batch_arrays["rollout"] + batch_arrays["experience"]),
+    }
+    platform = mesh.devices.flat[0].platform
+    options = dict(CPU_COMPILER_OPTIONS) if platform == "cpu" else {}
+    compiled = tuple(_compile(name, *programs[name], options) for name in PHASES if name in phases)
+    return MemoryPlan(
+        mesh_shape=tuple(int(mesh.shape[a]) for a in sharding.MESH_AXES),
+        platform=platform, device_kind=mesh.devices.flat[0].device_kind, compiler_options=options,
+        policy_model=_summary(policy_cfg), reward_model=_summary(reward_cfg),
+        value_model=_summary(modules.value.config) if modules.value is not None else None,
+        value_init=str(config.value.init),
+        batch={"prompts": int(config.rollout.batch_size), "samples_per_prompt": int(config.rollout.num_samples),
+               "rows": sizes.rollout_rows, "prompt_length": int(config.data.prompt_length),
+               "response_length": int(config.rollout.response_length),
+               "minibatch_rows": sizes.minibatch_rows, "microbatch_rows": sizes.microbatch_rows,
+               "forward_rows": sizes.forward_rows, "epochs": int(config.ppo.epochs)},
+        params=params, optimizer=optimizer, kv_cache_bytes=kv_cache_bytes, batch_arrays=batch_arrays,
+        phases=compiled)
+
+
+# ----------------------------------------------------------------------------------------------
+# Report.
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:10.3f}"
+
+
+def _model_line(label: str, m: ModelSummary) -> str:
+    return (f"{label:<8}{m.arch} {m.num_params / 1e9:.2f}B params, {m.param_dtype} params, "
+            f"{m.dtype} compute{', remat' if m.remat else ''}")
+
+
+def format_plan(plan: MemoryPlan, device_memory_bytes: float | None = None) -> str:
+    """A human-readable table (GiB = 2^30 bytes per device)."""
+    b = plan.batch
+    d, f, t = plan.mesh_shape
+    lines = [
+        f"Memory plan: mesh (data={d}, fsdp={f}, tensor={t}) = {plan.num_devices} devices; "
+        f"compiled by XLA:{plan.platform.upper()} for {plan.device_kind}",
+        _model_line("policy", plan.policy_model) + "  (reference: same)",
+        _model_line("reward", plan.reward_model),
+        (_model_line("value", plan.value_model) + f"  (from the {plan.value_init})") if plan.value_model
+        else "value   none (critic-free estimator)",
+        f"batch   {b['prompts']} prompts x {b['samples_per_prompt']} samples = {b['rows']} rows, prompt "
+        f"{b['prompt_length']} + response {b['response_length']} tokens; {b['epochs']} epochs of minibatches "
+        f"of {b['minibatch_rows']} rows, microbatches of {b['microbatch_rows']}, forward chunks of "
+        f"{b['forward_rows']}",
+        "",
+        "Per device (GiB)                       bytes are exact shape arithmetic on the shardings",
+    ]
+    for name in ("policy", "reference", "reward", "value"):
+        lines.append(f"  params     {name:<12}{_gib(plan.params[name])}")
+    for name in ("policy", "value"):
+        lines.append(f"  optimizer  {name:<12}{_gib(plan.optimizer[name])}")
+    lines += [
+        f"  total      params+opt  {_gib(plan.resident_bytes)}",
+        f"  KV cache   (sampler)   {_gib(plan.kv_cache_bytes)}   part of the sampler's temps",
+        f"  batch      rollout     {_gib(plan.batch_arrays['rollout'])}",
+        f"  batch      experience  {_gib(plan.batch_arrays['experience'])}",
+        "",
+        "Phases (GiB per device)                live: shape arithmetic; the rest: compiled.memory_analysis()",
+        f"  {'phase':<11}{'live':>10} {'outputs':>10} {'aliased':>10} {'temps':>10} {'peak':>10}   "
+        f"{'(arguments':>10}  compile s)",
+    ]
+    for p in plan.phases:
+        lines.append(f"  {p.name:<11}{_gib(p.live_bytes)} {_gib(p.output_bytes)} {_gib(p.alias_bytes)} "
+                     f"{_gib(p.temp_bytes)} {_gib(p.peak_bytes)}   {_gib(p.argument_bytes)} {p.compile_seconds:9.1f}")
+    peak = plan.peak_phase
+    lines.append("")
+    if len(plan.phases) < len(PHASES):
+        lines.append(f"Only {', '.join(p.name for p in plan.phases)} compiled (--phases): the peak is over those.")
+    summary = f"Peak {plan.peak_bytes / GIB:.3f} GiB ({plan.peak_bytes / GB:.2f} GB) per device, in the {peak.name} phase"
+    if device_memory_bytes is None:
+        lines.append(summary + "; pass --device_memory_gb or --device_memory_gib for a verdict.")
+    else:
+        verdict = "FITS" if plan.fits(device_memory_bytes) else "DOES NOT FIT"
+        spare = device_memory_bytes - plan.peak_bytes
+        lines.append(f"{summary}; device memory {device_memory_bytes / GIB:.3f} GiB "
+                     f"({device_memory_bytes / GB:.2f} GB): {verdict} "
+                     f"({'spare' if spare >= 0 else 'short by'} {abs(spare) / GIB:.3f} GiB)")
+    if plan.platform == "cpu":
+        lines.append("Temps are XLA:CPU's estimate of an accelerator's (see ppo_jax/plan.py); parameter, optimizer, "
+                     "KV-cache and batch bytes are exact.")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line.
+
+
+def mesh_size(shape, num_devices: int | None) -> int:
+    """Devices a (data, fsdp, tensor) shape needs; a -1 entry takes `num_devices`."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != 3:
+        raise config_lib.ConfigError(f"mesh.shape must have 3 entries (data, fsdp, tensor), got {shape}")
+    if -1 in shape:
+        if num_devices is None:
+            raise config_lib.ConfigError(
+                f"mesh.shape={shape} has a -1 entry: pass --num_devices=N (the devices of the planned machine) "
+                "or give every mesh axis explicitly")
+        return int(num_devices)
+    size = int(np.prod(shape))
+    if num_devices is not None and num_devices != size:
+        raise config_lib.ConfigError(f"mesh.shape={shape} needs {size} devices, but --num_devices={num_devices}")
+    return size
+
+
+def run():
+    """Entry point of `python -m ppo_jax.plan`."""
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    config_flag = config_flags.DEFINE_config_file("config", None, "ml_collections config file (get_config()).",
+                                                  lock_config=True)
+    num_devices = flags.DEFINE_integer("num_devices", None, "Devices of the planned machine (default: the "
+                                       "product of mesh.shape; needed when mesh.shape has a -1).")
+    memory_gb = flags.DEFINE_float("device_memory_gb", None, "Memory per device in GB (10^9 bytes), e.g. 141 "
+                                   "for an H200.")
+    memory_gib = flags.DEFINE_float("device_memory_gib", None, "Memory per device in GiB (2^30 bytes), e.g. 95 "
+                                    "for a TPU v5p chip.")
+    platform = flags.DEFINE_string("platform", "cpu", "Compiler for the phase programs: 'cpu' (fake CPU devices, "
+                                   "any mesh size) or a JAX platform of this machine with enough devices "
+                                   "('tpu', 'gpu', 'default').")
+    tpu_topology = flags.DEFINE_string("tpu_topology", "", "With --platform=tpu: compile for this TPU slice "
+                                       "without TPUs, e.g. 'v5p:2x4x4' (v5p-64, 32 chips); needs libtpu.")
+    phases = flags.DEFINE_list("phases", list(PHASES), "Programs to compile (the peak is over these).")
+    as_json = flags.DEFINE_bool("json", False, "Print the plan as JSON instead of a table.")
+
+    def main(argv):
+        del argv
+        config = config_flag.value
+        try:
+            if memory_gb.value is not None and memory_gib.value is not None:
+                raise config_lib.ConfigError("pass either --device_memory_gb or --device_memory_gib, not both")
+            memory = (memory_gb.value * GB if memory_gb.value is not None else
+                      memory_gib.value * GIB if memory_gib.value is not None else None)
+            if memory is not None and memory <= 0:
+                raise config_lib.ConfigError("device memory must be positive")
+            n = mesh_size(config.mesh.shape, num_devices.value)
+            devices = _planning_devices(platform.value, n, tpu_topology.value)
+            mesh = sharding.make_mesh(tuple(config.mesh.shape), devices)
+            start = time.perf_counter()
+            plan = plan_memory(config, mesh, tuple(phases.value))
+            seconds = time.perf_counter() - start
+        except (config_lib.ConfigError, ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        if as_json.value:
+            print(json.dumps(dict(plan.to_dict(memory), planning_seconds=round(seconds, 1)), indent=2))
+        else:
+            print(format_plan(plan, memory))
+            print(f"Planned in {seconds:.1f} s.")
+
+    flags.mark_flags_as_required(["config"])
+    app.run(main)
+
+
+def _planning_devices(platform: str, n: int, tpu_topology: str = ""):
+    """n devices to compile for.
+
+    cpu: n fake CPU devices (made before JAX starts its backends). tpu with a topology: libtpu's
+    compile-only devices of that slice (no TPU needed, only the libtpu package or TPU_LIBRARY_PATH).
+    Otherwise: this machine's devices of that platform.
+    """
+    if tpu_topology:
+        if platform != "tpu":
+            raise config_lib.ConfigError("--tpu_topology needs --platform=tpu")
+        from jax.experimental import topologies
+
+        try:
+            devices = topologies.get_topology_desc(topology_name=tpu_topology, platform="tpu").devices
+        except RuntimeError as e:
+            raise config_lib.ConfigError(
+                f"cannot describe TPU topology {tpu_topology!r} ({e}); compiling for a TPU without one needs "
+                "libtpu: pip install libtpu (or set TPU_LIBRARY_PATH to libtpu.so)") from None
+        if len(devices) != n:
+            raise config_lib.ConfigError(
+                f"TPU topology {tpu_topology!r} has {len(devices)} chips but the mesh needs {n} devices; "
+                "set --config.mesh.shape to cover the slice")
+        return list(devices)
+    if platform == "cpu":
+        try:
+            jax.config.update("jax_platforms", "cpu")
+            jax.config.update("jax_num_cpu_devices", n)
+        except RuntimeError:
+            pass  # backends already started (e.g. inside a test): use what is there
+        devices = jax.devices("cpu")
+    else:
+        devices = jax.devices() if platform == "default" else jax.devices(platform)
+    if len(devices) < n:
+        raise config_lib.ConfigError(
+            f"the mesh needs {n} devices but {len(devices)} {platform} devices are available; with "
+            "--platform=cpu run the planner in a fresh process so it can create them")
+    return devices[:n]
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,129 @@
+"""Memory planner (ppo_jax.plan).
+
+Parameter, optimizer and batch bytes in a plan are shape arithmetic on the shardings (per-device shard
+shape x itemsize); phase bytes come from `compiled.memory_analysis()`. The tests check the first
+against the second, the parameter counts against ModelConfig.num_params, that 8-way fsdp divides
+parameter + optimizer memory, that the verdict flips exactly at the peak, and that the CLI plans a
+mesh bigger than this process's 8 devices.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import make_test_mesh
+
+from ppo_jax import plan as plan_lib
+from ppo_jax.config import ConfigError, model_config_from_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_CONFIG = ROOT / "configs" / "plan_tiny.py"
+# step [] int32, the KL controller state and the PRNG key: replicated scalars in TrainState.
+SMALL_STATE_BYTES = 64
+
+
+def tiny_config():
+    spec = importlib.util.spec_from_file_location("plan_tiny_config", TINY_CONFIG)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+@pytest.fixture(scope="module")
+def plans():
+    """Plans on 1 device and on 8-way fsdp. Only the experience step is compiled: its arguments hold
+    every tree (trainable state and frozen params), and it compiles in seconds."""
+    config = tiny_config()
+    return {shape: plan_lib.plan_memory(config, make_test_mesh(shape), phases=("experience",))
+            for shape in [(1, 1, 1), (1, 8, 1)]}
+
+
+def params_and_optimizer(plan):
+    return sum(plan.params.values()) + sum(plan.optimizer.values())
+
+
+def test_one_device_bytes_are_the_parameter_counts(plans):
+    """float32 trees on one device: 4 bytes per parameter; Adam keeps two moments per parameter."""
+    one = plans[(1, 1, 1)]
+    policy = model_config_from_dict(tiny_config().policy.model)
+    assert one.params["policy"] == one.params["reference"] == 4 * policy.num_params()
+    # Reward and value: the policy's transformer (no LM head) and a scalar head (kernel [D, 1], bias [1]).
+    scalar = policy.num_params(with_lm_head=False) + policy.hidden_size + 1
+    assert one.params["reward"] == one.params["value"] == 4 * scalar
+    for name in ("policy", "value"):
+        assert 0 <= one.optimizer[name] - 2 * one.params[name] <= SMALL_STATE_BYTES  # + step counters
+
+
+def test_fsdp_divides_parameter_and_optimizer_bytes(plans):
+    one, eight = plans[(1, 1, 1)], plans[(1, 8, 1)]
+    assert params_and_optimizer(eight) <= 1.15 / 8 * params_and_optimizer(one)
+    for name in ("policy", "reference", "reward", "value"):
+        assert eight.params[name] <= 1.15 / 8 * one.params[name]
+
+
+def test_shape_arithmetic_agrees_with_memory_analysis(plans):
+    """The experience step reads the four parameter trees and the rollout (jit prunes the optimizer
+    states it never reads): the compiler's per-device argument bytes must equal the planner's
+    arithmetic, up to the few replicated scalars. Live bytes also count the pruned optimizer states."""
+    for plan in plans.values():
+        (experience,) = plan.phases
+        expected = sum(plan.params.values()) + plan.batch_arrays["rollout"]
+        assert 0 <= experience.argument_bytes - expected <= SMALL_STATE_BYTES
+        assert experience.live_bytes >= params_and_optimizer(plan) + plan.batch_arrays["rollout"]
+        assert experience.live_bytes - experience.argument_bytes >= sum(plan.optimizer.values())
+
+
+def test_verdict_flips_at_the_peak(plans):
+    plan = plans[(1, 8, 1)]
+    (phase,) = plan.phases
+    assert plan.peak_bytes == phase.live_bytes + phase.output_bytes - phase.alias_bytes + phase.temp_bytes
+    assert plan.fits(plan.peak_bytes)
+    assert not plan.fits(plan.peak_bytes - 1)
+    assert ": FITS (spare 0.000 GiB)" in plan_lib.format_plan(plan, plan.peak_bytes)
+    assert ": DOES NOT FIT (short by 0.000 GiB)" in plan_lib.format_plan(plan, plan.peak_bytes - 1)
+    assert plan.to_dict(plan.peak_bytes - 1)["fits"] is False
+
+
+def test_cli_plans_a_mesh_larger_than_this_process(plans):
+    """16-way fsdp in a fresh process (16 fake CPU devices there; this process has 8), all three phases."""
+    memory_gb = 0.01
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = subprocess.run(
+        [sys.executable, "-m", "ppo_jax.plan", f"--config={TINY_CONFIG}", "--config.mesh.shape=1,16,1",
+         f"--device_memory_gb={memory_gb}", "--json"],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout)
+    assert out["num_devices"] == 16 and out["platform"] == "cpu"
+    assert [p["name"] for p in out["phases"]] == ["sampler", "experience", "update"]
+    one = plans[(1, 1, 1)]
+    per_device = sum(out["params"].values()) + sum(out["optimizer"].values())
+    assert per_device <= 1.15 / 16 * params_and_optimizer(one)
+    assert out["fits"] == (out["peak_bytes"] <= memory_gb * 1e9)
+    # The update reads the trainable state and the experience, and donates the state: its new state
+    # is written into exactly those bytes.
+    update = out["phases"][2]
+    trainable = out["params"]["policy"] + out["params"]["value"] + sum(out["optimizer"].values())
+    assert 0 <= update["argument_bytes"] - trainable - out["batch_arrays"]["experience"] <= SMALL_STATE_BYTES
+    assert 0 <= update["alias_bytes"] - trainable <= SMALL_STATE_BYTES
+    # The sampler's temps hold at least its KV cache.
+    assert out["phases"][0]["temp_bytes"] >= out["kv_cache_bytes"] > 0
+
+
+def test_bad_input_fails_before_compiling():
+    with pytest.raises(ConfigError, match="--num_devices"):
+        plan_lib.mesh_size((1, -1, 1), None)
+    with pytest.raises(ConfigError, match="needs 8 devices, but --num_devices=4"):
+        plan_lib.mesh_size((2, 4, 1), 4)
+    config = tiny_config()
+    config.rollout.batch_size = 12
+    with pytest.raises(ConfigError, match="does not split over the 8 data-parallel devices"):
+        plan_lib.plan_memory(config, make_test_mesh((1, 8, 1)))
+    with pytest.raises(ConfigError, match="phases"):
+        plan_lib.plan_memory(tiny_config(), make_test_mesh((1, 1, 1)), phases=("rollout",))
+    with pytest.raises(ConfigError, match="unknown model shape"):
+        plan_lib.llama_model("llama9-1t")
