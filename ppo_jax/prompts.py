@@ -56,21 +56,29 @@ class PromptStream:
             seed=config.seed, shuffle=split == "train",
             agree_length=lambda _: d.prompt_length)
 
+        self.truncated = 0  # prompts truncated so far, summed over all processes
+
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        """This process's rows of the next global batch: tokens, mask [b, Lq]."""
+        before = self.tokenizer.num_truncated_prompts
         batch = next(self.loader)
+        self.truncated += _sum_over_processes(self.tokenizer.num_truncated_prompts - before)
         return batch.tokens, batch.mask
 
-    @property
-    def truncated(self) -> int:
-        return self.tokenizer.num_truncated_prompts
-
     def state(self) -> dict:
-        """Data position and the cumulative tokenizer counters (JSON, for checkpoints)."""
-        tok = self.tokenizer
-        return {"loader": self.loader.state(), "num_prompts": tok.num_prompts,
-                "num_truncated_prompts": tok.num_truncated_prompts}
+        """Data position and the global truncation count (JSON, for checkpoints)."""
+        return {"loader": self.loader.state(), "truncated": self.truncated}
 
     def restore(self, state: dict) -> None:
         self.loader.restore(state["loader"])
-        self.tokenizer.num_prompts = int(state["num_prompts"])
-        self.tokenizer.num_truncated_prompts = int(state["num_truncated_prompts"])
+        self.truncated = int(state["truncated"])
+
+
+def _sum_over_processes(value: int) -> int:
+    import jax
+
+    if jax.process_count() == 1:
+        return int(value)
+    from jax.experimental import multihost_utils
+
+    return int(np.sum(multihost_utils.process_allgather(np.asarray(value, np.int32))))

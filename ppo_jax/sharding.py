@@ -161,6 +161,22 @@ def put_batch(tree: Any, mesh: Mesh) -> Any:
         tree)
 
 
+def replicate(tree: Any, mesh: Mesh) -> Any:
+    """Host values (identical on every process; typed PRNG keys included) -> replicated global arrays."""
+    target = replicated(mesh)
+
+    def one(x):
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            impl = jax.random.key_impl(x)
+            return jax.random.wrap_key_data(one(jax.random.key_data(x)), impl=impl)
+        if jax.process_count() == 1:
+            return jax.device_put(x, target)
+        value = np.asarray(x)
+        return jax.make_array_from_callback(value.shape, target, lambda idx: value[idx])
+
+    return jax.tree.map(one, tree)
+
+
 def to_host(tree: Any) -> Any:
     """Global arrays -> NumPy on every process (metrics, samples)."""
     if jax.process_count() == 1:

@@ -232,13 +232,16 @@ class PPOTrainer:
                                  best_metric=t.best_metric or None, best_mode=t.best_mode)
 
     def _fresh_state(self, policy, value, key) -> step_lib.TrainState:
-        sh = self.state_shardings
-        policy_opt = jax.jit(self.policy_tx.init, out_shardings=sh.policy_opt)(policy)
-        value_opt = (jax.jit(self.value_tx.init, out_shardings=sh.value_opt)(value)
-                     if value is not None else None)
-        state = step_lib.TrainState(step=jnp.zeros((), jnp.int32), policy=policy, policy_opt=policy_opt,
-                                    value=value, value_opt=value_opt, kl=init_kl(self.config), key=key)
-        return jax.device_put(state, sh)
+        """Optimizer states, KL controller, step and key built straight onto their shardings."""
+        sh, config = self.state_shardings, self.config
+
+        def build(policy, value, key):
+            return step_lib.TrainState(
+                step=jnp.zeros((), jnp.int32), policy=policy, policy_opt=self.policy_tx.init(policy),
+                value=value, value_opt=self.value_tx.init(value) if value is not None else None,
+                kl=init_kl(config), key=key)
+
+        return jax.jit(build, out_shardings=sh)(policy, value, sharding.replicate(key, self.mesh))
 
     def _restore(self):
         state, extra = self.checkpoints.restore(abstract_state=self.abstract_state)
@@ -366,7 +369,7 @@ class PPOTrainer:
     def rollout(self, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key) -> tuple[step_lib.Rollout, Any]:
         """Samples responses and scores them with the Python reward functions (host)."""
         toks, mask = sharding.put_local_batch((prompt_tokens, prompt_mask), self.mesh)
-        out = self.sampler(self.state.policy, toks, mask, key)
+        out = self.sampler(self.state.policy, toks, mask, sharding.replicate(key, self.mesh))
         if self.reward_functions:
             host = sharding.to_host({"pt": out.prompt_tokens, "pm": out.prompt_mask, "t": out.tokens,
                                      "m": out.mask})

@@ -16,6 +16,7 @@ def tiny_config(**overrides):
     c.data.prompt_length = 8
     c.rollout.batch_size = 32
     c.rollout.response_length = 8
+    c.rollout.forward_microbatch = 16  # experience forwards in two slices
     c.ppo.epochs = 2
     c.ppo.num_minibatches = 2
     c.ppo.num_microbatches = 2

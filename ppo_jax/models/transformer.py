@@ -271,6 +271,17 @@ class Block(nn.Module):
         return x, layer_cache
 
 
+def _lookup(embed: nn.Embed, ids: Array, rows: str = "vocab") -> Array:
+    """Embedding rows for ids [B, T] -> [B, T, D].
+
+    The table is gathered over its hidden axis first (the FSDP all-gather of a weight before use)
+    while it stays split over the vocabulary: XLA partitions a gather along a sharded row axis well,
+    but not one whose gathered axis is sharded too (it would replicate the whole table instead).
+    """
+    table = nn.with_logical_constraint(embed.embedding, (rows, "act_embed"))
+    return jnp.take(table, ids, axis=0).astype(embed.dtype)
+
+
 class Transformer(nn.Module):
     """Embeddings + scanned blocks + final norm: tokens [B, T] -> hidden [B, T, D]."""
 
@@ -302,9 +313,9 @@ class Transformer(nn.Module):
         """tokens, positions [B, T]; kv_mask [B, S] -> hidden [B, T, D], cache (advanced by T)."""
         cfg = self.config
         t = tokens.shape[1]
-        x = self.embed(tokens)
+        x = _lookup(self.embed, tokens)
         if cfg.family == "gpt2":
-            x = x + self.pos_embed(positions)
+            x = x + _lookup(self.pos_embed, positions, rows="positions")
         x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
         if cfg.family == "gpt2":
             cos = sin = jnp.zeros((), jnp.float32)  # unused
