@@ -11,6 +11,24 @@ from typing import Any
 
 import jax
 import numpy as np
+from etils import epath
+
+
+def _is_local(path: str) -> bool:
+    return "://" not in str(path)
+
+
+def append_lines(path: str, lines: Sequence[str]) -> None:
+    """Appends text lines to a local file, or rewrites a remote object (gs://: objects are
+    immutable, so "append" is read + write; fine for logs of thousands of rows)."""
+    text = "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+    if _is_local(path):
+        with open(path, "a") as f:
+            f.write(text)
+        return
+    target = epath.Path(path)
+    old = target.read_text() if target.exists() else ""
+    target.write_text(old + text)
 
 
 def _to_float(v: Any) -> float:
@@ -28,8 +46,8 @@ class MetricWriter:
         self.path = os.path.join(workdir, filename)
         self._tb = None
         if self.active:
-            os.makedirs(workdir, exist_ok=True)
-            if resume_step and os.path.exists(self.path):
+            epath.Path(workdir).mkdir(parents=True, exist_ok=True)
+            if resume_step and epath.Path(self.path).exists():
                 truncate_after(self.path, resume_step)
             if tensorboard:
                 from tensorboardX import SummaryWriter  # lazy: only the writer needs it
@@ -40,9 +58,8 @@ class MetricWriter:
     def write(self, step: int, scalars: Mapping[str, Any]) -> dict[str, float]:
         row = {k: _to_float(v) for k, v in scalars.items()}
         if self.active:
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"step": int(step), "time": time.time(), **row},
-                                   allow_nan=True) + "\n")
+            append_lines(self.path, [json.dumps({"step": int(step), "time": time.time(), **row},
+                                                allow_nan=True)])
             if self._tb is not None:
                 for k, v in row.items():
                     if math.isfinite(v):
@@ -57,29 +74,27 @@ class MetricWriter:
 
 def truncate_after(path: str, step: int) -> None:
     """Drops JSONL rows whose "step" is beyond `step` (rewritten atomically)."""
-    with open(path) as f:
-        keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(keep)
-    os.replace(tmp, path)
+    path = epath.Path(path)
+    keep = [line + "\n" for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path.parent / (path.name + ".tmp")
+    tmp.write_text("".join(keep))
+    tmp.replace(path)
 
 
 def read_metrics(path: str) -> list[dict[str, float]]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [json.loads(line) for line in epath.Path(path).read_text().splitlines() if line.strip()]
 
 
 def write_samples(workdir: str, step: int, rows: Sequence[Mapping[str, Any]],
                   filename: str = "samples.jsonl") -> None:
-    """Appends (prompt, response, score, ...) rows tagged with the step."""
+    """Appends (prompt, response, score, ...) rows tagged with the step (process 0 writes)."""
     if jax.process_index() != 0:
         return
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, filename), "a") as f:
-        for row in rows:
-            clean = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in row.items()}
-            f.write(json.dumps({"step": int(step), **clean}) + "\n")
+    epath.Path(workdir).mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"step": int(step), **{k: (v.item() if isinstance(v, np.generic) else v)
+                                               for k, v in row.items()}}) for row in rows]
+    append_lines(os.path.join(workdir, filename), lines)
 
 
 class PhaseTimer:

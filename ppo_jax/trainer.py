@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 
 from ppo_jax import config as config_lib
 from ppo_jax import metrics as metrics_lib
@@ -30,6 +31,21 @@ Array = jax.Array
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive updates were skipped for non-finite losses, gradients or rewards."""
+
+
+def save_tokenizer(tokenizer, directory: str) -> None:
+    """`save_pretrained` into a local or remote (gs://) directory."""
+    if "://" not in directory:
+        tokenizer.save_pretrained(directory)
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        target = epath.Path(directory)
+        target.mkdir(parents=True, exist_ok=True)
+        for f in os.listdir(tmp):
+            (target / f).write_bytes(open(os.path.join(tmp, f), "rb").read())
 
 
 def _copy_tree(params, shardings):
@@ -194,7 +210,7 @@ class PPOTrainer:
 
             reward_params = hf.load_model(config.reward.path, self.mesh, kind="reward").params
         checkpoint_dir = os.path.join(self.workdir, "checkpoints")
-        resuming = os.path.isdir(checkpoint_dir)
+        resuming = epath.Path(checkpoint_dir).is_dir()
         if resuming:
             self.checkpoints = self._checkpoint_manager(checkpoint_dir)
             resuming = self.checkpoints.latest_step() is not None
@@ -218,7 +234,7 @@ class PPOTrainer:
         start = self.resumed_from or 0
         self.writer = metrics_lib.MetricWriter(self.workdir, resume_step=start)
         if jax.process_index() == 0:
-            self.tokenizer.save_pretrained(os.path.join(self.workdir, "tokenizer"))
+            save_tokenizer(self.tokenizer, os.path.join(self.workdir, "tokenizer"))
         self.history: list[dict[str, float]] = []
         self._stop_signal: str | None = None
         self._consecutive_nonfinite = 0
