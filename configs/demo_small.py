@@ -1,0 +1,14 @@
+"""A reduced demo for the test suite and the notebook: the same pipeline, smaller corpus and fewer steps.
+
+    python -m ppo_jax.demo --config=configs/demo_small.py --workdir=runs/demo_small
+
+It shows the direction (the reward model beats chance, PPO raises the gold reward, KL stays bounded),
+not the full demo's numbers. The sizes are set in `ppo_jax.demo.small_config` (importable where the
+configs/ directory is not, e.g. an installed package in Colab).
+"""
+
+from ppo_jax.demo import small_config
+
+
+def get_config():
+    return small_config()

@@ -1,0 +1,81 @@
+"""The offline demo end to end at reduced size (configs/demo_small.py): the reward model beats chance
+on gold labels, PPO raises the hidden gold reward with a bounded KL, every promised output is written,
+preference sampling is reproducible, and the command line refuses a workdir it did not make."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import make_test_mesh
+
+from ppo_jax import demo
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    config = demo.small_config()
+    config.progress = False
+    workdir = str(tmp_path_factory.mktemp("demo"))
+    return config, demo.run(config, workdir, mesh=make_test_mesh((1, 1, 1)), verbose=False)
+
+
+def test_direction_rm_beats_chance_gold_goes_up_kl_bounded(result):
+    config, r = result
+    assert r.rm_val_accuracy > 0.65  # chance is 0.5
+    assert r.ppo_gold > r.sft_gold + 0.3
+    assert r.ppo_rm_score > r.sft_rm_score
+    assert 0.0 <= r.final_kl < config.targets.kl_bound
+    assert r.sft_gold < r.best_gold and r.ppo_gold <= r.best_gold + 1e-9
+    assert [e.step for e in r.evals] == [0, 10, 20]
+    assert abs(r.evals[0].kl) < 1e-3  # before any update the policy is the reference
+
+
+def test_every_output_is_written(result):
+    config, r = result
+    w = r.workdir
+    for stage in ("sft", "reward_model", "ppo"):
+        rows = [json.loads(line) for line in open(os.path.join(w, stage, "metrics.jsonl"))]
+        assert rows, stage
+        assert os.path.isdir(os.path.join(w, stage, "checkpoints")), stage
+        assert os.path.isfile(os.path.join(w, stage, "hf", "config.json")), stage
+        assert os.path.isfile(os.path.join(w, stage, "hf", "tokenizer.json")), stage
+    for name in ("ppo_curves.png", "sft_reward_model.png"):
+        with open(os.path.join(w, "plots", name), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    before_after = [json.loads(line) for line in open(os.path.join(w, "samples_before_after.jsonl"))]
+    assert len(before_after) == config.eval.num_prompts
+    assert {"prompt", "sft_response", "ppo_response", "sft_gold", "ppo_gold"} <= set(before_after[0])
+    assert np.mean([x["ppo_gold"] for x in before_after]) == pytest.approx(r.ppo_gold)
+    samples = [json.loads(line) for line in open(os.path.join(w, "ppo", "samples.jsonl"))]
+    assert {s["step"] for s in samples} == {10, 20}
+    summary = json.load(open(os.path.join(w, "summary.json")))
+    assert summary["rm_val_accuracy"] == r.rm_val_accuracy and "load_average_at_start" in summary
+    val = [json.loads(line) for line in open(os.path.join(w, "preferences", "val.jsonl"))]
+    assert all(v["gold_chosen"] > v["gold_rejected"] for v in val)  # validation labels are the gold ones
+    assert "gold reward, PPO policy" in r.table() and "reward model val accuracy" in r.table()
+
+
+def test_preference_sampling_is_reproducible(result, tmp_path):
+    config, r = result
+    world = demo.validate(config)
+    again = demo.sample_preferences(config, world, os.path.join(r.workdir, "sft", "hf"), str(tmp_path),
+                                    make_test_mesh((1, 1, 1)))
+    for split, records in zip(("train", "val"), again):
+        written = [json.loads(line) for line in open(os.path.join(r.workdir, "preferences", f"{split}.jsonl"))]
+        assert records == written, split
+
+
+def test_command_line_refuses_a_foreign_workdir(tmp_path):
+    (tmp_path / "mine.txt").write_text("not the demo's")
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "ppo_jax.demo", f"--workdir={tmp_path}",
+                           "--config.ppo.ppo.kl_coef=0.05"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "not empty and was not made by the demo" in proc.stderr
+    assert (tmp_path / "mine.txt").exists()
