@@ -203,19 +203,19 @@ def _first_above(cdf: Array, target: Array, mass: Array) -> Array:
     return jnp.where(hit.any(axis=-1), jnp.argmax(hit, axis=-1), last_positive).astype(jnp.int32)
 
 
-def draw_from_logits(logits: Array, uniforms: Array) -> Array:
-    """Exact categorical draw from softmax(logits) by inverse CDF: logits [R, V], uniforms [R] in
-    [0, 1) -> token ids [R] int32. -inf logits are never drawn.
+def draw_from_weights(weights: Array, uniforms: Array) -> Array:
+    """Exact categorical draw with probabilities proportional to weights [R, V] (>= 0, finite, some
+    positive per row), by inverse CDF; uniforms [R] in [0, 1) -> token ids [R] int32. Tokens of
+    weight 0 are never drawn.
 
     One uniform per row instead of V Gumbel variates (which cost far more than the model's decode
     step on CPU). The CDF is built in two levels, block masses then the chosen block, so every
     cumulative sum is short (a few hundred terms: float32 rounding stays ~1e-7).
     """
-    rows, vocab = logits.shape
-    probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # unnormalised, max entry 1
+    rows, vocab = weights.shape
     num_blocks = -(-vocab // _CDF_BLOCK)
-    probs = jnp.pad(probs, ((0, 0), (0, num_blocks * _CDF_BLOCK - vocab)))
-    blocks = probs.reshape(rows, num_blocks, _CDF_BLOCK)
+    weights = jnp.pad(weights, ((0, 0), (0, num_blocks * _CDF_BLOCK - vocab)))
+    blocks = weights.reshape(rows, num_blocks, _CDF_BLOCK)
     block_mass = blocks.sum(axis=-1)
     block_cdf = _inclusive_cumsum(block_mass)
     target = uniforms * block_cdf[:, -1]
@@ -225,6 +225,12 @@ def draw_from_logits(logits: Array, uniforms: Array) -> Array:
     in_block = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [R, block]
     offset = _first_above(_inclusive_cumsum(in_block), target - mass_before_block, in_block)
     return block * _CDF_BLOCK + offset
+
+
+def draw_from_logits(logits: Array, uniforms: Array) -> Array:
+    """Exact categorical draw from softmax(logits [R, V]) (-inf entries never drawn); see
+    `draw_from_weights`."""
+    return draw_from_weights(jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), uniforms)
 
 
 @flax.struct.dataclass
@@ -248,22 +254,36 @@ def response_uniforms(key: Array, rows: int, steps: int) -> Array:
     return jax.vmap(jax.vmap(one, in_axes=(None, 0)), in_axes=(0, None))(jnp.arange(rows), jnp.arange(steps))
 
 
+def _log_prob_of(logits: Array, tokens: Array, max_logit: Array, exp_sum: Array) -> Array:
+    """log_softmax(logits)[tokens] from the row max [R] and sum(exp(logits - max)) [R]; the same
+    arithmetic as `jax.nn.log_softmax`, without writing out the [R, V] result."""
+    picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    return picked - max_logit - jnp.log(exp_sum)
+
+
 def choose_tokens(logits: Array, step: Array, uniforms: Array, config: SamplingConfig) -> TokenChoice:
     """Picks one token per row from logits [R, V] (float32) at response position `step`, using
     uniforms [R] (this step's column of `response_uniforms`)."""
     scaled = logits.astype(jnp.float32) / config.temperature
-    full_logprobs = jax.nn.log_softmax(scaled, axis=-1)
     allowed = processed_logits(scaled, step, config)
+    # One exp pass over the vocabulary serves both the draw and the log-probs when nothing truncates.
+    allowed_max = jnp.max(allowed, axis=-1)
+    weights = jnp.exp(allowed - allowed_max[:, None])
+    allowed_sum = weights.sum(axis=-1)
     if config.greedy:
         tokens = jnp.argmax(allowed, axis=-1).astype(jnp.int32)
     else:
-        tokens = draw_from_logits(allowed, uniforms)
-    logprobs = jnp.take_along_axis(full_logprobs, tokens[:, None], axis=-1)[:, 0]
+        tokens = draw_from_weights(weights, uniforms)
+    if config.truncates:
+        scaled_max = jnp.max(scaled, axis=-1)
+        scaled_sum = jnp.exp(scaled - scaled_max[:, None]).sum(axis=-1)
+        logprobs = _log_prob_of(scaled, tokens, scaled_max, scaled_sum)
+    else:
+        logprobs = _log_prob_of(scaled, tokens, allowed_max, allowed_sum)
     if config.greedy:
-        sampling_logprobs = jnp.zeros_like(logprobs)
+        sampling_logprobs = jnp.zeros_like(logprobs)  # a point mass
     elif config.truncates:
-        truncated = jax.nn.log_softmax(allowed, axis=-1)
-        sampling_logprobs = jnp.take_along_axis(truncated, tokens[:, None], axis=-1)[:, 0]
+        sampling_logprobs = _log_prob_of(allowed, tokens, allowed_max, allowed_sum)
     else:
         sampling_logprobs = logprobs
     return TokenChoice(tokens=tokens, logprobs=logprobs, sampling_logprobs=sampling_logprobs)
@@ -277,13 +297,11 @@ def choose_tokens(logits: Array, step: Array, uniforms: Array, config: SamplingC
 class DecodeState:
     """Carry of the decode loop (R rows, N response slots, S cache slots).
 
-    step []: response tokens already chosen; logits [R, V]: next-token logits; cache: KV cache
-    (index = Lq + step - 1); kv_mask [R, S]; done [R]: row has stopped; the [R, N] buffers are
-    filled column by column.
+    step []: response tokens already chosen; cache: KV cache (index = Lq + step - 1); kv_mask [R, S];
+    done [R]: row has stopped; the [R, N] buffers are filled column by column.
     """
 
     step: Array
-    logits: Array
     cache: KVCache
     kv_mask: Array
     done: Array
@@ -391,18 +409,18 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
     prompt_lengths = prompt_mask.sum(axis=-1)
     uniforms = _constrain(response_uniforms(key, rows, new), ("batch", "length"))
 
-    def choose(state: DecodeState) -> TokenChoice:
-        column = jax.lax.dynamic_index_in_dim(uniforms, state.step, axis=1, keepdims=False)
-        return choose_tokens(state.logits, state.step, column, config)
+    def choose(logits: Array, step: Array) -> TokenChoice:
+        column = jax.lax.dynamic_index_in_dim(uniforms, step, axis=1, keepdims=False)
+        return choose_tokens(logits, step, column, config)
 
     def zeros(dtype):
         return _constrain(jnp.zeros((rows, new), dtype), ("batch", "length"))
 
     state = DecodeState(
-        step=jnp.zeros((), jnp.int32), logits=logits, cache=cache, kv_mask=kv_mask,
+        step=jnp.zeros((), jnp.int32), cache=cache, kv_mask=kv_mask,
         done=jnp.zeros((rows,), bool), tokens=zeros(jnp.int32) + config.pad_token_id,
         logprobs=zeros(jnp.float32), sampling_logprobs=zeros(jnp.float32), mask=zeros(jnp.int32))
-    state = _record(state, choose(state), config)
+    state = _record(state, choose(logits, state.step), config)
 
     def keep_going(state: DecodeState) -> Array:
         return (state.step < new) & ~jnp.all(state.done)
@@ -415,8 +433,8 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
         positions = (prompt_lengths + state.step - 1)[:, None]
         logits, cache = model.apply({"params": params}, previous, positions, kv_mask, state.cache,
                                     jnp.zeros((rows,), jnp.int32), method=_forward_last)
-        state = state.replace(logits=logits, cache=cache, kv_mask=kv_mask)
-        return _record(state, choose(state), config)
+        state = state.replace(cache=cache, kv_mask=kv_mask)
+        return _record(state, choose(logits, state.step), config)
 
     state = jax.lax.while_loop(keep_going, decode_one, state)
     return SampleOutput(
