@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 import types
@@ -135,6 +134,7 @@ class MemoryPlan:
     compiler_options: dict[str, Any]  # XLA options the phases were compiled with
     policy_model: ModelSummary
     reward_model: ModelSummary
+    reward_source: str  # where the reward architecture came from
     value_model: ModelSummary | None  # None for critic-free estimators
     value_init: str
     batch: dict[str, int]  # prompts, samples, rows, prompt/response length, minibatch sizes
@@ -284,7 +284,7 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES) -> MemoryPl
         raise config_lib.ConfigError(f"phases {list(phases)}: name one or more of {', '.join(PHASES)}")
     mesh = mesh if mesh is not None else sharding.make_mesh(tuple(config.mesh.shape))
     policy_cfg = trainer_lib.policy_model_config(config)
-    reward_cfg, _ = planned_reward_config(config, policy_cfg)
+    reward_cfg, reward_source = planned_reward_config(config, policy_cfg)
     sizes = _validated_sizes(config, mesh, policy_cfg)
     hp = step_lib.PPOHyper.from_config(config, sizes)
 
@@ -349,7 +349,7 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES) -> MemoryPl
     return MemoryPlan(
         mesh_shape=tuple(int(mesh.shape[a]) for a in sharding.MESH_AXES),
         platform=platform, device_kind=mesh.devices.flat[0].device_kind, compiler_options=options,
-        policy_model=_summary(policy_cfg), reward_model=_summary(reward_cfg),
+        policy_model=_summary(policy_cfg), reward_model=_summary(reward_cfg), reward_source=reward_source,
         value_model=_summary(modules.value.config) if modules.value is not None else None,
         value_init=str(config.value.init),
         batch={"prompts": int(config.rollout.batch_size), "samples_per_prompt": int(config.rollout.num_samples),
@@ -382,7 +382,7 @@ def format_plan(plan: MemoryPlan, device_memory_bytes: float | None = None) -> s
         f"Memory plan: mesh (data={d}, fsdp={f}, tensor={t}) = {plan.num_devices} devices; "
         f"compiled by XLA:{plan.platform.upper()} for {plan.device_kind}",
         _model_line("policy", plan.policy_model) + "  (reference: same)",
-        _model_line("reward", plan.reward_model),
+        _model_line("reward", plan.reward_model) + f"  ({plan.reward_source})",
         (_model_line("value", plan.value_model) + f"  (from the {plan.value_init})") if plan.value_model
         else "value   none (critic-free estimator)",
         f"batch   {b['prompts']} prompts x {b['samples_per_prompt']} samples = {b['rows']} rows, prompt "
@@ -413,7 +413,8 @@ def format_plan(plan: MemoryPlan, device_memory_bytes: float | None = None) -> s
     lines.append("")
     if len(plan.phases) < len(PHASES):
         lines.append(f"Only {', '.join(p.name for p in plan.phases)} compiled (--phases): the peak is over those.")
-    summary = f"Peak {plan.peak_bytes / GIB:.3f} GiB ({plan.peak_bytes / GB:.2f} GB) per device, in the {peak.name} phase"
+    summary = (f"Peak {plan.peak_bytes / GIB:.3f} GiB ({plan.peak_bytes / GB:.2f} GB) per device, "
+               f"in the {peak.name} phase")
     if device_memory_bytes is None:
         lines.append(summary + "; pass --device_memory_gb or --device_memory_gib for a verdict.")
     else:
