@@ -17,7 +17,8 @@ Every response is exactly `response_length` tokens on both sides:
 What is timed:
   * ppo_jax: wall time of `PPOTrainer.run_iteration()` (next prompt batch, sampling, experience step,
     update step, metrics to host), plus its own per-phase times (time/generate, time/experience,
-    time/update). The first iteration compiles; compile time = first iteration - steady median.
+    time/update). The first iteration compiles; compile time = first iteration - the median of the
+    steady iterations of the same round (run right after it, under the same machine load).
   * TRL: `trl.experimental.ppo.PPOTrainer.train()` itself, untouched. A `TrainerCallback` stamps the
     clock at `on_train_begin` and at every `on_step_end` (called once per PPO iteration, after the
     update epochs, logging and the LR-scheduler step); one iteration = the interval between
@@ -30,7 +31,8 @@ What is timed:
     TRL runs in float32 (`bf16=False`) without gradient checkpointing, like ppo_jax, with
     OMP_WAIT_POLICY=PASSIVE (see `set_omp_wait_policy`).
   * The two trainers alternate in rounds (TRL block, ppo_jax block, ...) so a change in machine load
-    hits both sides; the medians are over all steady-state iterations. The first TRL iteration
+    hits both sides; the medians are over all steady-state iterations, and the speed-up is also given
+    per round (TRL's round median / ppo_jax's, from minutes of similar load). The first TRL iteration
     (PyTorch warm-up) is reported separately and excluded, like ppo_jax's compile.
 
 Run (from the repository root, with the `[bench]` extra installed):
@@ -174,6 +176,7 @@ class JaxSide:
         self.setup_s = time.perf_counter() - t0
         self.first: dict | None = None
         self.steady: list[dict] = []
+        self.rounds: list[list[dict]] = []  # steady iterations of each round
 
     def iteration(self) -> dict:
         t0 = time.perf_counter()
@@ -187,16 +190,21 @@ class JaxSide:
     def run(self, iterations: int) -> None:
         if self.first is None:
             self.first = self.iteration()
-        self.steady.extend(self.iteration() for _ in range(iterations))
+        self.rounds.append([self.iteration() for _ in range(iterations)])
+        self.steady.extend(self.rounds[-1])
 
     def summary(self) -> dict:
         med = {k: statistics.median(r[k] for r in self.steady) for k in self.steady[0]}
         traces = dict(self.trainer.trace_counts)
         if traces != {"experience": 1, "update": 1}:
             raise RuntimeError(f"ppo_jax recompiled: trace counts {traces}")
+        # Compile = first iteration - the steady iterations that ran right after it (same round, so
+        # the same machine load; the all-rounds median may come from a differently loaded minute).
+        round0 = statistics.median(r["wall"] for r in self.rounds[0])
         return {"setup_s": self.setup_s, "first_iteration": self.first, "steady_median": med,
                 "steady_all_wall": [r["wall"] for r in self.steady],
-                "compile_s": self.first["wall"] - med["wall"], "trace_counts": traces}
+                "round_medians": [statistics.median(r["wall"] for r in rnd) for rnd in self.rounds],
+                "compile_s": self.first["wall"] - round0, "trace_counts": traces}
 
 
 # --------------------------------------------------------------------------------------------
@@ -325,7 +333,10 @@ class TrlSide:
         first, steady = self.iteration_s[0], self.iteration_s[1:]
         steady_gen = self.generate_s[1:]
         steady_gc = self.gc_s[1:len(self.iteration_s)]
+        bounds = self.round_bounds + [len(self.iteration_s)]
+        rounds = [self.iteration_s[max(a, 1):b] for a, b in zip(bounds, bounds[1:])]  # first one excluded
         return {"setup_s": self.setup_s, "first_iteration_s": first,
+                "round_medians": [statistics.median(r) for r in rounds],
                 "steady_median": {"wall": statistics.median(steady),
                                   "generate": statistics.median(steady_gen),
                                   "gc_collect": statistics.median(steady_gc)},
@@ -413,7 +424,9 @@ def main(argv=None) -> dict:
 
     j, t = results["ppo_jax"], results["trl"]
     ratio = t["steady_median"]["wall"] / j["steady_median"]["wall"]
+    round_ratios = [a / b for a, b in zip(t["round_medians"], j["round_medians"])]
     results["speedup"] = ratio
+    results["speedup_per_round"] = round_ratios
     jm = j["steady_median"]
     print()
     print(f"shapes: {results['shapes']}")
@@ -433,7 +446,10 @@ def main(argv=None) -> dict:
           f"{t['steady_median']['gc_collect']:.3f}]; first iteration "
           f"{t['first_iteration_s']:.2f} s; setup {t['setup_s']:.2f} s; torch threads {t['torch_threads']}, "
           f"attention {t['attn_implementation']}, OMP_WAIT_POLICY={results['omp_wait_policy'] or 'unset'}")
-    print(f"speed-up ppo_jax vs TRL: {ratio:.2f}x")
+    print(f"speed-up ppo_jax vs TRL (TRL s / ppo_jax s): {ratio:.2f}x over all steady iterations; per round "
+          f"{', '.join(f'{x:.2f}x' for x in round_ratios)} (round medians: TRL "
+          f"{', '.join(f'{x:.2f}' for x in t['round_medians'])} s, ppo_jax "
+          f"{', '.join(f'{x:.2f}' for x in j['round_medians'])} s)")
     print(f"load average (1 min) during the run: "
           f"{min(l[1][0] for l in loads):.2f} .. {max(l[1][0] for l in loads):.2f}")
     if args.json:
