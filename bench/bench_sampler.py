@@ -9,7 +9,8 @@ For each shape a GPT-2 model with random weights is built in transformers, saved
 `save_pretrained` and read back with `ppo_jax.models.hf.load_model`, so both sides run the same
 weights. Both sample (temperature 1, no top-k/top-p) the same number of new tokens for the same
 left-padded batch with stopping disabled, so both produce every token. Reported: tokens/s of each
-(median of --repeats timed runs after a warm-up), their ratio, and our compile time separately.
+(median of --repeats timed runs after a warm-up, the two alternating so both see the same
+background load), their ratio, and our compile time separately.
 """
 
 from __future__ import annotations
@@ -52,16 +53,14 @@ def left_padded_prompts(batch: int, length: int, vocab: int, seed: int = 0):
     return np.where(mask == 1, tokens, PAD).astype(np.int32), mask
 
 
-def timed(fn, repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
+def time_once(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
-def bench_ours(path: str, prompts, new_tokens: int, repeats: int) -> dict:
+def our_runner(path: str, prompts, new_tokens: int):
+    """(compile seconds, run) for our sampler on one CPU device; run() samples once."""
     mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
     loaded = hf.load_model(path, mesh)
     config = SamplingConfig(max_new_tokens=new_tokens, pad_token_id=PAD, stop_token_ids=(), temperature=1.0)
@@ -71,20 +70,18 @@ def bench_ours(path: str, prompts, new_tokens: int, repeats: int) -> dict:
     start = time.perf_counter()
     compiled = sampler.lower(loaded.params, tokens, mask, jax.random.key(0)).compile()
     compile_s = time.perf_counter() - start
-    counter = iter(range(1, 10**6))
+    seeds = iter(range(1, 10**6))
 
     def run():
-        out = compiled(loaded.params, tokens, mask, jax.random.key(next(counter)))
+        out = compiled(loaded.params, tokens, mask, jax.random.key(next(seeds)))
         jax.block_until_ready(out.tokens)
-        return out
+        assert int(out.lengths.min()) == new_tokens, "stopping should be disabled"
 
-    out = run()  # warm-up
-    assert int(out.lengths.min()) == new_tokens, "stopping should be disabled"
-    times = timed(run, repeats)
-    return {"compile_s": compile_s, "times": times}
+    return compile_s, run
 
 
-def bench_transformers(torch_model, prompts, new_tokens: int, repeats: int) -> dict:
+def transformers_runner(torch_model, prompts, new_tokens: int):
+    """run(n) samples n new tokens with transformers' generate (multinomial sampling, no top-k/p)."""
     import torch
 
     tokens, mask = (torch.tensor(x, dtype=torch.long) for x in prompts)
@@ -95,11 +92,8 @@ def bench_transformers(torch_model, prompts, new_tokens: int, repeats: int) -> d
                                        top_p=1.0, max_new_tokens=n, min_new_tokens=0, eos_token_id=None,
                                        pad_token_id=PAD)
         assert out.shape[1] == tokens.shape[1] + n, "stopping should be disabled"
-        return out
 
-    run(4)  # warm-up
-    times = timed(run, repeats)
-    return {"times": times}
+    return run
 
 
 def bench_shape(name: str, args) -> dict:
@@ -107,6 +101,7 @@ def bench_shape(name: str, args) -> dict:
     import transformers
 
     layers, hidden, heads, vocab = SHAPES[name]
+    vocab = args.vocab or vocab
     torch.manual_seed(0)
     hf_config = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab,
                                         n_positions=1024, attn_implementation="eager", bos_token_id=None,
@@ -116,13 +111,25 @@ def bench_shape(name: str, args) -> dict:
     prompts = left_padded_prompts(args.batch, args.prompt, vocab)
     with tempfile.TemporaryDirectory() as path:
         torch_model.save_pretrained(path)
-        ours = bench_ours(path, prompts, args.new, args.repeats)
-    theirs = bench_transformers(torch_model, prompts, args.new, args.repeats)
+        compile_s, ours = our_runner(path, prompts, args.new)
+    theirs = transformers_runner(torch_model, prompts, args.new)
+    ours()  # warm-up
+    theirs(4)  # warm-up
+    # Alternate the timed runs so that all of them see the same background load; transformers runs
+    # once per PyTorch thread count, and its fastest setting is the baseline.
+    ours_times, theirs_times = [], {n: [] for n in args.threads}
+    for _ in range(args.repeats):
+        ours_times.append(time_once(ours))
+        for n in args.threads:
+            torch.set_num_threads(n)
+            theirs_times[n].append(time_once(theirs))
     tokens = args.batch * args.new
-    ours_tps = tokens / statistics.median(ours["times"])
-    theirs_tps = tokens / statistics.median(theirs["times"])
-    return {"shape": name, "ours_tps": ours_tps, "theirs_tps": theirs_tps, "ratio": ours_tps / theirs_tps,
-            "compile_s": ours["compile_s"], "ours_times": ours["times"], "theirs_times": theirs["times"]}
+    ours_tps = tokens / statistics.median(ours_times)
+    theirs_tps = {n: tokens / statistics.median(t) for n, t in theirs_times.items()}
+    best = max(theirs_tps, key=theirs_tps.get)
+    return {"shape": f"{name} (vocab {vocab})", "ours_tps": ours_tps, "theirs_tps": theirs_tps,
+            "best_threads": best, "ratio": ours_tps / theirs_tps[best], "compile_s": compile_s,
+            "ours_times": ours_times, "theirs_times": theirs_times}
 
 
 def main():
@@ -132,26 +139,27 @@ def main():
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="PyTorch intra-op threads")
+    parser.add_argument("--threads", type=int, nargs="+", default=sorted({1, os.cpu_count()}),
+                        help="PyTorch intra-op thread counts to try (the fastest is the baseline)")
+    parser.add_argument("--vocab", type=int, default=0, help="override the shapes' vocabulary size")
     args = parser.parse_args()
 
     import torch
     import transformers
 
-    torch.set_num_threads(args.threads)
     print(f"jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
-          f"{os.cpu_count()} CPUs")
+          f"(threads tried: {args.threads}), transformers {transformers.__version__}, {os.cpu_count()} CPUs")
     print(f"batch {args.batch}, prompt {args.prompt}, new tokens {args.new}, repeats {args.repeats}")
     print(f"load average before: {load_average()}")
     rows = []
     for name in args.shapes:
         row = bench_shape(name, args)
         rows.append(row)
-        print(f"{name:>11}: ours {row['ours_tps']:8.1f} tok/s  transformers {row['theirs_tps']:8.1f} tok/s  "
-              f"ratio {row['ratio']:5.2f}x  (compile {row['compile_s']:.1f} s; runs ours "
-              f"{[round(t, 2) for t in row['ours_times']]} s, transformers "
-              f"{[round(t, 2) for t in row['theirs_times']]} s)", flush=True)
+        theirs = ", ".join(f"{tps:.1f} tok/s ({n} thr, runs {[round(t, 2) for t in row['theirs_times'][n]]} s)"
+                           for n, tps in row["theirs_tps"].items())
+        print(f"{row['shape']}: ours {row['ours_tps']:.1f} tok/s (runs {[round(t, 2) for t in row['ours_times']]} s, "
+              f"compile {row['compile_s']:.1f} s); transformers {theirs}; ratio to the fastest transformers "
+              f"({row['best_threads']} thr): {row['ratio']:.2f}x", flush=True)
     print(f"load average after: {load_average()}")
 
 
