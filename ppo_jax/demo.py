@@ -56,7 +56,8 @@ def get_config() -> ml_collections.ConfigDict:
     world.max_response_tokens, the prompt length is prompt_length.
     """
     c = ml_collections.ConfigDict()
-    c.seed = 0  # seeds the world's corpus, preference sampling and labels, and evaluation samples
+    c.seed = 0  # seeds everything: the corpus, every stage's init and data order, sampling, labels, evaluation
+    seed = c.get_ref("seed")
     c.prompt_length = 10  # prompt tokens (the longest world prompt has 10 words); shared by every stage
     c.world = ml_collections.ConfigDict(dataclasses.asdict(world_lib.World()))  # ppo_jax.world.World fields
     response_tokens = c.world.get_ref("max_response_tokens")
@@ -67,54 +68,58 @@ def get_config() -> ml_collections.ConfigDict:
     c.corpus.num_eval = 512  # held-out SFT pairs for the eval loss
 
     c.sft = sft_config()  # ppo_jax/sft.py: every field and its meaning
+    c.sft.seed = seed  # linked to the top-level seed
     c.sft.model.config.vocab_size = world_lib.World().vocab_size  # the world's tokenizer, exactly
     c.sft.model.config.hidden_size = 64  # a tiny GPT-2: 2 layers, 4 heads, d = 64
-    c.sft.model.config.num_layers = 2
-    c.sft.model.config.num_heads = 4
-    c.sft.model.config.max_position_embeddings = 64
-    c.sft.data.max_prompt_length = prompt_length
+    c.sft.model.config.num_layers = 2  # transformer blocks
+    c.sft.model.config.num_heads = 4  # attention heads
+    c.sft.model.config.max_position_embeddings = 64  # learned positions (>= prompt + SFT response)
+    c.sft.data.max_prompt_length = prompt_length  # linked to prompt_length
     c.sft.data.max_response_length = 24  # the corpus's rambling answers run past the 16-token budget
-    c.sft.train.batch_size = 64
-    c.sft.train.steps = 600
-    c.sft.train.log_every = 25
-    c.sft.train.eval_every = 200
-    c.sft.optim.lr = 3e-3
-    c.sft.optim.warmup_steps = 30
+    c.sft.train.batch_size = 64  # examples per step
+    c.sft.train.steps = 800  # about 1.6 epochs of the corpus
+    c.sft.train.log_every = 25  # metrics every N steps
+    c.sft.train.eval_every = 100  # held-out loss every N steps
+    c.sft.optim.lr = 3e-3  # a tiny model from scratch: a large learning rate
+    c.sft.optim.warmup_steps = 30  # linear warmup, then cosine decay
 
     c.preferences = ml_collections.ConfigDict()
-    c.preferences.num_train = 3072  # training pairs (two SFT samples of one train prompt, noisy gold label)
+    c.preferences.num_train = 6144  # training pairs (two SFT samples of one train prompt, noisy gold label)
     c.preferences.num_val = 512  # validation pairs on held-out prompts, labelled by the gold reward itself
     c.preferences.label_temperature = 0.5  # Bradley-Terry label noise: P(a > b) = sigmoid((gold_a - gold_b) / T)
     c.preferences.sample_temperature = 1.0  # SFT sampling temperature for the pairs
     c.preferences.batch_size = 256  # prompts per sampling call
 
     c.reward_model = reward_model_config()  # ppo_jax/reward_model.py: every field and its meaning
-    c.reward_model.data.max_prompt_length = prompt_length
+    c.reward_model.seed = seed  # linked to the top-level seed
+    c.reward_model.data.max_prompt_length = prompt_length  # linked to prompt_length
     c.reward_model.data.max_response_length = response_tokens  # an unfinished answer is stored without EOS
     c.reward_model.normalize.source = "preferences"  # the pairs ARE samples of the SFT policy
-    c.reward_model.normalize.num_prompts = 3072
-    c.reward_model.train.batch_size = 64
-    c.reward_model.train.steps = 300
-    c.reward_model.train.log_every = 25
-    c.reward_model.train.eval_every = 100
-    c.reward_model.optim.lr = 3e-4
-    c.reward_model.optim.warmup_steps = 30
+    c.reward_model.normalize.num_prompts = 6144  # every training pair, both answers
+    c.reward_model.train.batch_size = 64  # pairs per step
+    c.reward_model.train.steps = 500  # about 5 epochs of the pairs
+    c.reward_model.train.log_every = 25  # metrics every N steps
+    c.reward_model.train.eval_every = 100  # validation accuracy every N steps
+    c.reward_model.optim.lr = 3e-4  # fine-tuning the SFT transformer
+    c.reward_model.optim.warmup_steps = 30  # linear warmup, then cosine decay
 
     c.ppo = ppo_config()  # ppo_jax/config.py: every field and its meaning (policy/reward paths are set by the demo)
-    c.ppo.data.prompt_length = prompt_length
-    c.ppo.rollout.response_length = response_tokens
-    c.ppo.rollout.batch_size = 64
-    c.ppo.ppo.epochs = 4
-    c.ppo.ppo.num_minibatches = 2
-    c.ppo.ppo.kl_coef = 0.1
+    c.ppo.seed = seed  # linked to the top-level seed
+    c.ppo.data.prompt_length = prompt_length  # linked to prompt_length
+    c.ppo.rollout.response_length = response_tokens  # linked to world.max_response_tokens
+    c.ppo.rollout.batch_size = 64  # prompts per iteration
+    c.ppo.ppo.epochs = 4  # PPO epochs per rollout batch
+    c.ppo.ppo.num_minibatches = 2  # optimizer steps per epoch
+    c.ppo.ppo.kl_coef = 0.1  # the KL leash (docs/overoptimization.md: what smaller values do)
     c.ppo.value.init = "reward"  # value model starts from the reward model (N+ style)
-    c.ppo.optim.policy_lr = 3e-4
-    c.ppo.optim.value_lr = 3e-4
-    c.ppo.train.iterations = 60
-    c.ppo.train.sample_every = 10
+    c.ppo.optim.policy_lr = 3e-4  # policy learning rate
+    c.ppo.optim.value_lr = 3e-4  # value model learning rate
+    c.ppo.optim.warmup_steps = 40  # 5 iterations of warmup: no early KL overshoot
+    c.ppo.train.iterations = 60  # PPO iterations (rollout + update)
+    c.ppo.train.sample_every = 10  # write samples every N iterations
 
     c.eval = ml_collections.ConfigDict()
-    c.eval.num_prompts = 128  # held-out prompts the gold reward judges (a multiple of ppo.rollout.batch_size)
+    c.eval.num_prompts = 256  # held-out prompts the gold reward judges (a multiple of ppo.rollout.batch_size)
     c.eval.every = 5  # evaluate every N PPO iterations (and before the first, and after the last)
 
     c.targets = ml_collections.ConfigDict()
@@ -173,9 +178,9 @@ def validate(config) -> world_lib.World:
 @dataclasses.dataclass
 class StageResult:
     name: str
-    seconds: float
-    history: list[dict[str, float]]
-    hf_dir: str | None = None
+    seconds: float  # wall time of the stage, compilation included
+    history: list[dict[str, float]]  # the trainer's logged rows
+    hf_dir: str | None = None  # the stage's Hugging Face export
 
 
 @dataclasses.dataclass
@@ -192,19 +197,21 @@ class EvalPoint:
 
 @dataclasses.dataclass
 class DemoResult:
-    rm_val_accuracy: float
-    sft_gold: float
-    ppo_gold: float
-    best_gold: float
-    gap_closed: float
-    final_kl: float
-    kl_bound: float
-    sft_rm_score: float
-    ppo_rm_score: float
-    seconds: dict[str, float]
-    evals: list[EvalPoint]
+    """The summary table's numbers (also written to summary.json)."""
+
+    rm_val_accuracy: float  # reward-model accuracy on validation pairs labelled by the gold reward
+    sft_gold: float  # mean gold reward of the SFT policy on the held-out prompts
+    ppo_gold: float  # ... of the final PPO policy
+    best_gold: float  # the best achievable gold reward
+    gap_closed: float  # (ppo_gold - sft_gold) / (best_gold - sft_gold)
+    final_kl: float  # KL(final policy || SFT), nats per response, held-out prompts
+    kl_bound: float  # targets.kl_bound
+    sft_rm_score: float  # mean reward-model score of the SFT policy's answers (normalised: about 0)
+    ppo_rm_score: float  # ... of the final policy's answers
+    seconds: dict[str, float]  # wall time per stage and in total
+    evals: list[EvalPoint]  # every gold evaluation during PPO
     workdir: str
-    targets_met: dict[str, bool]
+    targets_met: dict[str, bool]  # rm_accuracy, gap_closed, kl
 
     def table(self) -> str:
         rows = [

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -45,7 +46,8 @@ def run_sweep(config, workdir: str, kl_coefs: Sequence[float], *, mesh=None,
         cfg.ppo.ppo.kl_coef = float(coef)
         log(f"[sweep] PPO with kl_coef={coef:g}")
         run_dir = os.path.join(workdir, f"ppo_kl{coef:g}")
-        os.makedirs(run_dir, exist_ok=True)
+        shutil.rmtree(run_dir, ignore_errors=True)  # a stale checkpoint there would be resumed
+        os.makedirs(run_dir)
         results[float(coef)] = demo.train_ppo(cfg, world, sft.hf_dir, rm.hf_dir, run_dir, mesh)
         last = results[float(coef)].evals[-1]
         log(f"[sweep]   gold {last.gold:+.3f}, RM score {last.rm_score:+.2f}, KL {last.kl:.2f}")

@@ -252,7 +252,7 @@ class RewardModelTrainer:
         self._score = supervised.wrap_mesh(jax.jit(
             lambda p, t, m: sequence_scores(self.module, p, t, m),
             in_shardings=(self.param_shardings, data_sh, data_sh), out_shardings=data_sh), self.mesh)
-        self.writer = metrics_lib.MetricWriter(workdir)
+        self.writer = metrics_lib.MetricWriter(workdir, resume_step=self.step)  # drops rows past the checkpoint
         self.normalization: dict[str, float] | None = None
 
     def _load_tokenizer(self):
@@ -416,10 +416,12 @@ class RewardModelTrainer:
         self.normalization = {"mean": mean, "std": std, "gain": gain, "bias": bias,
                               "bias_in_head": fold_bias, "ppo_reward_bias": 0.0 if fold_bias else bias,
                               "num_samples": int(scores.size), "source": self.config.normalize.source}
-        if jax.process_index() == 0:
-            os.makedirs(self.workdir, exist_ok=True)
-            with open(os.path.join(self.workdir, "normalization.json"), "w") as f:
-                json.dump(self.normalization, f, indent=2)
+        if jax.process_index() == 0:  # epath: a gs:// workdir works too
+            from etils import epath
+
+            out = epath.Path(self.workdir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "normalization.json").write_text(json.dumps(self.normalization, indent=2))
         return self.normalization
 
     # -- the loop

@@ -183,7 +183,7 @@ class SFTTrainer:
         self._eval_step = supervised.wrap_mesh(jax.jit(
             make_eval_step(self.module), in_shardings=(self.state_shardings.params, batch_sh),
             out_shardings=replicated), self.mesh)
-        self.writer = metrics_lib.MetricWriter(workdir)
+        self.writer = metrics_lib.MetricWriter(workdir, resume_step=self.step)  # drops rows past the checkpoint
 
     def _load_tokenizer(self):
         from ppo_jax.models import hf

@@ -284,13 +284,18 @@ def command_line(make_trainer: Callable[[Any, str], Any], name: str, argv=None) 
     def main(args):
         if len(args) > 1:
             raise app.UsageError(f"unexpected arguments {args[1:]}")
+        if not flags.FLAGS["verbosity"].present:  # JAX's and Orbax's INFO lines would bury the progress
+            from absl import logging
+
+            logging.set_verbosity(logging.WARNING)
         try:
             trainer = make_trainer(config_flag.value, workdir_flag.value)
         except (config_lib.ConfigError, ValueError, KeyError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         history = trainer.train()
-        shown = {k: round(v, 4) for k, v in history[-1].items() if k.startswith(("train/", "eval/"))} if history else {}
+        logged = [row for row in history if any(k.startswith(("train/", "eval/")) for k in row)]
+        shown = {k: round(v, 4) for k, v in logged[-1].items() if k.startswith(("train/", "eval/"))} if logged else {}
         print(f"done: {trainer.step} steps {shown}; Hugging Face export in {os.path.join(trainer.workdir, 'hf')}")
 
     app.run(main, argv=argv)

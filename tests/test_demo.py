@@ -79,3 +79,18 @@ def test_command_line_refuses_a_foreign_workdir(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "not empty and was not made by the demo" in proc.stderr
     assert (tmp_path / "mine.txt").exists()
+
+
+def test_kl_sweep_plot(tmp_path):
+    from ppo_jax import kl_sweep
+
+    def points(gold, proxy, kl):
+        return [demo.EvalPoint(step=10 * i, gold=g, rm_score=p, kl=k, eos_rate=1.0, length=9.0)
+                for i, (g, p, k) in enumerate(zip(gold, proxy, kl))]
+
+    evals = {0.0: points([0.2, 1.5, 0.4], [0.0, 1.0, 1.5], [0.0, 5.0, 20.0]),
+             0.1: points([0.2, 1.5, 1.6], [0.0, 0.9, 1.0], [0.0, 2.0, 2.5])}
+    fig = kl_sweep.plot_sweep(evals, best_gold=2.3125, path=str(tmp_path / "sweep.png"))
+    assert len(fig.axes) == 2 and len(fig.axes[0].lines) == 2 * 2 + 1  # gold + proxy per run, best line
+    with open(tmp_path / "sweep.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
