@@ -356,9 +356,14 @@ class CausalLM(nn.Module):
         return self.transformer(tokens, positions, kv_mask)[0]
 
     def project(self, hidden: Array) -> Array:
+        """[..., D] -> [..., V] float32. Flattened to [N, D] first: the backward pass of a 3-D
+        projection writes its large [V, D] gradient through an extra transpose on XLA:CPU."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
         if self.config.tie_word_embeddings:
-            return self.transformer.logits(hidden)
-        return self.lm_head(hidden).astype(jnp.float32)
+            logits = self.transformer.logits(flat)
+        else:
+            logits = self.lm_head(flat).astype(jnp.float32)
+        return logits.reshape(hidden.shape[:-1] + logits.shape[-1:])
 
 
 class ScalarModel(nn.Module):
