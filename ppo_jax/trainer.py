@@ -24,6 +24,7 @@ from ppo_jax import config as config_lib
 from ppo_jax import metrics as metrics_lib
 from ppo_jax import ppo, reward_fns, sampling, sharding, step as step_lib
 from ppo_jax.checkpoint import CheckpointManager
+from ppo_jax.supervised import override_dtypes
 from ppo_jax.models import CausalLM, ModelConfig, ScalarModel, init_params
 
 Array = jax.Array
@@ -53,15 +54,6 @@ def _copy_tree(params, shardings):
     return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(params)
 
 
-def _override_dtypes(cfg: ModelConfig, section) -> ModelConfig:
-    kw = {}
-    if section.get("param_dtype"):
-        kw["param_dtype"] = section.param_dtype
-    if section.get("dtype"):
-        kw["dtype"] = section.dtype
-    return cfg.replace(**kw) if kw else cfg
-
-
 def policy_model_config(config) -> ModelConfig:
     """The policy architecture, read without loading weights (config.json or policy.model)."""
     if config.policy.path:
@@ -70,7 +62,7 @@ def policy_model_config(config) -> ModelConfig:
         cfg, _ = hf.load_config(config.policy.path)
     else:
         cfg = config_lib.model_config_from_dict(config.policy.model)
-    return _override_dtypes(cfg, config.policy)
+    return override_dtypes(cfg, config.policy)
 
 
 def reward_model_config(config) -> ModelConfig | None:
