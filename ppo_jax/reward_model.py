@@ -388,8 +388,10 @@ class RewardModelTrainer:
             max_new_tokens=int(d.max_response_length), pad_token_id=int(self.tokenizer.pad_token_id),
             stop_token_ids=(int(self.tokenizer.eos_token_id),), temperature=float(n.temperature)),
             self.mesh, jax.tree.map(lambda x: x.sharding, loaded.params))
+        data_sh = sharding.data_sharding(self.mesh)
         score_fn = supervised.wrap_mesh(jax.jit(
-            lambda p, pt, pm, t, m: step_lib.sequence_scores(self.module, p, pt, pm, t, m)), self.mesh)
+            lambda p, pt, pm, t, m: step_lib.sequence_scores(self.module, p, pt, pm, t, m),
+            in_shardings=(self.param_shardings,) + (data_sh,) * 4, out_shardings=data_sh), self.mesh)
         scores = []
         for start in range(0, len(prompts), b):
             chunk = prompts[start:start + b]
