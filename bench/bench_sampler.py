@@ -2,15 +2,17 @@
 
 Run by hand (not a test), on an otherwise idle machine:
 
-    JAX_PLATFORMS=cpu python bench/bench_sampler.py                 # both shapes
-    JAX_PLATFORMS=cpu python bench/bench_sampler.py --shapes tiny
+    python bench/bench_sampler.py                                  # both shapes
+    python bench/bench_sampler.py --shapes tiny --vocab 1024       # override the vocabulary
+    python bench/bench_sampler.py --threads 1 --xla-threads 1      # both sides single-threaded
 
 For each shape a GPT-2 model with random weights is built in transformers, saved with
 `save_pretrained` and read back with `ppo_jax.models.hf.load_model`, so both sides run the same
 weights. Both sample (temperature 1, no top-k/top-p) the same number of new tokens for the same
 left-padded batch with stopping disabled, so both produce every token. Reported: tokens/s of each
-(median of --repeats timed runs after a warm-up, the two alternating so both see the same
-background load), their ratio, and our compile time separately.
+(median of --repeats timed runs after a warm-up, the runs alternating so that both see the same
+background load), their ratio, our compile time separately, and the CPU seconds of each run (on a
+loaded machine the CPU time of a single-threaded run is the steadier measure of the work done).
 """
 
 from __future__ import annotations
@@ -21,17 +23,6 @@ import statistics
 import tempfile
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from ppo_jax import sharding  # noqa: E402
-from ppo_jax.models import CausalLM  # noqa: E402
-from ppo_jax.models import hf  # noqa: E402
-from ppo_jax.sampling import SamplingConfig, make_sampler  # noqa: E402
-
 SHAPES = {
     # name: (layers, hidden, heads, vocab)
     "tiny": (2, 128, 2, 50257),
@@ -40,12 +31,40 @@ SHAPES = {
 PAD = 0
 
 
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--vocab", type=int, default=0, help="override the shapes' vocabulary size")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, nargs="+", default=sorted({1, os.cpu_count()}),
+                        help="PyTorch intra-op thread counts to try (the fastest is the baseline)")
+    parser.add_argument("--xla-threads", type=int, default=0,
+                        help="1: run XLA single-threaded (default 0: XLA's own choice, all cores)")
+    return parser.parse_args()
+
+
+def configure_jax(xla_threads: int) -> None:
+    """Environment for JAX; must run before jax is imported."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if xla_threads == 1:
+        flags = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+    elif xla_threads:
+        raise SystemExit("--xla-threads supports 0 (XLA's default) or 1")
+
+
 def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def left_padded_prompts(batch: int, length: int, vocab: int, seed: int = 0):
     """Random prompts [batch, length]; every other row has a quarter of its slots as left padding."""
+    import numpy as np
+
     rng = np.random.default_rng(seed)
     tokens = rng.integers(1, vocab, (batch, length)).astype(np.int32)
     mask = np.ones((batch, length), np.int32)
@@ -53,14 +72,21 @@ def left_padded_prompts(batch: int, length: int, vocab: int, seed: int = 0):
     return np.where(mask == 1, tokens, PAD).astype(np.int32), mask
 
 
-def time_once(fn) -> float:
-    start = time.perf_counter()
+def time_once(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def our_runner(path: str, prompts, new_tokens: int):
     """(compile seconds, run) for our sampler on one CPU device; run() samples once."""
+    import jax
+
+    from ppo_jax import sharding
+    from ppo_jax.models import CausalLM, hf
+    from ppo_jax.sampling import SamplingConfig, make_sampler
+
     mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
     loaded = hf.load_model(path, mesh)
     config = SamplingConfig(max_new_tokens=new_tokens, pad_token_id=PAD, stop_token_ids=(), temperature=1.0)
@@ -117,49 +143,52 @@ def bench_shape(name: str, args) -> dict:
     theirs(4)  # warm-up
     # Alternate the timed runs so that all of them see the same background load; transformers runs
     # once per PyTorch thread count, and its fastest setting is the baseline.
-    ours_times, theirs_times = [], {n: [] for n in args.threads}
+    ours_runs, theirs_runs = [], {n: [] for n in args.threads}
     for _ in range(args.repeats):
-        ours_times.append(time_once(ours))
+        ours_runs.append(time_once(ours))
         for n in args.threads:
             torch.set_num_threads(n)
-            theirs_times[n].append(time_once(theirs))
+            theirs_runs[n].append(time_once(theirs))
     tokens = args.batch * args.new
-    ours_tps = tokens / statistics.median(ours_times)
-    theirs_tps = {n: tokens / statistics.median(t) for n, t in theirs_times.items()}
-    best = max(theirs_tps, key=theirs_tps.get)
-    return {"shape": f"{name} (vocab {vocab})", "ours_tps": ours_tps, "theirs_tps": theirs_tps,
-            "best_threads": best, "ratio": ours_tps / theirs_tps[best], "compile_s": compile_s,
-            "ours_times": ours_times, "theirs_times": theirs_times}
+
+    def summary(runs):
+        wall = statistics.median(w for w, _ in runs)
+        cpu = statistics.median(c for _, c in runs)
+        return {"tps": tokens / wall, "cpu_tps": tokens / cpu, "runs": runs}
+
+    theirs_summary = {n: summary(r) for n, r in theirs_runs.items()}
+    best = max(theirs_summary, key=lambda n: theirs_summary[n]["tps"])
+    ours_summary = summary(ours_runs)
+    return {"shape": f"{name} (vocab {vocab})", "ours": ours_summary, "theirs": theirs_summary,
+            "best_threads": best, "ratio": ours_summary["tps"] / theirs_summary[best]["tps"],
+            "cpu_ratio": ours_summary["cpu_tps"] / theirs_summary[best]["cpu_tps"], "compile_s": compile_s}
+
+
+def describe(label: str, s: dict) -> str:
+    runs = ", ".join(f"{w:.2f}/{c:.2f}" for w, c in s["runs"])
+    return f"{label}: {s['tps']:.1f} tok/s ({s['cpu_tps']:.1f} per CPU-second; runs wall/CPU s: {runs})"
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--prompt", type=int, default=64)
-    parser.add_argument("--new", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, nargs="+", default=sorted({1, os.cpu_count()}),
-                        help="PyTorch intra-op thread counts to try (the fastest is the baseline)")
-    parser.add_argument("--vocab", type=int, default=0, help="override the shapes' vocabulary size")
-    args = parser.parse_args()
-
+    args = parse_args()
+    configure_jax(args.xla_threads)
+    import jax
     import torch
     import transformers
 
-    print(f"jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
-          f"(threads tried: {args.threads}), transformers {transformers.__version__}, {os.cpu_count()} CPUs")
+    print(f"jax {jax.__version__} ({jax.devices()[0].platform}, XLA threads: "
+          f"{'1' if args.xla_threads == 1 else 'default'}), torch {torch.__version__} (threads tried: "
+          f"{args.threads}), transformers {transformers.__version__}, {os.cpu_count()} CPUs")
     print(f"batch {args.batch}, prompt {args.prompt}, new tokens {args.new}, repeats {args.repeats}")
-    print(f"load average before: {load_average()}")
-    rows = []
+    print(f"load average before: {load_average()}", flush=True)
     for name in args.shapes:
         row = bench_shape(name, args)
-        rows.append(row)
-        theirs = ", ".join(f"{tps:.1f} tok/s ({n} thr, runs {[round(t, 2) for t in row['theirs_times'][n]]} s)"
-                           for n, tps in row["theirs_tps"].items())
-        print(f"{row['shape']}: ours {row['ours_tps']:.1f} tok/s (runs {[round(t, 2) for t in row['ours_times']]} s, "
-              f"compile {row['compile_s']:.1f} s); transformers {theirs}; ratio to the fastest transformers "
-              f"({row['best_threads']} thr): {row['ratio']:.2f}x", flush=True)
+        print(row["shape"])
+        print("  " + describe(f"ours (compile {row['compile_s']:.1f} s)", row["ours"]))
+        for n, s in row["theirs"].items():
+            print("  " + describe(f"transformers, {n} thread(s)", s))
+        print(f"  ratio to the fastest transformers ({row['best_threads']} thread(s)): {row['ratio']:.2f}x "
+              f"wall, {row['cpu_ratio']:.2f}x per CPU-second", flush=True)
     print(f"load average after: {load_average()}")
 
 

@@ -49,13 +49,10 @@ from ppo_jax import config as config_lib
 from ppo_jax import sharding
 from ppo_jax import step as step_lib
 from ppo_jax import trainer as trainer_lib
-from ppo_jax.models import ModelConfig, init_cache
+from ppo_jax.models import KV_CACHE_AXES, ModelConfig, init_cache
 
 GB = 10**9
 GIB = 2**30
-
-# The sampler pins its cache with these logical names (ppo_jax.sampling._constrain_cache).
-KV_CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
 
 # XLA:CPU has no bf16 matmuls: it converts bf16 weights to f32 next to each dot, and its loop-invariant
 # code motion then hoists those converts out of the layer scan, materialising an f32 copy of every

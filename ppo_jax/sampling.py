@@ -18,9 +18,14 @@ old log-probs taken from `logprobs`, the true importance ratio pi_new/pi_behavio
 exp(sampling_logprobs - logprobs) >= 1 per token. `truncation_metrics` summarises it for logging.
 
 Randomness. Output row r draws one uniform per step from `fold_in(fold_in(key, r), step)` and turns
-it into a token by inverse CDF (`response_uniforms`, `draw_from_logits`), so a row's tokens depend only on the key, its row index and its own
-logits: the same key gives the same tokens on every mesh shape, and a row's tokens do not change when
-other rows stop or when the batch grows.
+it into a token by inverse CDF (`response_uniforms`, `draw_from_weights`), so a row's tokens depend
+only on the key, its row index and its own logits: the same key gives the same tokens on every mesh
+shape, and a row's tokens do not change when other rows stop or when the batch grows.
+
+Contract. Prompts are left-padded and every row has at least one real token (a row of padding only
+yields finite garbage, it is not detected inside the compiled program). With num_samples > 1 the
+prompt is prefilled once per prompt and its cache repeated, so the peak holds the B-row prefill
+cache next to the R-row decode cache.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from jax.sharding import Mesh
 from ppo_jax import sharding
 from ppo_jax.models.config import to_dtype
 from ppo_jax.models.transformer import (
+    KV_CACHE_AXES,
     CausalLM,
     KVCache,
     init_cache,
@@ -54,10 +60,11 @@ class SamplingConfig:
     max_new_tokens: response length N (the buffers are always this long).
     min_new_tokens: stop tokens are suppressed while fewer than this many tokens were generated.
     temperature:    logits are divided by it, for sampling and for the returned log-probs.
-    top_k:          keep only the k most likely tokens (0: off).
+    top_k:          keep only the k most likely tokens (0, or >= the vocabulary size: off).
     top_p:          keep the smallest set of most likely tokens whose mass reaches top_p (1.0: off);
                     applied after top_k, on the top-k-renormalised distribution (as transformers does).
-    greedy:         take the argmax instead of sampling (log-probs still use the temperature).
+    greedy:         take the argmax instead of sampling (log-probs still use the temperature;
+                    sampling_logprobs are 0, the log-prob of a point mass).
     stop_token_ids: any of these ends a row; the stop token itself is part of the response (mask 1).
     pad_token_id:   written after a row has stopped.
     num_samples:    responses per prompt (GRPO/RLOO); the rows of one prompt are consecutive.
@@ -177,7 +184,7 @@ def processed_logits(scaled: Array, step: Array, config: SamplingConfig) -> Arra
     return out
 
 
-# Inverse-CDF draws: vocabulary split into blocks of this many tokens (see `draw_from_logits`).
+# Inverse-CDF draws: vocabulary split into blocks of this many tokens (see `draw_from_weights`).
 _CDF_BLOCK = 256
 
 
@@ -237,12 +244,6 @@ def draw_from_weights(weights: Array, uniforms: Array) -> Array:
     in_block = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [R, block]
     offset = _first_above(_inclusive_cumsum(in_block), target - mass_before_block, in_block)
     return block * _CDF_BLOCK + offset
-
-
-def draw_from_logits(logits: Array, uniforms: Array) -> Array:
-    """Exact categorical draw from softmax(logits [R, V]) (-inf entries never drawn); see
-    `draw_from_weights`."""
-    return draw_from_weights(jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), uniforms)
 
 
 @flax.struct.dataclass
@@ -332,8 +333,7 @@ def _constrain(x: Array, logical_names: tuple[str | None, ...]) -> Array:
 
 
 def _constrain_cache(cache: KVCache) -> KVCache:
-    names = ("layers", "batch", "length", "kv_heads", "head_dim")
-    return cache.replace(k=_constrain(cache.k, names), v=_constrain(cache.v, names))
+    return cache.replace(k=_constrain(cache.k, KV_CACHE_AXES), v=_constrain(cache.v, KV_CACHE_AXES))
 
 
 def _forward_last(module: CausalLM, tokens, positions, kv_mask, cache, last_index):

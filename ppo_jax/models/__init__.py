@@ -2,6 +2,7 @@
 
 from ppo_jax.models.config import ModelConfig, to_dtype
 from ppo_jax.models.transformer import (
+    KV_CACHE_AXES,
     CausalLM,
     KVCache,
     ScalarModel,
@@ -12,7 +13,7 @@ from ppo_jax.models.transformer import (
 )
 
 __all__ = [
-    "CausalLM", "KVCache", "ModelConfig", "ScalarModel", "init_cache", "last_token_index",
+    "KV_CACHE_AXES", "CausalLM", "KVCache", "ModelConfig", "ScalarModel", "init_cache", "last_token_index",
     "positions_from_mask", "score_at_last_token", "to_dtype", "init_params",
 ]
 

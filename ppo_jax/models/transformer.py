@@ -10,7 +10,9 @@ batches are the norm in RLHF, so nothing is inferred from the token ids. Layers 
 carries logical axis names that `ppo_jax.sharding` maps onto the mesh.
 
 The cache is a plain pytree passed in and returned (no mutable Flax collections), so the sampler can
-hold it in a `lax.while_loop` carry and donate it.
+hold it in a `lax.while_loop` carry and donate it. It travels through the layer scan as part of the
+carry, not as a scanned input/output: a decode step then writes only its new keys and values into the
+stacked [L, ...] buffers in place, instead of slicing out and re-stacking every layer's whole slab.
 """
 
 from __future__ import annotations
@@ -28,10 +30,16 @@ from ppo_jax.models.config import ModelConfig, to_dtype
 Array = jax.Array
 
 
+# Logical axis names of KVCache.k / KVCache.v.
+KV_CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
+
+
 class KVCache(flax.struct.PyTreeNode):
     """Preallocated keys and values of every layer.
 
-    k, v:  [L, B, S, K, Dh]
+    k, v:  [L, B, K, S, Dh], in the layout attention consumes: for each (row, kv head) the S keys are
+           contiguous [S, Dh] rows, so scores and the weighted sum are batched GEMMs that read the
+           cache where it lies (no per-step transpose copy of the whole cache).
     index: [] int32, the number of slots already written (the same for every row: batches are
            left-padded, so row r's slot s holds its token s whatever its length).
     """
@@ -42,13 +50,13 @@ class KVCache(flax.struct.PyTreeNode):
 
     @property
     def length(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
 def init_cache(config: ModelConfig, batch: int, length: int, dtype: Any = None) -> KVCache:
     """Zero cache for `batch` rows of `length` slots; dtype defaults to the compute dtype."""
     dtype = to_dtype(dtype) if dtype is not None else config.jnp_dtype
-    shape = (config.num_layers, batch, length, config.kv_heads, config.dim_per_head)
+    shape = (config.num_layers, batch, config.kv_heads, length, config.dim_per_head)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), index=jnp.zeros((), jnp.int32))
 
 
@@ -195,18 +203,18 @@ def attention_mask(kv_mask: Array, query_slots: Array, sliding_window: int | Non
 def dot_product_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
     """Grouped-query attention.
 
-    q [B, T, H, Dh], k/v [B, S, K, Dh], mask [B, T, S] -> [B, T, H, Dh]. Scores and softmax in
+    q [B, T, H, Dh], k/v [B, K, S, Dh] (the cache layout), mask [B, T, S] -> [B, T, H, Dh]. Scores and softmax in
     float32; a masked score is the most negative finite float (not -inf), so a padded query whose
     keys are all masked gets a finite, ignored output instead of NaN.
     """
     b, t, h, dh = q.shape
-    kv_heads = k.shape[2]
+    kv_heads = k.shape[1]
     q = q.reshape(b, t, kv_heads, h // kv_heads, dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(dh)
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
     return out.reshape(b, t, h, dh).astype(q.dtype)
 
 
@@ -214,8 +222,12 @@ class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask, layer_cache, cache_index):
-        """x [B, T, D] -> ([B, T, D], updated (k, v) [B, S, K, Dh] each, or None)."""
+    def __call__(self, x, cos, sin, mask, cache_kv, layer, cache_index):
+        """x [B, T, D] -> ([B, T, D], cache_kv with this layer's new slots written, or None).
+
+        cache_kv: None, or the whole cache's (k, v) [L, B, K, S, Dh]; layer: [] int32, this layer's
+        index into it; cache_index: [] int32, the slot of the first of the T new tokens.
+        """
         cfg = self.config
         d, h, kh, dh = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
         gpt2 = cfg.family == "gpt2"
@@ -226,15 +238,16 @@ class Attention(nn.Module):
         v = DenseGeneral((d,), (kh, dh), ("embed", "kv_heads", "head_dim"), qkv_bias, name="v", **common)(x)
         if not gpt2:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if layer_cache is not None:
-            k_cache, v_cache = layer_cache
-            start = (0, cache_index, 0, 0)
-            k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
-            v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
-            k, v, layer_cache = k_cache, v_cache, (k_cache, v_cache)
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, Dh]
+        if cache_kv is not None:
+            # Write only the T new slots of this layer, then read the layer's [B, K, S, Dh] slab.
+            start = (layer, 0, 0, cache_index, 0)
+            cache_kv = tuple(jax.lax.dynamic_update_slice(c, new[None].astype(c.dtype), start)
+                             for c, new in zip(cache_kv, (k, v)))
+            k, v = (jax.lax.dynamic_index_in_dim(c, layer, axis=0, keepdims=False) for c in cache_kv)
         out = dot_product_attention(q, k, v.astype(q.dtype), mask)
         out = DenseGeneral((h, dh), (d,), ("heads", "head_dim", "embed"), gpt2, name="o", **common)(out)
-        return out, layer_cache
+        return out, cache_kv
 
 
 class MLP(nn.Module):
@@ -257,18 +270,20 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block; the scan carry is the residual stream x [B, T, D]."""
+    """Pre-norm residual block. The scan carry is (residual stream x [B, T, D], whole-cache (k, v)
+    or None); the scanned input is the layer index."""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, layer_cache, cos, sin, mask, cache_index):
-        attn_out, layer_cache = Attention(self.config, name="attn")(
-            _norm(self.config, "ln_1")(x), cos, sin, mask, layer_cache, cache_index)
+    def __call__(self, carry, layer, cos, sin, mask, cache_index):
+        x, cache_kv = carry
+        attn_out, cache_kv = Attention(self.config, name="attn")(
+            _norm(self.config, "ln_1")(x), cos, sin, mask, cache_kv, layer, cache_index)
         x = x + attn_out
         x = x + MLP(self.config, name="mlp")(_norm(self.config, "ln_2")(x))
         x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
-        return x, layer_cache
+        return (x, cache_kv), None
 
 
 def _lookup(embed: nn.Embed, ids: Array, rows: str = "vocab") -> Array:
@@ -324,10 +339,11 @@ class Transformer(nn.Module):
         cache_index = cache.index if cache is not None else jnp.zeros((), jnp.int32)
         query_slots = cache_index + jnp.arange(t)
         mask = attention_mask(kv_mask, query_slots, cfg.sliding_window)
-        layer_caches = (cache.k, cache.v) if cache is not None else None
-        x, layer_caches = self.layers(x, layer_caches, cos, sin, mask, cache_index)
+        cache_kv = (cache.k, cache.v) if cache is not None else None
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, cache_kv), _ = self.layers((x, cache_kv), layer_ids, cos, sin, mask, cache_index)
         if cache is not None:
-            cache = KVCache(k=layer_caches[0], v=layer_caches[1], index=cache.index + t)
+            cache = KVCache(k=cache_kv[0], v=cache_kv[1], index=cache.index + t)
         return self.ln_f(x), cache
 
     def logits(self, hidden: Array) -> Array:
