@@ -37,7 +37,7 @@ KV_CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
 class KVCache(flax.struct.PyTreeNode):
     """Preallocated keys and values of every layer.
 
-    k, v:  [L, B, K, S, Dh], in the layout attention consumes: for each (row, kv head) the S keys are
+    k, v:  [L, B, K, S, Dh] ([B, K, S, Dh] for one layer's cache, `split_cache`), in the layout attention consumes: for each (row, kv head) the S keys are
            contiguous [S, Dh] rows, so scores and the weighted sum are batched GEMMs that read the
            cache where it lies (no per-step transpose copy of the whole cache).
     index: [] int32, the number of slots already written (the same for every row: batches are
@@ -50,7 +50,7 @@ class KVCache(flax.struct.PyTreeNode):
 
     @property
     def length(self) -> int:
-        return self.k.shape[3]
+        return self.k.shape[-2]
 
 
 def init_cache(config: ModelConfig, batch: int, length: int, dtype: Any = None) -> KVCache:
@@ -58,6 +58,19 @@ def init_cache(config: ModelConfig, batch: int, length: int, dtype: Any = None) 
     dtype = to_dtype(dtype) if dtype is not None else config.jnp_dtype
     shape = (config.num_layers, batch, config.kv_heads, length, config.dim_per_head)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), index=jnp.zeros((), jnp.int32))
+
+
+def split_cache(cache: KVCache) -> tuple[KVCache, ...]:
+    """The stacked cache as one KVCache per layer, k and v [B, K, S, Dh] each (copies)."""
+    return tuple(KVCache(k=cache.k[i], v=cache.v[i], index=cache.index)
+                 for i in range(cache.k.shape[0]))
+
+
+def split_layer_params(params: Any) -> tuple[Any, ...]:
+    """One Block parameter tree per layer out of a CausalLM/ScalarModel tree (copies the layers)."""
+    stacked = params["transformer"]["layers"]
+    count = jax.tree.leaves(stacked)[0].shape[0]
+    return tuple(jax.tree.map(lambda leaf, i=i: leaf[i], stacked) for i in range(count))
 
 
 def positions_from_mask(mask: Array) -> Array:
@@ -225,8 +238,9 @@ class Attention(nn.Module):
     def __call__(self, x, cos, sin, mask, cache_kv, layer, cache_index):
         """x [B, T, D] -> ([B, T, D], cache_kv with this layer's new slots written, or None).
 
-        cache_kv: None, or the whole cache's (k, v) [L, B, K, S, Dh]; layer: [] int32, this layer's
-        index into it; cache_index: [] int32, the slot of the first of the T new tokens.
+        cache_kv: None, the whole cache's (k, v) [L, B, K, S, Dh] with `layer` ([] int32) this layer's
+        index into it, or (layer None) this layer's own (k, v) [B, K, S, Dh]; cache_index: [] int32,
+        the slot of the first of the T new tokens.
         """
         cfg = self.config
         d, h, kh, dh = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
@@ -241,10 +255,15 @@ class Attention(nn.Module):
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, Dh]
         if cache_kv is not None:
             # Write only the T new slots of this layer, then read the layer's [B, K, S, Dh] slab.
-            start = (layer, 0, 0, cache_index, 0)
-            cache_kv = tuple(jax.lax.dynamic_update_slice(c, new[None].astype(c.dtype), start)
-                             for c, new in zip(cache_kv, (k, v)))
-            k, v = (jax.lax.dynamic_index_in_dim(c, layer, axis=0, keepdims=False) for c in cache_kv)
+            if layer is None:
+                cache_kv = tuple(jax.lax.dynamic_update_slice(c, new.astype(c.dtype), (0, 0, cache_index, 0))
+                                 for c, new in zip(cache_kv, (k, v)))
+                k, v = cache_kv
+            else:
+                start = (layer, 0, 0, cache_index, 0)
+                cache_kv = tuple(jax.lax.dynamic_update_slice(c, new[None].astype(c.dtype), start)
+                                 for c, new in zip(cache_kv, (k, v)))
+                k, v = (jax.lax.dynamic_index_in_dim(c, layer, axis=0, keepdims=False) for c in cache_kv)
         out = dot_product_attention(q, k, v.astype(q.dtype), mask)
         out = DenseGeneral((h, dh), (d,), ("heads", "head_dim", "embed"), gpt2, name="o", **common)(out)
         return out, cache_kv
@@ -326,8 +345,40 @@ class Transformer(nn.Module):
     def __call__(self, tokens: Array, positions: Array, kv_mask: Array,
                  cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
         """tokens, positions [B, T]; kv_mask [B, S] -> hidden [B, T, D], cache (advanced by T)."""
+        cache_index = cache.index if cache is not None else jnp.zeros((), jnp.int32)
+        x, cos, sin, mask = self._block_inputs(tokens, positions, kv_mask, cache_index)
+        cache_kv = (cache.k, cache.v) if cache is not None else None
+        layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        (x, cache_kv), _ = self.layers((x, cache_kv), layer_ids, cos, sin, mask, cache_index)
+        if cache is not None:
+            cache = KVCache(k=cache_kv[0], v=cache_kv[1], index=cache.index + tokens.shape[1])
+        return self.ln_f(x), cache
+
+    def unrolled(self, tokens: Array, positions: Array, kv_mask: Array, caches: tuple[KVCache, ...],
+                 layer_params: tuple[Any, ...]) -> tuple[Array, tuple[KVCache, ...]]:
+        """`__call__` with a cache, one layer at a time on per-layer parameters and caches.
+
+        caches: one KVCache per layer with k, v [B, K, S, Dh] (`split_cache`); layer_params: one
+        Block parameter tree per layer (`split_layer_params`). Used by the sampler's decode loop on
+        XLA:CPU, where a scan over the stacked layers copies every layer's weights and cache slab out
+        of the stacked buffers at every token (a dynamic slice feeding a dot is not fused there);
+        with separate buffers the dots read weights and cache where they lie and each cache is
+        updated in place.
+        """
+        cache_index = caches[0].index
+        x, cos, sin, mask = self._block_inputs(tokens, positions, kv_mask, cache_index)
+        block = Block(self.config, parent=None)  # unbound: applied to each layer's own parameters
+        new_caches = []
+        for params, cache in zip(layer_params, caches, strict=True):
+            (x, (k, v)), _ = block.apply({"params": params}, (x, (cache.k, cache.v)), None, cos, sin, mask,
+                                         cache_index)
+            new_caches.append(KVCache(k=k, v=v, index=cache.index + tokens.shape[1]))
+        return self.ln_f(x), tuple(new_caches)
+
+    def _block_inputs(self, tokens, positions, kv_mask, cache_index):
+        """Embedded tokens x [B, T, D], rope tables cos, sin [B, T, Dh] (scalars for GPT-2) and the
+        attention mask [B, T, S] of T new tokens written from slot `cache_index` on."""
         cfg = self.config
-        t = tokens.shape[1]
         x = _lookup(self.embed, tokens)
         if cfg.family == "gpt2":
             x = x + _lookup(self.pos_embed, positions, rows="positions")
@@ -336,15 +387,8 @@ class Transformer(nn.Module):
             cos = sin = jnp.zeros((), jnp.float32)  # unused
         else:
             cos, sin = rope_tables(cfg, positions)
-        cache_index = cache.index if cache is not None else jnp.zeros((), jnp.int32)
-        query_slots = cache_index + jnp.arange(t)
-        mask = attention_mask(kv_mask, query_slots, cfg.sliding_window)
-        cache_kv = (cache.k, cache.v) if cache is not None else None
-        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, cache_kv), _ = self.layers((x, cache_kv), layer_ids, cos, sin, mask, cache_index)
-        if cache is not None:
-            cache = KVCache(k=cache_kv[0], v=cache_kv[1], index=cache.index + t)
-        return self.ln_f(x), cache
+        query_slots = cache_index + jnp.arange(tokens.shape[1])
+        return x, cos, sin, attention_mask(kv_mask, query_slots, cfg.sliding_window)
 
     def logits(self, hidden: Array) -> Array:
         """Tied output projection: [B, T, D] -> [B, T, V] float32."""
