@@ -41,6 +41,8 @@ def parse_args():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, nargs="+", default=sorted({1, os.cpu_count()}),
                         help="PyTorch intra-op thread counts to try (the fastest is the baseline)")
+    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"],
+                        help="transformers attention implementation (sdpa: its default)")
     parser.add_argument("--xla-threads", type=int, default=0,
                         help="1: run XLA single-threaded (default 0: XLA's own choice, all cores)")
     return parser.parse_args()
@@ -130,7 +132,7 @@ def bench_shape(name: str, args) -> dict:
     vocab = args.vocab or vocab
     torch.manual_seed(0)
     hf_config = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab,
-                                        n_positions=1024, attn_implementation="eager", bos_token_id=None,
+                                        n_positions=1024, attn_implementation=args.attention, bos_token_id=None,
                                         eos_token_id=None, pad_token_id=PAD)
     torch_model = transformers.GPT2LMHeadModel(hf_config).eval()
     torch_model.generation_config.eos_token_id = None
@@ -179,7 +181,8 @@ def main():
     print(f"jax {jax.__version__} ({jax.devices()[0].platform}, XLA threads: "
           f"{'1' if args.xla_threads == 1 else 'default'}), torch {torch.__version__} (threads tried: "
           f"{args.threads}), transformers {transformers.__version__}, {os.cpu_count()} CPUs")
-    print(f"batch {args.batch}, prompt {args.prompt}, new tokens {args.new}, repeats {args.repeats}")
+    print(f"batch {args.batch}, prompt {args.prompt}, new tokens {args.new}, repeats {args.repeats}, "
+          f"transformers attention {args.attention}")
     print(f"load average before: {load_average()}", flush=True)
     for name in args.shapes:
         row = bench_shape(name, args)
