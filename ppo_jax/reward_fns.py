@@ -15,6 +15,8 @@ import numpy as np
 
 RewardFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
 _REGISTRY: dict[str, RewardFn] = {}
+# Built-in names registered by modules too heavy to import up front: imported on first use.
+_LAZY: dict[str, str] = {"demo_gold": "ppo_jax.world"}
 
 
 def register(name: str):
@@ -30,10 +32,13 @@ def register(name: str):
 def resolve(spec: str) -> RewardFn:
     """A registered name or "module:function" -> the function, with a clear error otherwise."""
     spec = spec.strip()
+    if spec not in _REGISTRY and spec in _LAZY:
+        importlib.import_module(_LAZY[spec])  # registers it
     if spec in _REGISTRY:
         return _REGISTRY[spec]
     if ":" not in spec:
-        raise ValueError(f"reward function {spec!r} is not registered (known: {sorted(_REGISTRY)}); "
+        known = sorted(set(_REGISTRY) | set(_LAZY))
+        raise ValueError(f"reward function {spec!r} is not registered (known: {known}); "
                          "use a registered name or 'module:function'")
     module_name, fn_name = spec.split(":", 1)
     try:

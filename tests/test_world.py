@@ -140,6 +140,19 @@ def test_registered_gold_reward_function_infers_stop_from_length():
     assert scores == [pytest.approx(1.75), W.FLOOR]
 
 
+def test_demo_gold_resolves_without_importing_the_world_first():
+    """A config naming "demo_gold" works in a fresh process that never imported ppo_jax.world."""
+    import subprocess
+    import sys
+
+    code = ("from ppo_jax import reward_fns; import sys; assert 'ppo_jax.world' not in sys.modules; "
+            "fn = reward_fns.resolve('demo_gold'); print(fn.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ppo_jax.world"
+    with pytest.raises(ValueError, match="demo_gold"):  # listed among the known names
+        reward_fns.resolve("no_such_reward")
+
+
 def test_world_config_errors_name_the_field():
     with pytest.raises(ValueError, match="max_response_tokens"):
         W.World(max_response_tokens=8)
