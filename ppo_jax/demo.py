@@ -33,7 +33,6 @@ import numpy as np
 
 from ppo_jax import config as config_lib
 from ppo_jax import data as data_lib
-from ppo_jax import metrics as metrics_lib
 from ppo_jax import sharding, step as step_lib, world as world_lib
 from ppo_jax.config import ppo_config
 from ppo_jax.reward_model import reward_model_config
@@ -245,6 +244,7 @@ def train_sft(config, world: world_lib.World, workdir: str, mesh=None) -> StageR
     t0 = time.perf_counter()
     cfg = config.sft.copy_and_resolve_references()
     cfg.train.progress = bool(config.progress)
+    cfg.train.max_consecutive_nonfinite = 1  # the demo stops at the first non-finite iteration
     train = world.sft_corpus(int(config.corpus.num_train), seed=int(config.seed))
     held_out = world.sft_corpus(int(config.corpus.num_eval), seed=int(config.seed) + 1)
     out = os.path.join(workdir, "sft")
@@ -336,6 +336,7 @@ def train_reward_model(config, world: world_lib.World, sft_dir: str, train_pairs
     cfg = config.reward_model.copy_and_resolve_references()
     cfg.model.path = sft_dir
     cfg.train.progress = bool(config.progress)
+    cfg.train.max_consecutive_nonfinite = 1  # the demo stops at the first non-finite iteration
     out = os.path.join(workdir, "reward_model")
     trainer = RewardModelTrainer(cfg, out, tokenizer=world.tokenizer, train_records=train_pairs,
                                  eval_records=val_pairs, mesh=mesh)
@@ -411,8 +412,8 @@ class PPOResult:
 def train_ppo(config, world: world_lib.World, sft_dir: str, rm_dir: str, workdir: str, mesh=None) -> PPOResult:
     """Stage 4: PPO from the SFT policy against the reward model, evaluated by the gold reward.
 
-    The loop is PPOTrainer.train's (metrics, samples, checkpoints, progress) plus a gold evaluation
-    every eval.every iterations. Checkpoints go to <workdir>/ppo/checkpoints; the final policy is
+    The loop is PPOTrainer.train (metrics, samples, checkpoints, progress, SIGTERM) with a gold
+    evaluation every eval.every iterations as its on_iteration hook. Checkpoints go to <workdir>/ppo/checkpoints; the final policy is
     exported to <workdir>/ppo/hf.
     """
     from ppo_jax.models import hf
@@ -423,6 +424,7 @@ def train_ppo(config, world: world_lib.World, sft_dir: str, rm_dir: str, workdir
     cfg.policy.path = sft_dir
     cfg.reward.path = rm_dir
     cfg.train.progress = bool(config.progress)
+    cfg.train.max_consecutive_nonfinite = 1  # the demo stops at the first non-finite iteration
     out = os.path.join(workdir, "ppo")
     trainer = PPOTrainer(cfg, out, prompts=world.all_prompts("train"), mesh=mesh)
     eval_prompts = world.prompts(int(config.eval.num_prompts), "eval", seed=int(config.seed) + 29)
@@ -442,37 +444,18 @@ def train_ppo(config, world: world_lib.World, sft_dir: str, rm_dir: str, workdir
     iterations = int(cfg.train.iterations)
     before = evaluate(0)
     after = before
-    progress = None
-    if cfg.train.progress and jax.process_index() == 0:
-        from tqdm.auto import tqdm
 
-        progress = tqdm(total=iterations, desc="ppo")
-    history = trainer.history
+    def on_iteration(step, scalars):
+        nonlocal after
+        if step % int(config.eval.every) == 0 or step == iterations:
+            after = evaluate(step)
+        return None
+
     try:
-        while int(trainer.state.step) < iterations:
-            scalars = trainer.run_iteration()
-            step = int(trainer.state.step)
-            history.append(scalars)
-            if scalars.get("nonfinite/skipped_minibatches", 0.0):
-                raise FloatingPointError(f"PPO iteration {step} produced non-finite values; the demo stops "
-                                         f"(PPOTrainer.train would skip and retry: see nonfinite handling)")
-            if step % cfg.train.log_every == 0 or step == iterations:
-                trainer.writer.write(step, scalars)
-            if cfg.train.sample_every and step % cfg.train.sample_every == 0:
-                metrics_lib.write_samples(out, step, trainer.samples())
-            if step % int(config.eval.every) == 0 or step == iterations:
-                after = evaluate(step)
-            if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or step == iterations:
-                trainer.save_checkpoint(force=True)
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix(rm=f"{scalars['objective/model_scores']:+.2f}",
-                                     gold=f"{evals[-1].gold:+.2f}", kl=f"{scalars['objective/kl']:.2f}")
+        trainer.train(on_iteration=on_iteration)
     finally:
-        if progress is not None:
-            progress.close()
-        trainer.writer.close()
         trainer.close()
+    history = trainer.history
     hf_dir = os.path.join(out, "hf")
     hf.export_model(hf_dir, trainer.policy_config, trainer.state.policy, kind="causal_lm",
                     tokenizer=trainer.tokenizer)

@@ -487,8 +487,13 @@ class PPOTrainer:
         del frame
         self._stop_signal = signal.Signals(signum).name
 
-    def train(self) -> list[dict[str, float]]:
-        """Runs until train.iterations, a SIGTERM/SIGINT (saved, then stops) or a fatal error."""
+    def train(self, on_iteration: Callable[[int, dict[str, float]], dict[str, float] | None] | None = None
+              ) -> list[dict[str, float]]:
+        """Runs until train.iterations, a SIGTERM/SIGINT (saved, then stops) or a fatal error.
+
+        on_iteration(step, scalars), if given, runs after every iteration (after the non-finite
+        check, before metrics are written); the scalars it returns are logged with the iteration's.
+        """
         cfg = self.config.train
         progress = None
         if cfg.progress and jax.process_index() == 0:
@@ -506,6 +511,8 @@ class PPOTrainer:
                 self._handle_nonfinite(step, scalars)
                 if cfg.eval_every and step % cfg.eval_every == 0:
                     scalars.update(self.evaluate())
+                if on_iteration is not None:
+                    scalars.update(on_iteration(step, scalars) or {})
                 if step % cfg.log_every == 0 or step == cfg.iterations:
                     self.writer.write(step, scalars)
                 if cfg.sample_every and step % cfg.sample_every == 0:
