@@ -37,7 +37,6 @@ import json
 import math
 import sys
 import time
-import types
 from typing import Any
 
 import flax.linen as nn
@@ -232,24 +231,6 @@ def _validated_sizes(config, mesh, policy_cfg: ModelConfig) -> config_lib.Derive
                                vocab_size=policy_cfg.vocab_size)
 
 
-def _trainer_programs(config, mesh, sizes, hp, modules, policy_tx, value_tx, state_shardings,
-                      frozen_shardings, stop_ids, pad_id):
-    """The trainer's own sampler and jitted experience/update steps, built by `PPOTrainer._build_steps`.
-
-    The planner must measure exactly the programs a run compiles, so rather than repeating their
-    wiring (shardings, donation) it gives `_build_steps` the attributes it reads, on an instance
-    whose `__init__` (which loads weights and data) never runs.
-    """
-    t = trainer_lib.PPOTrainer.__new__(trainer_lib.PPOTrainer)
-    t.config, t.mesh, t.sizes, t.hp, t.modules = config, mesh, sizes, hp, modules
-    t.policy_tx, t.value_tx = policy_tx, value_tx
-    t.state_shardings, t.frozen_shardings = state_shardings, frozen_shardings
-    t.stop_ids = stop_ids
-    t.tokenizer = types.SimpleNamespace(pad_token_id=pad_id)
-    t._build_steps()
-    return t
-
-
 def _compile(name: str, lowered, live: int, compiler_options: dict[str, Any]) -> PhaseMemory:
     start = time.perf_counter()
     compiled = lowered.compile(compiler_options=compiler_options or None)
@@ -300,8 +281,8 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES) -> MemoryPl
 
     stop_ids = config_lib.stop_token_ids(config, policy_cfg.eos_token_id) or (0,)
     pad_id = policy_cfg.pad_token_id if policy_cfg.pad_token_id is not None else 0
-    steps = _trainer_programs(config, mesh, sizes, hp, modules, policy_tx, value_tx, state_shardings,
-                              frozen_shardings, stop_ids, pad_id)
+    steps = trainer_lib.build_steps(config, mesh, sizes, hp, modules, policy_tx, value_tx, state_shardings,
+                                    frozen_shardings, stop_ids, pad_id)
 
     # Sampler: prompts [B, Lq] in, SampleOutput with R = B * n rows out.
     batch_sh = sharding.data_sharding(mesh)

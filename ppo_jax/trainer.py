@@ -155,6 +155,61 @@ def initial_params(config, modules: Modules, shardings: step_lib.TrainState, mes
     return policy, value
 
 
+def rollout_sampling_config(config, stop_ids: Sequence[int], pad_id: int) -> sampling.SamplingConfig:
+    """The sampler settings of a PPO config (rollout.*)."""
+    r = config.rollout
+    return sampling.SamplingConfig(
+        max_new_tokens=int(r.response_length), min_new_tokens=int(r.min_new_tokens),
+        temperature=float(r.temperature), top_k=int(r.top_k), top_p=float(r.top_p),
+        stop_token_ids=tuple(stop_ids), pad_token_id=int(pad_id), num_samples=int(r.num_samples),
+        cache_dtype=r.cache_dtype or None)
+
+
+@dataclasses.dataclass
+class Steps:
+    """The three compiled phases of a PPO iteration, with their shardings and donation.
+
+    sampler: rollout sampling; experience_jit(state, frozen, rollout) -> (Experience, metrics);
+    update_jit(state, experience) -> (state, metrics), the state donated. trace_counts counts the
+    traces of the two jitted steps (the sampler counts its own).
+    """
+
+    sampling_config: sampling.SamplingConfig
+    sampler: sampling.Sampler
+    experience_jit: Callable
+    update_jit: Callable
+    trace_counts: dict[str, int]
+
+
+def build_steps(config, mesh, sizes, hp, modules: Modules, policy_tx, value_tx, state_shardings,
+                frozen_shardings, stop_ids: Sequence[int], pad_id: int) -> Steps:
+    """The sampler and the jitted experience and update steps of a run (also what `ppo_jax.plan`
+    lowers and measures, so the planner sees exactly the programs a run compiles)."""
+    batch = sharding.data_sharding(mesh)
+    replicated = sharding.replicated(mesh)
+    sampling_config = rollout_sampling_config(config, stop_ids, pad_id)
+    sampler = sampling.make_sampler(modules.policy, sampling_config, mesh, state_shardings.policy)
+    experience = step_lib.make_experience_fn(modules.policy, modules.value, modules.reward, hp)
+    update = step_lib.make_update_fn(modules.policy, modules.value, policy_tx, value_tx, hp,
+                                     sizes.rollout_rows, batch)
+    rollout_sh = jax.tree.map(lambda _: batch, step_lib.Rollout(*([0] * 7)))
+    exp_sh = jax.tree.map(lambda _: batch, step_lib.Experience(*([0] * 10)))
+    trace_counts = {"experience": 0, "update": 0}
+
+    def traced(name, fn):
+        def counted(*args):
+            trace_counts[name] += 1  # runs once per trace, never per call
+            return fn(*args)
+        return counted
+
+    experience_jit = jax.jit(traced("experience", experience),
+                             in_shardings=(state_shardings, frozen_shardings, rollout_sh),
+                             out_shardings=(exp_sh, replicated))
+    update_jit = jax.jit(traced("update", update), in_shardings=(state_shardings, exp_sh),
+                         out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+    return Steps(sampling_config, sampler, experience_jit, update_jit, trace_counts)
+
+
 class PPOTrainer:
     """Builds everything once from a config, then runs PPO iterations.
 
@@ -222,7 +277,9 @@ class PPOTrainer:
         self.frozen_shardings = step_lib.FrozenParams(
             reference=self.state_shardings.policy,
             reward=jax.tree.map(lambda x: x.sharding, reward_params) if reward_params is not None else None)
-        self._build_steps()
+        self.steps = build_steps(config, self.mesh, self.sizes, self.hp, self.modules, self.policy_tx,
+                                 self.value_tx, self.state_shardings, self.frozen_shardings, self.stop_ids,
+                                 int(self.tokenizer.pad_token_id))
         start = self.resumed_from or 0
         self.writer = metrics_lib.MetricWriter(self.workdir, resume_step=start)
         if jax.process_index() == 0:
@@ -231,6 +288,15 @@ class PPOTrainer:
         self._stop_signal: str | None = None
         self._consecutive_nonfinite = 0
         self._reference_saved = self.checkpoints.has_frozen("reference")
+
+    @property
+    def sampler(self) -> sampling.Sampler:
+        return self.steps.sampler
+
+    @property
+    def trace_counts(self) -> dict[str, int]:
+        """How often each jitted step was traced (1 each in a run that never recompiles)."""
+        return self.steps.trace_counts
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -331,53 +397,20 @@ class PPOTrainer:
                              if self.config.train.eval_every else None)
         return PromptStream(self.config, self.tokenizer, prompts=prompts, vocab_size=vocab)
 
-    def _build_steps(self):
-        mesh, hp, modules = self.mesh, self.hp, self.modules
-        batch = sharding.data_sharding(mesh)
-        replicated = sharding.replicated(mesh)
-        r = self.config.rollout
-        self.sampling_config = sampling.SamplingConfig(
-            max_new_tokens=int(r.response_length), min_new_tokens=int(r.min_new_tokens),
-            temperature=float(r.temperature), top_k=int(r.top_k), top_p=float(r.top_p),
-            stop_token_ids=tuple(self.stop_ids), pad_token_id=int(self.tokenizer.pad_token_id),
-            num_samples=int(r.num_samples), cache_dtype=r.cache_dtype or None)
-        self.sampler = sampling.make_sampler(modules.policy, self.sampling_config, mesh,
-                                             self.state_shardings.policy)
-        experience = step_lib.make_experience_fn(modules.policy, modules.value, modules.reward, hp)
-        update = step_lib.make_update_fn(modules.policy, modules.value, self.policy_tx, self.value_tx, hp,
-                                         self.sizes.rollout_rows, batch)
-        rollout_sh = jax.tree.map(lambda _: batch, step_lib.Rollout(*([0] * 7)))
-        exp_sh = jax.tree.map(lambda _: batch, step_lib.Experience(*([0] * 10)))
-        self.trace_counts = {"experience": 0, "update": 0}
-
-        def traced(name, fn):
-            def counted(*args):
-                self.trace_counts[name] += 1  # runs once per trace, never per call
-                return fn(*args)
-            return counted
-
-        self.experience_jit = jax.jit(
-            traced("experience", experience),
-            in_shardings=(self.state_shardings, self.frozen_shardings, rollout_sh),
-            out_shardings=(exp_sh, replicated))
-        self.update_jit = jax.jit(
-            traced("update", update), in_shardings=(self.state_shardings, exp_sh),
-            out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
-
     def _experience(self, state, frozen, rollout):
         with jax.set_mesh(self.mesh), sharding.activation_rules():
-            return self.experience_jit(state, frozen, rollout)
+            return self.steps.experience_jit(state, frozen, rollout)
 
     def _update(self, state, exp):
         with jax.set_mesh(self.mesh), sharding.activation_rules():
-            return self.update_jit(state, exp)
+            return self.steps.update_jit(state, exp)
 
     # ------------------------------------------------------------------ the loop
 
     def rollout(self, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key) -> tuple[step_lib.Rollout, Any]:
         """Samples responses and scores them with the Python reward functions (host)."""
         toks, mask = sharding.put_local_batch((prompt_tokens, prompt_mask), self.mesh)
-        out = self.sampler(self.state.policy, toks, mask, sharding.replicate(key, self.mesh))
+        out = self.steps.sampler(self.state.policy, toks, mask, sharding.replicate(key, self.mesh))
         if self.reward_functions:
             host = sharding.to_host({"pt": out.prompt_tokens, "pm": out.prompt_mask, "t": out.tokens,
                                      "m": out.mask})
