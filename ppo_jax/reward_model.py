@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -175,19 +174,12 @@ def fold_normalization(params, gain: float, bias: float):
 # The trainer.
 
 
-def _source(path: str, records, fields: Mapping[str, str], what: str):
-    if path and records is not None:
-        raise ValueError(f"{what}: both a file (config) and records (code) were given; pass one")
-    if path:
-        return data_lib.from_jsonl(path, fields=fields)
-    if records is not None:
-        return data_lib.from_list(list(records), fields=fields, name=what)
-    return None
-
-
-class RewardModelTrainer:
+class RewardModelTrainer(supervised.SupervisedTrainer):
     """Builds the reward model, data and jitted steps once from a config; `train()` runs the loop,
     normalises (optionally) and exports to <workdir>/hf."""
+
+    name = "reward_model"
+    export_kind = "reward"
 
     def __init__(self, config, workdir: str, *, tokenizer=None,
                  train_records: Sequence[Mapping[str, Any]] | None = None,
@@ -199,12 +191,12 @@ class RewardModelTrainer:
         supervised.check_batch_size(config.train.batch_size, self.mesh, "reward_model")
         d = config.data
         fields = {"prompt": d.prompt_field, "chosen": d.chosen_field, "rejected": d.rejected_field}
-        train_source = _source(d.train, train_records, fields, "reward_model train data")
+        train_source = supervised.data_source(d.train, train_records, fields, "reward_model train data")
         if train_source is None:
             raise config_lib.ConfigError("reward_model: no training data; set data.train (a JSONL file of "
                                          "prompt/chosen/rejected) or pass train_records")
         self.train_source = train_source
-        self.eval_source = _source(d.eval, eval_records, fields, "reward_model eval data")
+        self.eval_source = supervised.data_source(d.eval, eval_records, fields, "reward_model eval data")
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
 
         from ppo_jax.models import hf
@@ -255,15 +247,6 @@ class RewardModelTrainer:
         self.writer = metrics_lib.MetricWriter(workdir, resume_step=self.step)  # drops rows past the checkpoint
         self.normalization: dict[str, float] | None = None
 
-    def _load_tokenizer(self):
-        from ppo_jax.models import hf
-
-        path = self.config.tokenizer_path or self.config.model.path
-        if not path:
-            raise config_lib.ConfigError("reward_model: no tokenizer; pass tokenizer=..., or set "
-                                         "tokenizer_path or model.path")
-        return hf.load_tokenizer(path)
-
     def _initial_params(self, config, start_kind: str | None, head_key):
         """A reward model checkpoint as is; a causal LM's transformer + a fresh N(0, 1/sqrt(D+1)) head;
         or a fresh model."""
@@ -291,24 +274,6 @@ class RewardModelTrainer:
         return params
 
     # -- steps
-
-    @property
-    def params(self):
-        return self.state.params
-
-    @property
-    def step(self) -> int:
-        return int(self.state.step)
-
-    def _place(self, tree):
-        return supervised.place_local_batch(tree, self.mesh)
-
-    def train_step(self) -> dict[str, float]:
-        batch = next(self.loader)
-        self.state, metrics = self._train_step(self.state, self._place(batch))
-        scalars = supervised.host_scalars(metrics)
-        scalars.update(self.loader.metrics())
-        return scalars
 
     def evaluate(self, source=None, prefix: str = "eval") -> dict[str, float]:
         """Bradley-Terry loss, accuracy (chosen scored strictly higher) and mean margin on every pair of
@@ -349,10 +314,6 @@ class RewardModelTrainer:
         encoded = self.prompt_tokenizer.encode_sft([{"prompt": p, "response": r} for p, r in zip(prompts, responses)])
         batch = self.prompt_tokenizer.pad_sft(encoded, length=self.length)
         return self.score_tokens(batch.tokens, batch.mask)
-
-    def save(self, step: int, scalars=None) -> None:
-        if step not in self.checkpoints.all_steps():
-            self.checkpoints.save(step, self.state, extra={"data": self.loader.state()}, force=True)
 
     # -- normalisation
 
@@ -445,18 +406,6 @@ class RewardModelTrainer:
         if self.config.train.export:
             self.export()
         return history
-
-    def export(self, out_dir: str | None = None) -> str:
-        """The current params as a Hugging Face ForSequenceClassification model (with the tokenizer)."""
-        from ppo_jax.models import hf
-
-        out_dir = out_dir or os.path.join(self.workdir, "hf")
-        hf.export_model(out_dir, self.model_config, self.state.params, kind="reward", tokenizer=self.tokenizer)
-        return out_dir
-
-    def close(self) -> None:
-        self.checkpoints.close()
-        self.writer.close()
 
 
 def main(argv=None) -> None:

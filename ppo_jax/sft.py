@@ -10,7 +10,6 @@ compiled step), V vocabulary. Sequences are prompt + response + EOS, left-padded
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -104,18 +103,11 @@ def make_eval_step(model: CausalLM):
 # The trainer.
 
 
-def _source(path: str, records, fields: Mapping[str, str], what: str):
-    if path and records is not None:
-        raise ValueError(f"{what}: both a file (config) and records (code) were given; pass one")
-    if path:
-        return data_lib.from_jsonl(path, fields=fields)
-    if records is not None:
-        return data_lib.from_list(list(records), fields=tuple(fields), name=what)
-    return None
-
-
-class SFTTrainer:
+class SFTTrainer(supervised.SupervisedTrainer):
     """Builds the model, data and jitted steps once from a config; `train()` runs the loop."""
+
+    name = "sft"
+    export_kind = "causal_lm"
 
     def __init__(self, config, workdir: str, *, tokenizer=None,
                  train_records: Sequence[Mapping[str, Any]] | None = None,
@@ -127,11 +119,11 @@ class SFTTrainer:
         supervised.check_batch_size(config.train.batch_size, self.mesh, "sft")
         d = config.data
         fields = {"prompt": d.prompt_field, "response": d.response_field}
-        train_source = _source(d.train, train_records, fields, "sft train data")
+        train_source = supervised.data_source(d.train, train_records, fields, "sft train data")
         if train_source is None:
             raise config_lib.ConfigError("sft: no training data; set data.train (a JSONL file) or pass "
                                          "train_records")
-        eval_source = _source(d.eval, eval_records, fields, "sft eval data")
+        eval_source = supervised.data_source(d.eval, eval_records, fields, "sft eval data")
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
 
         # Model (validated before any compile).
@@ -185,34 +177,7 @@ class SFTTrainer:
             out_shardings=replicated), self.mesh)
         self.writer = metrics_lib.MetricWriter(workdir, resume_step=self.step)  # drops rows past the checkpoint
 
-    def _load_tokenizer(self):
-        from ppo_jax.models import hf
-
-        path = self.config.tokenizer_path or self.config.model.path
-        if not path:
-            raise config_lib.ConfigError("sft: no tokenizer; pass tokenizer=..., or set tokenizer_path or "
-                                         "model.path")
-        return hf.load_tokenizer(path)
-
     # -- steps
-
-    @property
-    def params(self):
-        return self.state.params
-
-    @property
-    def step(self) -> int:
-        return int(self.state.step)
-
-    def _place(self, batch: data_lib.SFTBatch) -> data_lib.SFTBatch:
-        return supervised.place_local_batch(batch, self.mesh)
-
-    def train_step(self) -> dict[str, float]:
-        batch = next(self.loader)
-        self.state, metrics = self._train_step(self.state, self._place(batch))
-        scalars = supervised.host_scalars(metrics)
-        scalars.update(self.loader.metrics())
-        return scalars
 
     def evaluate(self) -> dict[str, float]:
         """Token-mean NLL, perplexity and next-token accuracy on the eval data (all of it, or
@@ -234,10 +199,6 @@ class SFTTrainer:
         return {"eval/loss": nll, "eval/perplexity": float(np.exp(min(nll, 50.0))),
                 "eval/accuracy": totals["correct"] / count, "eval/tokens": totals["tokens"]}
 
-    def save(self, step: int, scalars=None) -> None:
-        if step not in self.checkpoints.all_steps():
-            self.checkpoints.save(step, self.state, extra={"data": self.loader.state()}, force=True)
-
     def train(self) -> list[dict[str, float]]:
         """Runs to train.steps (resuming from the latest checkpoint), then exports to <workdir>/hf."""
         try:
@@ -250,20 +211,6 @@ class SFTTrainer:
         if self.config.train.export:
             self.export()
         return history
-
-    def export(self, out_dir: str | None = None) -> str:
-        """The current params as a Hugging Face causal LM (with the tokenizer); default <workdir>/hf."""
-        from ppo_jax.models import hf
-
-        out_dir = out_dir or os.path.join(self.workdir, "hf")
-        hf.export_model(out_dir, self.model_config, self.state.params, kind="causal_lm",
-                        tokenizer=self.tokenizer)
-        return out_dir
-
-    def close(self) -> None:
-        """Waits for checkpoint saves in flight and releases the writers (safe to call twice)."""
-        self.checkpoints.close()
-        self.writer.close()
 
 
 def main(argv=None) -> None:

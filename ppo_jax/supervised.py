@@ -299,3 +299,84 @@ def command_line(make_trainer: Callable[[Any, str], Any], name: str, argv=None) 
         print(f"done: {trainer.step} steps {shown}; Hugging Face export in {os.path.join(trainer.workdir, 'hf')}")
 
     app.run(main, argv=argv)
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer classes' shared surface.
+
+
+def data_source(path: str, records, fields: Mapping[str, str], what: str):
+    """Training or eval data from a JSONL file (config) or from records (code); None if neither.
+
+    fields: {our field name: the file's field name} (the config's *_field settings); records given in
+    code use our names.
+    """
+    from ppo_jax import data as data_lib
+
+    if path and records is not None:
+        raise ValueError(f"{what}: both a file (config) and records (code) were given; pass one")
+    if path:
+        return data_lib.from_jsonl(path, fields=fields)
+    if records is not None:
+        return data_lib.from_list(list(records), fields=tuple(fields), name=what)
+    return None
+
+
+class SupervisedTrainer:
+    """What the SFT and reward-model trainers share once their __init__ has built `config`,
+    `workdir`, `mesh`, `tokenizer`, `model_config`, `state`, `loader`, `checkpoints`, `writer` and
+    the jitted `_train_step`: one training step, checkpoint saves, export and shutdown.
+
+    Subclasses set `name` (config/CLI name, used in messages) and `export_kind` (the Hugging Face
+    kind written by `export`: "causal_lm" or "reward").
+    """
+
+    name: str
+    export_kind: str
+
+    def _load_tokenizer(self):
+        from ppo_jax.models import hf
+
+        path = self.config.tokenizer_path or self.config.model.path
+        if not path:
+            raise config_lib.ConfigError(f"{self.name}: no tokenizer; pass tokenizer=..., or set "
+                                         f"tokenizer_path or model.path")
+        return hf.load_tokenizer(path)
+
+    @property
+    def params(self):
+        return self.state.params
+
+    @property
+    def step(self) -> int:
+        return int(self.state.step)
+
+    def _place(self, tree):
+        return place_local_batch(tree, self.mesh)
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step on the next batch; its metrics and the loader's, as host floats."""
+        batch = next(self.loader)
+        self.state, metrics = self._train_step(self.state, self._place(batch))
+        scalars = host_scalars(metrics)
+        scalars.update(self.loader.metrics())
+        return scalars
+
+    def save(self, step: int, scalars=None) -> None:
+        if step not in self.checkpoints.all_steps():
+            self.checkpoints.save(step, self.state, extra={"data": self.loader.state()}, force=True)
+
+    def export(self, out_dir: str | None = None) -> str:
+        """The current params as a Hugging Face model of `export_kind`, with the tokenizer; default
+        <workdir>/hf."""
+        from ppo_jax.models import hf
+
+        out_dir = out_dir or os.path.join(self.workdir, "hf")
+        hf.export_model(out_dir, self.model_config, self.state.params, kind=self.export_kind,
+                        tokenizer=self.tokenizer)
+        return out_dir
+
+    def close(self) -> None:
+        """Waits for checkpoint saves in flight and releases the writers (safe to call twice)."""
+        self.checkpoints.close()
+        self.writer.close()
