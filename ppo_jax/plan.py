@@ -281,8 +281,10 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES) -> MemoryPl
 
     stop_ids = config_lib.stop_token_ids(config, policy_cfg.eos_token_id) or (0,)
     pad_id = policy_cfg.pad_token_id if policy_cfg.pad_token_id is not None else 0
+    # The scanned decode of accelerator runs, even when planning on a CPU host (the CPU default
+    # unrolls it, with a copy of the layer weights an accelerator run does not make).
     steps = trainer_lib.build_steps(config, mesh, sizes, hp, modules, policy_tx, value_tx, state_shardings,
-                                    frozen_shardings, stop_ids, pad_id)
+                                    frozen_shardings, stop_ids, pad_id, unroll_layers=False)
 
     # Sampler: prompts [B, Lq] in, SampleOutput with R = B * n rows out.
     batch_sh = sharding.data_sharding(mesh)

@@ -155,14 +155,15 @@ def initial_params(config, modules: Modules, shardings: step_lib.TrainState, mes
     return policy, value
 
 
-def rollout_sampling_config(config, stop_ids: Sequence[int], pad_id: int) -> sampling.SamplingConfig:
-    """The sampler settings of a PPO config (rollout.*)."""
+def rollout_sampling_config(config, stop_ids: Sequence[int], pad_id: int,
+                            unroll_layers: bool | None = None) -> sampling.SamplingConfig:
+    """The sampler settings of a PPO config (rollout.*); unroll_layers as in SamplingConfig."""
     r = config.rollout
     return sampling.SamplingConfig(
         max_new_tokens=int(r.response_length), min_new_tokens=int(r.min_new_tokens),
         temperature=float(r.temperature), top_k=int(r.top_k), top_p=float(r.top_p),
         stop_token_ids=tuple(stop_ids), pad_token_id=int(pad_id), num_samples=int(r.num_samples),
-        cache_dtype=r.cache_dtype or None)
+        cache_dtype=r.cache_dtype or None, unroll_layers=unroll_layers)
 
 
 @dataclasses.dataclass
@@ -182,12 +183,14 @@ class Steps:
 
 
 def build_steps(config, mesh, sizes, hp, modules: Modules, policy_tx, value_tx, state_shardings,
-                frozen_shardings, stop_ids: Sequence[int], pad_id: int) -> Steps:
+                frozen_shardings, stop_ids: Sequence[int], pad_id: int,
+                unroll_layers: bool | None = None) -> Steps:
     """The sampler and the jitted experience and update steps of a run (also what `ppo_jax.plan`
-    lowers and measures, so the planner sees exactly the programs a run compiles)."""
+    lowers and measures, so the planner sees exactly the programs a run compiles). unroll_layers:
+    the sampler's decode loop (SamplingConfig.unroll_layers; None: by backend)."""
     batch = sharding.data_sharding(mesh)
     replicated = sharding.replicated(mesh)
-    sampling_config = rollout_sampling_config(config, stop_ids, pad_id)
+    sampling_config = rollout_sampling_config(config, stop_ids, pad_id, unroll_layers)
     sampler = sampling.make_sampler(modules.policy, sampling_config, mesh, state_shardings.policy)
     experience = step_lib.make_experience_fn(modules.policy, modules.value, modules.reward, hp)
     update = step_lib.make_update_fn(modules.policy, modules.value, policy_tx, value_tx, hp,
