@@ -37,9 +37,10 @@ KV_CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
 class KVCache(flax.struct.PyTreeNode):
     """Preallocated keys and values of every layer.
 
-    k, v:  [L, B, K, S, Dh] ([B, K, S, Dh] for one layer's cache, `split_cache`), in the layout attention consumes: for each (row, kv head) the S keys are
-           contiguous [S, Dh] rows, so scores and the weighted sum are batched GEMMs that read the
-           cache where it lies (no per-step transpose copy of the whole cache).
+    k, v:  [L, B, K, S, Dh] ([B, K, S, Dh] for one layer's cache, `split_cache`), in the layout
+           attention consumes: for each (row, kv head) the S keys are contiguous [S, Dh] rows, so
+           scores and the weighted sum are batched GEMMs that read the cache where it lies (no
+           per-step transpose copy of the whole cache).
     index: [] int32, the number of slots already written (the same for every row: batches are
            left-padded, so row r's slot s holds its token s whatever its length).
     """
