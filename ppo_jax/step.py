@@ -398,17 +398,22 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
         metrics = ppo.finalize_metrics(metrics)
         policy_grads, value_grads = grads
         metrics["grad_norm/policy"] = optax.tree.norm(policy_grads)
-        updates, policy_opt = policy_tx.update(policy_grads, state.policy_opt, state.policy)
-        state = state.replace(policy=optax.apply_updates(state.policy, updates), policy_opt=policy_opt)
         if state.value is not None:
             metrics["grad_norm/value"] = optax.tree.norm(value_grads)
-            updates, value_opt = value_tx.update(value_grads, state.value_opt, state.value)
-            state = state.replace(value=optax.apply_updates(state.value, updates), value_opt=value_opt)
         ok = exp_finite & all_finite(grads)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
-        state = old_state.replace(
-            policy=keep(state.policy, old_state.policy), policy_opt=keep(state.policy_opt, old_state.policy_opt),
-            value=keep(state.value, old_state.value), value_opt=keep(state.value_opt, old_state.value_opt))
+
+        # A cond, not where(ok, new, old) over the state: with where, XLA keeps the old and the new
+        # state apart (measured with ppo_jax.plan on a 2x6M-param config: update temp 162 MB with
+        # where, 139 MB with cond or with no guard at all).
+        def apply(state):
+            updates, policy_opt = policy_tx.update(policy_grads, state.policy_opt, state.policy)
+            state = state.replace(policy=optax.apply_updates(state.policy, updates), policy_opt=policy_opt)
+            if state.value is not None:
+                updates, value_opt = value_tx.update(value_grads, state.value_opt, state.value)
+                state = state.replace(value=optax.apply_updates(state.value, updates), value_opt=value_opt)
+            return state
+
+        state = jax.lax.cond(ok, apply, lambda s: s, old_state)
         metrics["skipped"] = 1.0 - ok.astype(jnp.float32)
         return state, metrics
 
