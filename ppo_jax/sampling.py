@@ -290,7 +290,10 @@ def choose_tokens(logits: Array, step: Array, uniforms: Array, config: SamplingC
     allowed = processed_logits(scaled, step, config)
     # One exp pass over the vocabulary serves both the draw and the log-probs when nothing truncates.
     allowed_max = jnp.max(allowed, axis=-1)
-    weights = jnp.exp(allowed - allowed_max[:, None])
+    # Weights of the vocabulary padded with zeros to whole CDF blocks: padding inside the exp pass
+    # saves `draw_from_weights` a separate pass that pads a copy.
+    padded = jnp.pad(allowed, ((0, 0), (0, -allowed.shape[-1] % _CDF_BLOCK)), constant_values=-jnp.inf)
+    weights = jnp.exp(padded - allowed_max[:, None])
     allowed_sum = weights.sum(axis=-1)
     if config.greedy:
         tokens = _argmax(allowed)
