@@ -40,6 +40,10 @@ def model_config_from_dict(d: ml_collections.ConfigDict | dict) -> ModelConfig:
     return ModelConfig(**d)
 
 
+# rollout.decode -> SamplingConfig.unroll_layers (None: decided by the backend).
+DECODE_LOOPS = {"auto": None, "scan": False, "unrolled": True}
+
+
 def ppo_config() -> ml_collections.ConfigDict:
     """Default PPO config: a tiny GPT-2-shaped policy on the built-in toy task (runs on a CPU)."""
     c = ml_collections.ConfigDict()
@@ -92,6 +96,7 @@ def ppo_config() -> ml_collections.ConfigDict:
     c.rollout.top_p = 1.0  # 1.0 = off
     c.rollout.stop_token_ids = ""  # comma-separated stop ids; "" = the tokenizer's / model's EOS
     c.rollout.cache_dtype = ""  # KV cache dtype ("" = compute dtype; "bfloat16" halves it)
+    c.rollout.decode = "auto"  # "scan" layers, "unrolled" (faster on CPU, copies weights), "auto": unrolled on CPU
     c.rollout.forward_microbatch = 0  # rows per forward pass in the experience step; 0 = whole batch
 
     c.ppo = ml_collections.ConfigDict()
@@ -182,6 +187,7 @@ def validate(config, *, batch_divisor: int = 1, max_positions: int | None = None
            f"rollout.min_new_tokens={r.min_new_tokens} must be in [0, rollout.response_length={r.response_length}]")
     _check(r.top_k >= 0, f"rollout.top_k must be >= 0 (0 = off), got {r.top_k}")
     _check(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    _check(r.decode in DECODE_LOOPS, f"rollout.decode={r.decode!r}: use one of {sorted(DECODE_LOOPS)}")
     _check(p.advantage_estimator in ("gae", "grpo", "rloo", "reinforce_pp"),
            f"ppo.advantage_estimator={p.advantage_estimator!r}: use one of gae, grpo, rloo, reinforce_pp")
     if p.advantage_estimator in ("grpo", "rloo"):

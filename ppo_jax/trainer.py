@@ -157,8 +157,11 @@ def initial_params(config, modules: Modules, shardings: step_lib.TrainState, mes
 
 def rollout_sampling_config(config, stop_ids: Sequence[int], pad_id: int,
                             unroll_layers: bool | None = None) -> sampling.SamplingConfig:
-    """The sampler settings of a PPO config (rollout.*); unroll_layers as in SamplingConfig."""
+    """The sampler settings of a PPO config (rollout.*); unroll_layers, if given, overrides
+    rollout.decode."""
     r = config.rollout
+    if unroll_layers is None:
+        unroll_layers = config_lib.DECODE_LOOPS[r.decode]
     return sampling.SamplingConfig(
         max_new_tokens=int(r.response_length), min_new_tokens=int(r.min_new_tokens),
         temperature=float(r.temperature), top_k=int(r.top_k), top_p=float(r.top_p),
@@ -187,7 +190,7 @@ def build_steps(config, mesh, sizes, hp, modules: Modules, policy_tx, value_tx, 
                 unroll_layers: bool | None = None) -> Steps:
     """The sampler and the jitted experience and update steps of a run (also what `ppo_jax.plan`
     lowers and measures, so the planner sees exactly the programs a run compiles). unroll_layers:
-    the sampler's decode loop (SamplingConfig.unroll_layers; None: by backend)."""
+    overrides rollout.decode (see `rollout_sampling_config`)."""
     batch = sharding.data_sharding(mesh)
     replicated = sharding.replicated(mesh)
     sampling_config = rollout_sampling_config(config, stop_ids, pad_id, unroll_layers)

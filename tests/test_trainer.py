@@ -14,7 +14,7 @@ from conftest import make_test_mesh
 from ppo_jax import config as config_lib
 from ppo_jax.config import ConfigError
 from tiny_configs import tiny_config  # noqa: F401 (re-exported for other tests)
-from ppo_jax.trainer import PPOTrainer
+from ppo_jax.trainer import PPOTrainer, rollout_sampling_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -125,7 +125,17 @@ INVALID = [
     ({"value.init": "reward"}, "value.init='reward' needs reward.path"),
     ({"ppo.kl_estimator": "k4"}, "ppo.kl_estimator='k4'"),
     ({"data.truncation": "right"}, "data.truncation='right'"),
+    ({"rollout.decode": "fast"}, "rollout.decode='fast'"),
 ]
+
+
+def test_rollout_decode_chooses_the_sampler_loop():
+    for decode, unroll in (("auto", None), ("scan", False), ("unrolled", True)):
+        config = tiny_config(**{"rollout.decode": decode})
+        assert rollout_sampling_config(config, (2,), 0).unroll_layers is unroll
+    # The planner's override wins over the config.
+    config = tiny_config(**{"rollout.decode": "unrolled"})
+    assert rollout_sampling_config(config, (2,), 0, unroll_layers=False).unroll_layers is False
 
 
 @pytest.mark.parametrize("overrides,message", INVALID, ids=[m for _, m in INVALID])
