@@ -244,7 +244,6 @@ def train_sft(config, world: world_lib.World, workdir: str, mesh=None) -> StageR
     t0 = time.perf_counter()
     cfg = config.sft.copy_and_resolve_references()
     cfg.train.progress = bool(config.progress)
-    cfg.train.max_consecutive_nonfinite = 1  # the demo stops at the first non-finite iteration
     train = world.sft_corpus(int(config.corpus.num_train), seed=int(config.seed))
     held_out = world.sft_corpus(int(config.corpus.num_eval), seed=int(config.seed) + 1)
     out = os.path.join(workdir, "sft")
@@ -336,7 +335,6 @@ def train_reward_model(config, world: world_lib.World, sft_dir: str, train_pairs
     cfg = config.reward_model.copy_and_resolve_references()
     cfg.model.path = sft_dir
     cfg.train.progress = bool(config.progress)
-    cfg.train.max_consecutive_nonfinite = 1  # the demo stops at the first non-finite iteration
     out = os.path.join(workdir, "reward_model")
     trainer = RewardModelTrainer(cfg, out, tokenizer=world.tokenizer, train_records=train_pairs,
                                  eval_records=val_pairs, mesh=mesh)
@@ -413,8 +411,8 @@ def train_ppo(config, world: world_lib.World, sft_dir: str, rm_dir: str, workdir
     """Stage 4: PPO from the SFT policy against the reward model, evaluated by the gold reward.
 
     The loop is PPOTrainer.train (metrics, samples, checkpoints, progress, SIGTERM) with a gold
-    evaluation every eval.every iterations as its on_iteration hook. Checkpoints go to <workdir>/ppo/checkpoints; the final policy is
-    exported to <workdir>/ppo/hf.
+    evaluation every eval.every iterations as its on_iteration hook. Checkpoints go to
+    <workdir>/ppo/checkpoints; the final policy is exported to <workdir>/ppo/hf.
     """
     from ppo_jax.models import hf
     from ppo_jax.trainer import PPOTrainer
