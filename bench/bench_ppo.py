@@ -134,8 +134,8 @@ class JaxSide:
         import jax
 
         from ppo_jax import sharding
-        from ppo_jax.config import ppo_config
-        from ppo_jax.trainer import PPOTrainer
+        from ppo_jax.rl.settings import ppo_config
+        from ppo_jax.rl.trainer import PPOTrainer
 
         c = ppo_config()
         c.seed = hp.seed

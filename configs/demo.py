@@ -1,4 +1,4 @@
-"""The offline RLHF demo (SFT -> reward model -> PPO in the synthetic world of ppo_jax/world.py).
+"""The offline RLHF demo (SFT -> reward model -> PPO in the synthetic world of ppo_jax/demo/world.py).
 
     python -m ppo_jax.demo --config=configs/demo.py --workdir=runs/demo
 
@@ -6,7 +6,7 @@ Every field and its meaning: `ppo_jax.demo.get_config` (this file returns it unc
 command-line overrides such as --config.ppo.ppo.kl_coef=0.02 have a file to start from).
 """
 
-from ppo_jax.demo import get_config as demo_config
+from ppo_jax.demo.pipeline import get_config as demo_config
 
 
 def get_config():

@@ -7,7 +7,7 @@ not the full demo's numbers. The sizes are set in `ppo_jax.demo.small_config` (i
 configs/ directory is not, e.g. an installed package in Colab).
 """
 
-from ppo_jax.demo import small_config
+from ppo_jax.demo.pipeline import small_config
 
 
 def get_config():

@@ -1,8 +1,8 @@
-"""Memory plan of PPO on a Llama-3-70B-shaped policy (bf16 params and compute), for `ppo_jax.plan`.
+"""Memory plan of PPO on a Llama-3-70B-shaped policy (bf16 params and compute), for `ppo_jax.cli.plan`.
 
-    python -m ppo_jax.plan --config=configs/plan_llama70b.py --device_memory_gib=95 \
+    python -m ppo_jax.cli.plan --config=configs/plan_llama70b.py --device_memory_gib=95 \
         --platform=tpu --tpu_topology=v5p:2x4x4                                   # v5p-64
-    python -m ppo_jax.plan --config=configs/plan_llama70b.py --config.mesh.shape=1,8,1 --device_memory_gb=141
+    python -m ppo_jax.cli.plan --config=configs/plan_llama70b.py --config.mesh.shape=1,8,1 --device_memory_gb=141
 
 All four trees are 70B: the reward model is a separate 70B ScalarModel and the value model is grown
 from the policy. Adam moments follow the parameter dtype (optax), so they are bf16 here; for fp32
@@ -10,12 +10,12 @@ master weights and fp32 Adam states add --config.policy.param_dtype=float32. A 7
 8B reward / value model: configs/plan_llama70b_rm8b.py. Only shapes are used: no weights exist.
 """
 
-from ppo_jax.config import ppo_config
-from ppo_jax.plan import llama_model
+from ppo_jax.rl.settings import ppo_config
+from ppo_jax.rl.plan import llama_model
 
 
 def get_config():
-    config = ppo_config()  # every field and its meaning: ppo_jax/config.py
+    config = ppo_config()  # every field and its meaning: ppo_jax/rl/settings.py
     config.mesh.shape = (1, 32, 1)  # v5p-64: 32 chips (64 TensorCores), fsdp over all of them
     # remat: each layer is recomputed in the backward pass instead of keeping its activations.
     config.policy.model = llama_model("llama3-70b", param_dtype="bfloat16", dtype="bfloat16", remat=True)

@@ -1,19 +1,19 @@
 """Memory plan of PPO on a Llama-3-70B-shaped policy with a Llama-3-8B-shaped reward model and a value
-model grown from it (value.init="reward"); bf16 params and compute. For `ppo_jax.plan`:
+model grown from it (value.init="reward"); bf16 params and compute. For `ppo_jax.rl.plan`:
 
-    python -m ppo_jax.plan --config=configs/plan_llama70b_rm8b.py --config.mesh.shape=1,8,1 --device_memory_gb=141
+    python -m ppo_jax.cli.plan --config=configs/plan_llama70b_rm8b.py --config.mesh.shape=1,8,1 --device_memory_gb=141
 
 Batch settings as configs/plan_llama70b.py. Adam moments follow the parameter dtype (bf16 here).
 """
 
 import ml_collections
 
-from ppo_jax.config import ppo_config
-from ppo_jax.plan import llama_model
+from ppo_jax.rl.settings import ppo_config
+from ppo_jax.rl.plan import llama_model
 
 
 def get_config():
-    config = ppo_config()  # every field and its meaning: ppo_jax/config.py
+    config = ppo_config()  # every field and its meaning: ppo_jax/rl/settings.py
     config.mesh.shape = (1, 8, 1)  # one 8-GPU host, fsdp over all of them
     config.policy.model = llama_model("llama3-70b", param_dtype="bfloat16", dtype="bfloat16", remat=True)
     config.plan = ml_collections.ConfigDict()

@@ -1,8 +1,8 @@
-"""Memory plan of PPO on a Llama-2-7B-shaped policy (bf16 params and compute), for `ppo_jax.plan`.
+"""Memory plan of PPO on a Llama-2-7B-shaped policy (bf16 params and compute), for `ppo_jax.cli.plan`.
 
-    python -m ppo_jax.plan --config=configs/plan_llama7b.py --device_memory_gib=95 \
+    python -m ppo_jax.cli.plan --config=configs/plan_llama7b.py --device_memory_gib=95 \
         --platform=tpu --tpu_topology=v5p:2x4x4                                   # v5p-64
-    python -m ppo_jax.plan --config=configs/plan_llama7b.py --config.mesh.shape=1,8,1 --device_memory_gb=141
+    python -m ppo_jax.cli.plan --config=configs/plan_llama7b.py --config.mesh.shape=1,8,1 --device_memory_gb=141
 
 The reward and value models have the policy's architecture (reward: a separate 7B ScalarModel; value:
 grown from the policy). Adam moments follow the parameter dtype (optax), so they are bf16 here; for
@@ -10,12 +10,12 @@ fp32 master weights and fp32 Adam states add --config.policy.param_dtype=float32
 Only shapes are used: no weights exist or are read.
 """
 
-from ppo_jax.config import ppo_config
-from ppo_jax.plan import llama_model
+from ppo_jax.rl.settings import ppo_config
+from ppo_jax.rl.plan import llama_model
 
 
 def get_config():
-    config = ppo_config()  # every field and its meaning: ppo_jax/config.py
+    config = ppo_config()  # every field and its meaning: ppo_jax/rl/settings.py
     config.mesh.shape = (1, 32, 1)  # v5p-64: 32 chips (64 TensorCores), fsdp over all of them
     # remat: each layer is recomputed in the backward pass instead of keeping its activations.
     config.policy.model = llama_model("llama2-7b", param_dtype="bfloat16", dtype="bfloat16", remat=True)

@@ -1,10 +1,10 @@
 """PPO on the built-in toy task: a tiny GPT-2-shaped policy learns to say the target word "w7"."""
 
-from ppo_jax.config import ppo_config
+from ppo_jax.rl.settings import ppo_config
 
 
 def get_config():
-    config = ppo_config()  # every field and its meaning: ppo_jax/config.py
+    config = ppo_config()  # every field and its meaning: ppo_jax/rl/settings.py
     config.reward.functions = "toy_target_count"  # reward = fraction of response words equal to "w7"
     config.rollout.batch_size = 32  # prompts per iteration
     config.rollout.response_length = 12  # tokens per response

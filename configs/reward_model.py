@@ -1,13 +1,13 @@
 """Reward model on your own preferences: a JSONL file of {"prompt", "chosen", "rejected"} records,
 starting from your SFT model (its transformer, a fresh scalar head).
 
-    python -m ppo_jax.reward_model --config=configs/reward_model.py --workdir=runs/rm \
+    python -m ppo_jax.cli.reward_model --config=configs/reward_model.py --workdir=runs/rm \
         --config.model.path=runs/sft/hf --config.data.train=prefs.jsonl --config.data.eval=prefs_val.jsonl
 
-Every field and its meaning: `ppo_jax.reward_model.reward_model_config`.
+Every field and its meaning: `ppo_jax.supervised.settings.RewardModelSettings`.
 """
 
-from ppo_jax.reward_model import reward_model_config
+from ppo_jax.supervised.settings import reward_model_config
 
 
 def get_config():

@@ -1,12 +1,12 @@
 """SFT on your own data: a JSONL file of {"prompt", "response"} records and a Hugging Face causal LM.
 
-    python -m ppo_jax.sft --config=configs/sft.py --workdir=runs/sft \
+    python -m ppo_jax.cli.sft --config=configs/sft.py --workdir=runs/sft \
         --config.model.path=/path/to/hf_model --config.data.train=train.jsonl --config.data.eval=eval.jsonl
 
-Every field and its meaning: `ppo_jax.sft.sft_config`.
+Every field and its meaning: `ppo_jax.supervised.settings.SFTSettings`.
 """
 
-from ppo_jax.sft import sft_config
+from ppo_jax.supervised.settings import sft_config
 
 
 def get_config():

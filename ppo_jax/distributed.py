@@ -1,22 +1,32 @@
 """Multi-controller start-up: one program per host, one global mesh.
 
-`initialize(config)` must run before JAX touches a device. Sources, in order:
-  config.distributed.{coordinator_address, num_processes, process_id}, else the environment
+`initialize(settings)` must run before JAX touches a device. Sources, in order:
+  the settings' {coordinator_address, num_processes, process_id}, else the environment
   (PPO_JAX_COORDINATOR, PPO_JAX_NUM_PROCESSES, PPO_JAX_PROCESS_ID), else, when
-  config.distributed.auto (or PPO_JAX_DISTRIBUTED=auto) is set, JAX's own detection (TPU VMs,
+  settings.auto (or PPO_JAX_DISTRIBUTED=auto) is set, JAX's own detection (TPU VMs,
   SLURM, ...). With none of them the run is single-process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
 
 
-def settings(config=None) -> dict:
-    """The coordinator settings the config or environment ask for ({} = single process)."""
-    d = config.distributed if config is not None and "distributed" in config else None
+@dataclasses.dataclass(frozen=True)
+class DistributedSettings:
+    """Multi-host wiring (a PPO config's distributed section)."""
+
+    coordinator_address: str = ""  # "host:port" of process 0 for multi-host runs ("" = env or single process)
+    num_processes: int = 0  # processes in the job (with coordinator_address)
+    process_id: int = -1  # this process's index (with coordinator_address)
+    auto: bool = False  # let JAX detect the cluster (TPU VMs, SLURM); also PPO_JAX_DISTRIBUTED=auto
+
+
+def runtime_args(d: DistributedSettings | None = None) -> dict:
+    """The coordinator arguments the settings or environment ask for ({} = single process)."""
     address = (d.coordinator_address if d is not None else "") or os.environ.get("PPO_JAX_COORDINATOR", "")
     auto = bool(d.auto if d is not None else False) or os.environ.get("PPO_JAX_DISTRIBUTED", "") == "auto"
     if not address:
@@ -31,9 +41,9 @@ def settings(config=None) -> dict:
     return {"coordinator_address": address, "num_processes": num, "process_id": pid}
 
 
-def initialize(config=None) -> bool:
+def initialize(d: DistributedSettings | None = None) -> bool:
     """Starts the multi-controller runtime when asked to; returns whether it did."""
-    kwargs = settings(config)
+    kwargs = runtime_args(d)
     if not kwargs:
         return False
     if os.environ.get("JAX_PLATFORMS", "").startswith("cpu"):

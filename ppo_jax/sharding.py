@@ -9,12 +9,14 @@ mesh shape (a 2-kv-head model on a 4-way tensor mesh keeps its kv heads replicat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -146,8 +148,14 @@ def batch_divisor(mesh: Mesh) -> int:
 
 
 def put_local_batch(tree: Any, mesh: Mesh) -> Any:
-    """This process's rows (a contiguous block of the global batch) -> global batch-sharded arrays."""
+    """This process's rows (host NumPy, [b, ...]) -> global arrays batch-sharded over the mesh.
+
+    One process: b is the global batch. Several: each process holds its consecutive block of the
+    global batch, as `ppo_jax.data` loaders hand it out.
+    """
     sharding = data_sharding(mesh)
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree)
 
 
@@ -181,10 +189,26 @@ def to_host(tree: Any) -> Any:
     """Global arrays -> NumPy on every process (metrics, samples)."""
     if jax.process_count() == 1:
         return jax.device_get(tree)
-    from jax.experimental import multihost_utils
     return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def activation_rules(rules=DEFAULT_RULES):
     """Context that lets `nn.with_logical_constraint` in the models resolve activation axes."""
     return nn.logical_axis_rules(rules)
+
+
+@contextlib.contextmanager
+def mesh_context(mesh: Mesh, rules=DEFAULT_RULES) -> Iterator[None]:
+    """The mesh and the logical activation rules every jitted model function runs under."""
+    with jax.set_mesh(mesh), activation_rules(rules):
+        yield
+
+
+def on_mesh(fn: Callable, mesh: Mesh) -> Callable:
+    """`fn` (a jitted model function) called under `mesh_context(mesh)`."""
+
+    def run(*args):
+        with mesh_context(mesh):
+            return fn(*args)
+
+    return run

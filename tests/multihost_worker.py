@@ -23,13 +23,14 @@ def main():
     from tiny_configs import tiny_config
 
     from ppo_jax import distributed, sharding
-    from ppo_jax.trainer import PPOTrainer
+    from ppo_jax.rl.settings import Settings
+    from ppo_jax.rl.trainer import PPOTrainer
 
     config = tiny_config(**{"train.iterations": 2, "mesh.shape": (2, 2, 2)})
     config.distributed.coordinator_address = f"127.0.0.1:{port}"
     config.distributed.num_processes = int(num_processes)
     config.distributed.process_id = int(process_id)
-    assert distributed.initialize(config)
+    assert distributed.initialize(Settings.from_config(config).distributed)
     assert jax.device_count() == 8 and jax.local_device_count() == 4
     trainer = PPOTrainer(config, workdir)
     history = trainer.train()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import make_test_mesh
 
-from ppo_jax import demo
+from ppo_jax.demo import pipeline as demo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

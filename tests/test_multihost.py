@@ -12,7 +12,7 @@ import numpy as np
 from conftest import make_test_mesh
 from tiny_configs import tiny_config
 
-from ppo_jax.trainer import PPOTrainer
+from ppo_jax.rl.trainer import PPOTrainer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -1,4 +1,4 @@
-"""Memory planner (ppo_jax.plan).
+"""Memory planner (ppo_jax.rl.plan).
 
 Parameter, optimizer and batch bytes in a plan are shape arithmetic on the shardings (per-device shard
 shape x itemsize); phase bytes come from `compiled.memory_analysis()`. The tests check the first
@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import make_test_mesh
 
-from ppo_jax import plan as plan_lib
+from ppo_jax.cli import plan as plan_cli
+from ppo_jax.rl import plan as plan_lib
 from ppo_jax.config import ConfigError, model_config_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +94,7 @@ def test_cli_plans_a_mesh_larger_than_this_process(plans):
     memory_gb = 0.01
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     result = subprocess.run(
-        [sys.executable, "-m", "ppo_jax.plan", f"--config={TINY_CONFIG}", "--config.mesh.shape=1,16,1",
+        [sys.executable, "-m", "ppo_jax.cli.plan", f"--config={TINY_CONFIG}", "--config.mesh.shape=1,16,1",
          f"--device_memory_gb={memory_gb}", "--json"],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -116,9 +117,9 @@ def test_cli_plans_a_mesh_larger_than_this_process(plans):
 
 def test_bad_input_fails_before_compiling():
     with pytest.raises(ConfigError, match="--num_devices"):
-        plan_lib.mesh_size((1, -1, 1), None)
+        plan_cli.mesh_size((1, -1, 1), None)
     with pytest.raises(ConfigError, match="needs 8 devices, but --num_devices=4"):
-        plan_lib.mesh_size((2, 4, 1), 4)
+        plan_cli.mesh_size((2, 4, 1), 4)
     config = tiny_config()
     config.rollout.batch_size = 12
     with pytest.raises(ConfigError, match="does not split over the 8 data-parallel devices"):

@@ -17,9 +17,9 @@ from conftest import make_test_mesh
 from test_trainer import REPO
 from tiny_configs import tiny_config
 
-from ppo_jax import reward_fns
-from ppo_jax.export import export_checkpoint
-from ppo_jax.trainer import NonFiniteError, PPOTrainer
+from ppo_jax import rewards as reward_fns
+from ppo_jax.rl.export import export_checkpoint
+from ppo_jax.rl.trainer import NonFiniteError, PPOTrainer
 
 ITERATIONS = 4
 
@@ -119,7 +119,7 @@ def test_nonfinite_rewards_skip_updates_then_stop_with_checkpoint_intact(tmp_pat
 
 def test_cli_sigterm_saves_and_says_how_to_resume(tmp_path):
     workdir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "ppo_jax.train", f"--config={REPO}/configs/ppo_toy.py",
+    cmd = [sys.executable, "-m", "ppo_jax.cli.train", f"--config={REPO}/configs/ppo_toy.py",
            f"--workdir={workdir}", "--config.train.iterations=1000", "--config.train.progress=False",
            "--config.rollout.batch_size=8", "--config.rollout.response_length=4",
            "--config.data.prompt_length=8", "--config.ppo.epochs=1"]

@@ -16,7 +16,7 @@ from conftest import make_test_mesh
 from ppo_jax.config import ConfigError
 from ppo_jax.data import build_word_tokenizer
 from ppo_jax.models import CausalLM, ModelConfig, hf, init_params
-from ppo_jax.reward_model import RewardModelTrainer, bradley_terry_loss, reward_model_config
+from ppo_jax.supervised.reward_model import RewardModelTrainer, bradley_terry_loss, reward_model_config
 
 WORDS = [f"w{i}" for i in range(40)] + ["good", "bad", "?", "."]
 

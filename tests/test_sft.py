@@ -14,7 +14,7 @@ from conftest import make_test_mesh
 from ppo_jax import data as data_lib
 from ppo_jax.config import ConfigError
 from ppo_jax.data import build_word_tokenizer
-from ppo_jax.sft import SFTTrainer, sft_config, sft_loss
+from ppo_jax.supervised.sft import SFTTrainer, sft_config, sft_loss
 
 WORDS = [f"w{i}" for i in range(40)] + ["?", "."]
 

@@ -293,13 +293,13 @@ def test_launch_prints_one_ssh_to_all_workers_then_follows_worker_0(sandbox):
         f"if [ -f {logs}/train.log ]; then mv {logs}/train.log {logs}/train.$(date +%Y%m%d-%H%M%S).log; fi",
         f"nohup setsid bash -c {shlex.quote(WRAPPER)} {logs} env PYTHONUNBUFFERED=1 PPO_JAX_DISTRIBUTED=auto "
         f"{R}/venv/bin/python "
-        "-m ppo_jax.train --config=configs/ppo_toy.py '--workdir=gs://my-bucket/runs/toy run' "
+        "-m ppo_jax.cli.train --config=configs/ppo_toy.py '--workdir=gs://my-bucket/runs/toy run' "
         "'--config.prompt=it'\\''s a \"test\" $HOME' --config.seed=3 > /dev/null 2>&1 < /dev/null & "
         'echo "launched on $(hostname); log: ~/ppo_jax/logs/train.log"'])
 
 
 def test_launch_passes_args_env_and_module_through_exactly(sandbox):
-    lines = dry(sandbox, "launch.sh", "--zone=us-central2-b", "--follow=none", "--module=ppo_jax.sft",
+    lines = dry(sandbox, "launch.sh", "--zone=us-central2-b", "--follow=none", "--module=ppo_jax.cli.sft",
                 "--env=XLA_FLAGS=--xla_a=1 --xla_b", "--env", "PPO_JAX_X=y z", "--", *TRAIN_ARGS)
     assert len(lines) == 1
     remote = shlex.split(remote_command(lines[0]))
@@ -307,7 +307,7 @@ def test_launch_passes_args_env_and_module_through_exactly(sandbox):
     assert remote[start:start + 4] == ["bash", "-c", WRAPPER, "$HOME/ppo_jax/logs"]
     program = remote[start + 4:remote.index(">", start)]
     assert program == ["env", "PYTHONUNBUFFERED=1", "PPO_JAX_DISTRIBUTED=auto", "XLA_FLAGS=--xla_a=1 --xla_b", "PPO_JAX_X=y z",
-                       "$HOME/ppo_jax/venv/bin/python", "-m", "ppo_jax.sft", *TRAIN_ARGS]
+                       "$HOME/ppo_jax/venv/bin/python", "-m", "ppo_jax.cli.sft", *TRAIN_ARGS]
 
 
 def test_launch_warns_when_the_workdir_is_local(sandbox):
@@ -364,7 +364,7 @@ def test_launch_remote_command_runs_on_a_worker_shell(sandbox, tmp_path, shell):
     assert result.returncode == 0, result.stderr
     assert "launched on" in result.stdout
     assert wait_for(logs / "train.exit").strip() == "3"
-    assert argv_file.read_text().split("\0")[:-1] == ["-m", "ppo_jax.train", *TRAIN_ARGS]
+    assert argv_file.read_text().split("\0")[:-1] == ["-m", "ppo_jax.cli.train", *TRAIN_ARGS]
     log = (logs / "train.log").read_text()
     assert f"cwd={home}/ppo_jax/src unbuffered=1 distributed=auto" in log and "to stderr" in log
 
@@ -443,7 +443,7 @@ def test_resume_dry_run_prints_one_simulated_preemption(sandbox, src_repo):
     relaunch = remote_command(lines[-1])
     assert "--worker=all" in lines[-1] and 'kill -TERM -"$pid"' in relaunch  # --replace
     assert relaunch.split(" > /dev/null 2>&1 < /dev/null &")[0].endswith(
-        "-m ppo_jax.train --config=configs/ppo_toy.py --workdir=gs://my-bucket/runs/toy")
+        "-m ppo_jax.cli.train --config=configs/ppo_toy.py --workdir=gs://my-bucket/runs/toy")
 
 
 def test_resume_dry_run_queued_and_missing(sandbox, src_repo):
@@ -609,8 +609,8 @@ BAD = [
     ("setup.sh", ["--zone=us-central2-b", "--remote-dir=../x"], "--remote-dir '../x' must be one directory"),
     ("setup.sh", ["--zone=us-central2-b", "--extras=a b"], "--extras 'a b' should be a comma-separated"),
     ("launch.sh", ["--zone=us-central2-b"], "no training command: put the program's arguments after '--'"),
-    ("launch.sh", ["--zone=us-central2-b", "--", "--config=c.py"], "ppo_jax.train needs --workdir"),
-    ("launch.sh", ["--zone=us-central2-b", "--", "--workdir=gs://b/r"], "ppo_jax.train needs --config"),
+    ("launch.sh", ["--zone=us-central2-b", "--", "--config=c.py"], "ppo_jax.cli.train needs --workdir"),
+    ("launch.sh", ["--zone=us-central2-b", "--", "--workdir=gs://b/r"], "ppo_jax.cli.train needs --config"),
     ("launch.sh", ["--zone=us-central2-b", "--env=1X=2", "--", "--config=c", "--workdir=w"], "--env '1X=2'"),
     ("launch.sh", ["--zone=us-central2-b", "--module=ppo-jax", "--", "x"], "--module 'ppo-jax'"),
     ("launch.sh", ["--zone=us-central2-b", "--follow=last", "--", "x"], "--worker 'last'"),

@@ -14,7 +14,8 @@ from conftest import make_test_mesh
 from ppo_jax import config as config_lib
 from ppo_jax.config import ConfigError
 from tiny_configs import tiny_config  # noqa: F401 (re-exported for other tests)
-from ppo_jax.trainer import PPOTrainer, rollout_sampling_config
+from ppo_jax.rl.settings import Settings, sampling_config
+from ppo_jax.rl.trainer import PPOTrainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -132,10 +133,10 @@ INVALID = [
 def test_rollout_decode_chooses_the_sampler_loop():
     for decode, unroll in (("auto", None), ("scan", False), ("unrolled", True)):
         config = tiny_config(**{"rollout.decode": decode})
-        assert rollout_sampling_config(config, (2,), 0).unroll_layers is unroll
+        assert sampling_config(Settings.from_config(config), (2,), 0).unroll_layers is unroll
     # The planner's override wins over the config.
     config = tiny_config(**{"rollout.decode": "unrolled"})
-    assert rollout_sampling_config(config, (2,), 0, unroll_layers=False).unroll_layers is False
+    assert sampling_config(Settings.from_config(config), (2,), 0, unroll_layers=False).unroll_layers is False
 
 
 @pytest.mark.parametrize("overrides,message", INVALID, ids=[m for _, m in INVALID])
@@ -154,7 +155,7 @@ def test_batch_not_divisible_by_devices(tmp_path):
 
 def test_cli_writes_metrics_tensorboard_and_samples(tmp_path):
     workdir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "ppo_jax.train", f"--config={REPO}/configs/ppo_toy.py",
+    cmd = [sys.executable, "-m", "ppo_jax.cli.train", f"--config={REPO}/configs/ppo_toy.py",
            f"--workdir={workdir}", "--config.train.iterations=2", "--config.train.sample_every=1",
            "--config.train.eval_every=2", "--config.train.progress=False",
            "--config.rollout.batch_size=8", "--config.rollout.response_length=4",
@@ -176,7 +177,7 @@ def test_cli_writes_metrics_tensorboard_and_samples(tmp_path):
 
 
 def test_cli_rejects_a_misspelled_field(tmp_path):
-    cmd = [sys.executable, "-m", "ppo_jax.train", f"--config={REPO}/configs/ppo_toy.py",
+    cmd = [sys.executable, "-m", "ppo_jax.cli.train", f"--config={REPO}/configs/ppo_toy.py",
            f"--workdir={tmp_path}", "--config.ppo.clip_epz=0.1"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0

@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from ppo_jax import reward_fns
-from ppo_jax import world as W
+from ppo_jax import rewards as reward_fns
+from ppo_jax.demo import world as W
 
 WORLD = W.World()
 P = "describe the garden ."
@@ -133,23 +133,25 @@ def test_label_pairs_exact_and_bradley_terry_noise():
 
 
 def test_registered_gold_reward_function_infers_stop_from_length():
-    fn = reward_fns.resolve("demo_gold")
-    assert fn is reward_fns.resolve("ppo_jax.world:gold_reward_fn")
+    fn = reward_fns.resolve("demo_gold")  # registered by importing the world (this module did)
+    assert fn is reward_fns.resolve("ppo_jax.demo.world:gold_reward_fn")
     long = " ".join(["lovely"] * WORLD.max_response_tokens)
     scores = fn([P, P], ["the garden is lovely .", long])
     assert scores == [pytest.approx(1.75), W.FLOOR]
 
 
-def test_demo_gold_resolves_without_importing_the_world_first():
-    """A config naming "demo_gold" works in a fresh process that never imported ppo_jax.world."""
+def test_gold_reward_resolves_by_import_path_in_a_fresh_process():
+    """A config naming the gold reward by "module:function" works in a fresh process that never imported
+    the world; the registry itself imports nothing (no hidden edge from the library up to the demo)."""
     import subprocess
     import sys
 
-    code = ("from ppo_jax import reward_fns; import sys; assert 'ppo_jax.world' not in sys.modules; "
-            "fn = reward_fns.resolve('demo_gold'); print(fn.__module__)")
+    code = ("from ppo_jax import rewards; import sys; assert 'ppo_jax.demo.world' not in sys.modules; "
+            "fn = rewards.resolve('ppo_jax.demo.world:gold_reward_fn'); print(fn.__module__); "
+            "print('ppo_jax.demo.world' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "ppo_jax.world"
-    with pytest.raises(ValueError, match="demo_gold"):  # listed among the known names
+    assert out.stdout.split() == ["ppo_jax.demo.world", "True"]
+    with pytest.raises(ValueError, match="module:function"):  # the error says how to name one
         reward_fns.resolve("no_such_reward")
 
 

@@ -1,7 +1,7 @@
 """Tiny PPO configs shared by the trainer tests and the multi-process worker (no JAX set-up here, so
 a worker process can choose its own device count)."""
 
-from ppo_jax.config import ppo_config
+from ppo_jax.rl.settings import ppo_config
 
 
 def tiny_config(**overrides):

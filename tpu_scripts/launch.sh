@@ -19,7 +19,7 @@ without arguments, which on TPU VMs finds the other workers itself. Each worker 
 with a timestamp), $PID_FILE, and $EXIT_FILE when the program ends by itself.
 
 Flags:
-  --module=MODULE     Python module to run [\$PPO_JAX_TPU_MODULE, default ppo_jax.train]
+  --module=MODULE     Python module to run [\$PPO_JAX_TPU_MODULE, default ppo_jax.cli.train]
   --env=KEY=VALUE     environment variable for the program; repeatable
                       [\$PPO_JAX_TPU_ENV: space-separated KEY=VALUE words]
   --replace           stop a training that is still running on a worker (its
@@ -29,7 +29,7 @@ Flags:
                       of all workers (all, each line prefixed), or none
                       [\$PPO_JAX_TPU_FOLLOW, default 0]; Ctrl-C stops only the stream
   --remote-dir=DIR    [\$PPO_JAX_TPU_REMOTE_DIR, default $DEFAULT_REMOTE_DIR]
-  -- TRAIN_ARGS       the program's arguments, passed as given; for ppo_jax.train
+  -- TRAIN_ARGS       the program's arguments, passed as given; for ppo_jax.cli.train
                       --config and --workdir are required, and the workdir should
                       be gs://... so checkpoints outlive the TPU
 
@@ -41,7 +41,7 @@ Example:
 EOF
 }
 
-MODULE=$(flag_default MODULE ppo_jax.train)
+MODULE=$(flag_default MODULE ppo_jax.cli.train)
 ENV_ASSIGNMENTS=()
 read -r -a ENV_ASSIGNMENTS <<<"$(flag_default ENV "")"
 REPLACE=$(bool_default REPLACE)
@@ -68,7 +68,7 @@ done
 validate_common
 validate_remote_dir "$REMOTE_DIR"
 [[ $MODULE =~ ^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$ ]] ||
-  die "--module '$MODULE' is not a Python module name (like ppo_jax.train)"
+  die "--module '$MODULE' is not a Python module name (like ppo_jax.cli.train)"
 for assignment in "${ENV_ASSIGNMENTS[@]}"; do
   [[ $assignment =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] ||
     die "--env '$assignment' should be KEY=VALUE with KEY a variable name"
@@ -77,10 +77,10 @@ done
 ((SAW_SEPARATOR)) ||
   die "no training command: put the program's arguments after '--', e.g. -- --config=configs/ppo_toy.py --workdir=gs://BUCKET/run"
 find_workdir "${TRAIN_ARGS[@]}"
-if [[ $MODULE == ppo_jax.train ]]; then
+if [[ $MODULE == ppo_jax.cli.train ]]; then
   for required in --config --workdir; do
     printf '%s\n' "${TRAIN_ARGS[@]}" | grep -qE -- "^$required(=|$)" ||
-      die "ppo_jax.train needs $required: add it after '--' (e.g. -- --config=configs/ppo_toy.py --workdir=gs://BUCKET/run)"
+      die "ppo_jax.cli.train needs $required: add it after '--' (e.g. -- --config=configs/ppo_toy.py --workdir=gs://BUCKET/run)"
   done
 fi
 if [[ -n $WORKDIR && $WORKDIR != gs://* ]]; then

@@ -25,6 +25,7 @@ import math
 import os
 import re
 import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -36,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from etils import epath
 
 from ppo_jax import sharding
 from ppo_jax.models.config import ModelConfig
@@ -976,3 +978,16 @@ __all__ = [
     "checkpoint_kind", "config_from_hf", "config_to_hf", "export_model", "load_config",
     "load_model", "load_tokenizer", "make_model", "tensor_maps",
 ]
+
+
+def save_tokenizer(tokenizer, directory: str) -> None:
+    """`save_pretrained` into a local or remote (gs://) directory."""
+    if "://" not in directory:
+        tokenizer.save_pretrained(directory)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        target = epath.Path(directory)
+        target.mkdir(parents=True, exist_ok=True)
+        for f in os.listdir(tmp):
+            (target / f).write_bytes(open(os.path.join(tmp, f), "rb").read())

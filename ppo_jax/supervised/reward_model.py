@@ -25,78 +25,22 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 
-from ppo_jax import config as config_lib
+from etils import epath
+
 from ppo_jax import data as data_lib
 from ppo_jax import metrics as metrics_lib
-from ppo_jax import sharding, step as step_lib, supervised
-from ppo_jax.models import CausalLM, ScalarModel, init_params, positions_from_mask, score_at_last_token
+from ppo_jax import sampling, sharding
+from ppo_jax.config import ConfigError
+from ppo_jax.models import CausalLM, ScalarModel, boxed_params, hf, init_params
+from ppo_jax.models.forward import response_scores, sequence_scores
+from ppo_jax.optim import make_optimizer
+from ppo_jax.supervised import base as supervised
+from ppo_jax.supervised.settings import RewardModelSettings, reward_model_config  # noqa: F401  (the defaults)
 
 Array = jax.Array
-
-NORMALIZE_SOURCES = ("none", "policy", "preferences")
-
-
-def reward_model_config() -> ml_collections.ConfigDict:
-    """Default reward-model config: every field commented. Files under configs/ override it."""
-    c = ml_collections.ConfigDict()
-    c.seed = 0  # seeds the head init, data order and normalisation samples
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.shape = (1, -1, 1)  # (data, fsdp, tensor); one entry may be -1 = all remaining devices
-    c.model = supervised.model_section()
-    c.model.path = ""  # start from: a causal LM (the SFT model: its transformer, a fresh head) or a reward model; "" = fresh
-    c.tokenizer_path = ""  # Hugging Face tokenizer directory; "" = model.path's (a tokenizer passed in code wins)
-
-    c.data = ml_collections.ConfigDict()
-    c.data.train = ""  # JSONL file of {prompt, chosen, rejected} records; "" = records passed in code
-    c.data.eval = ""  # held-out JSONL file (validation accuracy); "" = none (or records passed in code)
-    c.data.prompt_field = "prompt"  # JSONL field holding the prompt
-    c.data.chosen_field = "chosen"  # JSONL field holding the preferred response
-    c.data.rejected_field = "rejected"  # JSONL field holding the other response
-    c.data.max_prompt_length = 16  # longest prompt kept, in tokens (use the PPO data.prompt_length)
-    c.data.max_response_length = 32  # longest response, tokens incl. EOS (use the PPO rollout.response_length:
-    #                                  a longer response is cut without EOS, as an unfinished rollout is)
-    c.data.truncation = "left"  # over-long examples: "left" (cut and count them) or "error"
-
-    c.normalize = ml_collections.ConfigDict()
-    c.normalize.source = "none"  # samples to normalise on: "none", "policy" (sample normalize.policy_path) or
-    #                              "preferences" (the chosen and rejected responses of data.train)
-    c.normalize.policy_path = ""  # causal LM to sample from for source="policy"; "" = model.path
-    c.normalize.num_prompts = 512  # prompts (policy) or pairs (preferences) to normalise on
-    c.normalize.temperature = 1.0  # sampling temperature for source="policy" (use the PPO rollout temperature)
-
-    c.train = supervised.train_section(batch_size=32, steps=500)
-    c.optim = supervised.optim_section(lr=3e-4)
-    return c
-
-
-def validate(config) -> None:
-    supervised.validate_common(config, "reward_model")
-    n = config.normalize
-    if n.source not in NORMALIZE_SOURCES:
-        raise config_lib.ConfigError(f"reward_model: normalize.source={n.source!r}: use one of {NORMALIZE_SOURCES}")
-    if n.source != "none" and n.num_prompts < 2:
-        raise config_lib.ConfigError(f"reward_model: normalize.num_prompts must be >= 2, got {n.num_prompts}")
-    if n.source == "policy":
-        if not (n.policy_path or config.model.path):
-            raise config_lib.ConfigError("reward_model: normalize.source='policy' needs normalize.policy_path "
-                                         "(or model.path): the policy whose samples should score mean 0")
-        if not n.temperature > 0:
-            raise config_lib.ConfigError(f"reward_model: normalize.temperature must be > 0, got {n.temperature}")
-
-
-# ----------------------------------------------------------------------------------------------
-# Pure math.
-
-
-def sequence_scores(model: ScalarModel, params, tokens: Array, mask: Array) -> Array:
-    """Score at the last real token of each left-padded row: tokens, mask [B, L] -> [B] float32."""
-    values, _ = model.apply({"params": params}, tokens, positions_from_mask(mask), mask)
-    return score_at_last_token(values, mask)
-
 
 def pair_scores(model: ScalarModel, params, batch: data_lib.PreferenceBatch) -> tuple[Array, Array]:
     """(chosen [B], rejected [B]) scores from one [2B, L] forward."""
@@ -184,82 +128,69 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
     def __init__(self, config, workdir: str, *, tokenizer=None,
                  train_records: Sequence[Mapping[str, Any]] | None = None,
                  eval_records: Sequence[Mapping[str, Any]] | None = None, mesh=None):
-        validate(config)
-        self.config = config
+        """config: a reward-model ConfigDict (`reward_model_config()` and overrides) or
+        `RewardModelSettings`, converted and validated here, once. train_records / eval_records: data
+        given in code instead of files."""
+        s = self.settings = RewardModelSettings.from_config(config)
         self.workdir = workdir
-        self.mesh = mesh or sharding.make_mesh(tuple(config.mesh.shape))
-        supervised.check_batch_size(config.train.batch_size, self.mesh, "reward_model")
-        d = config.data
+        self.mesh = mesh or sharding.make_mesh(s.mesh.shape)
+        supervised.check_batch_size(s.train.batch_size, self.mesh, "reward_model")
+        d = s.data
         fields = {"prompt": d.prompt_field, "chosen": d.chosen_field, "rejected": d.rejected_field}
         train_source = supervised.data_source(d.train, train_records, fields, "reward_model train data")
         if train_source is None:
-            raise config_lib.ConfigError("reward_model: no training data; set data.train (a JSONL file of "
-                                         "prompt/chosen/rejected) or pass train_records")
+            raise ConfigError("reward_model: no training data; set data.train (a JSONL file of "
+                              "prompt/chosen/rejected) or pass train_records")
         self.train_source = train_source
         self.eval_source = supervised.data_source(d.eval, eval_records, fields, "reward_model eval data")
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
 
-        from ppo_jax.models import hf
-
-        key = jax.random.key(config.seed)
-        head_key, self._normalize_key = jax.random.split(key)
-        start_kind = None
-        if config.model.path:
-            cfg, start_kind = hf.load_config(config.model.path)
-            cfg = supervised.override_dtypes(cfg, config.model)
-        else:
-            cfg = supervised.model_config_from_section(config.model, self.tokenizer)
-        supervised.check_tokenizer(self.tokenizer, cfg.vocab_size, "reward_model")
-        self.length = int(d.max_prompt_length + d.max_response_length)
-        if cfg.family == "gpt2" and self.length > cfg.max_position_embeddings:
-            raise config_lib.ConfigError(
-                f"reward_model: data.max_prompt_length + data.max_response_length = {self.length} exceeds "
-                f"the model's max_position_embeddings={cfg.max_position_embeddings}; shorten one of them")
+        head_key, self._normalize_key = jax.random.split(jax.random.key(s.seed))
+        self.length = d.max_prompt_length + d.max_response_length
+        cfg, start_kind = supervised.model_config(s.model, self.tokenizer, what="reward_model", length=self.length,
+                                                  kinds=("causal_lm", "reward"))
         self.model_config = cfg
         self.module = ScalarModel(cfg, head_init="reward")
-        abstract = hf.abstract_params(cfg, "reward")
+        abstract = boxed_params(self.module)
         self.param_shardings = sharding.tree_shardings(abstract, self.mesh)
-        params = self._initial_params(config, start_kind, head_key)
+        params = self._initial_params(start_kind, head_key)
 
         self.prompt_tokenizer = data_lib.PromptTokenizer(
-            self.tokenizer, max_prompt_length=int(d.max_prompt_length), truncation=d.truncation,
-            max_response_length=int(d.max_response_length))
-        self.loader = data_lib.PromptLoader(train_source, self.prompt_tokenizer, int(config.train.batch_size),
-                                            kind="preference", seed=int(config.seed))
-        self.tx = step_lib.make_optimizer(config, float(config.optim.lr), int(config.train.steps))
+            self.tokenizer, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
+            max_response_length=d.max_response_length)
+        self.loader = data_lib.PromptLoader(train_source, self.prompt_tokenizer, s.train.batch_size,
+                                            kind="preference", seed=s.seed)
+        self.tx = make_optimizer(s.optim, s.optim.lr, s.train.steps)
         self.state, self.state_shardings = supervised.init_train_state(
             params, self.param_shardings, abstract, self.tx, self.mesh)
-        self.checkpoints = supervised.checkpoint_manager(workdir, config.train.keep_checkpoints)
+        self.checkpoints = supervised.checkpoint_manager(workdir, s.train.keep_checkpoints)
         self.state = supervised.resume(self.checkpoints, self.state, self.state_shardings, self.loader)
 
         data_sh = sharding.data_sharding(self.mesh)
         batch_sh = data_lib.PreferenceBatch(*([data_sh] * 6))
         replicated = sharding.replicated(self.mesh)
-        self._train_step = supervised.wrap_mesh(jax.jit(
+        self._train_step = sharding.on_mesh(jax.jit(
             make_train_step(self.module, self.tx), in_shardings=(self.state_shardings, batch_sh),
             out_shardings=(self.state_shardings, replicated), donate_argnums=(0,)), self.mesh)
-        self._eval_step = supervised.wrap_mesh(jax.jit(
+        self._eval_step = sharding.on_mesh(jax.jit(
             make_eval_step(self.module), in_shardings=(self.param_shardings, batch_sh, data_sh),
             out_shardings=replicated), self.mesh)
-        self._score = supervised.wrap_mesh(jax.jit(
+        self._score = sharding.on_mesh(jax.jit(
             lambda p, t, m: sequence_scores(self.module, p, t, m),
             in_shardings=(self.param_shardings, data_sh, data_sh), out_shardings=data_sh), self.mesh)
         self.writer = metrics_lib.MetricWriter(workdir, resume_step=self.step)  # drops rows past the checkpoint
         self.normalization: dict[str, float] | None = None
 
-    def _initial_params(self, config, start_kind: str | None, head_key):
+    def _initial_params(self, start_kind: str | None, head_key):
         """A reward model checkpoint as is; a causal LM's transformer + a fresh N(0, 1/sqrt(D+1)) head;
         or a fresh model."""
-        from ppo_jax.models import hf
-
+        m = self.settings.model
+        if start_kind is not None:
+            loaded = hf.load_model(m.path, self.mesh, kind=start_kind, param_dtype=m.param_dtype or None,
+                                   dtype=m.dtype or None)
         if start_kind == "reward":
-            return hf.load_model(config.model.path, self.mesh, kind="reward",
-                                 param_dtype=config.model.param_dtype or None,
-                                 dtype=config.model.dtype or None).params
+            return loaded.params
         if start_kind == "causal_lm":
-            loaded = hf.load_model(config.model.path, self.mesh, kind="causal_lm",
-                                   param_dtype=config.model.param_dtype or None,
-                                   dtype=config.model.dtype or None)
             cfg = self.model_config
             head_sh = self.param_shardings["score"]
             dtype = cfg.jnp_param_dtype
@@ -282,8 +213,8 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
         if source is None:
             return {}
         totals = {"loss": 0.0, "correct": 0.0, "margin": 0.0, "pairs": 0.0}
-        for i, records in enumerate(data_lib.iterate_once(source, int(self.config.train.batch_size))):
-            if self.config.train.eval_batches and i >= self.config.train.eval_batches:
+        for i, records in enumerate(data_lib.iterate_once(source, self.settings.train.batch_size)):
+            if self.settings.train.eval_batches and i >= self.settings.train.eval_batches:
                 break
             batch = self.prompt_tokenizer.preferences(records.records, length=self.length)
             out = jax.device_get(self._eval_step(self.state.params, *self._place((batch, records.valid))))
@@ -295,7 +226,7 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
 
     def score_tokens(self, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """Scores of left-padded sequences [N, L] (prompt + response), in batches of train.batch_size."""
-        b = int(self.config.train.batch_size)
+        b = self.settings.train.batch_size
         n = tokens.shape[0]
         out = []
         for start in range(0, n, b):
@@ -318,7 +249,7 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
     # -- normalisation
 
     def _normalization_scores(self) -> np.ndarray:
-        n = self.config.normalize
+        n = self.settings.normalize
         if n.source == "preferences":
             count = min(int(n.num_prompts), len(self.train_source))
             records = [self.train_source[i] for i in range(count)]
@@ -329,11 +260,8 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
 
     def _policy_sample_scores(self) -> np.ndarray:
         """Scores of the policy's own samples on the training prompts (as PPO will score them)."""
-        from ppo_jax import sampling
-        from ppo_jax.models import hf
-
-        n, d = self.config.normalize, self.config.data
-        loaded = hf.load_model(n.policy_path or self.config.model.path, self.mesh, kind="causal_lm")
+        n, d = self.settings.normalize, self.settings.data
+        loaded = hf.load_model(n.policy_path or self.settings.model.path, self.mesh, kind="causal_lm")
         policy = CausalLM(loaded.config)
         prompts = []
         seen: dict[str, None] = {}
@@ -344,14 +272,14 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
                 prompts.append(p)
             if len(prompts) == int(n.num_prompts):
                 break
-        b = int(self.config.train.batch_size)
+        b = self.settings.train.batch_size
         sampler = sampling.make_sampler(policy, sampling.SamplingConfig(
             max_new_tokens=int(d.max_response_length), pad_token_id=int(self.tokenizer.pad_token_id),
             stop_token_ids=(int(self.tokenizer.eos_token_id),), temperature=float(n.temperature)),
             self.mesh, jax.tree.map(lambda x: x.sharding, loaded.params))
         data_sh = sharding.data_sharding(self.mesh)
-        score_fn = supervised.wrap_mesh(jax.jit(
-            lambda p, pt, pm, t, m: step_lib.sequence_scores(self.module, p, pt, pm, t, m),
+        score_fn = sharding.on_mesh(jax.jit(
+            lambda p, pt, pm, t, m: response_scores(self.module, p, pt, pm, t, m),
             in_shardings=(self.param_shardings,) + (data_sh,) * 4, out_shardings=data_sh), self.mesh)
         scores = []
         for start in range(0, len(prompts), b):
@@ -378,10 +306,8 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
         self.state = self.state.replace(params=params)
         self.normalization = {"mean": mean, "std": std, "gain": gain, "bias": bias,
                               "bias_in_head": fold_bias, "ppo_reward_bias": 0.0 if fold_bias else bias,
-                              "num_samples": int(scores.size), "source": self.config.normalize.source}
+                              "num_samples": int(scores.size), "source": self.settings.normalize.source}
         if jax.process_index() == 0:  # epath: a gs:// workdir works too
-            from etils import epath
-
             out = epath.Path(self.workdir)
             out.mkdir(parents=True, exist_ok=True)
             (out / "normalization.json").write_text(json.dumps(self.normalization, indent=2))
@@ -393,25 +319,16 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
         """Runs to train.steps (resuming from the latest checkpoint), normalises, exports <workdir>/hf."""
         try:
             history = supervised.run_loop(
-                desc="reward model", total_steps=int(self.config.train.steps), state_step=lambda: self.step,
+                desc="reward model", total_steps=self.settings.train.steps, state_step=lambda: self.step,
                 train_step=self.train_step, evaluate=self.evaluate if self.eval_source is not None else None,
-                save=self.save, config_train=self.config.train, writer=self.writer)
-            if self.config.normalize.source != "none":
+                save=self.save, config_train=self.settings.train, writer=self.writer)
+            if self.settings.normalize.source != "none":
                 stats = self.normalize()
                 row = {"step": self.step, **self.writer.write(
                     self.step, {f"normalize/{k}": float(v) for k, v in stats.items() if k != "source"})}
                 history.append(row)
         finally:
             self.close()
-        if self.config.train.export:
+        if self.settings.train.export:
             self.export()
         return history
-
-
-def main(argv=None) -> None:
-    """`python -m ppo_jax.reward_model --config=configs/reward_model.py --workdir=DIR [--config.x=y ...]`."""
-    supervised.command_line(lambda config, workdir: RewardModelTrainer(config, workdir), "reward_model", argv)
-
-
-if __name__ == "__main__":
-    main()

@@ -6,54 +6,68 @@ and each process reads its own disjoint rows of every global batch.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
-from ppo_jax import data as data_lib
+from ppo_jax.data import loader as loader_lib, sources, tokenization, toy
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptDataSettings:
+    """Prompts for rollouts and evaluation (the PPO config's data section)."""
+
+    prompts: str = "toy"  # prompt source: "toy" (built-in task), a .jsonl file (field data.field) or a .txt file
+    field: str = "prompt"  # JSONL field holding the prompt
+    eval_prompts: str = ""  # held-out prompt source for evaluation ("" = a held-out split of the toy task)
+    prompt_length: int = 16  # static prompt length (tokens, left-padded)
+    truncation: str = "left"  # over-long prompts: "left" (drop the oldest tokens) or "error"
+    chat_template: bool = False  # wrap prompts in the tokenizer's chat template (with the generation prompt)
 
 
 def prompt_source(spec: str, *, field: str, vocab_size: int, seed: int, split: str = "train"):
     """"toy" | path.jsonl | path.txt -> a data Source of {"prompt": ...} records."""
     if spec == "toy":
-        from ppo_jax import toy
-
         # Disjoint seeds for train and eval prompts.
         texts = toy.prompts(2048 if split == "train" else 256, vocab_size, seed + (0 if split == "train" else 10_000))
-        return data_lib.from_list([{"prompt": t} for t in texts], name=f"toy[{split}]")
+        return sources.from_list([{"prompt": t} for t in texts], name=f"toy[{split}]")
     ext = os.path.splitext(spec)[1].lower()
     if ext in (".jsonl", ".json"):
-        return data_lib.from_jsonl(spec, fields={"prompt": field})
+        return sources.from_jsonl(spec, fields={"prompt": field})
     if ext == ".txt":
-        return data_lib.from_text(spec)
+        return sources.from_text(spec)
     raise ValueError(f"data.prompts={spec!r}: use 'toy', a .jsonl file or a .txt file")
 
 
 class PromptStream:
     """Endless, resumable batches of left-padded prompts `[b, Lq]` for this process."""
 
-    def __init__(self, config, tokenizer, *, prompts: Sequence[str] | None = None, split: str = "train",
-                 vocab_size: int | None = None):
-        d = config.data
+    def __init__(self, d: PromptDataSettings, tokenizer, *, batch_size: int, seed: int,
+                 prompts: Sequence[str] | None = None, split: str = "train", vocab_size: int | None = None):
+        """batch_size: prompts per global batch (all processes); prompts: texts given in code instead of
+        d.prompts."""
         if prompts is not None:
             if not prompts:
                 raise ValueError("the prompt list is empty")
-            source = data_lib.from_list([{"prompt": p} for p in prompts], name="prompts")
+            source = sources.from_list([{"prompt": p} for p in prompts], name="prompts")
         else:
             spec = d.prompts if split == "train" else (d.eval_prompts or d.prompts)
             if split != "train" and d.eval_prompts == "" and d.prompts != "toy":
                 raise ValueError("train.eval_every > 0 needs data.eval_prompts (held-out prompts)")
             source = prompt_source(spec, field=d.field, vocab_size=vocab_size or len(tokenizer),
-                                   seed=config.seed, split=split)
+                                   seed=seed, split=split)
         if len(source) == 0:
             raise ValueError(f"no prompts in {d.prompts!r}")
-        self.tokenizer = data_lib.PromptTokenizer(
+        self.tokenizer = tokenization.PromptTokenizer(
             tokenizer, max_prompt_length=d.prompt_length, truncation=d.truncation,
             chat_template=d.chat_template or None)
-        self.loader = data_lib.PromptLoader(
-            source, self.tokenizer, global_batch_size=config.rollout.batch_size, kind="prompt",
-            seed=config.seed, shuffle=split == "train",
+        self.loader = loader_lib.PromptLoader(
+            source, self.tokenizer, global_batch_size=batch_size, kind="prompt",
+            seed=seed, shuffle=split == "train",
             agree_length=lambda _: d.prompt_length)
 
         self.truncated = 0  # prompts truncated so far, summed over all processes
@@ -75,10 +89,6 @@ class PromptStream:
 
 
 def _sum_over_processes(value: int) -> int:
-    import jax
-
     if jax.process_count() == 1:
         return int(value)
-    from jax.experimental import multihost_utils
-
     return int(np.sum(multihost_utils.process_allgather(np.asarray(value, np.int32))))

@@ -33,10 +33,11 @@ import numpy as np
 
 from ppo_jax import config as config_lib
 from ppo_jax import data as data_lib
-from ppo_jax import sharding, step as step_lib, world as world_lib
-from ppo_jax.config import ppo_config
-from ppo_jax.reward_model import reward_model_config
-from ppo_jax.sft import sft_config
+from ppo_jax import sharding
+from ppo_jax.demo import world as world_lib
+from ppo_jax.rl.settings import ppo_config
+from ppo_jax.supervised.settings import reward_model_config
+from ppo_jax.supervised.settings import sft_config
 
 DEFAULT_WORKDIR = os.path.join("runs", "demo")
 MARKER = ".ppo_jax_demo"  # marks a directory the demo may clear and rewrite
@@ -239,7 +240,7 @@ class DemoResult:
 
 def train_sft(config, world: world_lib.World, workdir: str, mesh=None) -> StageResult:
     """Stage 1: SFT on the world's corpus; exports <workdir>/sft/hf."""
-    from ppo_jax.sft import SFTTrainer
+    from ppo_jax.supervised.sft import SFTTrainer
 
     t0 = time.perf_counter()
     cfg = config.sft.copy_and_resolve_references()
@@ -329,7 +330,7 @@ def sample_preferences(config, world: world_lib.World, sft_dir: str, workdir: st
 def train_reward_model(config, world: world_lib.World, sft_dir: str, train_pairs, val_pairs, workdir: str,
                        mesh=None) -> StageResult:
     """Stage 3: Bradley-Terry reward model from the SFT transformer; exports <workdir>/reward_model/hf."""
-    from ppo_jax.reward_model import RewardModelTrainer
+    from ppo_jax.supervised.reward_model import RewardModelTrainer
 
     t0 = time.perf_counter()
     cfg = config.reward_model.copy_and_resolve_references()
@@ -349,40 +350,24 @@ class PolicyEvaluator:
     def __init__(self, trainer, world: world_lib.World, prompts: Sequence[str], seed: int):
         self.trainer, self.world = trainer, world
         self.prompts = list(prompts)
-        b = int(trainer.config.rollout.batch_size)
-        length = int(trainer.config.data.prompt_length)
+        b = trainer.settings.rollout.batch_size
+        length = trainer.settings.data.prompt_length
         encoder = data_lib.PromptTokenizer(trainer.tokenizer, max_prompt_length=length)
         self.batches = []
         for start in range(0, len(self.prompts), b):
             batch = encoder.prompts(self.prompts[start:start + b], length=length)
             self.batches.append(sharding.put_batch((batch.tokens, batch.mask), trainer.mesh))
         self.keys = [jax.random.fold_in(jax.random.key(seed), 1000 + i) for i in range(len(self.batches))]
-        policy_module, reward_module = trainer.modules.policy, trainer.modules.reward
-        temperature = float(trainer.config.rollout.temperature)
-        gain, bias = float(trainer.config.reward.gain), float(trainer.config.reward.bias)
-
-        def forward(reference, reward, pt, pm, tokens, mask, logprobs):
-            ref_logits = step_lib.response_logits(policy_module, reference, pt, pm, tokens, mask, temperature)
-            ref = step_lib.token_logprobs(ref_logits, tokens, mask)
-            kl = ((logprobs - ref) * mask).sum(-1)
-            scores = step_lib.sequence_scores(reward_module, reward, pt, pm, tokens, mask) * gain + bias
-            return {"kl": kl, "rm": scores}
-
-        data = sharding.data_sharding(trainer.mesh)
-        self._forward = jax.jit(forward, in_shardings=(trainer.frozen_shardings.reference,
-                                                       trainer.frozen_shardings.reward) + (data,) * 5,
-                                out_shardings=data)
-
     def __call__(self, step: int) -> tuple[EvalPoint, list[dict[str, Any]]]:
         t = self.trainer
         rows: list[dict[str, Any]] = []
         stop_ids = tuple(t.stop_ids)
         for batch, key in zip(self.batches, self.keys):
             out = t.sampler(t.state.policy, batch[0], batch[1], key)
-            with jax.set_mesh(t.mesh), sharding.activation_rules():
-                fwd = self._forward(t.frozen.reference, t.frozen.reward, out.prompt_tokens, out.prompt_mask,
-                                    out.tokens, out.mask.astype(jnp.float32), out.logprobs)
-            host = sharding.to_host({"tokens": out.tokens, "mask": out.mask, **fwd})
+            ref_logprobs, rm_scores = t.score_responses(out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
+            host = sharding.to_host({"tokens": out.tokens, "mask": out.mask, "logprobs": out.logprobs,
+                                     "ref": ref_logprobs, "rm": rm_scores})
+            host["kl"] = ((host["logprobs"] - host["ref"]) * host["mask"]).sum(-1)
             for i in range(host["tokens"].shape[0]):
                 prompt = self.prompts[len(rows)]
                 text, stopped = self.world.decode_response(host["tokens"][i], stop_ids)
@@ -415,7 +400,7 @@ def train_ppo(config, world: world_lib.World, sft_dir: str, rm_dir: str, workdir
     <workdir>/ppo/checkpoints; the final policy is exported to <workdir>/ppo/hf.
     """
     from ppo_jax.models import hf
-    from ppo_jax.trainer import PPOTrainer
+    from ppo_jax.rl.trainer import PPOTrainer
 
     t0 = time.perf_counter()
     cfg = config.ppo.copy_and_resolve_references()

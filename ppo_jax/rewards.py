@@ -15,8 +15,6 @@ import numpy as np
 
 RewardFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
 _REGISTRY: dict[str, RewardFn] = {}
-# Built-in names registered by modules too heavy to import up front: imported on first use.
-_LAZY: dict[str, str] = {"demo_gold": "ppo_jax.world"}
 
 
 def register(name: str):
@@ -32,14 +30,12 @@ def register(name: str):
 def resolve(spec: str) -> RewardFn:
     """A registered name or "module:function" -> the function, with a clear error otherwise."""
     spec = spec.strip()
-    if spec not in _REGISTRY and spec in _LAZY:
-        importlib.import_module(_LAZY[spec])  # registers it
     if spec in _REGISTRY:
         return _REGISTRY[spec]
     if ":" not in spec:
-        known = sorted(set(_REGISTRY) | set(_LAZY))
-        raise ValueError(f"reward function {spec!r} is not registered (known: {known}); "
-                         "use a registered name or 'module:function'")
+        raise ValueError(f"reward function {spec!r} is not registered (registered in this process: "
+                         f"{sorted(_REGISTRY)}); use a registered name or 'module:function', which imports "
+                         "the module (e.g. 'ppo_jax.demo.world:gold_reward_fn')")
     module_name, fn_name = spec.split(":", 1)
     try:
         module = importlib.import_module(module_name)

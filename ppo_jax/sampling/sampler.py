@@ -514,13 +514,13 @@ class Sampler:
 
     def __call__(self, params, prompt_tokens, prompt_mask, key) -> SampleOutput:
         self._check(prompt_tokens, prompt_mask)
-        with jax.set_mesh(self.mesh), sharding.activation_rules():
+        with sharding.mesh_context(self.mesh):
             return self.jitted(params, prompt_tokens, prompt_mask, key)
 
     def lower(self, params, prompt_tokens, prompt_mask, key):
         """The lowered program (for `.compile().memory_analysis()` and cost reports)."""
         self._check(prompt_tokens, prompt_mask)
-        with jax.set_mesh(self.mesh), sharding.activation_rules():
+        with sharding.mesh_context(self.mesh):
             return self.jitted.lower(params, prompt_tokens, prompt_mask, key)
 
 

@@ -1,6 +1,6 @@
 """Reward-model over-optimisation: one SFT model and one reward model, PPO with several KL coefficients.
 
-    python -m ppo_jax.kl_sweep [--workdir=runs/kl_sweep] [--kl_coefs=0,0.01,0.03,0.1]
+    python -m ppo_jax.demo.kl_sweep [--workdir=runs/kl_sweep] [--kl_coefs=0,0.01,0.03,0.1]
                                [--config=configs/demo.py] [--config.ppo.train.iterations=150 ...]
 
 The demo's stages 1-3 run once; stage 4 runs once per coefficient (the config override
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ppo_jax import demo
+from ppo_jax.demo import pipeline as demo
 
 DEFAULT_WORKDIR = os.path.join("runs", "kl_sweep")
 

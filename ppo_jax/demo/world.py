@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from ppo_jax import reward_fns
+from ppo_jax import rewards
 from ppo_jax.data.tokenizers import build_word_tokenizer
 
 # ----------------------------------------------------------------------------------------------
@@ -417,7 +417,7 @@ class World:
 DEFAULT_WORLD = World()
 
 
-@reward_fns.register("demo_gold")
+@rewards.register("demo_gold")
 def gold_reward_fn(prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
     """The demo world's gold reward as a Python reward function (config: reward.functions="demo_gold"
     after `import ppo_jax.world`, or "ppo_jax.world:gold_reward_fn").

@@ -1,7 +1,7 @@
 """Memory planner: per-device bytes of the four trees, optimizer states, KV cache and every jitted phase.
 
-    python -m ppo_jax.plan --config=configs/plan_llama7b.py --config.mesh.shape=1,8,1 --device_memory_gb=141
-    python -m ppo_jax.plan --config=configs/plan_llama7b.py --device_memory_gib=95 \
+    ppo-jax-plan --config=configs/plan_llama7b.py --config.mesh.shape=1,8,1 --device_memory_gb=141
+    ppo-jax-plan --config=configs/plan_llama7b.py --device_memory_gib=95 \
         --platform=tpu --tpu_topology=v5p:2x4x4          # XLA:TPU itself, no TPU needed (libtpu)
 
 Nothing is allocated. The planner builds the trainer's own modules, optimizers, abstract train state
@@ -33,9 +33,7 @@ What the numbers mean:
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import sys
 import time
 from typing import Any
 
@@ -44,11 +42,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ppo_jax import config as config_lib
 from ppo_jax import sharding
-from ppo_jax import step as step_lib
-from ppo_jax import trainer as trainer_lib
-from ppo_jax.models import KV_CACHE_AXES, ModelConfig, init_cache
+from ppo_jax.config import ConfigError, from_config, model_config_dict
+from ppo_jax.models import KV_CACHE_AXES, ModelConfig, boxed_params, init_cache
+from ppo_jax.rl import build
+from ppo_jax.rl.settings import PPOHyper, Settings, derive_sizes, stop_token_ids
+from ppo_jax.rl.state import FrozenParams, Rollout
 
 GB = 10**9
 GIB = 2**30
@@ -78,10 +77,10 @@ LLAMA_SHAPES = {
 def llama_model(name: str, **overrides):
     """A model section (as policy.model) with the shape of a published Llama: see LLAMA_SHAPES."""
     if name not in LLAMA_SHAPES:
-        raise config_lib.ConfigError(f"unknown model shape {name!r}; known: {', '.join(LLAMA_SHAPES)}")
+        raise ConfigError(f"unknown model shape {name!r}; known: {', '.join(LLAMA_SHAPES)}")
     fields = dict(LLAMA_SHAPES[name], norm_eps=1e-5, tie_word_embeddings=False)
     fields.update(overrides)
-    return config_lib.model_config_dict(**fields)
+    return model_config_dict(**fields)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,29 +205,29 @@ def _abstract(boxed: Any, mesh) -> Any:
 # Configuration.
 
 
-def planned_reward_config(config, policy_cfg: ModelConfig) -> tuple[ModelConfig, str]:
+def planned_reward_config(s: Settings, policy_cfg: ModelConfig) -> tuple[ModelConfig, str]:
     """The reward model architecture to plan with, and where it came from.
 
-    `config.plan.reward_model` (a model section, as policy.model) if the config has one; else the
+    `plan.reward_model` (a model section, as policy.model) if the settings have one; else the
     config.json of reward.path (no weights read); else the policy's architecture.
     """
-    plan_section = config.get("plan")
-    if plan_section is not None and plan_section.get("reward_model") is not None:
-        return config_lib.model_config_from_dict(plan_section.reward_model), "plan.reward_model"
-    if config.reward.path:
-        return trainer_lib.reward_model_config(config), f"reward.path={config.reward.path}"
+    if s.plan.reward_model is not None:
+        return s.plan.reward_model, "plan.reward_model"
+    if s.reward.path:
+        return build.reward_model_config(s), f"reward.path={s.reward.path}"
     return policy_cfg, "same as the policy"
 
 
-def _validated_sizes(config, mesh, policy_cfg: ModelConfig) -> config_lib.DerivedSizes:
-    """config.validate, with the planned reward model standing in for a reward source."""
-    checked = config.copy_and_resolve_references()
-    with checked.unlocked():
-        if not checked.reward.path:
-            checked.reward.path = "<planned reward model>"  # validate only checks that one is named
-    return config_lib.validate(checked, batch_divisor=sharding.batch_divisor(mesh),
-                               max_positions=policy_cfg.max_position_embeddings,
-                               vocab_size=policy_cfg.vocab_size)
+def planned_settings(config) -> Settings:
+    """The settings, validated with the planned reward model standing in for a reward source."""
+    s = config if isinstance(config, Settings) else from_config(Settings, config)
+    if not s.reward.path:
+        # Only the reward path's presence is validated; the planner never reads it.
+        s = s.replace(reward=dataclasses.replace(s.reward, path="<planned reward model>"))
+        s.validate()
+        return s.replace(reward=dataclasses.replace(s.reward, path=""))
+    s.validate()
+    return s
 
 
 def _compile(name: str, lowered, live: int, compiler_options: dict[str, Any]) -> PhaseMemory:
@@ -252,25 +251,28 @@ PHASES = ("sampler", "experience", "update")
 
 
 def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES) -> MemoryPlan:
-    """Plans a PPO run of `config` on `mesh` (default: config.mesh.shape over this process's devices).
+    """Plans a PPO run of `config` (a ConfigDict or Settings) on `mesh` (default: mesh.shape over this
+    process's devices).
 
     `phases`: the programs to compile (all three by default; the peak is over these). Raises
-    config.ConfigError for a config that cannot run, before anything is compiled.
+    ConfigError for a config that cannot run, before anything is compiled.
     """
     unknown = sorted(set(phases) - set(PHASES))
     if unknown or not phases:
-        raise config_lib.ConfigError(f"phases {list(phases)}: name one or more of {', '.join(PHASES)}")
-    mesh = mesh if mesh is not None else sharding.make_mesh(tuple(config.mesh.shape))
-    policy_cfg = trainer_lib.policy_model_config(config)
-    reward_cfg, reward_source = planned_reward_config(config, policy_cfg)
-    sizes = _validated_sizes(config, mesh, policy_cfg)
-    hp = step_lib.PPOHyper.from_config(config, sizes)
+        raise ConfigError(f"phases {list(phases)}: name one or more of {', '.join(PHASES)}")
+    s = planned_settings(config)
+    mesh = mesh if mesh is not None else sharding.make_mesh(s.mesh.shape)
+    policy_cfg = build.policy_model_config(s)
+    reward_cfg, reward_source = planned_reward_config(s, policy_cfg)
+    sizes = derive_sizes(s, batch_divisor=sharding.batch_divisor(mesh),
+                         max_positions=policy_cfg.max_position_embeddings, vocab_size=policy_cfg.vocab_size)
+    hp = PPOHyper.from_settings(s, sizes)
 
-    modules = trainer_lib.make_modules(config, policy_cfg, reward_cfg, hp.uses_critic)
-    policy_tx, value_tx = trainer_lib.make_optimizers(config, hp.uses_critic)
-    state, state_shardings = trainer_lib.abstract_train_state(config, modules, policy_tx, value_tx, mesh)
-    reward = _abstract(trainer_lib.boxed_params(modules.reward), mesh)
-    frozen = step_lib.FrozenParams(reference=state.policy, reward=reward)
+    modules = build.make_modules(s, policy_cfg, reward_cfg)
+    policy_tx, value_tx = build.make_optimizers(s)
+    state, state_shardings = build.abstract_train_state(s, modules, policy_tx, value_tx, mesh)
+    reward = _abstract(boxed_params(modules.reward), mesh)
+    frozen = FrozenParams(reference=state.policy, reward=reward)
     frozen_shardings = jax.tree.map(lambda s: s.sharding, frozen)
 
     params = {"policy": device_bytes(state.policy), "reference": device_bytes(frozen.reference),
@@ -279,33 +281,33 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES) -> MemoryPl
     optimizer = {"policy": device_bytes(state.policy_opt),
                  "value": device_bytes(state.value_opt) if state.value_opt is not None else 0}
 
-    stop_ids = config_lib.stop_token_ids(config, policy_cfg.eos_token_id) or (0,)
+    stop_ids = stop_token_ids(s.rollout, policy_cfg.eos_token_id) or (0,)
     pad_id = policy_cfg.pad_token_id if policy_cfg.pad_token_id is not None else 0
     # The scanned decode of accelerator runs, even when planning on a CPU host (the CPU default
     # unrolls it, with a copy of the layer weights an accelerator run does not make).
-    steps = trainer_lib.build_steps(config, mesh, sizes, hp, modules, policy_tx, value_tx, state_shardings,
+    steps = build.build_steps(s, mesh, sizes, hp, modules, policy_tx, value_tx, state_shardings,
                                     frozen_shardings, stop_ids, pad_id, unroll_layers=False)
 
     # Sampler: prompts [B, Lq] in, SampleOutput with R = B * n rows out.
     batch_sh = sharding.data_sharding(mesh)
-    prompts = jax.ShapeDtypeStruct((int(config.rollout.batch_size), int(config.data.prompt_length)),
+    prompts = jax.ShapeDtypeStruct((s.rollout.batch_size, s.data.prompt_length),
                                    jnp.int32, sharding=batch_sh)
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                                sharding=sharding.replicated(mesh))
     sampler_lowered = steps.sampler.lower(state.policy, prompts, prompts, key)
     sample = sampler_lowered.out_info
     rows = sample.tokens.shape[0]
-    rollout = step_lib.Rollout(
+    rollout = Rollout(
         prompt_tokens=sample.prompt_tokens, prompt_mask=sample.prompt_mask, tokens=sample.tokens,
         mask=sample.mask, sampler_logprobs=sample.logprobs, stopped=sample.stopped,
         host_scores=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=batch_sh))
 
-    with jax.set_mesh(mesh), sharding.activation_rules():
+    with sharding.mesh_context(mesh):
         experience_lowered = steps.experience_jit.lower(state, frozen, rollout)
         experience = experience_lowered.out_info[0]
         update_lowered = steps.update_jit.lower(state, experience)
 
-    slots = int(config.data.prompt_length) + int(config.rollout.response_length) - 1
+    slots = s.data.prompt_length + s.rollout.response_length - 1
     cache = jax.eval_shape(lambda: init_cache(policy_cfg, rows, slots, steps.sampling_config.cache_dtype))
     cache_sh = jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(KV_CACHE_AXES, cache.k.shape, mesh))
     kv_cache_bytes = 2 * device_bytes(jax.ShapeDtypeStruct(cache.k.shape, cache.k.dtype, sharding=cache_sh))
@@ -331,12 +333,12 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES) -> MemoryPl
         platform=platform, device_kind=mesh.devices.flat[0].device_kind, compiler_options=options,
         policy_model=_summary(policy_cfg), reward_model=_summary(reward_cfg), reward_source=reward_source,
         value_model=_summary(modules.value.config) if modules.value is not None else None,
-        value_init=str(config.value.init),
-        batch={"prompts": int(config.rollout.batch_size), "samples_per_prompt": int(config.rollout.num_samples),
-               "rows": sizes.rollout_rows, "prompt_length": int(config.data.prompt_length),
-               "response_length": int(config.rollout.response_length),
+        value_init=s.value.init,
+        batch={"prompts": s.rollout.batch_size, "samples_per_prompt": s.rollout.num_samples,
+               "rows": sizes.rollout_rows, "prompt_length": s.data.prompt_length,
+               "response_length": s.rollout.response_length,
                "minibatch_rows": sizes.minibatch_rows, "microbatch_rows": sizes.microbatch_rows,
-               "forward_rows": sizes.forward_rows, "epochs": int(config.ppo.epochs)},
+               "forward_rows": sizes.forward_rows, "epochs": s.ppo.epochs},
         params=params, optimizer=optimizer, kv_cache_bytes=kv_cache_bytes, batch_arrays=batch_arrays,
         phases=compiled)
 
@@ -407,117 +409,3 @@ def format_plan(plan: MemoryPlan, device_memory_bytes: float | None = None) -> s
         lines.append("Temps are XLA:CPU's estimate of an accelerator's (see ppo_jax/plan.py); parameter, optimizer, "
                      "KV-cache and batch bytes are exact.")
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------
-# Command line.
-
-
-def mesh_size(shape, num_devices: int | None) -> int:
-    """Devices a (data, fsdp, tensor) shape needs; a -1 entry takes `num_devices`."""
-    shape = tuple(int(s) for s in shape)
-    if len(shape) != 3:
-        raise config_lib.ConfigError(f"mesh.shape must have 3 entries (data, fsdp, tensor), got {shape}")
-    if -1 in shape:
-        if num_devices is None:
-            raise config_lib.ConfigError(
-                f"mesh.shape={shape} has a -1 entry: pass --num_devices=N (the devices of the planned machine) "
-                "or give every mesh axis explicitly")
-        return int(num_devices)
-    size = int(np.prod(shape))
-    if num_devices is not None and num_devices != size:
-        raise config_lib.ConfigError(f"mesh.shape={shape} needs {size} devices, but --num_devices={num_devices}")
-    return size
-
-
-def run():
-    """Entry point of `python -m ppo_jax.plan`."""
-    from absl import app, flags
-    from ml_collections import config_flags
-
-    config_flag = config_flags.DEFINE_config_file("config", None, "ml_collections config file (get_config()).",
-                                                  lock_config=True)
-    num_devices = flags.DEFINE_integer("num_devices", None, "Devices of the planned machine (default: the "
-                                       "product of mesh.shape; needed when mesh.shape has a -1).")
-    memory_gb = flags.DEFINE_float("device_memory_gb", None, "Memory per device in GB (10^9 bytes), e.g. 141 "
-                                   "for an H200.")
-    memory_gib = flags.DEFINE_float("device_memory_gib", None, "Memory per device in GiB (2^30 bytes), e.g. 95 "
-                                    "for a TPU v5p chip.")
-    platform = flags.DEFINE_string("platform", "cpu", "Compiler for the phase programs: 'cpu' (fake CPU devices, "
-                                   "any mesh size) or a JAX platform of this machine with enough devices "
-                                   "('tpu', 'gpu', 'default').")
-    tpu_topology = flags.DEFINE_string("tpu_topology", "", "With --platform=tpu: compile for this TPU slice "
-                                       "without TPUs, e.g. 'v5p:2x4x4' (v5p-64, 32 chips); needs libtpu.")
-    phases = flags.DEFINE_list("phases", list(PHASES), "Programs to compile (the peak is over these).")
-    as_json = flags.DEFINE_bool("json", False, "Print the plan as JSON instead of a table.")
-
-    def main(argv):
-        del argv
-        config = config_flag.value
-        try:
-            if memory_gb.value is not None and memory_gib.value is not None:
-                raise config_lib.ConfigError("pass either --device_memory_gb or --device_memory_gib, not both")
-            memory = (memory_gb.value * GB if memory_gb.value is not None else
-                      memory_gib.value * GIB if memory_gib.value is not None else None)
-            if memory is not None and memory <= 0:
-                raise config_lib.ConfigError("device memory must be positive")
-            n = mesh_size(config.mesh.shape, num_devices.value)
-            devices = _planning_devices(platform.value, n, tpu_topology.value)
-            mesh = sharding.make_mesh(tuple(config.mesh.shape), devices)
-            start = time.perf_counter()
-            plan = plan_memory(config, mesh, tuple(phases.value))
-            seconds = time.perf_counter() - start
-        except (config_lib.ConfigError, ValueError, FileNotFoundError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
-        if as_json.value:
-            print(json.dumps(dict(plan.to_dict(memory), planning_seconds=round(seconds, 1)), indent=2))
-        else:
-            print(format_plan(plan, memory))
-            print(f"Planned in {seconds:.1f} s.")
-
-    flags.mark_flags_as_required(["config"])
-    app.run(main)
-
-
-def _planning_devices(platform: str, n: int, tpu_topology: str = ""):
-    """n devices to compile for.
-
-    cpu: n fake CPU devices (made before JAX starts its backends). tpu with a topology: libtpu's
-    compile-only devices of that slice (no TPU needed, only the libtpu package or TPU_LIBRARY_PATH).
-    Otherwise: this machine's devices of that platform.
-    """
-    if tpu_topology:
-        if platform != "tpu":
-            raise config_lib.ConfigError("--tpu_topology needs --platform=tpu")
-        from jax.experimental import topologies
-
-        try:
-            devices = topologies.get_topology_desc(topology_name=tpu_topology, platform="tpu").devices
-        except RuntimeError as e:
-            raise config_lib.ConfigError(
-                f"cannot describe TPU topology {tpu_topology!r} ({e}); compiling for a TPU without one needs "
-                "libtpu: pip install libtpu (or set TPU_LIBRARY_PATH to libtpu.so)") from None
-        if len(devices) != n:
-            raise config_lib.ConfigError(
-                f"TPU topology {tpu_topology!r} has {len(devices)} chips but the mesh needs {n} devices; "
-                "set --config.mesh.shape to cover the slice")
-        return list(devices)
-    if platform == "cpu":
-        try:
-            jax.config.update("jax_platforms", "cpu")
-            jax.config.update("jax_num_cpu_devices", n)
-        except RuntimeError:
-            pass  # backends already started (e.g. inside a test): use what is there
-        devices = jax.devices("cpu")
-    else:
-        devices = jax.devices() if platform == "default" else jax.devices(platform)
-    if len(devices) < n:
-        raise config_lib.ConfigError(
-            f"the mesh needs {n} devices but {len(devices)} {platform} devices are available; with "
-            "--platform=cpu run the planner in a fresh process so it can create them")
-    return devices[:n]
-
-
-if __name__ == "__main__":
-    run()

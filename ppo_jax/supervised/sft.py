@@ -15,44 +15,19 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 
-from ppo_jax import config as config_lib
 from ppo_jax import data as data_lib
 from ppo_jax import metrics as metrics_lib
-from ppo_jax import sharding, step as step_lib, supervised
-from ppo_jax.models import CausalLM, init_params, positions_from_mask
+from ppo_jax import sharding
+from ppo_jax.config import ConfigError
+from ppo_jax.models import CausalLM, boxed_params, hf, init_params, positions_from_mask
+from ppo_jax.optim import make_optimizer
+from ppo_jax.supervised import base as supervised
+from ppo_jax.supervised.settings import SFTSettings, sft_config  # noqa: F401  (sft_config: the defaults)
 
 Array = jax.Array
-
-
-def sft_config() -> ml_collections.ConfigDict:
-    """Default SFT config: every field commented. Files under configs/ override what they need."""
-    c = ml_collections.ConfigDict()
-    c.seed = 0  # seeds parameter init and data order
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.shape = (1, -1, 1)  # (data, fsdp, tensor); one entry may be -1 = all remaining devices
-    c.model = supervised.model_section()
-    c.tokenizer_path = ""  # Hugging Face tokenizer directory; "" = model.path's (a tokenizer passed in code wins)
-
-    c.data = ml_collections.ConfigDict()
-    c.data.train = ""  # JSONL file of {prompt, response} records; "" = records passed in code
-    c.data.eval = ""  # held-out JSONL file; "" = none (or records passed in code)
-    c.data.prompt_field = "prompt"  # JSONL field holding the prompt
-    c.data.response_field = "response"  # JSONL field holding the response
-    c.data.max_prompt_length = 16  # longest prompt kept, in tokens
-    c.data.max_response_length = 32  # longest response kept, in tokens including its EOS
-    c.data.truncation = "left"  # over-long examples: "left" (cut and count them) or "error"
-
-    c.train = supervised.train_section(batch_size=32, steps=1000)
-    c.optim = supervised.optim_section(lr=1e-3)
-    return c
-
-
-# ----------------------------------------------------------------------------------------------
-# Pure math.
 
 
 def response_token_nll(model: CausalLM, params, tokens: Array, mask: Array, loss_mask: Array):
@@ -112,67 +87,53 @@ class SFTTrainer(supervised.SupervisedTrainer):
     def __init__(self, config, workdir: str, *, tokenizer=None,
                  train_records: Sequence[Mapping[str, Any]] | None = None,
                  eval_records: Sequence[Mapping[str, Any]] | None = None, mesh=None):
-        supervised.validate_common(config, "sft")
-        self.config = config
+        """config: an SFT ConfigDict (`sft_config()` and overrides) or `SFTSettings`, converted and
+        validated here, once. train_records / eval_records: data given in code instead of files."""
+        s = self.settings = SFTSettings.from_config(config)
         self.workdir = workdir
-        self.mesh = mesh or sharding.make_mesh(tuple(config.mesh.shape))
-        supervised.check_batch_size(config.train.batch_size, self.mesh, "sft")
-        d = config.data
+        self.mesh = mesh or sharding.make_mesh(s.mesh.shape)
+        supervised.check_batch_size(s.train.batch_size, self.mesh, "sft")
+        d = s.data
         fields = {"prompt": d.prompt_field, "response": d.response_field}
         train_source = supervised.data_source(d.train, train_records, fields, "sft train data")
         if train_source is None:
-            raise config_lib.ConfigError("sft: no training data; set data.train (a JSONL file) or pass "
-                                         "train_records")
+            raise ConfigError("sft: no training data; set data.train (a JSONL file) or pass train_records")
         eval_source = supervised.data_source(d.eval, eval_records, fields, "sft eval data")
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
 
         # Model (validated before any compile).
-        from ppo_jax.models import hf
-
-        if config.model.path:
-            cfg, kind = hf.load_config(config.model.path)
-            if kind != "causal_lm":
-                raise config_lib.ConfigError(f"sft: model.path={config.model.path} holds a {kind} "
-                                             f"checkpoint; SFT needs a causal LM")
-            cfg = supervised.override_dtypes(cfg, config.model)
-        else:
-            cfg = supervised.model_config_from_section(config.model, self.tokenizer)
-        supervised.check_tokenizer(self.tokenizer, cfg.vocab_size, "sft")
-        self.length = int(d.max_prompt_length + d.max_response_length)
-        if cfg.family == "gpt2" and self.length > cfg.max_position_embeddings:
-            raise config_lib.ConfigError(
-                f"sft: data.max_prompt_length + data.max_response_length = {self.length} exceeds the "
-                f"model's max_position_embeddings={cfg.max_position_embeddings}; shorten one of them")
+        self.length = d.max_prompt_length + d.max_response_length
+        cfg, _ = supervised.model_config(s.model, self.tokenizer, what="sft", length=self.length,
+                                         kinds=("causal_lm",))
         self.model_config = cfg
         self.module = CausalLM(cfg)
-        if config.model.path:
-            loaded = hf.load_model(config.model.path, self.mesh, kind="causal_lm",
-                                   param_dtype=config.model.param_dtype or None,
-                                   dtype=config.model.dtype or None)
+        if s.model.path:
+            loaded = hf.load_model(s.model.path, self.mesh, kind="causal_lm",
+                                   param_dtype=s.model.param_dtype or None, dtype=s.model.dtype or None)
             params = loaded.params
             param_shardings = jax.tree.map(lambda x: x.sharding, params)
         else:
-            params, param_shardings = init_params(self.module, jax.random.key(config.seed), self.mesh)
+            params, param_shardings = init_params(self.module, jax.random.key(s.seed), self.mesh)
 
         self.prompt_tokenizer = data_lib.PromptTokenizer(
-            self.tokenizer, max_prompt_length=int(d.max_prompt_length), truncation=d.truncation,
-            max_response_length=int(d.max_response_length))
-        self.loader = data_lib.PromptLoader(train_source, self.prompt_tokenizer,
-                                            int(config.train.batch_size), kind="sft", seed=int(config.seed))
+            self.tokenizer, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
+            max_response_length=d.max_response_length)
+        self.loader = data_lib.PromptLoader(train_source, self.prompt_tokenizer, s.train.batch_size, kind="sft",
+                                            seed=s.seed)
         self.eval_source = eval_source
 
-        self.tx = step_lib.make_optimizer(config, float(config.optim.lr), int(config.train.steps))
+        self.tx = make_optimizer(s.optim, s.optim.lr, s.train.steps)
         self.state, self.state_shardings = supervised.init_train_state(
-            params, param_shardings, hf.abstract_params(cfg, "causal_lm"), self.tx, self.mesh)
-        self.checkpoints = supervised.checkpoint_manager(workdir, config.train.keep_checkpoints)
+            params, param_shardings, boxed_params(self.module), self.tx, self.mesh)
+        self.checkpoints = supervised.checkpoint_manager(workdir, s.train.keep_checkpoints)
         self.state = supervised.resume(self.checkpoints, self.state, self.state_shardings, self.loader)
 
         batch_sh = data_lib.SFTBatch(*([sharding.data_sharding(self.mesh)] * 3))
         replicated = sharding.replicated(self.mesh)
-        self._train_step = supervised.wrap_mesh(jax.jit(
+        self._train_step = sharding.on_mesh(jax.jit(
             make_train_step(self.module, self.tx), in_shardings=(self.state_shardings, batch_sh),
             out_shardings=(self.state_shardings, replicated), donate_argnums=(0,)), self.mesh)
-        self._eval_step = supervised.wrap_mesh(jax.jit(
+        self._eval_step = sharding.on_mesh(jax.jit(
             make_eval_step(self.module), in_shardings=(self.state_shardings.params, batch_sh),
             out_shardings=replicated), self.mesh)
         self.writer = metrics_lib.MetricWriter(workdir, resume_step=self.step)  # drops rows past the checkpoint
@@ -185,8 +146,8 @@ class SFTTrainer(supervised.SupervisedTrainer):
         if self.eval_source is None:
             return {}
         totals = {"nll": 0.0, "correct": 0.0, "tokens": 0.0}
-        for i, records in enumerate(data_lib.iterate_once(self.eval_source, int(self.config.train.batch_size))):
-            if self.config.train.eval_batches and i >= self.config.train.eval_batches:
+        for i, records in enumerate(data_lib.iterate_once(self.eval_source, self.settings.train.batch_size)):
+            if self.settings.train.eval_batches and i >= self.settings.train.eval_batches:
                 break
             batch = self.prompt_tokenizer.sft(records.records, length=self.length)
             # Filler rows of the last batch (valid=False) count for nothing.
@@ -203,20 +164,11 @@ class SFTTrainer(supervised.SupervisedTrainer):
         """Runs to train.steps (resuming from the latest checkpoint), then exports to <workdir>/hf."""
         try:
             history = supervised.run_loop(
-                desc="sft", total_steps=int(self.config.train.steps), state_step=lambda: self.step,
+                desc="sft", total_steps=self.settings.train.steps, state_step=lambda: self.step,
                 train_step=self.train_step, evaluate=self.evaluate if self.eval_source is not None else None,
-                save=self.save, config_train=self.config.train, writer=self.writer)
+                save=self.save, config_train=self.settings.train, writer=self.writer)
         finally:
             self.close()
-        if self.config.train.export:
+        if self.settings.train.export:
             self.export()
         return history
-
-
-def main(argv=None) -> None:
-    """`python -m ppo_jax.sft --config=configs/sft.py --workdir=DIR [--config.x=y ...]`."""
-    supervised.command_line(lambda config, workdir: SFTTrainer(config, workdir), "sft", argv)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,33 @@
+"""`python -m ppo_jax.cli.export --checkpoint=WORKDIR [--step=N] [--which=policy|value] --out=DIR` (also the
+console script `ppo-jax-export`): a PPO checkpoint's policy or value model as a Hugging Face directory."""
+
+from __future__ import annotations
+
+from absl import app, flags
+
+from ppo_jax.cli.common import USER_ERRORS, fail, quiet_logging
+from ppo_jax.rl.export import export_checkpoint
+
+
+def main(argv=None) -> None:
+    checkpoint = flags.DEFINE_string("checkpoint", None, "PPO workdir (or its checkpoints/ directory).")
+    step = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest complete one).")
+    which = flags.DEFINE_enum("which", "policy", ["policy", "value"], "Which model to export.")
+    out = flags.DEFINE_string("out", None, "Output Hugging Face directory.")
+    flags.mark_flags_as_required(["checkpoint", "out"])
+
+    def run(args):
+        if len(args) > 1:
+            raise app.UsageError(f"unexpected arguments {args[1:]}")
+        quiet_logging()
+        try:
+            path = export_checkpoint(checkpoint.value, out.value, step=step.value, which=which.value)
+        except USER_ERRORS as e:
+            fail(str(e))
+        print(f"exported the {which.value} to {path}")
+
+    app.run(run, argv=argv)
+
+
+if __name__ == "__main__":
+    main()

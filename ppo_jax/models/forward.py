@@ -1,0 +1,65 @@
+"""Forwards over a left-padded prompt + right-padded response, shared by every trainer and phase.
+
+Shapes: B rows, Lq prompt length, Lr response length, L = Lq + Lr, V vocabulary. Padding on either
+side is masked, so every model sees exactly the real tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ppo_jax.models.transformer import CausalLM, ScalarModel, positions_from_mask, score_at_last_token
+
+Array = jax.Array
+Params = Any
+
+def sequence_inputs(prompt_tokens, prompt_mask, tokens, mask):
+    """Concatenates a left-padded prompt and a right-padded response.
+
+    Returns tokens, positions, mask, each [B, Lq + Lr]. Padding on either side is masked, so every
+    model sees exactly the real tokens.
+    """
+    seq = jnp.concatenate([prompt_tokens, tokens], axis=1)
+    seq_mask = jnp.concatenate([prompt_mask, mask], axis=1).astype(jnp.int32)
+    return seq, positions_from_mask(seq_mask), seq_mask
+
+
+def response_logits(model: CausalLM, params, prompt_tokens, prompt_mask, tokens, mask, temperature):
+    """Tempered logits that predicted each response token: [B, Lr, V] float32."""
+    seq, pos, seq_mask = sequence_inputs(prompt_tokens, prompt_mask, tokens, mask)
+    hidden = model.apply({"params": params}, seq, pos, seq_mask, method=CausalLM.hidden)
+    lq, lr = prompt_tokens.shape[1], tokens.shape[1]
+    # Position t predicts token t + 1: the response tokens are predicted from positions Lq-1 .. Lq+Lr-2.
+    hidden = hidden[:, lq - 1: lq + lr - 1]
+    logits = model.apply({"params": params}, hidden, method=CausalLM.project)
+    return logits / temperature
+
+
+def token_logprobs(logits, tokens, mask):
+    """log p(token) [B, Lr] from logits [B, Lr, V]; 0 where masked."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return jnp.where(mask.astype(bool), picked, 0.0)
+
+
+def response_values(model: ScalarModel, params, prompt_tokens, prompt_mask, tokens, mask):
+    """Value of the state before each response token: [B, Lr] float32."""
+    seq, pos, seq_mask = sequence_inputs(prompt_tokens, prompt_mask, tokens, mask)
+    values, _ = model.apply({"params": params}, seq, pos, seq_mask)
+    lq, lr = prompt_tokens.shape[1], tokens.shape[1]
+    return values[:, lq - 1: lq + lr - 1] * mask
+
+
+def sequence_scores(model: ScalarModel, params, tokens, mask):
+    """Score at the last real token of each row: tokens, mask [B, L] -> [B] float32."""
+    values, _ = model.apply({"params": params}, tokens, positions_from_mask(mask), mask)
+    return score_at_last_token(values, mask)
+
+
+def response_scores(model: ScalarModel, params, prompt_tokens, prompt_mask, tokens, mask):
+    """Reward-model score of prompt + response at its last real token: [B] float32."""
+    seq, _, seq_mask = sequence_inputs(prompt_tokens, prompt_mask, tokens, mask)
+    return sequence_scores(model, params, seq, seq_mask)

@@ -1,0 +1,34 @@
+"""Parameters of a module without a checkpoint: abstract (shapes, dtypes and logical axis names, nothing
+allocated) and random ones placed straight onto their mesh shardings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ppo_jax import sharding
+from ppo_jax.models.transformer import positions_from_mask
+
+
+def _dummy_inputs(seq_len: int):
+    tokens = jnp.zeros((1, seq_len), jnp.int32)
+    mask = jnp.ones((1, seq_len), jnp.int32)
+    return tokens, positions_from_mask(mask), mask
+
+
+def boxed_params(module, seq_len: int = 2) -> Any:
+    """Abstract params of `module` (ShapeDtypeStructs) still boxed with their logical axis names."""
+    inputs = _dummy_inputs(seq_len)
+    return jax.eval_shape(lambda: module.init(jax.random.key(0), *inputs)["params"])
+
+
+def init_params(model, key, mesh, rules=None, seq_len: int = 8):
+    """Randomly initialised params of `model` placed straight onto their mesh shardings.
+
+    Returns (params, shardings) as plain trees. `seq_len` only shapes the dummy init input.
+    """
+    inputs = _dummy_inputs(seq_len)
+    return sharding.sharded_init(lambda: model.init(key, *inputs)["params"], mesh,
+                                 rules or sharding.DEFAULT_RULES)

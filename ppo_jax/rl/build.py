@@ -1,0 +1,180 @@
+"""Everything a PPO run is built from, as small functions of its settings: the model configs, the Flax
+modules of the four trees, the optimizers, the abstract train state and its shardings, fresh params,
+and the three compiled phases. The trainer, the memory planner and the exporter build with these, so
+they all see the same programs and the same state layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ppo_jax import ppo, sampling, sharding
+from ppo_jax.config import ConfigError, override_dtypes
+from ppo_jax.models import CausalLM, ModelConfig, ScalarModel, boxed_params, hf, init_params
+from ppo_jax.optim import make_optimizer
+from ppo_jax.rl.experience import make_experience_fn
+from ppo_jax.rl.settings import DerivedSizes, PPOHyper, Settings, sampling_config
+from ppo_jax.rl.state import Experience, FrozenParams, Rollout, TrainState
+from ppo_jax.rl.update import make_update_fn
+
+
+def copy_tree(params, shardings):
+    """A real copy on the same shardings (a reference aliasing the policy would die on donation)."""
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(params)
+
+
+def policy_model_config(s: Settings) -> ModelConfig:
+    """The policy architecture, read without loading weights (config.json or policy.model)."""
+    cfg = hf.load_config(s.policy.path)[0] if s.policy.path else s.policy.model
+    return override_dtypes(cfg, s.policy.param_dtype, s.policy.dtype)
+
+
+def reward_model_config(s: Settings) -> ModelConfig | None:
+    if not s.reward.path:
+        return None
+    cfg, kind = hf.load_config(s.reward.path)
+    if kind != "reward":
+        raise ConfigError(
+            f"reward.path={s.reward.path!r} holds a {kind} checkpoint; the reward model must be a "
+            "sequence classifier with one label (ForSequenceClassification, num_labels=1)")
+    return cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class Modules:
+    """The Flax modules of the four trees (definitions only, no parameters)."""
+
+    policy: CausalLM
+    value: ScalarModel | None  # None for critic-free estimators
+    reward: ScalarModel | None  # None when only Python reward functions score
+
+
+def make_modules(s: Settings, policy_cfg: ModelConfig, reward_cfg: ModelConfig | None) -> Modules:
+    value = None
+    if s.uses_critic:
+        value = (ScalarModel(reward_cfg, head_init="reward") if s.value.init == "reward"
+                 else ScalarModel(policy_cfg, head_init="zero"))
+    reward = ScalarModel(reward_cfg, head_init="reward") if reward_cfg is not None else None
+    return Modules(policy=CausalLM(policy_cfg), value=value, reward=reward)
+
+
+def make_optimizers(s: Settings):
+    """(policy optimizer, value optimizer or None); schedules span the run's optimizer steps."""
+    opt_steps = s.train.iterations * s.ppo.epochs * s.ppo.num_minibatches
+    policy_tx = make_optimizer(s.optim, s.optim.policy_lr, opt_steps)
+    value_tx = make_optimizer(s.optim, s.optim.value_lr, opt_steps) if s.uses_critic else None
+    return policy_tx, value_tx
+
+
+def init_kl(s: Settings) -> ppo.KLControllerState:
+    p = s.ppo
+    return ppo.init_kl_controller(p.kl_controller, p.kl_coef, target=p.kl_target, horizon=p.kl_horizon)
+
+
+def abstract_train_state(s: Settings, modules: Modules, policy_tx, value_tx, mesh):
+    """(abstract TrainState of ShapeDtypeStructs carrying shardings, TrainState of shardings).
+
+    Built once from `jax.eval_shape` and the logical axis rules: the shardings every step is
+    jitted with, and the target a checkpoint restores onto (whatever mesh it was saved on).
+    """
+    policy = boxed_params(modules.policy)
+    value = boxed_params(modules.value) if modules.value is not None else None
+    boxed = TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32), policy=policy,
+        policy_opt=jax.eval_shape(policy_tx.init, policy),
+        value=value, value_opt=jax.eval_shape(value_tx.init, value) if value is not None else None,
+        kl=jax.eval_shape(lambda: init_kl(s)), key=jax.eval_shape(lambda: jax.random.key(0)))
+    shardings = sharding.tree_shardings(boxed, mesh)
+    abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                            nn.unbox(boxed), shardings)
+    return abstract, shardings
+
+
+def initial_params(s: Settings, modules: Modules, shardings: TrainState, mesh, key, reward_params):
+    """Fresh policy and value params: from policy.path (Hugging Face) or a random init."""
+    if s.policy.path:
+        loaded = hf.load_model(s.policy.path, mesh, kind="causal_lm",
+                               param_dtype=s.policy.param_dtype or None, dtype=s.policy.dtype or None)
+        policy = jax.device_put(loaded.params, shardings.policy)
+    else:
+        policy, _ = init_params(modules.policy, key, mesh)
+    value = None
+    if modules.value is not None:
+        if s.value.init == "reward":
+            value = copy_tree(reward_params, shardings.value)
+        else:
+            head = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                nn.unbox(boxed_params(modules.value))["score"])
+            value = jax.jit(lambda t: {"transformer": jax.tree.map(jnp.copy, t), "score": head},
+                            out_shardings=shardings.value)(policy["transformer"])
+    return policy, value
+
+
+def fresh_state(s: Settings, policy, value, key, policy_tx, value_tx, shardings: TrainState, mesh) -> TrainState:
+    """Optimizer states, KL controller, step and key built straight onto their shardings."""
+
+    def build(policy, value, key):
+        return TrainState(
+            step=jnp.zeros((), jnp.int32), policy=policy, policy_opt=policy_tx.init(policy),
+            value=value, value_opt=value_tx.init(value) if value is not None else None,
+            kl=init_kl(s), key=key)
+
+    return jax.jit(build, out_shardings=shardings)(policy, value, sharding.replicate(key, mesh))
+
+
+@dataclasses.dataclass
+class Steps:
+    """The three compiled phases of a PPO iteration, with their shardings and donation.
+
+    sampler: rollout sampling; experience_jit(state, frozen, rollout) -> (Experience, metrics);
+    update_jit(state, experience) -> (state, metrics), the state donated. trace_counts counts the
+    traces of the two jitted steps (the sampler counts its own).
+    """
+
+    sampling_config: sampling.SamplingConfig
+    sampler: sampling.Sampler
+    experience_jit: Callable
+    update_jit: Callable
+    trace_counts: dict[str, int]
+
+
+def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: Modules, policy_tx, value_tx,
+                state_shardings, frozen_shardings, stop_ids: Sequence[int], pad_id: int,
+                unroll_layers: bool | None = None) -> Steps:
+    """The sampler and the jitted experience and update steps of a run (also what `ppo_jax.rl.plan`
+    lowers and measures, so the planner sees exactly the programs a run compiles). unroll_layers:
+    overrides rollout.decode (see `settings.sampling_config`)."""
+    batch = sharding.data_sharding(mesh)
+    replicated = sharding.replicated(mesh)
+    sampler_settings = sampling_config(s, stop_ids, pad_id, unroll_layers)
+    sampler = sampling.make_sampler(modules.policy, sampler_settings, mesh, state_shardings.policy)
+    experience = make_experience_fn(modules.policy, modules.value, modules.reward, hp)
+    update = make_update_fn(modules.policy, modules.value, policy_tx, value_tx, hp, sizes.rollout_rows, batch)
+    rollout_sh = jax.tree.map(lambda _: batch, Rollout(*([0] * len(dataclasses.fields(Rollout)))))
+    exp_sh = jax.tree.map(lambda _: batch, Experience(*([0] * len(dataclasses.fields(Experience)))))
+    trace_counts = {"experience": 0, "update": 0}
+
+    def traced(name, fn):
+        def counted(*args):
+            trace_counts[name] += 1  # runs once per trace, never per call
+            return fn(*args)
+        return counted
+
+    experience_jit = jax.jit(traced("experience", experience),
+                             in_shardings=(state_shardings, frozen_shardings, rollout_sh),
+                             out_shardings=(exp_sh, replicated))
+    update_jit = jax.jit(traced("update", update), in_shardings=(state_shardings, exp_sh),
+                         out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+    return Steps(sampler_settings, sampler, experience_jit, update_jit, trace_counts)
+
+
+def frozen_shardings(state_shardings: TrainState, reward_params) -> FrozenParams:
+    """The reference lives on the policy's shardings; the reward model keeps its own."""
+    return FrozenParams(
+        reference=state_shardings.policy,
+        reward=jax.tree.map(lambda x: x.sharding, reward_params) if reward_params is not None else None)

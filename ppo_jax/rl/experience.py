@@ -1,0 +1,143 @@
+"""The experience phase: every forward over the rollout (policy, reference, value, reward model),
+scores, per-token KL-shaped rewards and advantages, as one pure function.
+
+Shapes: B rollout rows (prompts x samples), Lq prompt length, Lr response length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from ppo_jax import ppo
+from ppo_jax.models.forward import response_logits, response_scores, response_values, token_logprobs
+from ppo_jax.models.transformer import CausalLM, ScalarModel
+from ppo_jax.rl.settings import PPOHyper
+from ppo_jax.rl.state import Experience, FrozenParams, Rollout, TrainState
+
+def microbatched(fn: Callable, num_chunks: int, *args):
+    """Applies fn to `num_chunks` row slices with lax.map and stitches the results back.
+
+    Rows are dealt round-robin (chunk i = rows i, i + n, ...), so with a batch-sharded input every
+    chunk still spans all data-parallel devices instead of landing on a few of them.
+    """
+    if num_chunks == 1:
+        return fn(*args)
+
+    def split(x):
+        x = x.reshape((x.shape[0] // num_chunks, num_chunks) + x.shape[1:])
+        return jnp.swapaxes(x, 0, 1)
+
+    def merge(x):
+        x = jnp.swapaxes(x, 0, 1)
+        return x.reshape((-1,) + x.shape[2:])
+
+    out = jax.lax.map(lambda chunk: fn(*chunk), jax.tree.map(split, args))
+    return jax.tree.map(merge, out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Experience.
+
+def explained_variance(values, returns, mask):
+    var_returns = ppo.masked_var(returns, mask)
+    return 1.0 - ppo.masked_var(returns - values, mask) / jnp.maximum(var_returns, 1e-8)
+
+
+def make_experience_fn(policy_model: CausalLM, value_model: ScalarModel | None,
+                       reward_model: ScalarModel | None, hp: PPOHyper) -> Callable:
+    """Pure experience function: (state, frozen, rollout) -> (Experience, metrics)."""
+
+    def forwards(policy, reference, value, reward, pt, pm, tokens, mask):
+        logits = response_logits(policy_model, policy, pt, pm, tokens, mask, hp.temperature)
+        old_logp = token_logprobs(logits, tokens, mask)
+        entropy = ppo.entropy_from_logits(logits, mask)
+        ref_logits = response_logits(policy_model, reference, pt, pm, tokens, mask, hp.temperature)
+        ref_logp = token_logprobs(ref_logits, tokens, mask)
+        values = (response_values(value_model, value, pt, pm, tokens, mask) if value is not None
+                  else jnp.zeros(tokens.shape, jnp.float32))
+        scores = (response_scores(reward_model, reward, pt, pm, tokens, mask) if reward is not None
+                  else jnp.zeros(tokens.shape[:1], jnp.float32))
+        return old_logp, ref_logp, entropy, values, scores
+
+    def experience(state: TrainState, frozen: FrozenParams, rollout: Rollout):
+        mask = rollout.mask.astype(jnp.float32)
+        old_logp, ref_logp, entropy, values, model_scores = microbatched(
+            lambda *a: forwards(state.policy, frozen.reference, state.value, frozen.reward, *a),
+            hp.forward_microbatches,
+            rollout.prompt_tokens, rollout.prompt_mask, rollout.tokens, rollout.mask)
+        raw_scores = hp.model_weight * model_scores + rollout.host_scores
+        scores = ppo.process_scores(
+            raw_scores, rollout.stopped, missing_stop=hp.missing_stop,
+            missing_stop_value=hp.missing_stop_value, gain=hp.score_gain, bias=hp.score_bias,
+            clip=hp.score_clip or None)
+        kl = ppo.kl_penalty(old_logp, ref_logp, hp.kl_estimator) * mask
+        kl_coef = state.kl.coef if hp.kl_in_reward else jnp.zeros((), jnp.float32)
+        rewards = ppo.shape_rewards(scores, kl, mask, kl_coef)
+        if hp.whiten_rewards:
+            rewards = ppo.masked_whiten(rewards, mask, shift_mean=False)
+        adv = ppo.estimate_advantages(
+            hp.estimator, rewards=rewards, values=values, mask=mask, scores=scores, kl=kl,
+            kl_coef=kl_coef, group_size=hp.group_size, gamma=hp.gamma, lam=hp.lam,
+            # Critic-free estimators normalise in their own way (group or batch statistics).
+            whiten=hp.whiten_advantages if hp.estimator == "gae" else None)
+        advantages, returns = adv
+        exp = Experience(
+            prompt_tokens=rollout.prompt_tokens, prompt_mask=rollout.prompt_mask,
+            tokens=rollout.tokens, mask=rollout.mask, old_logprobs=old_logp, ref_logprobs=ref_logp,
+            values=values, advantages=advantages * mask, returns=returns * mask, scores=scores)
+
+        lengths = mask.sum(-1)
+        seq_kl = kl.sum(-1)
+        non_score = -(state.kl.coef * kl).sum(-1)
+        metrics = {
+            "objective/scores": scores.mean(),
+            "objective/raw_scores": raw_scores.mean(),
+            "objective/model_scores": model_scores.mean(),
+            "objective/function_scores": rollout.host_scores.mean(),
+            "objective/kl": seq_kl.mean(),
+            "objective/kl_coef": state.kl.coef,
+            "objective/entropy": (entropy * mask).sum(-1).mean(),
+            "objective/non_score_reward": non_score.mean(),
+            "objective/rlhf_reward": (scores + non_score).mean(),
+            "val/num_eos_tokens": rollout.stopped.sum().astype(jnp.float32),
+            "val/eos_rate": rollout.stopped.mean(),
+            "response/length_mean": lengths.mean(),
+            "response/length_max": lengths.max(),
+            "policy/rollout_logprob_diff_max": jnp.abs(old_logp - rollout.sampler_logprobs * mask).max(),
+            "policy/rollout_logprob_diff_mean": ppo.masked_mean(jnp.abs(old_logp - rollout.sampler_logprobs), mask),
+            "advantages/mean": ppo.masked_mean(advantages, mask),
+            "advantages/std": jnp.sqrt(ppo.masked_var(advantages, mask)),
+            "returns/mean": ppo.masked_mean(returns, mask),
+            "returns/std": jnp.sqrt(ppo.masked_var(returns, mask)),
+        }
+        if hp.uses_critic:
+            metrics.update({
+                "values/mean": ppo.masked_mean(values, mask),
+                "values/std": jnp.sqrt(ppo.masked_var(values, mask)),
+                "val/explained_variance": explained_variance(values, returns, mask),
+            })
+        return exp, metrics
+
+    return experience
+
+
+
+def make_scoring_fn(policy_model: CausalLM, reward_model: ScalarModel | None, hp: PPOHyper) -> Callable:
+    """Pure scoring of given responses by the frozen models: (frozen, rollout-like arrays) ->
+    (reference log-probs [B, Lr] under the rollout temperature, reward-model scores [B] with the
+    configured gain and bias, 0 without a reward model). The reference and reward forwards of the
+    experience step, for evaluation outside the training loop."""
+
+    def score(frozen: FrozenParams, prompt_tokens, prompt_mask, tokens, mask):
+        ref_logits = response_logits(policy_model, frozen.reference, prompt_tokens, prompt_mask, tokens, mask,
+                                     hp.temperature)
+        ref_logp = token_logprobs(ref_logits, tokens, mask)
+        if reward_model is None:
+            return ref_logp, jnp.zeros(tokens.shape[:1], jnp.float32)
+        scores = response_scores(reward_model, frozen.reward, prompt_tokens, prompt_mask, tokens, mask)
+        return ref_logp, scores * hp.score_gain + hp.score_bias
+
+    return score

@@ -1,0 +1,57 @@
+"""Export a trained policy (or value model) from a PPO checkpoint as a Hugging Face directory.
+
+The output holds config.json, model.safetensors and the run's tokenizer; `transformers` loads it
+with `from_pretrained`. The directory is written beside its destination and renamed at the end, so an
+interrupted export leaves nothing half-written. Command line: `ppo_jax.cli.export`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ppo_jax import sharding
+from ppo_jax.checkpoint import CheckpointManager
+from ppo_jax.config import from_config, model_config_from_dict
+from ppo_jax.models import CausalLM, ScalarModel, hf
+from ppo_jax.rl import build
+from ppo_jax.rl.settings import Settings
+
+
+def checkpoint_dirs(path: str) -> tuple[str, str]:
+    """(workdir, checkpoints dir) from either of them."""
+    path = os.path.abspath(path)
+    if os.path.basename(path.rstrip("/")) == "checkpoints":
+        return os.path.dirname(path), path
+    return path, os.path.join(path, "checkpoints")
+
+
+def export_checkpoint(checkpoint: str, out: str, *, step: int | None = None, which: str = "policy",
+                      mesh=None) -> str:
+    """Restores `which` ("policy" or "value") from a PPO checkpoint and writes it as a Hugging Face
+    directory; returns its path."""
+    workdir, ckpt_dir = checkpoint_dirs(checkpoint)
+    if not os.path.isdir(ckpt_dir):
+        raise FileNotFoundError(f"{ckpt_dir} does not exist: --checkpoint must be a PPO workdir or its "
+                                "checkpoints/ directory")
+    manager = CheckpointManager(ckpt_dir)
+    try:
+        step, extra = manager.read_extra(step)
+        settings = from_config(Settings, extra["config"])  # as the run saved it; validated when it ran
+        policy_cfg = model_config_from_dict(extra["policy_model"])
+        value = None
+        if extra.get("value_model"):
+            value = ScalarModel(model_config_from_dict(extra["value_model"]), head_init=extra["value_head_init"])
+        elif which == "value":
+            raise ValueError(f"the run in {workdir} has no value model (advantage estimator "
+                             f"{settings.ppo.advantage_estimator!r})")
+        modules = build.Modules(policy=CausalLM(policy_cfg), value=value, reward=None)
+        policy_tx, value_tx = build.make_optimizers(settings)
+        mesh = mesh or sharding.make_mesh((1, -1, 1))
+        abstract, _ = build.abstract_train_state(settings, modules, policy_tx, value_tx, mesh)
+        state, _ = manager.restore(step, abstract_state=abstract)
+    finally:
+        manager.close()
+    tokenizer = hf.load_tokenizer(os.path.join(workdir, "tokenizer"))
+    if which == "policy":
+        return str(hf.export_model(out, policy_cfg, state.policy, kind="causal_lm", tokenizer=tokenizer))
+    return str(hf.export_model(out, value.config, state.value, kind="reward", tokenizer=tokenizer))

@@ -1,0 +1,337 @@
+"""PPO settings: the schema of a PPO config (every field with its default and a one-line comment),
+its validation, and what follows from it (derived batch sizes, the hyper-parameters the steps close
+over, the sampler settings).
+
+`ppo_config()` is the ConfigDict that files under `configs/` start from; `Settings.from_config`
+converts one, once, at the edge (`PPOTrainer`, `plan_memory`), and validates every value here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import ml_collections
+
+from ppo_jax.config import AdamWSettings, ConfigError, MeshSettings, check, check_positions, config_dict, from_config
+from ppo_jax.data.prompt_stream import PromptDataSettings
+from ppo_jax.distributed import DistributedSettings
+from ppo_jax.models.config import ModelConfig
+from ppo_jax.sampling import SamplingConfig
+
+ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
+# rollout.decode -> SamplingConfig.unroll_layers (None: decided by the backend).
+DECODE_LOOPS = {"auto": None, "scan": False, "unrolled": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicySettings:
+    """The initial policy (and the reference, its frozen copy)."""
+
+    path: str = ""  # Hugging Face directory or ppo_jax checkpoint of the initial policy; "" = build from policy.model
+    model: ModelConfig = ModelConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4,
+                                     max_position_embeddings=128)  # architecture when policy.path is ""
+    param_dtype: str = ""  # override parameter dtype ("" = keep the checkpoint's / model's)
+    dtype: str = ""  # override compute dtype ("" = keep)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSettings:
+    """What scores a response: a reward model and/or Python reward functions."""
+
+    path: str = ""  # reward model (HF ForSequenceClassification dir or ppo_jax checkpoint); "" = none
+    model_weight: float = 1.0  # weight of the reward model's score in the total score
+    functions: str = ""  # comma-separated Python reward functions: registered names or "module:function"
+    function_weights: str = ""  # comma-separated weights for reward.functions ("" = all 1.0)
+    gain: float = 1.0  # score normalisation: score * gain + bias
+    bias: float = 0.0  # score normalisation bias
+    clip: float = 0.0  # clip |score| to this value; 0 = no clipping
+    missing_stop: str = "none"  # rows without a stop token: "none", "replace" (score := missing_stop_value) or "penalty"
+    missing_stop_value: float = -1.0  # the replacement score ("replace") or the penalty subtracted ("penalty")
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueSettings:
+    """Where the value model starts."""
+
+    init: str = "policy"  # value model from "policy" (zero-init head) or "reward" (the reward model, N+ style)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSettings:
+    """Sampling the responses of one iteration."""
+
+    batch_size: int = 32  # prompts per PPO iteration (global, across all devices and hosts)
+    num_samples: int = 1  # responses sampled per prompt (> 1 for grpo / rloo)
+    response_length: int = 16  # maximum new tokens per response
+    min_new_tokens: int = 0  # stop tokens are suppressed before this many tokens
+    temperature: float = 1.0  # sampling temperature; also divides the logits of every log-prob forward
+    top_k: int = 0  # 0 = off; training rollouts should sample the full distribution
+    top_p: float = 1.0  # 1.0 = off
+    stop_token_ids: str = ""  # comma-separated stop ids; "" = the tokenizer's / model's EOS
+    cache_dtype: str = ""  # KV cache dtype ("" = compute dtype; "bfloat16" halves it)
+    decode: str = "auto"  # "scan" layers, "unrolled" (faster on CPU, copies weights), "auto": unrolled on CPU
+    forward_microbatch: int = 0  # rows per forward pass in the experience step; 0 = whole batch
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOLossSettings:
+    """Advantages, KL leash and the clipped losses."""
+
+    advantage_estimator: str = "gae"  # "gae", "grpo", "rloo" or "reinforce_pp"
+    epochs: int = 4  # PPO epochs over each rollout batch
+    num_minibatches: int = 1  # optimizer steps per epoch
+    num_microbatches: int = 1  # gradient-accumulation slices per minibatch
+    clip_eps: float = 0.2  # policy ratio clip (lower side, and upper side unless clip_eps_high is set)
+    clip_eps_high: float = 0.0  # upper ratio clip for asymmetric clipping; 0 = same as clip_eps
+    dual_clip: float = 0.0  # dual-clip constant c > 1 for negative advantages; 0 = off
+    value_clip: float = 0.2  # value prediction clip range
+    vf_coef: float = 0.1  # value loss coefficient
+    ent_coef: float = 0.0  # entropy bonus coefficient
+    gamma: float = 1.0  # discount
+    lam: float = 0.95  # GAE lambda
+    whiten_advantages: bool = True  # masked whitening of advantages
+    whiten_rewards: bool = False  # masked whitening of per-token rewards before GAE
+    kl_estimator: str = "k1"  # per-token KL estimator: "k1", "k2" or "k3"
+    kl_in_reward: bool = True  # KL as a per-token reward penalty (True) or as a loss term (False)
+    kl_controller: str = "fixed"  # "fixed" or "adaptive" (Ziegler et al. 2019)
+    kl_coef: float = 0.05  # initial KL coefficient beta
+    kl_target: float = 6.0  # adaptive controller target KL (per sequence)
+    kl_horizon: int = 10000  # adaptive controller horizon (samples)
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOOptimSettings(AdamWSettings):
+    """AdamW of the policy and value models (the shared fields: `ppo_jax.config.AdamWSettings`)."""
+
+    policy_lr: float = 1e-4  # policy peak learning rate
+    value_lr: float = 1e-4  # value model peak learning rate
+    eps: float = 1e-5  # Adam epsilon (1e-5, not 1e-8: the PPO implementations the literature compares use it)
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOTrainSettings:
+    """The loop: iterations, logging, evaluation, checkpoints."""
+
+    iterations: int = 20  # PPO iterations (rollout + update)
+    log_every: int = 1  # write metrics every N iterations
+    sample_every: int = 5  # write (prompt, response, score, KL) samples every N iterations
+    eval_every: int = 0  # evaluate on held-out prompts every N iterations; 0 = never
+    eval_batches: int = 1  # held-out batches per evaluation
+    checkpoint_every: int = 0  # save a checkpoint every N iterations; 0 = only at the end
+    keep_checkpoints: int = 2  # checkpoints kept
+    best_metric: str = ""  # also keep the best checkpoint by this metric (e.g. "eval/scores"); "" = off
+    best_mode: str = "max"  # "max" or "min" for train.best_metric
+    max_consecutive_nonfinite: int = 3  # stop after this many iterations in a row with skipped (non-finite) updates
+    progress: bool = True  # tqdm progress bar
+
+@dataclasses.dataclass(frozen=True)
+class PlanSettings:
+    """Read by `ppo_jax.plan` only."""
+
+    reward_model: ModelConfig | None = None  # reward-model architecture to plan with (None: reward.path's or the policy's)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """A whole PPO run's settings, validated by `validate()` (which `from_config` calls)."""
+
+    seed: int = 0  # seeds parameter init, data order and sampling
+    mesh: MeshSettings = MeshSettings()
+    distributed: DistributedSettings = DistributedSettings()
+    policy: PolicySettings = PolicySettings()
+    reward: RewardSettings = RewardSettings()
+    value: ValueSettings = ValueSettings()
+    data: PromptDataSettings = PromptDataSettings()
+    rollout: RolloutSettings = RolloutSettings()
+    ppo: PPOLossSettings = PPOLossSettings()
+    optim: PPOOptimSettings = PPOOptimSettings()
+    train: PPOTrainSettings = PPOTrainSettings()
+    plan: PlanSettings = PlanSettings()
+
+    @classmethod
+    def from_config(cls, config, *, reward_in_code: bool = False) -> "Settings":
+        """The typed, validated settings of a ConfigDict (or of Settings, validated again).
+
+        reward_in_code: reward functions are passed in code, so a config without any reward is fine.
+        """
+        settings = from_config(cls, config)
+        settings.validate(reward_in_code=reward_in_code)
+        return settings
+
+    def replace(self, **sections) -> "Settings":
+        return dataclasses.replace(self, **sections)
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.ppo.advantage_estimator == "gae"
+
+    def validate(self, *, reward_in_code: bool = False) -> None:
+        """Every value that needs no mesh, model or tokenizer; the rest is in `derive_sizes`."""
+        r, p, t = self.rollout, self.ppo, self.train
+        check(r.batch_size > 0, f"rollout.batch_size must be positive, got {r.batch_size}")
+        check(r.num_samples >= 1, f"rollout.num_samples must be >= 1, got {r.num_samples}")
+        check(r.response_length > 0, f"rollout.response_length must be positive, got {r.response_length}")
+        check(self.data.prompt_length > 0, f"data.prompt_length must be positive, got {self.data.prompt_length}")
+        check(r.temperature > 0 and math.isfinite(r.temperature),
+              f"rollout.temperature must be > 0 (it divides the logits), got {r.temperature}")
+        check(0 <= r.min_new_tokens <= r.response_length,
+              f"rollout.min_new_tokens={r.min_new_tokens} must be in [0, rollout.response_length={r.response_length}]")
+        check(r.top_k >= 0, f"rollout.top_k must be >= 0 (0 = off), got {r.top_k}")
+        check(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
+        check(r.decode in DECODE_LOOPS, f"rollout.decode={r.decode!r}: use one of {sorted(DECODE_LOOPS)}")
+        stop_token_ids(r, None)  # parses
+        check(p.advantage_estimator in ESTIMATORS,
+              f"ppo.advantage_estimator={p.advantage_estimator!r}: use one of {', '.join(ESTIMATORS)}")
+        if p.advantage_estimator in ("grpo", "rloo"):
+            check(r.num_samples >= 2, f"ppo.advantage_estimator={p.advantage_estimator!r} compares samples of "
+                  f"the same prompt: set rollout.num_samples >= 2 (got {r.num_samples})")
+        check(p.epochs >= 1, f"ppo.epochs must be >= 1, got {p.epochs}")
+        check(p.num_minibatches >= 1, f"ppo.num_minibatches must be >= 1, got {p.num_minibatches}")
+        check(p.num_microbatches >= 1, f"ppo.num_microbatches must be >= 1, got {p.num_microbatches}")
+        check(p.clip_eps > 0, f"ppo.clip_eps must be > 0, got {p.clip_eps}")
+        check(p.clip_eps_high >= 0, f"ppo.clip_eps_high must be >= 0 (0 = same as clip_eps), got {p.clip_eps_high}")
+        check(p.dual_clip == 0 or p.dual_clip > 1, f"ppo.dual_clip must be 0 (off) or > 1, got {p.dual_clip}")
+        check(p.value_clip > 0, f"ppo.value_clip must be > 0, got {p.value_clip}")
+        check(0 < p.gamma <= 1, f"ppo.gamma must be in (0, 1], got {p.gamma}")
+        check(0 <= p.lam <= 1, f"ppo.lam must be in [0, 1], got {p.lam}")
+        check(p.kl_estimator in ("k1", "k2", "k3"), f"ppo.kl_estimator={p.kl_estimator!r}: use k1, k2 or k3")
+        check(p.kl_controller in ("fixed", "adaptive"), f"ppo.kl_controller={p.kl_controller!r}: use fixed or adaptive")
+        check(p.kl_coef >= 0, f"ppo.kl_coef must be >= 0, got {p.kl_coef}")
+        if p.kl_controller == "adaptive":
+            check(p.kl_target > 0 and p.kl_horizon > 0,
+                  "ppo.kl_target and ppo.kl_horizon must be > 0 for the adaptive controller")
+        self.optim.validate("optim", {"policy_lr": self.optim.policy_lr, "value_lr": self.optim.value_lr})
+        check(self.value.init in ("policy", "reward"), f"value.init={self.value.init!r}: use policy or reward")
+        if self.value.init == "reward" and self.uses_critic:
+            check(bool(self.reward.path), "value.init='reward' needs reward.path (a reward model to start the "
+                  "value model from)")
+        check(self.reward.missing_stop in ("none", "replace", "penalty"),
+              f"reward.missing_stop={self.reward.missing_stop!r}: use none, replace or penalty")
+        check(reward_in_code or bool(self.reward.path) or bool(self.reward.functions),
+              "no reward: set reward.path (a reward model) and/or reward.functions (Python reward functions)")
+        check(self.data.truncation in ("left", "error"), f"data.truncation={self.data.truncation!r}: use left or error")
+        check(t.iterations >= 1, f"train.iterations must be >= 1, got {t.iterations}")
+        check(t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}")
+        check(t.best_mode in ("max", "min"), f"train.best_mode={t.best_mode!r}: use max or min")
+        check(t.max_consecutive_nonfinite >= 1,
+              f"train.max_consecutive_nonfinite must be >= 1, got {t.max_consecutive_nonfinite}")
+
+
+def ppo_config() -> ml_collections.ConfigDict:
+    """Default PPO config: a tiny GPT-2-shaped policy on the built-in toy task (runs on a CPU)."""
+    return config_dict(Settings())
+
+
+def stop_token_ids(rollout: RolloutSettings, default_eos: int | None) -> tuple[int, ...]:
+    spec = rollout.stop_token_ids
+    if spec:
+        try:
+            return tuple(int(x) for x in str(spec).split(","))
+        except ValueError:
+            raise ConfigError(f"rollout.stop_token_ids={spec!r}: use comma-separated integers") from None
+    return (default_eos,) if default_eos is not None else ()
+
+
+@dataclasses.dataclass(frozen=True)
+class DerivedSizes:
+    """Sizes that follow from the settings and the mesh."""
+
+    rollout_rows: int  # prompts * samples per prompt
+    minibatch_rows: int
+    microbatch_rows: int
+    forward_rows: int
+
+
+def derive_sizes(s: Settings, *, batch_divisor: int = 1, max_positions: int | None = None,
+                 vocab_size: int | None = None) -> DerivedSizes:
+    """The batch sizes of a run on a mesh with `batch_divisor` data-parallel devices, checked against
+    the mesh and the model (before any compile)."""
+    r, p = s.rollout, s.ppo
+    rows = r.batch_size * r.num_samples
+    check(rows % p.num_minibatches == 0,
+          f"rollout.batch_size * rollout.num_samples = {rows} is not divisible by ppo.num_minibatches="
+          f"{p.num_minibatches}; change one of them")
+    mini = rows // p.num_minibatches
+    check(mini % p.num_microbatches == 0,
+          f"a minibatch of {mini} rows is not divisible by ppo.num_microbatches={p.num_microbatches}")
+    micro = mini // p.num_microbatches
+    check(micro % batch_divisor == 0,
+          f"a microbatch of {micro} rows does not split over the {batch_divisor} data-parallel devices "
+          f"(mesh data x fsdp); make rollout.batch_size * rollout.num_samples / (ppo.num_minibatches * "
+          f"ppo.num_microbatches) a multiple of {batch_divisor}")
+    check(r.batch_size % batch_divisor == 0,
+          f"rollout.batch_size={r.batch_size} is not a multiple of the {batch_divisor} data-parallel devices")
+    fwd = r.forward_microbatch or rows
+    check(rows % fwd == 0 and fwd % batch_divisor == 0,
+          f"rollout.forward_microbatch={r.forward_microbatch} must divide {rows} rows and be a multiple of "
+          f"{batch_divisor}")
+    if max_positions is not None:
+        check_positions(s.data.prompt_length + r.response_length, max_positions,
+                        "data.prompt_length + rollout.response_length")
+    if vocab_size is not None:
+        for t in stop_token_ids(r, None):
+            check(0 <= t < vocab_size, f"rollout.stop_token_ids: {t} is outside the vocabulary (size {vocab_size})")
+    return DerivedSizes(rollout_rows=rows, minibatch_rows=mini, microbatch_rows=micro, forward_rows=fwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOHyper:
+    """Static hyper-parameters the steps close over (hashable, read from the settings once)."""
+
+    temperature: float
+    estimator: str
+    gamma: float
+    lam: float
+    whiten_advantages: bool
+    whiten_rewards: bool
+    kl_estimator: str
+    kl_in_reward: bool
+    model_weight: float
+    missing_stop: str
+    missing_stop_value: float
+    score_gain: float
+    score_bias: float
+    score_clip: float
+    group_size: int
+    epochs: int
+    num_minibatches: int
+    num_microbatches: int
+    forward_microbatches: int
+    clip_eps: float
+    clip_eps_high: float | None
+    dual_clip: float | None
+    value_clip: float
+    vf_coef: float
+    ent_coef: float
+
+    @classmethod
+    def from_settings(cls, s: "Settings", sizes: DerivedSizes) -> "PPOHyper":
+        p, r = s.ppo, s.reward
+        return cls(
+            temperature=s.rollout.temperature, estimator=p.advantage_estimator, gamma=p.gamma, lam=p.lam,
+            whiten_advantages=p.whiten_advantages, whiten_rewards=p.whiten_rewards,
+            kl_estimator=p.kl_estimator, kl_in_reward=p.kl_in_reward, model_weight=r.model_weight,
+            missing_stop=r.missing_stop, missing_stop_value=r.missing_stop_value, score_gain=r.gain,
+            score_bias=r.bias, score_clip=r.clip, group_size=s.rollout.num_samples, epochs=p.epochs,
+            num_minibatches=p.num_minibatches, num_microbatches=p.num_microbatches,
+            forward_microbatches=sizes.rollout_rows // sizes.forward_rows, clip_eps=p.clip_eps,
+            clip_eps_high=p.clip_eps_high or None, dual_clip=p.dual_clip or None, value_clip=p.value_clip,
+            vf_coef=p.vf_coef, ent_coef=p.ent_coef)
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.estimator == "gae"
+
+
+def sampling_config(s: Settings, stop_ids: Sequence[int], pad_id: int,
+                    unroll_layers: bool | None = None) -> SamplingConfig:
+    """The sampler settings of a run (rollout.*); unroll_layers, if given, overrides rollout.decode."""
+    r = s.rollout
+    if unroll_layers is None:
+        unroll_layers = DECODE_LOOPS[r.decode]
+    return SamplingConfig(
+        max_new_tokens=r.response_length, min_new_tokens=r.min_new_tokens, temperature=r.temperature,
+        top_k=r.top_k, top_p=r.top_p, stop_token_ids=tuple(stop_ids), pad_token_id=int(pad_id),
+        num_samples=r.num_samples, cache_dtype=r.cache_dtype or None, unroll_layers=unroll_layers)

@@ -1,0 +1,165 @@
+"""SFT and reward-model settings: their schemas (every field with its default and a one-line comment)
+and validation. `sft_config()` / `reward_model_config()` are the ConfigDicts that files under
+`configs/` start from; the trainers convert one, once, with `SFTSettings.from_config` /
+`RewardModelSettings.from_config`. Field names match the PPO settings' where the idea is the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+from ppo_jax.config import AdamWSettings, MeshSettings, check, config_dict, from_config
+from ppo_jax.models.config import ModelConfig
+
+NORMALIZE_SOURCES = ("none", "policy", "preferences")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """The model to start from."""
+
+    path: str = ""  # Hugging Face directory to start from; "" = a fresh model from model.config
+    config: ModelConfig = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
+                                      max_position_embeddings=128)  # architecture when model.path is "" (vocab_size >= the tokenizer's)
+    param_dtype: str = ""  # override parameter dtype ("" = keep the checkpoint's / model's)
+    dtype: str = ""  # override compute dtype ("" = keep)
+
+
+@dataclasses.dataclass(frozen=True)
+class SupervisedTrainSettings:
+    batch_size: int = 32  # examples per optimizer step (global, across all devices and hosts)
+    steps: int = 1000  # optimizer steps
+    log_every: int = 10  # write training metrics every N steps
+    eval_every: int = 0  # evaluate on data.eval every N steps (0 = only at the end, when data.eval is given)
+    eval_batches: int = 0  # eval batches per evaluation; 0 = the whole eval set
+    checkpoint_every: int = 0  # save a checkpoint every N steps; 0 = only at the end
+    keep_checkpoints: int = 2  # checkpoints kept
+    export: bool = True  # write a Hugging Face checkpoint to <workdir>/hf at the end
+    progress: bool = True  # tqdm progress bar
+
+    def validate(self, what: str) -> None:
+        check(self.batch_size >= 1, f"{what}: train.batch_size must be >= 1, got {self.batch_size}")
+        check(self.steps >= 1, f"{what}: train.steps must be >= 1, got {self.steps}")
+        for name in ("eval_every", "eval_batches", "checkpoint_every"):
+            check(getattr(self, name) >= 0, f"{what}: train.{name} must be >= 0, got {getattr(self, name)}")
+        check(self.log_every >= 1, f"{what}: train.log_every must be >= 1, got {self.log_every}")
+        check(self.keep_checkpoints >= 1, f"{what}: train.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SupervisedOptimSettings(AdamWSettings):
+    """AdamW (the shared fields: `ppo_jax.config.AdamWSettings`)."""
+
+    lr: float = 1e-3  # peak learning rate
+    schedule: str = "cosine"  # after warmup: "constant", "linear" (to 0) or "cosine" (to 0)
+    warmup_steps: int = 20  # optimizer steps of linear warmup
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTDataSettings:
+    train: str = ""  # JSONL file of {prompt, response} records; "" = records passed in code
+    eval: str = ""  # held-out JSONL file; "" = none (or records passed in code)
+    prompt_field: str = "prompt"  # JSONL field holding the prompt
+    response_field: str = "response"  # JSONL field holding the response
+    max_prompt_length: int = 16  # longest prompt kept, in tokens
+    max_response_length: int = 32  # longest response kept, in tokens including its EOS
+    truncation: str = "left"  # over-long examples: "left" (cut and count them) or "error"
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceDataSettings:
+    train: str = ""  # JSONL file of {prompt, chosen, rejected} records; "" = records passed in code
+    eval: str = ""  # held-out JSONL file (validation accuracy); "" = none (or records passed in code)
+    prompt_field: str = "prompt"  # JSONL field holding the prompt
+    chosen_field: str = "chosen"  # JSONL field holding the preferred response
+    rejected_field: str = "rejected"  # JSONL field holding the other response
+    max_prompt_length: int = 16  # longest prompt kept, in tokens (use the PPO data.prompt_length)
+    # longest response, tokens incl. EOS (use the PPO rollout.response_length: a longer response is cut
+    # without EOS, as an unfinished rollout is)
+    max_response_length: int = 32
+    truncation: str = "left"  # over-long examples: "left" (cut and count them) or "error"
+
+
+def _validate_lengths(d, what: str) -> None:
+    check(d.max_prompt_length >= 1, f"{what}: data.max_prompt_length must be >= 1, got {d.max_prompt_length}")
+    check(d.max_response_length >= 1,
+          f"{what}: data.max_response_length must be >= 1 (it includes the EOS), got {d.max_response_length}")
+    check(d.truncation in ("left", "error"), f"{what}: data.truncation={d.truncation!r}: use left or error")
+
+
+@dataclasses.dataclass(frozen=True)
+class NormalizeSettings:
+    # samples to normalise on: "none", "policy" (sample normalize.policy_path) or "preferences" (the chosen
+    # and rejected responses of data.train)
+    source: str = "none"
+    policy_path: str = ""  # causal LM to sample from for source="policy"; "" = model.path
+    num_prompts: int = 512  # prompts (policy) or pairs (preferences) to normalise on
+    temperature: float = 1.0  # sampling temperature for source="policy" (use the PPO rollout temperature)
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTSettings:
+    seed: int = 0  # seeds parameter init and data order
+    mesh: MeshSettings = MeshSettings()
+    model: ModelSettings = ModelSettings()
+    tokenizer_path: str = ""  # Hugging Face tokenizer directory; "" = model.path's (a tokenizer passed in code wins)
+    data: SFTDataSettings = SFTDataSettings()
+    train: SupervisedTrainSettings = SupervisedTrainSettings(steps=1000)
+    optim: SupervisedOptimSettings = SupervisedOptimSettings(lr=1e-3)
+
+    @classmethod
+    def from_config(cls, config) -> "SFTSettings":
+        s = from_config(cls, config)
+        s.validate()
+        return s
+
+    def validate(self) -> None:
+        self.train.validate("sft")
+        self.optim.validate("sft: optim", {"lr": self.optim.lr})
+        _validate_lengths(self.data, "sft")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardModelSettings:
+    seed: int = 0  # seeds the head init, data order and normalisation samples
+    mesh: MeshSettings = MeshSettings()
+    # model.path: a causal LM (the SFT model: its transformer, a fresh head) or a reward model; "" = fresh
+    model: ModelSettings = ModelSettings()
+    tokenizer_path: str = ""  # Hugging Face tokenizer directory; "" = model.path's (a tokenizer passed in code wins)
+    data: PreferenceDataSettings = PreferenceDataSettings()
+    normalize: NormalizeSettings = NormalizeSettings()
+    train: SupervisedTrainSettings = SupervisedTrainSettings(steps=500)
+    optim: SupervisedOptimSettings = SupervisedOptimSettings(lr=3e-4)
+
+    @classmethod
+    def from_config(cls, config) -> "RewardModelSettings":
+        s = from_config(cls, config)
+        s.validate()
+        return s
+
+    def validate(self) -> None:
+        what = "reward_model"
+        self.train.validate(what)
+        self.optim.validate(f"{what}: optim", {"lr": self.optim.lr})
+        _validate_lengths(self.data, what)
+        n = self.normalize
+        check(n.source in NORMALIZE_SOURCES, f"{what}: normalize.source={n.source!r}: use one of {NORMALIZE_SOURCES}")
+        if n.source != "none":
+            check(n.num_prompts >= 2, f"{what}: normalize.num_prompts must be >= 2, got {n.num_prompts}")
+        if n.source == "policy":
+            check(bool(n.policy_path or self.model.path),
+                  f"{what}: normalize.source='policy' needs normalize.policy_path (or model.path): the policy "
+                  "whose samples should score mean 0")
+            check(n.temperature > 0, f"{what}: normalize.temperature must be > 0, got {n.temperature}")
+
+
+def sft_config() -> ml_collections.ConfigDict:
+    """Default SFT config: every field commented (above). Files under configs/ override what they need."""
+    return config_dict(SFTSettings())
+
+
+def reward_model_config() -> ml_collections.ConfigDict:
+    """Default reward-model config: every field commented (above). Files under configs/ override it."""
+    return config_dict(RewardModelSettings())
