@@ -37,5 +37,12 @@ setup(
         "gcs": ["gcsfs"],
         "bench": ["torch", "trl==0.29.1"],
     },
-    entry_points={"console_scripts": ["ppo-jax-train=ppo_jax.train:run"]},
+    entry_points={"console_scripts": [
+        "ppo-jax-train=ppo_jax.cli.train:main",
+        "ppo-jax-sft=ppo_jax.cli.sft:main",
+        "ppo-jax-reward-model=ppo_jax.cli.reward_model:main",
+        "ppo-jax-export=ppo_jax.cli.export:main",
+        "ppo-jax-plan=ppo_jax.cli.plan:main",
+        "ppo-jax-demo=ppo_jax.demo.pipeline:main",
+    ]},
 )

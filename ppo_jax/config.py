@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import types
 import typing
 from collections.abc import Mapping
@@ -45,8 +46,6 @@ def _leaf_type(hint) -> type:
 
 
 def _hints(cls) -> dict[str, Any]:
-    import sys
-
     return typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
 
 

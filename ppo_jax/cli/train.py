@@ -6,13 +6,12 @@ from __future__ import annotations
 from ppo_jax import distributed
 from ppo_jax.cli.common import config_command
 from ppo_jax.rl.settings import Settings
+from ppo_jax.rl.trainer import PPOTrainer
 
 
 def train(config, workdir: str) -> str:
     settings = Settings.from_config(config, reward_in_code=False)
     distributed.initialize(settings.distributed)  # before anything touches a device
-    from ppo_jax.rl.trainer import PPOTrainer  # noqa: E402  (after the runtime is up: it touches devices)
-
     trainer = PPOTrainer(settings, workdir)
     history = trainer.train()
     last = history[-1]

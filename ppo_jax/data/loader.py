@@ -19,7 +19,9 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from ppo_jax.data.sources import Source
 from ppo_jax.data.tokenization import PreferenceBatch, PromptBatch, PromptTokenizer, SFTBatch
@@ -51,7 +53,6 @@ def epoch_order(num_examples: int, seed: int, epoch: int, shuffle: bool = True) 
 
 def _resolve_processes(process_index: int | None, process_count: int | None) -> tuple[int, int]:
     if process_index is None or process_count is None:
-        import jax
         process_index = jax.process_index() if process_index is None else process_index
         process_count = jax.process_count() if process_count is None else process_count
     if process_count < 1 or not 0 <= process_index < process_count:
@@ -189,10 +190,8 @@ def iterate_once(source: Source, global_batch_size: int, process_index: int | No
 
 def max_across_processes(value: int) -> int:
     """The largest `value` over all JAX processes (identity with one process)."""
-    import jax
     if jax.process_count() == 1:
         return int(value)
-    from jax.experimental import multihost_utils
     return int(np.max(multihost_utils.process_allgather(np.asarray(value, dtype=np.int32))))
 
 

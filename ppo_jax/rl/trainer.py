@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from etils import epath
+from tqdm.auto import tqdm
 
 from ppo_jax import metrics as metrics_lib
 from ppo_jax import rewards, sampling, sharding
@@ -341,8 +342,6 @@ class PPOTrainer:
         cfg = self.settings.train
         progress = None
         if cfg.progress and jax.process_index() == 0:
-            from tqdm.auto import tqdm
-
             progress = tqdm(total=int(cfg.iterations), desc="ppo", initial=int(self.state.step))
         handlers = {}
         if threading.current_thread() is threading.main_thread():
