@@ -107,6 +107,21 @@ def from_config(schema: type, config: Mapping[str, Any] | ml_collections.ConfigD
     return schema(**values)
 
 
+class RunSettings:
+    """Base of a whole run's settings (a frozen dataclass tree): converted and validated in one call."""
+
+    @classmethod
+    def from_config(cls, config, **checks):
+        """The typed settings of a ConfigDict (or of settings, validated again); `checks` go to
+        `validate`."""
+        settings = from_config(cls, config)
+        settings.validate(**checks)
+        return settings
+
+    def validate(self, **checks) -> None:
+        raise NotImplementedError
+
+
 def to_dict(section: Any) -> dict[str, Any]:
     """JSON-serialisable copy of a settings tree (for checkpoints and run records)."""
     return dataclasses.asdict(section)

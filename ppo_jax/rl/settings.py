@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import ml_collections
 
-from ppo_jax.config import AdamWSettings, ConfigError, MeshSettings, check, check_positions, config_dict, from_config
+from ppo_jax.config import AdamWSettings, ConfigError, MeshSettings, RunSettings, check, check_positions, config_dict
 from ppo_jax.data.prompt_stream import PromptDataSettings
 from ppo_jax.distributed import DistributedSettings
 from ppo_jax.models.config import ModelConfig
@@ -134,8 +134,9 @@ class PlanSettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class Settings:
-    """A whole PPO run's settings, validated by `validate()` (which `from_config` calls)."""
+class Settings(RunSettings):
+    """A whole PPO run's settings; `Settings.from_config(config, reward_in_code=...)` converts and
+    validates."""
 
     seed: int = 0  # seeds parameter init, data order and sampling
     mesh: MeshSettings = MeshSettings()
@@ -150,16 +151,6 @@ class Settings:
     train: PPOTrainSettings = PPOTrainSettings()
     plan: PlanSettings = PlanSettings()
 
-    @classmethod
-    def from_config(cls, config, *, reward_in_code: bool = False) -> "Settings":
-        """The typed, validated settings of a ConfigDict (or of Settings, validated again).
-
-        reward_in_code: reward functions are passed in code, so a config without any reward is fine.
-        """
-        settings = from_config(cls, config)
-        settings.validate(reward_in_code=reward_in_code)
-        return settings
-
     def replace(self, **sections) -> "Settings":
         return dataclasses.replace(self, **sections)
 
@@ -168,7 +159,10 @@ class Settings:
         return self.ppo.advantage_estimator == "gae"
 
     def validate(self, *, reward_in_code: bool = False) -> None:
-        """Every value that needs no mesh, model or tokenizer; the rest is in `derive_sizes`."""
+        """Every value that needs no mesh, model or tokenizer; the rest is in `derive_sizes`.
+
+        reward_in_code: reward functions are passed in code, so a config without any reward is fine.
+        """
         r, p, t = self.rollout, self.ppo, self.train
         check(r.batch_size > 0, f"rollout.batch_size must be positive, got {r.batch_size}")
         check(r.num_samples >= 1, f"rollout.num_samples must be >= 1, got {r.num_samples}")

@@ -10,7 +10,7 @@ import dataclasses
 
 import ml_collections
 
-from ppo_jax.config import AdamWSettings, MeshSettings, check, config_dict, from_config
+from ppo_jax.config import AdamWSettings, MeshSettings, RunSettings, check, config_dict
 from ppo_jax.models.config import ModelConfig
 
 NORMALIZE_SOURCES = ("none", "policy", "preferences")
@@ -100,7 +100,7 @@ class NormalizeSettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class SFTSettings:
+class SFTSettings(RunSettings):
     seed: int = 0  # seeds parameter init and data order
     mesh: MeshSettings = MeshSettings()
     model: ModelSettings = ModelSettings()
@@ -109,12 +109,6 @@ class SFTSettings:
     train: SupervisedTrainSettings = SupervisedTrainSettings(steps=1000)
     optim: SupervisedOptimSettings = SupervisedOptimSettings(lr=1e-3)
 
-    @classmethod
-    def from_config(cls, config) -> "SFTSettings":
-        s = from_config(cls, config)
-        s.validate()
-        return s
-
     def validate(self) -> None:
         self.train.validate("sft")
         self.optim.validate("sft: optim", {"lr": self.optim.lr})
@@ -122,7 +116,7 @@ class SFTSettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class RewardModelSettings:
+class RewardModelSettings(RunSettings):
     seed: int = 0  # seeds the head init, data order and normalisation samples
     mesh: MeshSettings = MeshSettings()
     # model.path: a causal LM (the SFT model: its transformer, a fresh head) or a reward model; "" = fresh
@@ -132,12 +126,6 @@ class RewardModelSettings:
     normalize: NormalizeSettings = NormalizeSettings()
     train: SupervisedTrainSettings = SupervisedTrainSettings(steps=500)
     optim: SupervisedOptimSettings = SupervisedOptimSettings(lr=3e-4)
-
-    @classmethod
-    def from_config(cls, config) -> "RewardModelSettings":
-        s = from_config(cls, config)
-        s.validate()
-        return s
 
     def validate(self) -> None:
         what = "reward_model"
