@@ -1,0 +1,298 @@
+"""Config mapping: a Hugging Face config.json (or transformers PretrainedConfig) <-> our ModelConfig.
+
+Per-family tables (architectures, activation names, dtype names) and the checks that refuse any
+option ppo_jax would silently compute differently from PyTorch.
+
+transformers is imported inside the functions that need it, not at the top: importing it (and the
+torch its AutoConfig pulls in) takes seconds, and ppo_jax.rl / ppo_jax.supervised import this
+package even for runs that never read or write a Hugging Face checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from ppo_jax.models.config import ModelConfig
+from ppo_jax.models.hf.errors import CheckpointError
+
+# Checkpoint kinds: "causal_lm" (our CausalLM, logits) and "reward" (our ScalarModel, one score).
+KINDS = ("causal_lm", "reward")
+
+# Hugging Face class name -> (model_type, kind).
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "GPT2LMHeadModel": ("gpt2", "causal_lm"),
+    "LlamaForCausalLM": ("llama", "causal_lm"),
+    "MistralForCausalLM": ("mistral", "causal_lm"),
+    "Qwen2ForCausalLM": ("qwen2", "causal_lm"),
+    "GPT2ForSequenceClassification": ("gpt2", "reward"),
+    "LlamaForSequenceClassification": ("llama", "reward"),
+    "MistralForSequenceClassification": ("mistral", "reward"),
+    "Qwen2ForSequenceClassification": ("qwen2", "reward"),
+}
+_CLASS_FOR = {value: name for name, value in ARCHITECTURES.items()}
+
+# Activation names Hugging Face writes -> ours (ppo_jax.models.transformer.MLP).
+_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu": "gelu",
+                "relu": "relu", "silu": "silu", "swish": "silu"}
+_DEFAULT_ACTIVATION = {"gpt2": "gelu_new", "llama": "silu"}
+
+# numpy dtype -> the name config.json (`dtype`) and our ModelConfig.param_dtype use for it.
+DTYPE_NAMES = {np.dtype("<f8"): "float64", np.dtype("<f4"): "float32", np.dtype("<f2"): "float16",
+               np.dtype(ml_dtypes.bfloat16): "bfloat16"}
+
+
+def _supported_list() -> str:
+    return ", ".join(ARCHITECTURES)
+
+
+def _as_dict(hf_config: Mapping[str, Any] | Any) -> dict[str, Any]:
+    if isinstance(hf_config, Mapping):
+        return dict(hf_config)
+    if hasattr(hf_config, "to_dict"):
+        return hf_config.to_dict()
+    raise CheckpointError(f"expected a config.json dict or a transformers PretrainedConfig, got "
+                          f"{type(hf_config).__name__}")
+
+
+def _hf_config_object(hf_config: Mapping[str, Any] | Any):
+    """A transformers config object, so that every key a config.json omits takes the same default
+    the PyTorch model would use (Mistral's sliding_window, Llama's rms_norm_eps, ...)."""
+    if not isinstance(hf_config, Mapping):
+        return hf_config
+    import transformers  # lazy: see the module docstring
+
+    data = dict(hf_config)
+    model_type = data.get("model_type")
+    if model_type is None:
+        raise CheckpointError("config.json has no model_type (expected one of gpt2, llama, mistral, "
+                              "qwen2)")
+    if model_type not in {t for t, _ in ARCHITECTURES.values()}:
+        raise CheckpointError(
+            f"unsupported model_type {model_type!r} in config.json; supported architectures: "
+            f"{_supported_list()}")
+    data.pop("model_type")
+    try:
+        return transformers.AutoConfig.for_model(model_type, **data)
+    except Exception as err:  # transformers validates strictly; say which file and why.
+        raise CheckpointError(f"config.json is not a valid {model_type} config: {err}") from err
+
+
+def checkpoint_kind(hf_config: Mapping[str, Any] | Any) -> str:
+    """"causal_lm" or "reward", from config.json's `architectures` (causal_lm when absent)."""
+    data = _as_dict(hf_config)
+    names = data.get("architectures") or []
+    if not names:
+        return "causal_lm"
+    unknown = [n for n in names if n not in ARCHITECTURES]
+    if unknown:
+        raise CheckpointError(
+            f"unsupported architecture {unknown[0]!r} in config.json; supported: {_supported_list()}")
+    model_type = data.get("model_type")
+    wrong = [n for n in names if model_type is not None and ARCHITECTURES[n][0] != model_type]
+    if wrong:
+        raise CheckpointError(f"config.json says model_type={model_type!r} but architectures="
+                              f"{names}; they must agree")
+    kinds = {ARCHITECTURES[n][1] for n in names}
+    if len(kinds) > 1:
+        raise CheckpointError(f"config.json names architectures of different kinds: {names}")
+    kind = kinds.pop()
+    if kind == "reward":
+        labels = data.get("num_labels") or len(data.get("id2label") or {}) or 1
+        if labels != 1:
+            raise CheckpointError(
+                f"{names[0]} with num_labels={labels}: a reward model needs num_labels=1 "
+                f"(one scalar score)")
+    return kind
+
+
+def _token_id(value) -> int | None:
+    # Llama 3 lists several EOS ids; our config keeps one (the first, the tokenizer's own EOS).
+    if isinstance(value, (list, tuple)):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def _activation(name: str, field: str, family: str) -> str | None:
+    if name not in _ACTIVATIONS:
+        raise CheckpointError(f"unsupported {field}={name!r}; supported: {sorted(_ACTIVATIONS)}")
+    ours = _ACTIVATIONS[name]
+    return None if ours == _DEFAULT_ACTIVATION[family] else ours
+
+
+def _rope_settings(cfg) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+    """(rope_theta, rope_scaling) from either transformers 5's `rope_parameters` dict or the older
+    `rope_theta` + `rope_scaling` attributes."""
+    params = getattr(cfg, "rope_parameters", None)
+    if params:
+        params = dict(params)
+        if any(isinstance(v, Mapping) for v in params.values()):
+            raise CheckpointError(f"per-layer rope_parameters are not supported: {params}")
+        theta = params.get("rope_theta", getattr(cfg, "rope_theta", None) or 10000.0)
+        scaling = params
+    else:
+        theta = getattr(cfg, "rope_theta", None) or 10000.0
+        scaling = dict(getattr(cfg, "rope_scaling", None) or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    partial = scaling.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+    if partial not in (None, 1, 1.0):
+        raise CheckpointError(f"unsupported partial_rotary_factor={partial} (only full rotary "
+                              f"embeddings are supported)")
+    if kind == "default":
+        return float(theta), None
+    if kind == "linear":
+        return float(theta), (("factor", float(scaling["factor"])), ("rope_type", "linear"))
+    if kind == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        missing = [k for k in keys if k not in scaling]
+        if missing:
+            raise CheckpointError(f"llama3 rope scaling is missing {missing}")
+        pairs = tuple((k, float(scaling[k])) for k in keys) + (("rope_type", "llama3"),)
+        return float(theta), tuple(sorted(pairs))
+    raise CheckpointError(f"unsupported rope type {kind!r}; supported: default, linear, llama3")
+
+
+def config_from_hf(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
+    """A config.json dict (or a transformers PretrainedConfig) -> our ModelConfig.
+
+    Raises CheckpointError naming any option ppo_jax would silently compute differently.
+    """
+    data = _as_dict(hf_config)
+    checkpoint_kind(data)  # validates `architectures`
+    cfg = _hf_config_object(hf_config)
+    arch = cfg.model_type
+    common = dict(
+        arch=arch, vocab_size=cfg.vocab_size,
+        bos_token_id=_token_id(getattr(cfg, "bos_token_id", None)),
+        eos_token_id=_token_id(getattr(cfg, "eos_token_id", None)),
+        pad_token_id=_token_id(getattr(cfg, "pad_token_id", None)),
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)),
+    )
+    if arch == "gpt2":
+        problems = {name: getattr(cfg, name, default) for name, default in (
+            ("scale_attn_by_inverse_layer_idx", False), ("reorder_and_upcast_attn", False),
+            ("add_cross_attention", False))}
+        problems = {k: v for k, v in problems.items() if v}
+        if not getattr(cfg, "scale_attn_weights", True):
+            problems["scale_attn_weights"] = False
+        if problems:
+            raise CheckpointError(f"unsupported GPT-2 options: {problems}")
+        return ModelConfig(
+            **common, hidden_size=cfg.n_embd, num_layers=cfg.n_layer, num_heads=cfg.n_head,
+            intermediate_size=cfg.n_inner, max_position_embeddings=cfg.n_positions,
+            norm_eps=float(cfg.layer_norm_epsilon),
+            activation=_activation(cfg.activation_function, "activation_function", "gpt2"))
+
+    # Llama family.
+    if getattr(cfg, "mlp_bias", False):
+        raise CheckpointError("unsupported option mlp_bias=True (MLP projections with biases)")
+    if arch == "llama" and getattr(cfg, "attention_bias", False):
+        raise CheckpointError(
+            "unsupported option attention_bias=True for llama (it adds an o_proj bias as well as "
+            "q/k/v biases); only Qwen2-style q/k/v biases are supported")
+    sliding_window = None
+    if arch == "mistral":
+        sliding_window = getattr(cfg, "sliding_window", None)
+    elif arch == "qwen2":
+        layer_types = list(getattr(cfg, "layer_types", None) or [])
+        uses_window = getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None)
+        if uses_window and not layer_types:  # transformers < 5: windows from max_window_layers on
+            first = getattr(cfg, "max_window_layers", 0)
+            layer_types = ["sliding_attention" if i >= first else "full_attention"
+                           for i in range(cfg.num_hidden_layers)]
+        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise CheckpointError(f"unsupported layer_types {unknown}")
+        if uses_window and "sliding_attention" in layer_types:
+            if "full_attention" in layer_types:
+                raise CheckpointError(
+                    f"unsupported mix of sliding-window and full-attention layers "
+                    f"(use_sliding_window=True, layer_types={layer_types}); all layers must be alike")
+            sliding_window = cfg.sliding_window
+    theta, scaling = _rope_settings(cfg)
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None)
+    if head_dim == cfg.hidden_size // heads:
+        head_dim = None
+    return ModelConfig(
+        **common, hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers, num_heads=heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
+        intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
+        norm_eps=float(cfg.rms_norm_eps), rope_theta=theta, rope_scaling=scaling,
+        attention_bias=arch == "qwen2", sliding_window=sliding_window,
+        activation=_activation(cfg.hidden_act, "hidden_act", "llama"))
+
+
+def _transformers_major() -> int:
+    import transformers  # lazy: see the module docstring
+
+    return int(transformers.__version__.split(".")[0])
+
+
+def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
+    """Our ModelConfig -> a transformers PretrainedConfig (with `architectures` set) for `kind`."""
+    import transformers  # lazy: see the module docstring
+
+    if kind not in KINDS:
+        raise CheckpointError(f"kind must be one of {KINDS}, got {kind!r}")
+    arch = config.arch
+    common = dict(
+        architectures=[_CLASS_FOR[(arch, kind)]], vocab_size=config.vocab_size,
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id, tie_word_embeddings=config.tie_word_embeddings,
+        dtype=DTYPE_NAMES[np.dtype(config.jnp_param_dtype)],
+    )
+    if kind == "reward":
+        common["num_labels"] = 1
+    if arch == "gpt2":
+        if config.head_dim not in (None, config.hidden_size // config.num_heads):
+            raise CheckpointError(f"GPT-2 has no head_dim option; head_dim={config.head_dim} "
+                                  f"differs from hidden_size // num_heads")
+        if config.sliding_window is not None:
+            raise CheckpointError("GPT-2 has no sliding window; set sliding_window=None")
+        return transformers.GPT2Config(
+            **common, n_embd=config.hidden_size, n_layer=config.num_layers, n_head=config.num_heads,
+            n_inner=config.intermediate_size, n_positions=config.max_position_embeddings,
+            layer_norm_epsilon=config.norm_eps, activation_function=config.act,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
+
+    if arch in ("llama", "mistral") and config.attention_bias:
+        raise CheckpointError(
+            f"{arch} cannot express q/k/v-only biases (attention_bias=True); use arch='qwen2'")
+    if arch == "qwen2" and not config.attention_bias:
+        raise CheckpointError("qwen2 always has q/k/v biases: set attention_bias=True")
+    if arch == "llama" and config.sliding_window is not None:
+        raise CheckpointError("llama has no sliding window; use arch='mistral' or 'qwen2'")
+    family = dict(
+        hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads, num_key_value_heads=config.kv_heads,
+        head_dim=config.dim_per_head, intermediate_size=config.mlp_dim,
+        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.norm_eps,
+        hidden_act=config.act, attention_dropout=0.0)
+    scaling = config.rope_scaling_dict
+    if scaling is not None:
+        scaling.setdefault("rope_type", "llama3")  # what transformer.rope_inverse_frequencies assumes
+        if "original_max_position_embeddings" in scaling:  # transformers validates it as an int
+            scaling["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    if _transformers_major() >= 5:
+        family["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta,
+                                     **(scaling or {})}
+    else:
+        family["rope_theta"] = config.rope_theta
+        family["rope_scaling"] = scaling
+    if arch == "mistral":
+        family["sliding_window"] = config.sliding_window
+    if arch == "qwen2":
+        window = config.sliding_window
+        family.update(use_sliding_window=window is not None, sliding_window=window,
+                      max_window_layers=0 if window is not None else config.num_layers,
+                      layer_types=[("sliding_attention" if window else "full_attention")]
+                      * config.num_layers)
+    if arch == "llama":
+        family.update(attention_bias=False, mlp_bias=False)
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config}[arch]
+    return cls(**common, **family)

@@ -1,0 +1,209 @@
+"""Tensor layouts: which Hugging Face tensor (name, shape, window, axis order) holds each of our params.
+
+How a tensor travels. Every parameter of ours is described by a `TensorMap`: a window of one Hugging
+Face tensor (per layer for our scanned, stacked layers), split into sub-axes and transposed into our
+layout. GPT-2's packed `c_attn` [D, 3D] (Conv1D, [in, out]) gives q, k, v as three windows of its
+output axis split into (H, Dh); Llama's `q_proj.weight` [H*Dh, D] (torch Linear, [out, in]) splits
+into (H, Dh, D) and transposes to our [D, H, Dh]. The same table drives loading (`load`: each device
+shard reads only the rows and columns it needs) and export (`export`: the inverse transpose, written
+into the window).
+
+Also here: our side of the table, the Flax module and abstract param tree for a checkpoint kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+
+from ppo_jax.models.config import ModelConfig
+from ppo_jax.models.hf.config_map import KINDS
+from ppo_jax.models.hf.errors import CheckpointError
+from ppo_jax.models.init import boxed_params
+from ppo_jax.models.transformer import CausalLM, ScalarModel
+
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMap:
+    """One of our parameters as a window of one Hugging Face tensor.
+
+    name:     the HF tensor name; "{layer}" stands for the layer index of a stacked (scanned) param,
+              whose leading L axis is then assembled from L tensors.
+    hf_shape: the full shape the HF tensor must have.
+    start:    per HF axis, where the window begins (GPT-2's c_attn packs q, k, v side by side).
+    split:    per HF axis, the sub-axes that axis splits into (their product is the window's size).
+    perm:     our (per-layer) axes as a permutation of the flattened sub-axes.
+    zeros:    no HF tensor: the param (of shape hf_shape) is all zeros on load (the score bias) and
+              must be zero on export.
+    """
+
+    name: str
+    hf_shape: tuple[int, ...]
+    start: tuple[int, ...]
+    split: tuple[tuple[int, ...], ...]
+    perm: tuple[int, ...]
+    zeros: bool = False
+
+    @property
+    def stacked(self) -> bool:
+        return "{layer}" in self.name
+
+    def layer_name(self, layer: int | None) -> str:
+        return self.name.format(layer=layer) if self.stacked else self.name
+
+    @property
+    def our_shape(self) -> tuple[int, ...]:
+        """Our param's shape (per layer when stacked: the full param is [L, *our_shape])."""
+        if self.zeros:
+            return self.hf_shape
+        flat = [d for sub in self.split for d in sub]
+        return tuple(flat[p] for p in self.perm)
+
+
+def _window(name, hf_shape, split, perm, start=None) -> TensorMap:
+    start = start if start is not None else (0,) * len(hf_shape)
+    return TensorMap(name, tuple(hf_shape), tuple(start), tuple(tuple(s) for s in split), tuple(perm))
+
+
+def _same(name, shape) -> TensorMap:
+    """Tensor stored exactly as we store it."""
+    return _window(name, shape, [(d,) for d in shape], range(len(shape)))
+
+
+def _transposed(name, out_dim, in_dim) -> TensorMap:
+    """torch Linear weight [out, in] -> our kernel [in, out]."""
+    return _window(name, (out_dim, in_dim), [(out_dim,), (in_dim,)], (1, 0))
+
+
+def _zeros(shape) -> TensorMap:
+    return TensorMap("", tuple(shape), (), (), tuple(range(len(shape))), zeros=True)
+
+
+def _gpt2_maps(cfg: ModelConfig, prefix: str) -> dict[tuple[str, ...], TensorMap]:
+    d, h, dh, f, v = cfg.hidden_size, cfg.num_heads, cfg.dim_per_head, cfg.mlp_dim, cfg.vocab_size
+    layer = f"{prefix}h.{{layer}}."
+    maps = {
+        ("transformer", "embed", "embedding"): _same(f"{prefix}wte.weight", (v, d)),
+        ("transformer", "pos_embed", "embedding"): _same(
+            f"{prefix}wpe.weight", (cfg.max_position_embeddings, d)),
+        ("transformer", "ln_f", "scale"): _same(f"{prefix}ln_f.weight", (d,)),
+        ("transformer", "ln_f", "bias"): _same(f"{prefix}ln_f.bias", (d,)),
+        # Conv1D weights are [in, out]: q, k, v are windows of c_attn's output axis.
+        ("layers", "attn", "o", "kernel"): _window(
+            layer + "attn.c_proj.weight", (h * dh, d), [(h, dh), (d,)], (0, 1, 2)),
+        ("layers", "attn", "o", "bias"): _same(layer + "attn.c_proj.bias", (d,)),
+        ("layers", "mlp", "fc", "kernel"): _same(layer + "mlp.c_fc.weight", (d, f)),
+        ("layers", "mlp", "fc", "bias"): _same(layer + "mlp.c_fc.bias", (f,)),
+        ("layers", "mlp", "proj", "kernel"): _same(layer + "mlp.c_proj.weight", (f, d)),
+        ("layers", "mlp", "proj", "bias"): _same(layer + "mlp.c_proj.bias", (d,)),
+    }
+    for i, part in enumerate("qkv"):
+        maps[("layers", "attn", part, "kernel")] = _window(
+            layer + "attn.c_attn.weight", (d, 3 * h * dh), [(d,), (h, dh)], (0, 1, 2),
+            start=(0, i * h * dh))
+        maps[("layers", "attn", part, "bias")] = _window(
+            layer + "attn.c_attn.bias", (3 * h * dh,), [(h, dh)], (0, 1), start=(i * h * dh,))
+    for ours, theirs in (("ln_1", "ln_1"), ("ln_2", "ln_2")):
+        maps[("layers", ours, "scale")] = _same(layer + f"{theirs}.weight", (d,))
+        maps[("layers", ours, "bias")] = _same(layer + f"{theirs}.bias", (d,))
+    return maps
+
+
+def _llama_maps(cfg: ModelConfig, prefix: str) -> dict[tuple[str, ...], TensorMap]:
+    d, h, k, dh, f = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head, cfg.mlp_dim
+    layer = f"{prefix}layers.{{layer}}."
+    maps = {
+        ("transformer", "embed", "embedding"): _same(f"{prefix}embed_tokens.weight",
+                                                     (cfg.vocab_size, d)),
+        ("transformer", "ln_f", "scale"): _same(f"{prefix}norm.weight", (d,)),
+        ("layers", "ln_1", "scale"): _same(layer + "input_layernorm.weight", (d,)),
+        ("layers", "ln_2", "scale"): _same(layer + "post_attention_layernorm.weight", (d,)),
+        # torch Linear [out, in]: q_proj [H*Dh, D] -> our [D, H, Dh]; o_proj [D, H*Dh] -> [H, Dh, D].
+        ("layers", "attn", "o", "kernel"): _window(
+            layer + "self_attn.o_proj.weight", (d, h * dh), [(d,), (h, dh)], (1, 2, 0)),
+        ("layers", "mlp", "gate", "kernel"): _transposed(layer + "mlp.gate_proj.weight", f, d),
+        ("layers", "mlp", "up", "kernel"): _transposed(layer + "mlp.up_proj.weight", f, d),
+        ("layers", "mlp", "down", "kernel"): _transposed(layer + "mlp.down_proj.weight", d, f),
+    }
+    for part, heads in (("q", h), ("k", k), ("v", k)):
+        maps[("layers", "attn", part, "kernel")] = _window(
+            layer + f"self_attn.{part}_proj.weight", (heads * dh, d), [(heads, dh), (d,)], (2, 0, 1))
+        if cfg.attention_bias:
+            maps[("layers", "attn", part, "bias")] = _window(
+                layer + f"self_attn.{part}_proj.bias", (heads * dh,), [(heads, dh)], (0, 1))
+    return maps
+
+
+# Backbone name prefixes a checkpoint may use, canonical (as transformers writes it) first; the
+# embedding tensor tells which one a checkpoint has.
+_PREFIXES = {"gpt2": ("transformer.", ""), "llama": ("model.", "")}
+_EMBED_NAME = {"gpt2": "wte.weight", "llama": "embed_tokens.weight"}
+
+
+def tensor_maps(config: ModelConfig, kind: str, prefix: str | None = None
+                ) -> dict[tuple[str, ...], TensorMap]:
+    """Our param path (tuple of keys) -> TensorMap, for every param of the model of `kind`.
+
+    `prefix` is the backbone's name prefix in the checkpoint ("transformer." / "model." as
+    transformers writes them; "" for checkpoints saved from the bare backbone, like the original
+    gpt2 upload).
+    """
+    family = config.family
+    prefix = _PREFIXES[family][0] if prefix is None else prefix
+    backbone = (_gpt2_maps if family == "gpt2" else _llama_maps)(config, prefix)
+    maps = {(("transformer",) + path if path[0] == "layers" else path): m
+            for path, m in backbone.items()}
+    d, v = config.hidden_size, config.vocab_size
+    if kind == "reward":
+        maps[("score", "kernel")] = _transposed("score.weight", 1, d)
+        maps[("score", "bias")] = _zeros((1,))
+    elif not config.tie_word_embeddings:
+        maps[("lm_head", "kernel")] = _transposed("lm_head.weight", v, d)
+    return maps
+
+
+def find_prefix(names: Collection[str], config: ModelConfig) -> str:
+    """The backbone prefix of a checkpoint holding tensors `names` (the canonical one when none
+    fits, so that the missing-tensor check names the canonical tensor name)."""
+    for prefix in _PREFIXES[config.family]:
+        if prefix + _EMBED_NAME[config.family] in names:
+            return prefix
+    return _PREFIXES[config.family][0]
+
+
+def make_model(config: ModelConfig, kind: str) -> nn.Module:
+    """The Flax module for a checkpoint kind: CausalLM or ScalarModel."""
+    if kind not in KINDS:
+        raise CheckpointError(f"kind must be one of {KINDS}, got {kind!r}")
+    return CausalLM(config) if kind == "causal_lm" else ScalarModel(config)
+
+
+def abstract_params(config: ModelConfig, kind: str) -> Any:
+    """Boxed abstract param tree (shapes, dtypes, logical axis names) of the model; no allocation."""
+    return boxed_params(make_model(config, kind))
+
+
+def path_keys(path) -> tuple[str, ...]:
+    """A jax key path -> our param path as a tuple of strings, the keys of `tensor_maps`."""
+    return tuple(str(getattr(p, "key", p)) for p in path)
+
+
+def check_maps_cover(abstract: Any, maps: Mapping[tuple[str, ...], TensorMap], num_layers: int):
+    """Internal consistency: the table names exactly our params, with their shapes."""
+    leaves = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=lambda x: isinstance(x, nn.Partitioned))[0]
+    ours = {}
+    for path, leaf in leaves:
+        value = leaf.value if isinstance(leaf, nn.Partitioned) else leaf
+        ours[path_keys(path)] = tuple(value.shape)
+    if set(ours) != set(maps):
+        raise AssertionError(f"HF tensor table out of sync with the model: only in model "
+                             f"{sorted(set(ours) - set(maps))}, only in table {sorted(set(maps) - set(ours))}")
+    for path, m in maps.items():
+        want = ((num_layers,) if m.stacked else ()) + m.our_shape
+        if ours[path] != want:
+            raise AssertionError(f"HF tensor table gives {path} shape {want}, model has {ours[path]}")
