@@ -145,7 +145,7 @@ def test_cli_sigterm_saves_and_says_how_to_resume(tmp_path):
 
 def _hf_dir(tmp_path, name="policy"):
     """A tiny GPT-2 with a word tokenizer (pad != eos) saved as a Hugging Face directory."""
-    from ppo_jax import toy
+    from ppo_jax.data import toy
 
     tok = toy.tokenizer(32)
     cfg = transformers.GPT2Config(vocab_size=32, n_embd=32, n_layer=1, n_head=2, n_positions=32,
@@ -188,7 +188,7 @@ def test_prompt_longer_than_limit_with_error_policy(tmp_path):
 
 
 def test_tokenizer_without_pad_token(tmp_path):
-    from ppo_jax import toy
+    from ppo_jax.data import toy
 
     tok = toy.tokenizer(32)
     tok.pad_token = None
