@@ -3,11 +3,14 @@
     python -m ppo_jax.demo --config=configs/demo_small.py --workdir=runs/demo_small
 
 It shows the direction (the reward model beats chance, PPO raises the gold reward, KL stays bounded),
-not the full demo's numbers. The sizes are set in `ppo_jax.demo.small_config` (importable where the
-configs/ directory is not, e.g. an installed package in Colab).
+not the full demo's numbers. The sizes are set in `ppo_jax.demo.settings.small_config` (importable where
+the configs/ directory is not, e.g. an installed package in Colab). Every field and its meaning:
+`ppo_jax.demo.settings.DemoSettings`; its sft, reward_model and ppo sections are documented in
+`ppo_jax.supervised.settings.SFTSettings`, `ppo_jax.supervised.settings.RewardModelSettings` and
+`ppo_jax.rl.settings.Settings`.
 """
 
-from ppo_jax.demo.pipeline import small_config
+from ppo_jax.demo.settings import small_config
 
 
 def get_config():

@@ -11,17 +11,19 @@ import numpy as np
 import pytest
 from conftest import make_test_mesh
 
-from ppo_jax.demo import pipeline as demo
+from ppo_jax.demo import kl_sweep, pipeline, stages
+from ppo_jax.demo.evaluator import EvalPoint
+from ppo_jax.demo.settings import DemoSettings, small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    config = demo.small_config()
+    config = small_config()
     config.progress = False
     workdir = str(tmp_path_factory.mktemp("demo"))
-    return config, demo.run(config, workdir, mesh=make_test_mesh((1, 1, 1)), verbose=False)
+    return config, pipeline.run(config, workdir, mesh=make_test_mesh((1, 1, 1)), verbose=False)
 
 
 def test_direction_rm_beats_chance_gold_goes_up_kl_bounded(result):
@@ -62,9 +64,9 @@ def test_every_output_is_written(result):
 
 def test_preference_sampling_is_reproducible(result, tmp_path):
     config, r = result
-    world = demo.validate(config)
-    again = demo.sample_preferences(config, world, os.path.join(r.workdir, "sft", "hf"), str(tmp_path),
-                                    make_test_mesh((1, 1, 1)))
+    settings = DemoSettings.from_config(config)
+    again = stages.sample_preferences(settings, os.path.join(r.workdir, "sft", "hf"), str(tmp_path),
+                                      make_test_mesh((1, 1, 1)))
     for split, records in zip(("train", "val"), again):
         written = [json.loads(line) for line in open(os.path.join(r.workdir, "preferences", f"{split}.jsonl"))]
         assert records == written, split
@@ -82,10 +84,8 @@ def test_command_line_refuses_a_foreign_workdir(tmp_path):
 
 
 def test_kl_sweep_plot(tmp_path):
-    from ppo_jax import kl_sweep
-
     def points(gold, proxy, kl):
-        return [demo.EvalPoint(step=10 * i, gold=g, rm_score=p, kl=k, eos_rate=1.0, length=9.0)
+        return [EvalPoint(step=10 * i, gold=g, rm_score=p, kl=k, eos_rate=1.0, length=9.0)
                 for i, (g, p, k) in enumerate(zip(gold, proxy, kl))]
 
     evals = {0.0: points([0.2, 1.5, 0.4], [0.0, 1.0, 1.5], [0.0, 5.0, 20.0]),

@@ -1,5 +1,6 @@
 """Rollout sampler: greedy vs transformers.generate, log-probs vs the training forward, distribution
-of the drawn tokens, stop tokens, samples per prompt, meshes, recompiles, bf16 cache.
+of the drawn tokens, stop tokens, samples per prompt, meshes, recompiles, bf16 cache, and the
+text-in/text-out helper (filler rows, odd batches on split meshes).
 
 References nobody here wrote: transformers' generate (PyTorch) for greedy decoding, and float64 NumPy
 softmax / top-k / top-p written plainly below for everything random.
@@ -14,7 +15,8 @@ import pytest
 import scipy.stats
 from conftest import make_test_mesh
 
-from ppo_jax import sharding
+from ppo_jax import sampling, sharding
+from ppo_jax.data import PromptTokenizer, build_word_tokenizer
 from ppo_jax.models import CausalLM, ModelConfig, init_params, positions_from_mask
 from ppo_jax.sampling import SampleOutput, SamplingConfig, make_sampler, sample, truncation_metrics
 
@@ -495,3 +497,129 @@ def test_bad_inputs_are_rejected(gpt2):
     with pytest.raises(ValueError, match="not a multiple of 8"):
         sampler(params, tokens[:6], mask[:6], jax.random.key(0))
     assert sampler.trace_count == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Text in, text out.
+
+WORDS = "the a cat dog sat ran on mat big small red blue and then home".split()
+TEXT_PROMPTS = ["the cat sat", "a dog ran on the mat", "red", "big blue dog and cat", "then home"]  # odd
+TEXT_LEN = 8
+
+
+@pytest.fixture(scope="module")
+def word_lm():
+    """A tiny GPT-2 over the word tokenizer's vocabulary; stop tokens: EOS and two words, so rows
+    both stop and run to the end."""
+    tokenizer = build_word_tokenizer(WORDS)
+    model, params, _ = _model_and_params("gpt2", vocab=len(tokenizer))
+    stops = (tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(["cat", "mat"]))
+    config = SamplingConfig(max_new_tokens=8, pad_token_id=tokenizer.pad_token_id, stop_token_ids=stops,
+                            num_samples=2)
+    return tokenizer, model, params, config
+
+
+def _unsharded(word_lm, prompts, key):
+    """Plain `sample` (no mesh, no filler) of exactly these prompts."""
+    tokenizer, model, params, config = word_lm
+    batch = PromptTokenizer(tokenizer, max_prompt_length=TEXT_LEN).prompts(prompts, length=TEXT_LEN)
+    return jax.device_get(_jitted_sample(params, batch.tokens, batch.mask, key, model=model, config=config))
+
+
+def _plain_texts(tokenizer, tokens, stops) -> list[str]:
+    """Words before each row's first stop token, special tokens dropped, joined by spaces."""
+    special = set(tokenizer.all_special_ids)
+    texts = []
+    for row in tokens:
+        words = []
+        for t in row.tolist():
+            if t in stops:
+                break
+            if t not in special:
+                words.append(tokenizer.convert_ids_to_tokens(t))
+        texts.append(" ".join(words))
+    return texts
+
+
+_word_samplers = {}
+
+
+def _sampler_on(word_lm, mesh_shape):
+    """One sampler (and placed params) per mesh shape, shared by the tests below: every call they
+    make has 8 prompt rows, so each sampler compiles once."""
+    if mesh_shape not in _word_samplers:
+        _, model, params, config = word_lm
+        mesh = make_test_mesh(mesh_shape)
+        shardings = _shardings_on(model, mesh)
+        sampler = make_sampler(model, config, mesh, shardings)
+        _word_samplers[mesh_shape] = sampler, jax.device_put(params, shardings)
+    return _word_samplers[mesh_shape]
+
+
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2)])
+def test_generate_texts_odd_batch_on_split_meshes(word_lm, mesh_shape):
+    """5 prompts on meshes that split the batch 8 and 4 ways: the 3 filler rows never show, and every
+    real row is what plain sampling of just the 5 prompts (no mesh, key fold_in(key, 0)) gives."""
+    tokenizer, _, _, config = word_lm
+    sampler, params = _sampler_on(word_lm, mesh_shape)
+    key = jax.random.key(5)
+    out = sampling.sample_prompts(sampler, params, tokenizer, TEXT_PROMPTS, key, prompt_length=TEXT_LEN)
+    texts = sampling.generate_texts(sampler, params, tokenizer, TEXT_PROMPTS, key, prompt_length=TEXT_LEN,
+                                    mesh=sampler.mesh)
+    expected = _unsharded(word_lm, TEXT_PROMPTS, jax.random.fold_in(key, 0))
+    n = config.num_samples
+    assert out.tokens.shape == (len(TEXT_PROMPTS) * n, config.max_new_tokens)
+    for field in ("prompt_tokens", "prompt_mask", "tokens", "mask", "lengths", "stopped"):
+        np.testing.assert_array_equal(getattr(out, field), getattr(expected, field), err_msg=field)
+    np.testing.assert_allclose(out.logprobs, expected.logprobs, atol=1e-5)
+    # Row i * n + j holds prompt i: no filler row shifted anything.
+    prompts_back = tokenizer.batch_decode(out.prompt_tokens, skip_special_tokens=True)
+    assert prompts_back == [p for p in TEXT_PROMPTS for _ in range(n)]
+    assert texts == _plain_texts(tokenizer, expected.tokens, config.stop_token_ids)
+    assert out.stopped.any() and not out.stopped.all()  # both decode paths ran
+    assert any(texts) and sampler.trace_count == 1
+
+
+def test_generate_texts_equals_sampling_the_padded_batch(word_lm):
+    """The helper == the sampler on the batch padded by hand (with other filler rows), filler dropped."""
+    tokenizer, _, _, config = word_lm
+    sampler, params = _sampler_on(word_lm, (8, 1, 1))
+    key = jax.random.key(6)
+    filled = TEXT_PROMPTS + [TEXT_PROMPTS[0]] * 3
+    batch = PromptTokenizer(tokenizer, max_prompt_length=TEXT_LEN).prompts(filled, length=TEXT_LEN)
+    tokens, mask = sharding.put_batch((batch.tokens, batch.mask), sampler.mesh)
+    direct = jax.device_get(sampler(params, tokens, mask, jax.random.fold_in(key, 0)))
+    real = len(TEXT_PROMPTS) * config.num_samples
+    texts = sampling.generate_texts(sampler, params, tokenizer, TEXT_PROMPTS, key, prompt_length=TEXT_LEN)
+    assert texts == _plain_texts(tokenizer, direct.tokens[:real], config.stop_token_ids)
+    assert texts == sampling.decode_responses(tokenizer, jax.tree.map(lambda x: x[:real], direct))
+    assert sampler.trace_count == 1
+
+
+def test_sample_prompts_in_batches(word_lm):
+    """batch_size: every call has the same shape (3 prompts + filler -> 8 rows, the last call 2 + 6),
+    the call from prompt `start` keyed fold_in(key, start); a PromptTokenizer works as the tokenizer
+    and only real prompts go through it; no prompts, no texts."""
+    tokenizer, _, _, config = word_lm
+    sampler, params = _sampler_on(word_lm, (8, 1, 1))
+    key = jax.random.key(7)
+    encoder = PromptTokenizer(tokenizer, max_prompt_length=TEXT_LEN)
+    out = sampling.sample_prompts(sampler, params, encoder, TEXT_PROMPTS, key, prompt_length=TEXT_LEN,
+                                  batch_size=3)
+    by_hand = []
+    for start in (0, 3):
+        chunk = TEXT_PROMPTS[start:start + 3]
+        filled = chunk + [TEXT_PROMPTS[1]] * (8 - len(chunk))
+        batch = PromptTokenizer(tokenizer, max_prompt_length=TEXT_LEN).prompts(filled, length=TEXT_LEN)
+        tokens, mask = sharding.put_batch((batch.tokens, batch.mask), sampler.mesh)
+        full = jax.device_get(sampler(params, tokens, mask, jax.random.fold_in(key, start)))
+        by_hand.append(jax.tree.map(lambda x, real=len(chunk) * config.num_samples: x[:real], full))
+    for field in ("prompt_tokens", "tokens", "mask", "stopped"):
+        np.testing.assert_array_equal(getattr(out, field), np.concatenate([getattr(p, field) for p in by_hand]),
+                                      err_msg=field)
+    assert sampler.trace_count == 1
+    assert encoder.num_prompts == len(TEXT_PROMPTS)  # filler rows are not tokenised
+    assert sampling.generate_texts(sampler, params, tokenizer, [], key, prompt_length=TEXT_LEN) == []
+    with pytest.raises(ValueError, match="sampler's mesh"):
+        sampling.sample_prompts(sampler, params, tokenizer, TEXT_PROMPTS, key, prompt_length=TEXT_LEN,
+                                mesh=make_test_mesh((1, 1, 1)))

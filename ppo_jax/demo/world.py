@@ -32,6 +32,7 @@ the gold reward does not.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -115,8 +116,6 @@ def tokenizer():
 
     A fresh copy each call (tokenizers are mutable objects; callers may set attributes on theirs).
     """
-    import copy
-
     return copy.deepcopy(_tokenizer())
 
 
@@ -420,7 +419,7 @@ DEFAULT_WORLD = World()
 @rewards.register("demo_gold")
 def gold_reward_fn(prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
     """The demo world's gold reward as a Python reward function (config: reward.functions="demo_gold"
-    after `import ppo_jax.world`, or "ppo_jax.world:gold_reward_fn").
+    after `import ppo_jax.demo.world`, or "ppo_jax.demo.world:gold_reward_fn").
 
     It sees decoded text only, so "stopped" is inferred: a response with as many words as the default
     budget (16 tokens) never stopped. Use it with rollout.response_length = 16.

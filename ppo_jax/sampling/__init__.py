@@ -1,12 +1,20 @@
-"""Rollout sampling: token choice, the KV-cache decode loop, and the jitted, sharded sampler."""
+"""Rollout sampling: token choice, the KV-cache decode loop, the jitted, sharded sampler, and a
+text-in/text-out helper.
 
-from ppo_jax.sampling.sampler import (
-    SampleOutput,
-    Sampler,
-    SamplingConfig,
-    make_sampler,
-    sample,
-    truncation_metrics,
-)
+Modules, each importing only those below it:
+    texts         generate_texts / sample_prompts / decode_responses: strings in, strings out
+    sampler       Sampler / make_sampler: `sample` jitted over a mesh, batch checks
+    loop          sample: prefill + `lax.while_loop` decode over a preallocated KV cache
+    token_choice  choose_tokens: one step's logits [R, V] -> tokens and log-probs [R]
+    config        SamplingConfig, validate_inputs, SampleOutput, truncation_metrics
+"""
 
-__all__ = ["SampleOutput", "Sampler", "SamplingConfig", "make_sampler", "sample", "truncation_metrics"]
+from ppo_jax.sampling.config import SampleOutput, SamplingConfig, truncation_metrics
+from ppo_jax.sampling.loop import sample
+from ppo_jax.sampling.sampler import Sampler, make_sampler
+from ppo_jax.sampling.texts import decode_responses, generate_texts, sample_prompts
+
+__all__ = [
+    "SampleOutput", "Sampler", "SamplingConfig", "make_sampler", "sample", "truncation_metrics",
+    "generate_texts", "sample_prompts", "decode_responses",
+]

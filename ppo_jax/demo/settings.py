@@ -1,0 +1,244 @@
+"""Demo settings: the schema of a demo config (every field with its default and a one-line comment), its
+validation, and the settings each stage runs with.
+
+The sft / reward_model / ppo sections ARE the trainers' own settings types (`SFTSettings`,
+`RewardModelSettings`, PPO `Settings`; every field documented in `ppo_jax.supervised.settings` and
+`ppo_jax.rl.settings`), with the demo's values as defaults. `get_config()` is the ConfigDict that
+configs/demo.py starts from and the command line overrides; `DemoSettings.from_config` converts it
+once, at the edge (`pipeline.run`), and validates every section here. Below that edge the stages see
+typed settings only and hand the trainers typed settings (which they accept as they are).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import replace
+
+import ml_collections
+
+from ppo_jax.config import RunSettings, check, config_dict
+from ppo_jax.demo.world import World
+from ppo_jax.rl.settings import Settings
+from ppo_jax.supervised.settings import RewardModelSettings, SFTSettings
+
+PROMPT_LENGTH = 10  # the longest world prompt has 10 words
+RESPONSE_TOKENS = World().max_response_tokens  # the world's response budget (16)
+
+# What stage 2 and 4 fill in; validation checks the stages' settings with these in place.
+_SFT_DIR, _RM_DIR = "<sft>/hf", "<reward_model>/hf"
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusSettings:
+    num_train: int = 32000  # SFT corpus size (prompt/response pairs from the world's train prompts)
+    num_eval: int = 512  # held-out SFT pairs for the eval loss
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceSettings:
+    num_train: int = 6144  # training pairs (two SFT samples of one train prompt, noisy gold label)
+    num_val: int = 512  # validation pairs on held-out prompts, labelled by the gold reward itself
+    label_temperature: float = 0.5  # Bradley-Terry label noise: P(a > b) = sigmoid((gold_a - gold_b) / T)
+    sample_temperature: float = 1.0  # SFT sampling temperature for the pairs
+    batch_size: int = 256  # prompts per sampling call
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    num_prompts: int = 256  # held-out prompts the gold reward judges (a multiple of ppo.rollout.batch_size)
+    every: int = 5  # evaluate every N PPO iterations (and before the first, and after the last)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetSettings:
+    kl_bound: float = 5.0  # the final policy's KL to the SFT reference (nats per response) must stay below
+    rm_accuracy: float = 0.75  # reward-model validation accuracy against gold labels must reach
+    gap_closed: float = 0.5  # share of the (best gold - SFT gold) gap PPO must close
+
+
+def _sft_defaults() -> SFTSettings:
+    """Stage 1: a tiny GPT-2 (2 layers, 4 heads, d = 64) from scratch on the world's corpus."""
+    s = SFTSettings()
+    return replace(
+        s,
+        model=replace(s.model, config=replace(
+            s.model.config,
+            vocab_size=World().vocab_size,  # the world's tokenizer, exactly
+            hidden_size=64,  # d = 64
+            num_layers=2,  # transformer blocks
+            num_heads=4,  # attention heads
+            max_position_embeddings=64,  # learned positions (>= prompt + SFT response)
+        )),
+        data=replace(
+            s.data,
+            max_prompt_length=PROMPT_LENGTH,  # linked to prompt_length (get_config)
+            max_response_length=24,  # the corpus's rambling answers run past the 16-token budget
+        ),
+        train=replace(
+            s.train,
+            batch_size=64,  # examples per step
+            steps=800,  # about 1.6 epochs of the corpus
+            log_every=25,  # metrics every N steps
+            eval_every=100,  # held-out loss every N steps
+        ),
+        optim=replace(
+            s.optim,
+            lr=3e-3,  # a tiny model from scratch: a large learning rate
+            warmup_steps=30,  # linear warmup, then cosine decay
+        ),
+    )
+
+
+def _reward_model_defaults() -> RewardModelSettings:
+    """Stage 3: Bradley-Terry from the SFT transformer (model.path is set by the demo)."""
+    s = RewardModelSettings()
+    return replace(
+        s,
+        data=replace(
+            s.data,
+            max_prompt_length=PROMPT_LENGTH,  # linked to prompt_length (get_config)
+            # linked to world.max_response_tokens (get_config): an unfinished answer is stored without EOS
+            max_response_length=RESPONSE_TOKENS,
+        ),
+        normalize=replace(
+            s.normalize,
+            source="preferences",  # the pairs ARE samples of the SFT policy
+            num_prompts=6144,  # every training pair, both answers
+        ),
+        train=replace(
+            s.train,
+            batch_size=64,  # pairs per step
+            steps=500,  # about 5 epochs of the pairs
+            log_every=25,  # metrics every N steps
+            eval_every=100,  # validation accuracy every N steps
+        ),
+        optim=replace(
+            s.optim,
+            lr=3e-4,  # fine-tuning the SFT transformer
+            warmup_steps=30,  # linear warmup, then cosine decay
+        ),
+    )
+
+
+def _ppo_defaults() -> Settings:
+    """Stage 4: PPO from the SFT policy against the reward model (policy/reward paths set by the demo)."""
+    s = Settings()
+    return s.replace(
+        data=replace(s.data, prompt_length=PROMPT_LENGTH),  # linked to prompt_length (get_config)
+        rollout=replace(
+            s.rollout,
+            response_length=RESPONSE_TOKENS,  # linked to world.max_response_tokens (get_config)
+            batch_size=64,  # prompts per iteration
+        ),
+        ppo=replace(
+            s.ppo,
+            epochs=4,  # PPO epochs per rollout batch
+            num_minibatches=2,  # optimizer steps per epoch
+            kl_coef=0.1,  # the KL leash (docs/overoptimization.md: what smaller values do)
+        ),
+        value=replace(s.value, init="reward"),  # value model starts from the reward model (N+ style)
+        optim=replace(
+            s.optim,
+            policy_lr=3e-4,  # policy learning rate
+            value_lr=3e-4,  # value model learning rate
+            warmup_steps=40,  # 5 iterations of warmup: no early KL overshoot
+        ),
+        train=replace(
+            s.train,
+            iterations=60,  # PPO iterations (rollout + update)
+            sample_every=10,  # write samples every N iterations
+        ),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoSettings(RunSettings):
+    """A whole demo run's settings; `DemoSettings.from_config(config)` converts and validates."""
+
+    seed: int = 0  # seeds everything: the corpus, every stage's init and data order, sampling, labels, evaluation
+    prompt_length: int = PROMPT_LENGTH  # prompt tokens; shared by every stage
+    world: World = World()  # the synthetic world (`ppo_jax.demo.world.World`: every field documented there)
+    corpus: CorpusSettings = CorpusSettings()
+    sft: SFTSettings = _sft_defaults()  # `ppo_jax.supervised.settings.SFTSettings`
+    preferences: PreferenceSettings = PreferenceSettings()
+    reward_model: RewardModelSettings = _reward_model_defaults()  # `ppo_jax.supervised.settings.RewardModelSettings`
+    ppo: Settings = _ppo_defaults()  # `ppo_jax.rl.settings.Settings`
+    eval: EvalSettings = EvalSettings()
+    targets: TargetSettings = TargetSettings()
+    progress: bool = True  # tqdm bars per stage
+    plots: bool = True  # write PNG plots (matplotlib, Agg backend)
+
+    # -- the settings each stage runs with (the demo's paths and switches filled in)
+
+    def sft_stage(self) -> SFTSettings:
+        return replace(self.sft, train=replace(self.sft.train, progress=self.progress))
+
+    def reward_model_stage(self, sft_dir: str) -> RewardModelSettings:
+        rm = self.reward_model
+        return replace(rm, model=replace(rm.model, path=sft_dir), train=replace(rm.train, progress=self.progress))
+
+    def ppo_stage(self, sft_dir: str, rm_dir: str) -> Settings:
+        p = self.ppo
+        return p.replace(policy=replace(p.policy, path=sft_dir), reward=replace(p.reward, path=rm_dir),
+                         # the demo stops at the first non-finite iteration
+                         train=replace(p.train, progress=self.progress, max_consecutive_nonfinite=1))
+
+    def with_kl_coef(self, kl_coef: float) -> DemoSettings:
+        """The same demo with another PPO KL coefficient (the KL sweep)."""
+        return replace(self, ppo=self.ppo.replace(ppo=replace(self.ppo.ppo, kl_coef=float(kl_coef))))
+
+    def validate(self) -> None:
+        """The demo's own fields and every stage's settings, before anything trains."""
+        e, p = self.eval, self.preferences
+        check(e.num_prompts >= 1 and e.num_prompts % self.ppo.rollout.batch_size == 0,
+              f"demo: eval.num_prompts={e.num_prompts} must be a positive multiple of "
+              f"ppo.rollout.batch_size={self.ppo.rollout.batch_size} (evaluation reuses the rollout sampler)")
+        check(e.every >= 1, f"demo: eval.every must be >= 1, got {e.every}")
+        check(p.num_train >= 1 and p.num_val >= 1, "demo: preferences.num_train and preferences.num_val must be >= 1")
+        check(p.label_temperature > 0, "demo: preferences.label_temperature must be > 0")
+        check(p.batch_size >= 1, f"demo: preferences.batch_size must be >= 1, got {p.batch_size}")
+        check(self.sft.model.config.vocab_size >= self.world.vocab_size,
+              f"demo: sft.model.config.vocab_size={self.sft.model.config.vocab_size} is smaller than the "
+              f"world's vocabulary ({self.world.vocab_size})")
+        self.sft_stage().validate()
+        self.reward_model_stage(_SFT_DIR).validate()
+        self.ppo_stage(_SFT_DIR, _RM_DIR).validate()
+
+
+def get_config() -> ml_collections.ConfigDict:
+    """The full demo config (the defaults above); configs/demo.py and demo_small.py start here.
+
+    Lengths that must agree across stages are linked (FieldReference), as is the seed: an override of
+    seed, prompt_length or world.max_response_tokens reaches every stage.
+    """
+    c = config_dict(DemoSettings())
+    seed, prompt_length = c.get_ref("seed"), c.get_ref("prompt_length")
+    response_tokens = c.world.get_ref("max_response_tokens")
+    c.sft.seed = c.reward_model.seed = c.ppo.seed = seed
+    c.sft.data.max_prompt_length = prompt_length
+    c.reward_model.data.max_prompt_length = prompt_length
+    c.ppo.data.prompt_length = prompt_length
+    c.reward_model.data.max_response_length = response_tokens  # an unfinished answer is stored without EOS
+    c.ppo.rollout.response_length = response_tokens
+    return c
+
+
+def small_config() -> ml_collections.ConfigDict:
+    """The reduced demo (test suite, notebook): the same pipeline, a smaller corpus and fewer steps.
+    It shows the direction (RM above chance, gold reward up, KL bounded), not the full numbers."""
+    c = get_config()
+    c.corpus.num_train = 8000  # SFT pairs
+    c.corpus.num_eval = 128  # held-out SFT pairs
+    c.sft.train.steps = 200  # SFT optimizer steps
+    c.sft.train.eval_every = 0  # evaluate once, at the end
+    c.preferences.num_train = 1024  # reward-model training pairs
+    c.preferences.num_val = 256  # validation pairs (gold labels)
+    c.reward_model.normalize.num_prompts = 1024  # normalise on every training pair
+    c.reward_model.train.steps = 100  # reward-model optimizer steps
+    c.reward_model.train.eval_every = 0  # evaluate once, at the end
+    c.ppo.rollout.batch_size = 32  # prompts per PPO iteration
+    c.ppo.train.iterations = 20  # PPO iterations
+    c.eval.num_prompts = 64  # held-out prompts judged by the gold reward
+    c.eval.every = 10  # evaluate every N PPO iterations
+    c.ppo.train.sample_every = 10  # samples written every N iterations
+    return c

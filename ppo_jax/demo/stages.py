@@ -1,0 +1,147 @@
+"""The demo's four stages and their results, each from typed `DemoSettings` (`ppo_jax.demo.settings`):
+
+1. `train_sft`: SFT on the world's corpus; exports <workdir>/sft/hf.
+2. `sample_preferences`: pairs of SFT answers labelled by the gold reward; <workdir>/preferences/.
+3. `train_reward_model`: Bradley-Terry from the SFT transformer; exports <workdir>/reward_model/hf.
+4. `train_ppo`: PPO against the reward model, judged by the gold reward; exports <workdir>/ppo/hf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from ppo_jax import sharding
+from ppo_jax.demo.evaluator import EvalPoint, PolicyEvaluator
+from ppo_jax.demo.responses import ResponseSampler
+from ppo_jax.demo.settings import DemoSettings
+from ppo_jax.models import hf
+from ppo_jax.rl.trainer import PPOTrainer
+from ppo_jax.supervised.reward_model import RewardModelTrainer
+from ppo_jax.supervised.sft import SFTTrainer
+
+
+@dataclasses.dataclass
+class StageResult:
+    name: str
+    seconds: float  # wall time of the stage, compilation included
+    history: list[dict[str, float]]  # the trainer's logged rows
+    hf_dir: str | None = None  # the stage's Hugging Face export
+
+
+@dataclasses.dataclass
+class PPOResult:
+    seconds: float
+    history: list[dict[str, float]]
+    evals: list[EvalPoint]
+    before: list[dict[str, Any]]  # evaluation answers of the SFT policy
+    after: list[dict[str, Any]]  # evaluation answers of the final policy
+    hf_dir: str
+
+
+def train_sft(settings: DemoSettings, workdir: str, mesh=None) -> StageResult:
+    """Stage 1: SFT on the world's corpus; exports <workdir>/sft/hf."""
+    t0 = time.perf_counter()
+    world, seed = settings.world, settings.seed
+    train = world.sft_corpus(settings.corpus.num_train, seed=seed)
+    held_out = world.sft_corpus(settings.corpus.num_eval, seed=seed + 1)
+    out = os.path.join(workdir, "sft")
+    trainer = SFTTrainer(settings.sft_stage(), out, tokenizer=world.tokenizer, train_records=train,
+                         eval_records=held_out, mesh=mesh)
+    history = trainer.train()
+    return StageResult("sft", time.perf_counter() - t0, history, os.path.join(out, "hf"))
+
+
+def sample_preferences(settings: DemoSettings, sft_dir: str, workdir: str, mesh=None
+                       ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Stage 2: pairs of SFT answers, labelled by the gold reward (noisy for training, exact for
+    validation); written to <workdir>/preferences/{train,val}.jsonl."""
+    mesh = mesh or sharding.make_mesh(tuple(settings.sft.mesh.shape))
+    world, p, seed = settings.world, settings.preferences, settings.seed
+    key = jax.random.key(seed + 7)
+
+    sampler = ResponseSampler(world, sft_dir, num_samples=2, temperature=p.sample_temperature,
+                              batch_size=p.batch_size, prompt_length=settings.prompt_length, mesh=mesh)
+
+    def pairs(split: str, n: int, salt: int):
+        prompts = world.prompts(n, split, seed=seed + salt)
+        answers = sampler(prompts, jax.random.fold_in(key, salt))
+        (a, sa), (b, sb) = zip(*[x[0] for x in answers]), zip(*[x[1] for x in answers])
+        return prompts, a, b, sa, sb
+
+    prompts, a, b, sa, sb = pairs("train", p.num_train, 11)
+    train = world.label_pairs(prompts, a, b, sa, sb, rng=np.random.default_rng((seed, 17)),
+                              temperature=p.label_temperature)
+    prompts, a, b, sa, sb = pairs("eval", p.num_val, 13)
+    val = world.label_pairs(prompts, a, b, sa, sb, rng=None, temperature=p.label_temperature)
+    out = os.path.join(workdir, "preferences")
+    os.makedirs(out, exist_ok=True)
+    for name, records in (("train", train), ("val", val)):
+        with open(os.path.join(out, f"{name}.jsonl"), "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+    return train, val
+
+
+def train_reward_model(settings: DemoSettings, sft_dir: str, train_pairs, val_pairs, workdir: str,
+                       mesh=None) -> StageResult:
+    """Stage 3: Bradley-Terry reward model from the SFT transformer; exports <workdir>/reward_model/hf."""
+    t0 = time.perf_counter()
+    out = os.path.join(workdir, "reward_model")
+    trainer = RewardModelTrainer(settings.reward_model_stage(sft_dir), out, tokenizer=settings.world.tokenizer,
+                                 train_records=train_pairs, eval_records=val_pairs, mesh=mesh)
+    history = trainer.train()
+    return StageResult("reward_model", time.perf_counter() - t0, history, os.path.join(out, "hf"))
+
+
+def train_ppo(settings: DemoSettings, sft_dir: str, rm_dir: str, workdir: str, mesh=None) -> PPOResult:
+    """Stage 4: PPO from the SFT policy against the reward model, evaluated by the gold reward.
+
+    The loop is PPOTrainer.train (metrics, samples, checkpoints, progress, SIGTERM) with a gold
+    evaluation every eval.every iterations as its on_iteration hook. Checkpoints go to
+    <workdir>/ppo/checkpoints; the final policy is exported to <workdir>/ppo/hf.
+    """
+    t0 = time.perf_counter()
+    world = settings.world
+    ppo_settings = settings.ppo_stage(sft_dir, rm_dir)
+    out = os.path.join(workdir, "ppo")
+    trainer = PPOTrainer(ppo_settings, out, prompts=world.all_prompts("train"), mesh=mesh)
+    eval_prompts = world.prompts(settings.eval.num_prompts, "eval", seed=settings.seed + 29)
+    evaluator = PolicyEvaluator(trainer, world, eval_prompts, seed=settings.seed)
+    evals: list[EvalPoint] = []
+    eval_log = os.path.join(out, "eval.jsonl")
+
+    def evaluate(step):
+        point, rows = evaluator(step)
+        evals.append(point)
+        if jax.process_index() == 0:
+            with open(eval_log, "a") as f:
+                f.write(json.dumps(dataclasses.asdict(point)) + "\n")
+        trainer.writer.write(step, {f"gold/{k}": v for k, v in dataclasses.asdict(point).items() if k != "step"})
+        return rows
+
+    iterations = ppo_settings.train.iterations
+    before = evaluate(0)
+    after = before
+
+    def on_iteration(step, scalars):
+        nonlocal after
+        if step % settings.eval.every == 0 or step == iterations:
+            after = evaluate(step)
+        return None
+
+    try:
+        trainer.train(on_iteration=on_iteration)
+    finally:
+        trainer.close()
+    history = trainer.history
+    hf_dir = os.path.join(out, "hf")
+    hf.export_model(hf_dir, trainer.policy_config, trainer.state.policy, kind="causal_lm",
+                    tokenizer=trainer.tokenizer)
+    return PPOResult(time.perf_counter() - t0, history, evals, before, after, hf_dir)

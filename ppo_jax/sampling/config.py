@@ -1,0 +1,161 @@
+"""What to sample and what comes out: `SamplingConfig`, its checks against a model and prompt shapes
+(`validate_inputs`), `SampleOutput`, and `truncation_metrics`.
+
+Log-probs. `logprobs` are log-probs of the sampled tokens under the full tempered distribution
+`log_softmax(logits / temperature)`: exactly what the training forward computes for the same tokens,
+so the PPO ratio of the first minibatch is 1. When the sampler does not sample from that distribution
+(top-k, top-p, or stop tokens suppressed before `min_new_tokens`), the behaviour policy is the
+truncated, renormalised distribution; its log-probs are in `sampling_logprobs`. The difference
+`logprobs - sampling_logprobs = log(kept mass) <= 0` is what truncation does to the PPO ratio: with
+old log-probs taken from `logprobs`, the true importance ratio pi_new/pi_behaviour is off by the factor
+exp(sampling_logprobs - logprobs) >= 1 per token. `truncation_metrics` summarises it for logging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from ppo_jax.models.config import to_dtype
+from ppo_jax.models.transformer import CausalLM
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """How to sample responses (static: hashable, part of the compiled program).
+
+    max_new_tokens: response length N (the buffers are always this long).
+    min_new_tokens: stop tokens are suppressed while fewer than this many tokens were generated.
+    temperature:    logits are divided by it, for sampling and for the returned log-probs.
+    top_k:          keep only the k most likely tokens (0, or >= the vocabulary size: off).
+    top_p:          keep the smallest set of most likely tokens whose mass reaches top_p (1.0: off);
+                    applied after top_k, on the top-k-renormalised distribution (as transformers does).
+    greedy:         take the argmax instead of sampling (log-probs still use the temperature;
+                    sampling_logprobs are 0, the log-prob of a point mass).
+    stop_token_ids: any of these ends a row; the stop token itself is part of the response (mask 1).
+    pad_token_id:   written after a row has stopped.
+    num_samples:    responses per prompt (GRPO/RLOO); the rows of one prompt are consecutive.
+    cache_dtype:    KV cache dtype name ("bfloat16" halves its memory); None: the model compute dtype.
+    unroll_layers:  decode layer by layer on per-layer copies of the weights and cache instead of
+                    scanning the stacked layers (`Transformer.unrolled`): on XLA:CPU this saves a copy
+                    of every layer's weights and cache slab per token (GPT-2-small: 1.5x faster) at the
+                    price of one copy of the layer weights while sampling and a decode program that
+                    grows with depth; a bf16 cache then saves less, as XLA:CPU converts each
+                    layer's slab to f32 for its dots. None: on when the backend is CPU.
+    """
+
+    max_new_tokens: int
+    pad_token_id: int
+    stop_token_ids: tuple[int, ...] = ()
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+    num_samples: int = 1
+    cache_dtype: str | None = None
+    unroll_layers: bool | None = None
+
+    def __post_init__(self):
+        # Accept any sequence of ids but store a tuple so the config stays hashable.
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"sampling.min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_new_tokens}")
+        if not self.temperature > 0:
+            raise ValueError(
+                f"sampling.temperature must be > 0, got {self.temperature}; for argmax decoding set "
+                f"sampling.greedy=True (the temperature then only scales the returned log-probs)")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0 (0 turns it off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1] (1.0 turns it off), got {self.top_p}")
+        if self.num_samples < 1:
+            raise ValueError(f"sampling.num_samples must be >= 1, got {self.num_samples}")
+        if self.pad_token_id < 0:
+            raise ValueError(f"sampling.pad_token_id must be a token id >= 0, got {self.pad_token_id}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"sampling.stop_token_ids must be token ids >= 0, got {self.stop_token_ids}")
+        if self.cache_dtype is not None:
+            to_dtype(self.cache_dtype)
+
+    @property
+    def truncates(self) -> bool:
+        """Whether tokens may be drawn from something other than the full tempered distribution."""
+        suppresses_stop = self.min_new_tokens > 0 and bool(self.stop_token_ids)
+        return self.greedy or self.top_k > 0 or self.top_p < 1.0 or suppresses_stop
+
+
+@flax.struct.dataclass
+class SampleOutput:
+    """Sampled responses; R = B * num_samples rows, the rows of one prompt consecutive.
+
+    prompt_tokens, prompt_mask [R, Lq]: the prompts, repeated num_samples times.
+    tokens [R, N] int32: response tokens, pad_token_id after the first stop token.
+    logprobs [R, N] float32: log_softmax(logits / T) of each sampled token (0 where mask is 0).
+    sampling_logprobs [R, N] float32: log-prob under the distribution actually sampled from (after
+        top-k / top-p / min_new_tokens suppression; 0 under greedy decoding, a point mass); equal to
+        `logprobs` when nothing truncates. 0 where mask is 0.
+    mask [R, N] int32: 1 up to and including the first stop token.
+    lengths [R] int32: response lengths (sum of mask).
+    stopped [R] bool: the row produced a stop token (False: it ran to max_new_tokens).
+    """
+
+    prompt_tokens: Array
+    prompt_mask: Array
+    tokens: Array
+    logprobs: Array
+    sampling_logprobs: Array
+    mask: Array
+    lengths: Array
+    stopped: Array
+
+
+def truncation_metrics(output: SampleOutput) -> dict[str, Array]:
+    """What truncated sampling does to the PPO ratio, averaged over response tokens.
+
+    kept_mass: probability mass of the tempered distribution that top-k/top-p/min-tokens kept
+        (1.0 when nothing truncates); the initial ratio of the full-distribution policy to the
+        behaviour policy is kept_mass per token, not 1.
+    log_ratio: mean of logprobs - sampling_logprobs = log kept_mass (<= 0).
+    """
+    mask = output.mask.astype(jnp.float32)
+    count = jnp.maximum(mask.sum(), 1.0)
+    log_ratio = (output.logprobs - output.sampling_logprobs) * mask
+    return {
+        "sampling/kept_mass": (jnp.exp(log_ratio) * mask).sum() / count,
+        "sampling/log_ratio": log_ratio.sum() / count,
+    }
+
+
+def validate_inputs(model: CausalLM, config: SamplingConfig, prompt_shape: tuple[int, ...],
+                    mask_shape: tuple[int, ...]) -> None:
+    """Shape and id checks that need no device data (run before anything compiles)."""
+    mc = model.config
+    if len(prompt_shape) != 2:
+        raise ValueError(f"prompt_tokens must be [batch, prompt_length], got shape {tuple(prompt_shape)}")
+    if tuple(mask_shape) != tuple(prompt_shape):
+        raise ValueError(
+            f"prompt_mask shape {tuple(mask_shape)} must equal prompt_tokens shape {tuple(prompt_shape)}")
+    if prompt_shape[1] < 1:
+        raise ValueError("prompt_tokens has length 0: every row needs at least one real prompt token")
+    for name, ids in (("pad_token_id", (config.pad_token_id,)), ("stop_token_ids", config.stop_token_ids)):
+        bad = [t for t in ids if t >= mc.vocab_size]
+        if bad:
+            raise ValueError(f"sampling.{name} {bad} outside the model vocabulary (vocab_size={mc.vocab_size})")
+    if len(set(config.stop_token_ids)) >= mc.vocab_size:
+        raise ValueError("sampling.stop_token_ids covers the whole vocabulary: nothing else can be sampled")
+    total = prompt_shape[1] + config.max_new_tokens
+    if mc.family == "gpt2" and total > mc.max_position_embeddings:
+        raise ValueError(
+            f"prompt length {prompt_shape[1]} + sampling.max_new_tokens {config.max_new_tokens} = {total} "
+            f"exceeds model.max_position_embeddings={mc.max_position_embeddings} (learned positions); "
+            f"shorten the prompts or the responses")

@@ -1,0 +1,176 @@
+"""The decode loop: `sample` runs one prefill forward over the prompts, then a `lax.while_loop` decode
+over a preallocated KV cache, one token per row per step. Pure and jittable (`Sampler` jits it).
+
+Conventions: B prompts, n samples per prompt (R = B * n output rows, the n rows of one prompt
+consecutive), Lq prompt length (prompts are left-padded), N = max_new_tokens, V vocabulary,
+S = Lq + N - 1 cache slots (the last sampled token is never fed back, so it needs no slot).
+
+Everything has a fixed shape: the response buffers are [R, N] from the start, a row that has produced
+a stop token keeps running (fed padding, its outputs masked) until every row has stopped, at which
+point the loop exits early.
+
+Contract. Prompts are left-padded and every row has at least one real token (a row of padding only
+yields finite garbage, it is not detected inside the compiled program). With num_samples > 1 the
+prompt is prefilled once per prompt and its cache repeated, so the peak holds the B-row prefill
+cache next to the R-row decode cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from ppo_jax import sharding
+from ppo_jax.models.transformer import (
+    KV_CACHE_AXES,
+    CausalLM,
+    KVCache,
+    init_cache,
+    last_token_index,
+    positions_from_mask,
+    split_cache,
+    split_layer_params,
+)
+from ppo_jax.sampling.config import SampleOutput, SamplingConfig, validate_inputs
+from ppo_jax.sampling.token_choice import TokenChoice, choose_tokens, response_uniforms
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """Carry of the decode loop (R rows, N response slots, S cache slots).
+
+    step []: response tokens already chosen; cache: KV cache (index = Lq + step - 1), or one per layer
+    when the decode is unrolled; kv_mask [R, S];
+    done [R]: row has stopped; the [R, N] buffers are filled column by column.
+    """
+
+    step: Array
+    cache: KVCache | tuple[KVCache, ...]
+    kv_mask: Array
+    done: Array
+    tokens: Array
+    logprobs: Array
+    sampling_logprobs: Array
+    mask: Array
+
+
+def _constrain(x: Array, logical_names: tuple[str | None, ...]) -> Array:
+    """Pins an intermediate's sharding by logical names under the current mesh (no-op without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, sharding.logical_to_spec(logical_names, x.shape, mesh))
+
+
+def _constrain_cache(cache: KVCache) -> KVCache:
+    names = KV_CACHE_AXES[-cache.k.ndim:]  # a per-layer cache has no layers axis
+    return cache.replace(k=_constrain(cache.k, names), v=_constrain(cache.v, names))
+
+
+def _forward_last(module: CausalLM, tokens, positions, kv_mask, cache, last_index, layer_params=None):
+    """Logits [B, V] at slot `last_index [B]` only: the prompt's [B, Lq, V] logits are never built.
+
+    With `layer_params` (per-layer trees) the cache is a per-layer tuple and the layers are unrolled.
+    """
+    if layer_params is None:
+        hidden, cache = module.transformer(tokens, positions, kv_mask, cache)
+    else:
+        hidden, cache = module.transformer.unrolled(tokens, positions, kv_mask, cache, layer_params)
+    last_hidden = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)
+    return module.project(last_hidden)[:, 0], cache
+
+
+def _record(state: DecodeState, choice: TokenChoice, config: SamplingConfig) -> DecodeState:
+    """Writes the step's choice into column `state.step` (masked for rows already done)."""
+    active = ~state.done
+    pad = jnp.asarray(config.pad_token_id, jnp.int32)
+    tokens = jnp.where(active, choice.tokens, pad)
+    is_stop = jnp.zeros_like(active)
+    for stop_id in config.stop_token_ids:
+        is_stop |= tokens == stop_id
+
+    def put(buffer, column):
+        return jax.lax.dynamic_update_slice(buffer, column[:, None].astype(buffer.dtype), (0, state.step))
+
+    zero = jnp.zeros((), jnp.float32)
+    return state.replace(
+        step=state.step + 1,
+        done=state.done | (active & is_stop),
+        tokens=put(state.tokens, tokens),
+        logprobs=put(state.logprobs, jnp.where(active, choice.logprobs, zero)),
+        sampling_logprobs=put(state.sampling_logprobs, jnp.where(active, choice.sampling_logprobs, zero)),
+        mask=put(state.mask, active.astype(jnp.int32)),
+    )
+
+
+def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *, model: CausalLM,
+           config: SamplingConfig) -> SampleOutput:
+    """Samples `config.num_samples` responses per left-padded prompt. Pure and jittable.
+
+    params: the CausalLM parameter tree; prompt_tokens, prompt_mask [B, Lq] (left-padded, every row
+    with at least one real token); key: a typed PRNG key. Returns a SampleOutput with R = B * n rows.
+    """
+    validate_inputs(model, config, prompt_tokens.shape, prompt_mask.shape)
+    mc = model.config
+    batch, prompt_len = prompt_tokens.shape
+    n, new = config.num_samples, config.max_new_tokens
+    slots = prompt_len + new - 1
+    prompt_tokens = prompt_tokens.astype(jnp.int32)
+    prompt_mask = prompt_mask.astype(jnp.int32)
+
+    # Prefill once per prompt (not per sample), into slots [0, Lq) of the cache.
+    cache = _constrain_cache(init_cache(mc, batch, slots, config.cache_dtype))
+    kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((batch, new - 1), jnp.int32)], axis=1)
+    logits, cache = model.apply({"params": params}, prompt_tokens, positions_from_mask(prompt_mask), kv_mask,
+                                cache, last_token_index(prompt_mask), method=_forward_last)
+    if n > 1:
+        def repeat(x, axis=0):
+            return jnp.repeat(x, n, axis=axis)
+
+        prompt_tokens, prompt_mask, kv_mask, logits = map(repeat, (prompt_tokens, prompt_mask, kv_mask, logits))
+        cache = _constrain_cache(cache.replace(k=repeat(cache.k, 1), v=repeat(cache.v, 1)))
+    rows = batch * n
+    prompt_lengths = prompt_mask.sum(axis=-1)
+    unroll = config.unroll_layers if config.unroll_layers is not None else jax.default_backend() == "cpu"
+    layer_params = split_layer_params(params) if unroll else None
+    if unroll:
+        cache = tuple(_constrain_cache(layer) for layer in split_cache(cache))
+    uniforms = _constrain(response_uniforms(key, rows, new), ("batch", "length"))
+
+    def choose(logits: Array, step: Array) -> TokenChoice:
+        column = jax.lax.dynamic_index_in_dim(uniforms, step, axis=1, keepdims=False)
+        return choose_tokens(logits, step, column, config)
+
+    def zeros(dtype):
+        return _constrain(jnp.zeros((rows, new), dtype), ("batch", "length"))
+
+    state = DecodeState(
+        step=jnp.zeros((), jnp.int32), cache=cache, kv_mask=kv_mask,
+        done=jnp.zeros((rows,), bool), tokens=zeros(jnp.int32) + config.pad_token_id,
+        logprobs=zeros(jnp.float32), sampling_logprobs=zeros(jnp.float32), mask=zeros(jnp.int32))
+    state = _record(state, choose(logits, state.step), config)
+
+    def keep_going(state: DecodeState) -> Array:
+        return (state.step < new) & ~jnp.all(state.done)
+
+    def decode_one(state: DecodeState) -> DecodeState:
+        # Feed the token chosen last step into slot Lq + step - 1, at position prompt_len + step - 1.
+        previous = jax.lax.dynamic_slice_in_dim(state.tokens, state.step - 1, 1, axis=1)
+        slot = prompt_len + state.step - 1
+        kv_mask = jax.lax.dynamic_update_slice(state.kv_mask, jnp.ones((rows, 1), jnp.int32), (0, slot))
+        positions = (prompt_lengths + state.step - 1)[:, None]
+        logits, cache = model.apply({"params": params}, previous, positions, kv_mask, state.cache,
+                                    jnp.zeros((rows,), jnp.int32), layer_params, method=_forward_last)
+        state = state.replace(cache=cache, kv_mask=kv_mask)
+        return _record(state, choose(logits, state.step), config)
+
+    state = jax.lax.while_loop(keep_going, decode_one, state)
+    return SampleOutput(
+        prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=state.tokens, logprobs=state.logprobs,
+        sampling_logprobs=state.sampling_logprobs, mask=state.mask, lengths=state.mask.sum(axis=-1),
+        stopped=state.done)
