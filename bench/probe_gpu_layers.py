@@ -6,10 +6,12 @@ TinyLlama-1.1B shapes (vocab 32000, d 2048, 22 layers, 32/4 heads, Dh 64, MLP 56
     python bench/probe_gpu_layers.py --part attention            # kernel table (one process)
     python bench/probe_gpu_layers.py --part layers               # loop/attn/remat table (one subprocess per config)
     python bench/probe_gpu_layers.py --part layers --configs scan:cudnn_roll:none:16,unrolled:einsum:full:32
-    python bench/probe_gpu_layers.py --part decode
+    python bench/probe_gpu_layers.py --part decode --configs scan:einsum,unrolled:einsum,unrolled:cudnn_bias,unrolled:pallas8
+    python bench/probe_gpu_layers.py --part attention --decode-attn-only     # only the q-length-1 table
     python bench/probe_gpu_layers.py --part attention --tiny     # CPU smoke test, tiny shapes, seconds
 
-Results are printed as a table and written as JSON lines to --out (default: $OUT or ./probe_out).
+Results are printed as a table and written as JSON lines to --out (default: $OUT or /tmp/probe_gpu_layers).
+Figures and conclusions from one H100: docs/gpu_probe.md.
 A layers config is loop:attn:remat:batch[:fp32], loop in scan|scan2|unrolled|unrolled_stacked,
 attn in einsum|xla|cudnn_mask|cudnn_roll|cudnn_packed, remat in none|full|dots_nobatch|dots|names|minimal.
 """
@@ -40,7 +42,7 @@ def shapes(tiny: bool) -> dict:
 
 
 def out_dir(args) -> str:
-    d = args.out or os.environ.get("OUT") or "probe_out"
+    d = args.out or os.environ.get("OUT") or "/tmp/probe_gpu_layers"
     os.makedirs(d, exist_ok=True)
     return d
 
@@ -131,6 +133,25 @@ def pallas_mha_segids(q, k, v, kmask):
     k = jnp.repeat(k, rep, axis=2)
     v = jnp.repeat(v, rep, axis=2)
     return pa.mha(q, k, v, kmask.astype(jnp.int32), sm_scale=1.0 / math.sqrt(q.shape[-1]), causal=True)
+
+
+def pallas_decode_bksd(q, k, v, start, kv_len, k_splits, interpret=False):
+    """Pallas (Triton) split-K decode attention on the library's cache layout [B,K,S,Dh]:
+    q [B,1,Hq,Dh]; valid slots [start_b, kv_len_b) per row (left padding handled natively)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.gpu import decode_attention as pd
+    b, _, hq, dh = q.shape
+    kh, s = k.shape[1], k.shape[2]
+    qr = q.reshape(b, kh, hq // kh, dh)
+    st = jnp.broadcast_to(start[:, None], (b, kh)).astype(jnp.int32)
+    kl = jnp.broadcast_to(jnp.asarray(kv_len).reshape(-1, 1), (b, kh)).astype(jnp.int32)
+    inner = partial(pd.decode_attn_unbatched, sm_scale=1.0 / math.sqrt(dh), block_h=16,
+                    block_k=min(128, s // k_splits), k_splits=k_splits, num_warps=None, num_stages=2,
+                    grid=None, interpret=interpret, debug=False, return_residuals=False, normalize_output=True)
+    o = jax.vmap(jax.vmap(inner))(qr, k, v, st, kl)
+    # the kernel's normalisation promotes to float32 (np.float32 eps); keep the residual stream bf16
+    return o.reshape(b, 1, hq, dh).astype(q.dtype)
 
 
 def roll_left(x, shift, axis=1):
@@ -248,7 +269,7 @@ def attention_part(args):
     env["dpa_signature"] = str(inspect.signature(jax.nn.dot_product_attention))
     emit(args, env, fname)
 
-    V = attention_variants()
+    V = {} if args.decode_attn_only else attention_variants()
     only = set(args.variants.split("|")) if args.variants else None
     fwd_flops = 4.0 * B * T * S * Hq * Dh
     for name, (fn, layout) in V.items():
@@ -348,6 +369,11 @@ def decode_attention(args, sh):
         p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
         return jnp.einsum("bkgts,bksd->btkgd", p, v).reshape(b, t, h, dh)
 
+    def pallas_gqa(q, k, v):
+        from jax.experimental.pallas.ops.gpu import decode_attention as pd
+        o = pd.gqa(q[:, 0], k, v, start_idx=pad, kv_seq_len=jnp.full((B,), idx + 1, jnp.int32))
+        return o[:, None]
+
     ref = jax.jit(lambda q, k, v: attn_ref32(q, k, v, kvalid[:, None, :]))(qs[0], ks[0], vs[0]).astype(jnp.float32)
     m4 = kvalid[:, None, None, :]
     variants = {
@@ -357,7 +383,11 @@ def decode_attention(args, sh):
         "cudnn bias[B,1,1,S]": (lambda q, k, v: dpa(q, k, v, bias=jnp.where(m4, 0.0, -1e9).astype(jnp.bfloat16), implementation="cudnn"), ks, vs),
         "cudnn right-aligned kv_seqlen": (lambda q, k, v: dpa(q, k, v, key_value_seq_lengths=length, implementation="cudnn"), ks_r, vs_r),
         "xla right-aligned kv_seqlen": (lambda q, k, v: dpa(q, k, v, key_value_seq_lengths=length, implementation="xla"), ks_r, vs_r),
+        "pallas gqa start_idx (BSKH in, transposes)": (lambda q, k, v: pallas_gqa(q, k, v), ks, vs),
     }
+    for ksp in (4, 8, 16):
+        variants[f"pallas split-K [B,K,S,Dh] k_splits={ksp}"] = (
+            partial(lambda q, k, v, ksp: pallas_decode_bksd(q, k, v, pad, jnp.full((B,), idx + 1), ksp), ksp=ksp), ks_bksd, vs_bksd)
     rows = []
     cache_bytes = 2 * B * S * Hkv * Dh * 2
     for name, (fn, kk, vv) in variants.items():
@@ -685,7 +715,7 @@ def layers_part(args):
 
 
 def decode_child(args, cfg_s):
-    """cfg: loop:attn with loop in scan|unrolled, attn in einsum|cudnn_bias|xla."""
+    """cfg: loop:attn with loop in scan|unrolled, attn in einsum|cudnn_bias|xla|pallasN (N = k_splits)."""
     import jax
     import jax.numpy as jnp
     sh = shapes(args.tiny)
@@ -699,7 +729,7 @@ def decode_child(args, cfg_s):
         rng = np.random.default_rng(3)
         pad = jnp.asarray(rng.integers(0, sh["P"] - 8, size=B).astype(np.int32))
         kv_mask0 = jnp.arange(S)[None, :] >= pad[:, None]
-        if attn_name == "einsum":
+        if attn_name == "einsum" or attn_name.startswith("pallas"):
             cshape = (B, Hkv, S, Dh)  # library layout
         else:
             cshape = (B, S, Hkv, Dh)
@@ -711,7 +741,9 @@ def decode_child(args, cfg_s):
                            jax.random.normal(jax.random.fold_in(key, 100 + i), cshape, jnp.bfloat16)) for i in range(L))
         dpa = jax.nn.dot_product_attention
 
-        def attend(q, k, v, vis):  # q [B,1,Hq,Dh], vis [B,S]
+        def attend(q, k, v, vis, idx):  # q [B,1,Hq,Dh], vis [B,S]
+            if attn_name.startswith("pallas"):
+                return pallas_decode_bksd(q, k, v, pad, jnp.full((B,), idx + 1), int(attn_name[6:] or 8))
             if attn_name == "einsum":
                 b = q.shape[0]
                 qg = q.reshape(b, 1, Hkv, Hq // Hkv, Dh)
@@ -724,7 +756,7 @@ def decode_child(args, cfg_s):
             return dpa(q, k, v, mask=vis[:, None, None, :], implementation="xla")
 
         def write(c, new, idx, layer=None):  # new [B,1,Hkv,Dh]
-            if attn_name == "einsum":
+            if attn_name == "einsum" or attn_name.startswith("pallas"):
                 new = new.transpose(0, 2, 1, 3)
                 st = (0, 0, idx, 0)
             else:
@@ -746,7 +778,7 @@ def decode_child(args, cfg_s):
             else:
                 kk = jax.lax.dynamic_index_in_dim(ck, li, 0, keepdims=False)
                 vv = jax.lax.dynamic_index_in_dim(cv, li, 0, keepdims=False)
-            o = attend(q, kk, vv, vis)
+            o = attend(q, kk, vv, vis, idx)
             x = x + o.reshape(b, 1, Hq * Dh) @ p["wo"]
             h = rmsnorm(x, p["ln2"])
             x = x + (jax.nn.silu(h @ p["wg"]) * (h @ p["wu"])) @ p["wd"]
@@ -832,6 +864,7 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="tiny shapes; runs on CPU in seconds")
     ap.add_argument("--configs", default=None, help="comma-separated configs (layers/decode)")
     ap.add_argument("--variants", default=None, help="'|'-separated attention variant names to run")
+    ap.add_argument("--decode-attn-only", action="store_true", help="attention part: only the q-length-1 table")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-timeout", type=int, default=240)
