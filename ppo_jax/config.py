@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 
-from ppo_jax.models.config import ModelConfig
+from ppo_jax.models.config import ATTENTION_KINDS, REMAT_POLICIES, ModelConfig
 
 
 class ConfigError(ValueError):
@@ -178,6 +181,59 @@ class AdamWSettings:
         check(self.eps > 0 and math.isfinite(self.eps), f"{prefix}.eps must be finite and > 0, got {self.eps}")
         check(self.schedule in ("constant", "linear", "cosine"),
               f"{prefix}.schedule={self.schedule!r}: use constant, linear or cosine")
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeSettings:
+    """How every model of the run executes (kernels, layer loop, remat): never what it computes.
+
+    "auto" picks what was measured fastest on the platform the run is on (docs/gpu_probe.md): on a GPU,
+    cuDNN flash attention (when computing in bf16/fp16) and unscanned per-layer params; elsewhere the
+    einsum attention and the scanned layers, whose compile is the fastest.
+    """
+
+    attention: str = "auto"  # "auto", "einsum" (reference, any platform), "cudnn" (GPU, bf16/fp16) or "xla"
+    layer_loop: str = "auto"  # "auto", "scan" (stacked [L, ...] params) or "unrolled" (per-layer params)
+    remat: str = "keep"  # "keep" the model's own setting, "none", "full" (save nothing) or "dots" (keep matmuls)
+    compilation_cache: str = ""  # directory of jax's persistent compilation cache ("" = off)
+
+    def validate(self, prefix: str = "compute") -> None:
+        check(self.attention in ("auto",) + ATTENTION_KINDS,
+              f"{prefix}.attention={self.attention!r}: use auto, {', '.join(ATTENTION_KINDS)}")
+        check(self.layer_loop in ("auto", "scan", "unrolled"),
+              f"{prefix}.layer_loop={self.layer_loop!r}: use auto, scan or unrolled")
+        check(self.remat in ("keep", "none") + REMAT_POLICIES,
+              f"{prefix}.remat={self.remat!r}: use keep, none, {', '.join(REMAT_POLICIES)}")
+        check(self.attention != "cudnn" or jax.default_backend() == "gpu",
+              f"{prefix}.attention='cudnn' needs a GPU, but this run's platform is {jax.default_backend()}; "
+              "use auto or einsum")
+
+    def execution(self, cfg: ModelConfig) -> dict[str, Any]:
+        """The ModelConfig execution fields this section sets for the model `cfg`, "auto" resolved."""
+        on_gpu = jax.default_backend() == "gpu"
+        attention = self.attention
+        if attention == "auto":
+            attention = "cudnn" if on_gpu and cfg.jnp_dtype in (jnp.bfloat16, jnp.float16) else "einsum"
+        loop = self.layer_loop if self.layer_loop != "auto" else ("unrolled" if on_gpu else "scan")
+        out = dict(attention=attention, scan_layers=loop == "scan")
+        if self.remat != "keep":
+            out["remat"] = self.remat != "none"
+            out["remat_policy"] = self.remat if self.remat != "none" else cfg.remat_policy
+        return out
+
+    def apply(self, cfg: ModelConfig) -> ModelConfig:
+        """`cfg` as this run executes it (checked: cuDNN attention needs a bf16/fp16 compute dtype)."""
+        try:
+            return cfg.replace(**self.execution(cfg))
+        except ValueError as err:
+            raise ConfigError(str(err).replace("model.attention", "compute.attention")) from None
+
+    def enable_compilation_cache(self) -> None:
+        """Points jax's persistent compilation cache at `compilation_cache` (a rerun, or a resumed run,
+        then skips the compile of every step it has compiled before)."""
+        if self.compilation_cache:
+            jax.config.update("jax_compilation_cache_dir", os.path.expanduser(self.compilation_cache))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
 def override_dtypes(cfg: ModelConfig, param_dtype: str, dtype: str) -> ModelConfig:

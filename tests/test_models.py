@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from ppo_jax import sharding
 from ppo_jax.models import CausalLM, ModelConfig, init_cache, positions_from_mask
-from ppo_jax.models.transformer import attention_mask
+from ppo_jax.models.attention import attention_mask
 
 VOCAB = 128
 BASE = dict(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=64)

@@ -1,12 +1,10 @@
 """Decoder models (GPT-2, Llama, Mistral, Qwen2) with logical axis names and a KV cache."""
 
 from ppo_jax.models.config import ModelConfig, to_dtype
+from ppo_jax.models.cache import KV_CACHE_AXES, KVCache, init_cache
 from ppo_jax.models.transformer import (
-    KV_CACHE_AXES,
     CausalLM,
-    KVCache,
     ScalarModel,
-    init_cache,
     last_token_index,
     positions_from_mask,
     score_at_last_token,

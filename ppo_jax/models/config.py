@@ -11,6 +11,15 @@ FAMILIES = ("gpt2", "llama")
 # Hugging Face `model_type` -> our family. Mistral and Qwen2 are Llama with options.
 ARCH_TO_FAMILY = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
 
+# `attention`: how scores are computed. "einsum" is the reference (float32 scores, any platform);
+# "cudnn" and "xla" call jax.nn.dot_product_attention with that implementation (cuDNN flash attention
+# on GPU; "xla" exists to check the fused call's plumbing against the reference on CPU).
+ATTENTION_KINDS = ("einsum", "cudnn", "xla")
+# `remat_policy`: which activations the backward pass keeps when remat is on.
+REMAT_POLICIES = ("full", "dots")
+# Fields that choose how the model executes, never what it computes (free to change on load).
+EXECUTION_FIELDS = ("attention", "scan_layers", "remat", "remat_policy")
+
 _DTYPES = {
     "float32": jnp.float32,
     "fp32": jnp.float32,
@@ -63,7 +72,11 @@ class ModelConfig:
     # Numerics and memory.
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype of matmuls and activations
+    # Execution: how the layers run, not what they compute (every choice gives the same function).
+    attention: str = "einsum"  # "einsum" (reference, any platform), "cudnn" (flash attention, GPU, bf16/fp16), "xla"
+    scan_layers: bool = True  # True: one layer body scanned over stacked [L, ...] params; False: per-layer params
     remat: bool = False  # rematerialise each layer in the backward pass
+    remat_policy: str = "full"  # with remat: "full" (save nothing) or "dots" (keep matmul outputs without batch dims)
     # Token ids the tokenizer uses (carried for export and sampling defaults).
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -91,6 +104,13 @@ class ModelConfig:
             raise ValueError("gpt2 has no grouped-query attention: leave num_kv_heads unset")
         to_dtype(self.param_dtype)
         to_dtype(self.dtype)
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"model.attention={self.attention!r}: use one of {ATTENTION_KINDS}")
+        if self.attention == "cudnn" and to_dtype(self.dtype) not in (jnp.bfloat16, jnp.float16):
+            raise ValueError(f"model.attention='cudnn' (flash attention) computes in bfloat16 or float16, "
+                             f"but model.dtype={self.dtype!r}; set dtype=bfloat16 or attention='einsum'")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"model.remat_policy={self.remat_policy!r}: use one of {REMAT_POLICIES}")
 
     @property
     def family(self) -> str:
@@ -123,6 +143,11 @@ class ModelConfig:
     @property
     def jnp_param_dtype(self):
         return to_dtype(self.param_dtype)
+
+    def execution(self) -> dict[str, Any]:
+        """The fields that choose how the model executes, to run another model (or load a checkpoint)
+        the same way: `hf.load_model(..., execution=cfg.execution())`."""
+        return {name: getattr(self, name) for name in EXECUTION_FIELDS}
 
     def replace(self, **kwargs) -> "ModelConfig":
         return dataclasses.replace(self, **kwargs)

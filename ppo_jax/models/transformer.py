@@ -5,14 +5,21 @@ Conventions
   D hidden size, H query heads, K key/value heads, Dh head size, F MLP size, V vocabulary, L layers.
 
 Every call takes explicit `positions [B, T]` and `kv_mask [B, S]` (1 for real key slots): left-padded
-batches are the norm in RLHF, so nothing is inferred from the token ids. Layers are stacked with
-`nn.scan` (one compiled layer body, parameters carry a leading `layers` axis), and every parameter
-carries logical axis names that `ppo_jax.sharding` maps onto the mesh.
+batches are the norm in RLHF, so nothing is inferred from the token ids. Every parameter carries
+logical axis names that `ppo_jax.sharding` maps onto the mesh.
 
-The cache is a plain pytree passed in and returned (no mutable Flax collections), so the sampler can
-hold it in a `lax.while_loop` carry and donate it. It travels through the layer scan as part of the
-carry, not as a scanned input/output: a decode step then writes only its new keys and values into the
-stacked [L, ...] buffers in place, instead of slicing out and re-stacking every layer's whole slab.
+The layer loop is a choice of `ModelConfig.scan_layers`:
+- scanned (`nn.scan`): one compiled layer body; parameters carry a leading `layers` axis [L, ...].
+  Compiles fastest, and is what XLA:TPU is tuned for.
+- unscanned: a Python loop over per-layer parameters `layers_0 ... layers_{L-1}`. Nothing is sliced
+  out of a stacked buffer, so no layer pays a copy of its weights (or, in the backward pass, of its
+  gradients and saved activations); on an H100 a 22-layer 1B training step runs 28% faster with
+  half the peak memory (docs/gpu_probe.md), at a longer compile.
+Hugging Face import/export and `split_layer_params` handle both layouts.
+
+The cache travels through the layers as part of the carry, not as a scanned input/output: a decode
+step then writes only its new keys and values into the stacked [L, ...] buffers in place, instead of
+slicing out and re-stacking every layer's whole slab.
 """
 
 from __future__ import annotations
@@ -21,55 +28,29 @@ import math
 from typing import Any
 
 import flax.linen as nn
-import flax.struct
 import jax
 import jax.numpy as jnp
 
-from ppo_jax.models.config import ModelConfig, to_dtype
+from ppo_jax.models.attention import Attention, attention_mask
+from ppo_jax.models.cache import KVCache
+from ppo_jax.models.config import ModelConfig
+from ppo_jax.models.layers import MLP, DenseGeneral, norm
+from ppo_jax.models.rope import rope_tables
 
 Array = jax.Array
 
-
-# Logical axis names of KVCache.k / KVCache.v.
-KV_CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
-
-
-class KVCache(flax.struct.PyTreeNode):
-    """Preallocated keys and values of every layer.
-
-    k, v:  [L, B, K, S, Dh] ([B, K, S, Dh] for one layer's cache, `split_cache`), in the layout
-           attention consumes: for each (row, kv head) the S keys are contiguous [S, Dh] rows, so
-           scores and the weighted sum are batched GEMMs that read the cache where it lies (no
-           per-step transpose copy of the whole cache).
-    index: [] int32, the number of slots already written (the same for every row: batches are
-           left-padded, so row r's slot s holds its token s whatever its length).
-    """
-
-    k: Array
-    v: Array
-    index: Array
-
-    @property
-    def length(self) -> int:
-        return self.k.shape[-2]
-
-
-def init_cache(config: ModelConfig, batch: int, length: int, dtype: Any = None) -> KVCache:
-    """Zero cache for `batch` rows of `length` slots; dtype defaults to the compute dtype."""
-    dtype = to_dtype(dtype) if dtype is not None else config.jnp_dtype
-    shape = (config.num_layers, batch, config.kv_heads, length, config.dim_per_head)
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), index=jnp.zeros((), jnp.int32))
-
-
-def split_cache(cache: KVCache) -> tuple[KVCache, ...]:
-    """The stacked cache as one KVCache per layer, k and v [B, K, S, Dh] each (copies)."""
-    return tuple(KVCache(k=cache.k[i], v=cache.v[i], index=cache.index)
-                 for i in range(cache.k.shape[0]))
+# Activations the backward pass keeps under remat (`ModelConfig.remat_policy`); None saves nothing.
+_REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 def split_layer_params(params: Any) -> tuple[Any, ...]:
-    """One Block parameter tree per layer out of a CausalLM/ScalarModel tree (copies the layers)."""
-    stacked = params["transformer"]["layers"]
+    """One Block parameter tree per layer out of a CausalLM/ScalarModel tree: the per-layer trees
+    themselves when the layers are unscanned, else slices of the stacked tree (copies)."""
+    backbone = params["transformer"]
+    if "layers" not in backbone:
+        count = sum(1 for name in backbone if name.startswith("layers_"))
+        return tuple(backbone[f"layers_{i}"] for i in range(count))
+    stacked = backbone["layers"]
     count = jax.tree.leaves(stacked)[0].shape[0]
     return tuple(jax.tree.map(lambda leaf, i=i: leaf[i], stacked) for i in range(count))
 
@@ -78,215 +59,6 @@ def positions_from_mask(mask: Array) -> Array:
     """Position ids of a left-padded batch: [B, T] mask -> [B, T] int32, 0 on padding."""
     mask = mask.astype(jnp.int32)
     return jnp.cumsum(mask, axis=-1) - mask
-
-
-# --------------------------------------------------------------------------------------------
-# Small building blocks with logical axis names.
-
-
-def _param(module: nn.Module, name: str, init, shape, axes, dtype):
-    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
-
-
-class DenseGeneral(nn.Module):
-    """x[..., *in] @ kernel[*in, *out] (+ bias[*out]) with named axes; computes in `dtype`."""
-
-    in_shape: tuple[int, ...]
-    out_shape: tuple[int, ...]
-    axes: tuple[str, ...]  # logical names of kernel axes (in + out)
-    use_bias: bool
-    dtype: Any
-    param_dtype: Any
-    kernel_init: Any = nn.initializers.normal(0.02)
-
-    @nn.compact
-    def __call__(self, x: Array) -> Array:
-        kernel = _param(self, "kernel", self.kernel_init, self.in_shape + self.out_shape, self.axes,
-                        self.param_dtype)
-        n_in = len(self.in_shape)
-        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-        y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ())))
-        if self.use_bias:
-            bias = _param(self, "bias", nn.initializers.zeros, self.out_shape,
-                          self.axes[n_in:], self.param_dtype)
-            y = y + bias.astype(self.dtype)
-        return y
-
-
-class LayerNorm(nn.Module):
-    """GPT-2 LayerNorm (scale and bias), statistics in float32."""
-
-    eps: float
-    dtype: Any
-    param_dtype: Any
-
-    @nn.compact
-    def __call__(self, x: Array) -> Array:
-        d = x.shape[-1]
-        scale = _param(self, "scale", nn.initializers.ones, (d,), ("norm",), self.param_dtype)
-        bias = _param(self, "bias", nn.initializers.zeros, (d,), ("norm",), self.param_dtype)
-        x32 = x.astype(jnp.float32)
-        mean = x32.mean(-1, keepdims=True)
-        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
-        return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
-
-
-class RMSNorm(nn.Module):
-    """Llama RMSNorm: normalise in float32, cast back, then scale (the Hugging Face order)."""
-
-    eps: float
-    dtype: Any
-    param_dtype: Any
-
-    @nn.compact
-    def __call__(self, x: Array) -> Array:
-        d = x.shape[-1]
-        scale = _param(self, "scale", nn.initializers.ones, (d,), ("norm",), self.param_dtype)
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
-        return y.astype(self.dtype) * scale.astype(self.dtype)
-
-
-def _norm(config: ModelConfig, name: str) -> nn.Module:
-    cls = LayerNorm if config.family == "gpt2" else RMSNorm
-    return cls(config.norm_eps, config.jnp_dtype, config.jnp_param_dtype, name=name)
-
-
-# --------------------------------------------------------------------------------------------
-# Rotary position embeddings (Hugging Face "rotate half" layout).
-
-
-def rope_inverse_frequencies(config: ModelConfig) -> Array:
-    """[Dh/2] inverse frequencies, with Llama-3 or linear scaling when configured."""
-    dh = config.dim_per_head
-    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
-    scaling = config.rope_scaling_dict
-    if not scaling:
-        return inv_freq
-    kind = scaling.get("rope_type", "llama3")
-    factor = float(scaling["factor"])
-    if kind == "linear":
-        return inv_freq / factor
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv_freq
-    scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return jnp.where(is_medium, smoothed, scaled)
-
-
-def rope_tables(config: ModelConfig, positions: Array) -> tuple[Array, Array]:
-    """cos, sin tables [B, T, Dh] (float32) for integer positions [B, T]."""
-    freqs = positions.astype(jnp.float32)[..., None] * rope_inverse_frequencies(config)
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
-    """x [B, T, heads, Dh] rotated by cos/sin [B, T, Dh]; math in float32."""
-    x32 = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
-    return out.astype(x.dtype)
-
-
-# --------------------------------------------------------------------------------------------
-# Attention and MLP.
-
-
-def attention_mask(kv_mask: Array, query_slots: Array, sliding_window: int | None) -> Array:
-    """[B, T, S] bool: key slot s is visible from query slot t.
-
-    kv_mask [B, S]: real (non-padding, already written) key slots; query_slots [T]: the slot of each
-    query. Causality is by slot; within a left-padded row slot differences equal position
-    differences, so the sliding window is by slot too.
-    """
-    key_slots = jnp.arange(kv_mask.shape[-1])
-    visible = key_slots[None, :] <= query_slots[:, None]
-    if sliding_window is not None:
-        visible &= query_slots[:, None] - key_slots[None, :] < sliding_window
-    return visible[None, :, :] & kv_mask[:, None, :].astype(bool)
-
-
-def dot_product_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
-    """Grouped-query attention.
-
-    q [B, T, H, Dh], k/v [B, K, S, Dh] (the cache layout), mask [B, T, S] -> [B, T, H, Dh]. Scores and softmax in
-    float32; a masked score is the most negative finite float (not -inf), so a padded query whose
-    keys are all masked gets a finite, ignored output instead of NaN.
-    """
-    b, t, h, dh = q.shape
-    kv_heads = k.shape[1]
-    q = q.reshape(b, t, kv_heads, h // kv_heads, dh)
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(dh)
-    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
-    return out.reshape(b, t, h, dh).astype(q.dtype)
-
-
-class Attention(nn.Module):
-    config: ModelConfig
-
-    @nn.compact
-    def __call__(self, x, cos, sin, mask, cache_kv, layer, cache_index):
-        """x [B, T, D] -> ([B, T, D], cache_kv with this layer's new slots written, or None).
-
-        cache_kv: None, the whole cache's (k, v) [L, B, K, S, Dh] with `layer` ([] int32) this layer's
-        index into it, or (layer None) this layer's own (k, v) [B, K, S, Dh]; cache_index: [] int32,
-        the slot of the first of the T new tokens.
-        """
-        cfg = self.config
-        d, h, kh, dh = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
-        gpt2 = cfg.family == "gpt2"
-        common = dict(dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype)
-        qkv_bias = gpt2 or cfg.attention_bias
-        q = DenseGeneral((d,), (h, dh), ("embed", "heads", "head_dim"), qkv_bias, name="q", **common)(x)
-        k = DenseGeneral((d,), (kh, dh), ("embed", "kv_heads", "head_dim"), qkv_bias, name="k", **common)(x)
-        v = DenseGeneral((d,), (kh, dh), ("embed", "kv_heads", "head_dim"), qkv_bias, name="v", **common)(x)
-        if not gpt2:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, Dh]
-        if cache_kv is not None:
-            # Write only the T new slots of this layer, then read the layer's [B, K, S, Dh] slab.
-            if layer is None:
-                cache_kv = tuple(jax.lax.dynamic_update_slice(c, new.astype(c.dtype), (0, 0, cache_index, 0))
-                                 for c, new in zip(cache_kv, (k, v)))
-                k, v = cache_kv
-            else:
-                start = (layer, 0, 0, cache_index, 0)
-                cache_kv = tuple(jax.lax.dynamic_update_slice(c, new[None].astype(c.dtype), start)
-                                 for c, new in zip(cache_kv, (k, v)))
-                k, v = (jax.lax.dynamic_index_in_dim(c, layer, axis=0, keepdims=False) for c in cache_kv)
-        out = dot_product_attention(q, k, v.astype(q.dtype), mask)
-        out = DenseGeneral((h, dh), (d,), ("heads", "head_dim", "embed"), gpt2, name="o", **common)(out)
-        return out, cache_kv
-
-
-class MLP(nn.Module):
-    config: ModelConfig
-
-    @nn.compact
-    def __call__(self, x):
-        cfg = self.config
-        d, f = cfg.hidden_size, cfg.mlp_dim
-        common = dict(dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype)
-        act = {"gelu_new": lambda y: jax.nn.gelu(y, approximate=True),
-               "gelu": lambda y: jax.nn.gelu(y, approximate=False),
-               "silu": jax.nn.silu, "relu": jax.nn.relu}[cfg.act]
-        if cfg.family == "gpt2":
-            hidden = act(DenseGeneral((d,), (f,), ("embed", "mlp"), True, name="fc", **common)(x))
-            return DenseGeneral((f,), (d,), ("mlp", "embed"), True, name="proj", **common)(hidden)
-        gate = DenseGeneral((d,), (f,), ("embed", "mlp"), False, name="gate", **common)(x)
-        up = DenseGeneral((d,), (f,), ("embed", "mlp"), False, name="up", **common)(x)
-        return DenseGeneral((f,), (d,), ("mlp", "embed"), False, name="down", **common)(act(gate) * up)
 
 
 class Block(nn.Module):
@@ -299,11 +71,20 @@ class Block(nn.Module):
     def __call__(self, carry, layer, cos, sin, mask, cache_index):
         x, cache_kv = carry
         attn_out, cache_kv = Attention(self.config, name="attn")(
-            _norm(self.config, "ln_1")(x), cos, sin, mask, cache_kv, layer, cache_index)
+            norm(self.config, "ln_1")(x), cos, sin, mask, cache_kv, layer, cache_index)
         x = x + attn_out
-        x = x + MLP(self.config, name="mlp")(_norm(self.config, "ln_2")(x))
+        x = x + MLP(self.config, name="mlp")(norm(self.config, "ln_2")(x))
         x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
         return (x, cache_kv), None
+
+
+def _block_class(cfg: ModelConfig):
+    """Block, wrapped in `nn.remat` with the configured policy when remat is on. Inside a scan the
+    recomputation cannot be hoisted out of the loop, so CSE prevention is off there."""
+    if not cfg.remat:
+        return Block
+    return nn.remat(Block, prevent_cse=not cfg.scan_layers, policy=_REMAT_POLICIES[cfg.remat_policy])
+
 
 
 def _lookup(embed: nn.Embed, ids: Array, rows: str = "vocab") -> Array:
@@ -332,16 +113,19 @@ class Transformer(nn.Module):
             self.pos_embed = nn.Embed(cfg.max_position_embeddings, cfg.hidden_size, embedding_init=pinit,
                                       dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
                                       name="pos_embed")
-        block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
-        self.layers = nn.scan(
-            block,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
-            length=cfg.num_layers,
-            metadata_params={nn.PARTITION_NAME: "layers"},
-        )(cfg, name="layers")
-        self.ln_f = _norm(cfg, "ln_f")
+        block = _block_class(cfg)
+        if cfg.scan_layers:
+            self.layers = nn.scan(
+                block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+                length=cfg.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )(cfg)
+        else:
+            self.layers = [block(cfg) for _ in range(cfg.num_layers)]  # params layers_0 ... layers_{L-1}
+        self.ln_f = norm(cfg, "ln_f")
 
     def __call__(self, tokens: Array, positions: Array, kv_mask: Array,
                  cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
@@ -350,7 +134,11 @@ class Transformer(nn.Module):
         x, cos, sin, mask = self._block_inputs(tokens, positions, kv_mask, cache_index)
         cache_kv = (cache.k, cache.v) if cache is not None else None
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-        (x, cache_kv), _ = self.layers((x, cache_kv), layer_ids, cos, sin, mask, cache_index)
+        if self.config.scan_layers:
+            (x, cache_kv), _ = self.layers((x, cache_kv), layer_ids, cos, sin, mask, cache_index)
+        else:
+            for layer, block in zip(layer_ids, self.layers):
+                (x, cache_kv), _ = block((x, cache_kv), layer, cos, sin, mask, cache_index)
         if cache is not None:
             cache = KVCache(k=cache_kv[0], v=cache_kv[1], index=cache.index + tokens.shape[1])
         return self.ln_f(x), cache
@@ -360,11 +148,11 @@ class Transformer(nn.Module):
         """`__call__` with a cache, one layer at a time on per-layer parameters and caches.
 
         caches: one KVCache per layer with k, v [B, K, S, Dh] (`split_cache`); layer_params: one
-        Block parameter tree per layer (`split_layer_params`). Used by the sampler's decode loop on
-        XLA:CPU, where a scan over the stacked layers copies every layer's weights and cache slab out
-        of the stacked buffers at every token (a dynamic slice feeding a dot is not fused there);
-        with separate buffers the dots read weights and cache where they lie and each cache is
-        updated in place.
+        Block parameter tree per layer (`split_layer_params`). Used by the sampler's decode loop: a scan
+        over the stacked layers copies every layer's weights and cache slab out of the stacked buffers
+        at every token (XLA fuses neither dynamic slice into the dots; measured 2.3x slower per token
+        on an H100, docs/gpu_probe.md); with separate buffers the dots read weights and cache where
+        they lie and each cache is updated in place.
         """
         cache_index = caches[0].index
         x, cos, sin, mask = self._block_inputs(tokens, positions, kv_mask, cache_index)

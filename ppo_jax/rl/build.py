@@ -31,7 +31,7 @@ def copy_tree(params, shardings):
 def policy_model_config(s: Settings) -> ModelConfig:
     """The policy architecture, read without loading weights (config.json or policy.model)."""
     cfg = hf.load_config(s.policy.path)[0] if s.policy.path else s.policy.model
-    return override_dtypes(cfg, s.policy.param_dtype, s.policy.dtype)
+    return s.compute.apply(override_dtypes(cfg, s.policy.param_dtype, s.policy.dtype))
 
 
 def reward_model_config(s: Settings) -> ModelConfig | None:
@@ -42,7 +42,7 @@ def reward_model_config(s: Settings) -> ModelConfig | None:
         raise ConfigError(
             f"reward.path={s.reward.path!r} holds a {kind} checkpoint; the reward model must be a "
             "sequence classifier with one label (ForSequenceClassification, num_labels=1)")
-    return cfg
+    return s.compute.apply(cfg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +98,8 @@ def abstract_train_state(s: Settings, modules: Modules, policy_tx, value_tx, mes
 def initial_params(s: Settings, modules: Modules, shardings: TrainState, mesh, key, reward_params):
     """Fresh policy and value params: from policy.path (Hugging Face) or a random init."""
     if s.policy.path:
-        loaded = hf.load_model(s.policy.path, mesh, kind="causal_lm",
-                               param_dtype=s.policy.param_dtype or None, dtype=s.policy.dtype or None)
+        loaded = hf.load_model(s.policy.path, mesh, kind="causal_lm", param_dtype=s.policy.param_dtype or None,
+                               dtype=s.policy.dtype or None, execution=modules.policy.config.execution())
         policy = jax.device_put(loaded.params, shardings.policy)
     else:
         policy, _ = init_params(modules.policy, key, mesh)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import ml_collections
 
-from ppo_jax.config import AdamWSettings, ConfigError, MeshSettings, RunSettings, check, check_positions, config_dict
+from ppo_jax.config import AdamWSettings, ComputeSettings, ConfigError, MeshSettings, RunSettings, check, check_positions, config_dict
 from ppo_jax.data.prompt_stream import PromptDataSettings
 from ppo_jax.distributed import DistributedSettings
 from ppo_jax.models.config import ModelConfig
@@ -71,7 +71,7 @@ class RolloutSettings:
     top_p: float = 1.0  # 1.0 = off
     stop_token_ids: str = ""  # comma-separated stop ids; "" = the tokenizer's / model's EOS
     cache_dtype: str = ""  # KV cache dtype ("" = compute dtype; "bfloat16" halves it)
-    decode: str = "auto"  # "scan" layers, "unrolled" (faster on CPU, copies weights), "auto": unrolled on CPU
+    decode: str = "auto"  # with scanned layers: "scan" them, "unrolled" (per-layer copies; 2x faster decode on CPU and GPU), "auto": unrolled except on TPU
     forward_microbatch: int = 0  # rows per forward pass in the experience step; 0 = whole batch
 
 
@@ -140,6 +140,7 @@ class Settings(RunSettings):
 
     seed: int = 0  # seeds parameter init, data order and sampling
     mesh: MeshSettings = MeshSettings()
+    compute: ComputeSettings = ComputeSettings()  # kernels, layer loop and remat of all four models
     distributed: DistributedSettings = DistributedSettings()
     policy: PolicySettings = PolicySettings()
     reward: RewardSettings = RewardSettings()
@@ -174,6 +175,7 @@ class Settings(RunSettings):
               f"rollout.min_new_tokens={r.min_new_tokens} must be in [0, rollout.response_length={r.response_length}]")
         check(r.top_k >= 0, f"rollout.top_k must be >= 0 (0 = off), got {r.top_k}")
         check(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
+        self.compute.validate()
         check(r.decode in DECODE_LOOPS, f"rollout.decode={r.decode!r}: use one of {sorted(DECODE_LOOPS)}")
         stop_token_ids(r, None)  # parses
         check(p.advantage_estimator in ESTIMATORS,

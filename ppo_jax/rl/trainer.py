@@ -55,6 +55,7 @@ class PPOTrainer:
         s = self.settings = Settings.from_config(config, reward_in_code=bool(reward_functions))
         self.workdir = str(workdir)
         self.mesh = mesh or sharding.make_mesh(s.mesh.shape)
+        s.compute.enable_compilation_cache()
         init_key, self._sample_key, state_key = jax.random.split(jax.random.key(s.seed), 3)
 
         # -- Everything that can be checked is checked before any weights load or anything compiles.
@@ -87,7 +88,8 @@ class PPOTrainer:
         # -- Weights: the frozen reward model, then a checkpoint to resume or fresh trainable state.
         reward_params = None
         if self.modules.reward is not None:
-            reward_params = hf.load_model(s.reward.path, self.mesh, kind="reward").params
+            reward_params = hf.load_model(s.reward.path, self.mesh, kind="reward",
+                                          execution=self.reward_config.execution()).params
         checkpoint_dir = os.path.join(self.workdir, "checkpoints")
         # Opening the manager writes nothing; the first save does, after every input was read and checked.
         self.checkpoints = self._checkpoint_manager(checkpoint_dir) if epath.Path(checkpoint_dir).is_dir() else None

@@ -24,16 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from ppo_jax import sharding
-from ppo_jax.models.transformer import (
-    KV_CACHE_AXES,
-    CausalLM,
-    KVCache,
-    init_cache,
-    last_token_index,
-    positions_from_mask,
-    split_cache,
-    split_layer_params,
-)
+from ppo_jax.models.cache import KV_CACHE_AXES, KVCache, init_cache, split_cache
+from ppo_jax.models.transformer import CausalLM, last_token_index, positions_from_mask, split_layer_params
 from ppo_jax.sampling.config import SampleOutput, SamplingConfig, validate_inputs
 from ppo_jax.sampling.token_choice import TokenChoice, choose_tokens, response_uniforms
 
@@ -136,7 +128,7 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
         cache = _constrain_cache(cache.replace(k=repeat(cache.k, 1), v=repeat(cache.v, 1)))
     rows = batch * n
     prompt_lengths = prompt_mask.sum(axis=-1)
-    unroll = config.unroll_layers if config.unroll_layers is not None else jax.default_backend() == "cpu"
+    unroll = config.unroll_layers if config.unroll_layers is not None else jax.default_backend() != "tpu"
     layer_params = split_layer_params(params) if unroll else None
     if unroll:
         cache = tuple(_constrain_cache(layer) for layer in split_cache(cache))

@@ -22,7 +22,7 @@ from ppo_jax import data as data_lib
 from ppo_jax import metrics as metrics_lib
 from ppo_jax import sharding
 from ppo_jax.checkpoint import CheckpointManager
-from ppo_jax.config import ConfigError, check, check_positions, override_dtypes
+from ppo_jax.config import ComputeSettings, ConfigError, check, check_positions, override_dtypes
 from ppo_jax.models import ModelConfig, hf
 from ppo_jax.supervised.settings import ModelSettings
 
@@ -33,8 +33,8 @@ Array = jax.Array
 # The model.
 
 
-def model_config(section: ModelSettings, tokenizer, *, what: str, length: int,
-                 kinds: tuple[str, ...]) -> tuple[ModelConfig, str | None]:
+def model_config(section: ModelSettings, tokenizer, *, what: str, length: int, kinds: tuple[str, ...],
+                 compute: ComputeSettings) -> tuple[ModelConfig, str | None]:
     """(the model's ModelConfig, the kind of checkpoint at model.path or None for a fresh model).
 
     A fresh model takes the tokenizer's special ids; any model must fit `length` positions and hold the
@@ -48,7 +48,7 @@ def model_config(section: ModelSettings, tokenizer, *, what: str, length: int,
     else:
         ids = {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id", None) for k in ("bos", "eos", "pad")}
         cfg = section.config.replace(**{k: v for k, v in ids.items() if v is not None})
-    cfg = override_dtypes(cfg, section.param_dtype, section.dtype)
+    cfg = compute.apply(override_dtypes(cfg, section.param_dtype, section.dtype))
     check_tokenizer(tokenizer, cfg.vocab_size, what)
     check_positions(length, cfg.max_position_embeddings, f"{what}: data.max_prompt_length + data.max_response_length")
     return cfg, start_kind

@@ -134,6 +134,7 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
         s = self.settings = RewardModelSettings.from_config(config)
         self.workdir = workdir
         self.mesh = mesh or sharding.make_mesh(s.mesh.shape)
+        s.compute.enable_compilation_cache()
         supervised.check_batch_size(s.train.batch_size, self.mesh, "reward_model")
         d = s.data
         fields = {"prompt": d.prompt_field, "chosen": d.chosen_field, "rejected": d.rejected_field}
@@ -148,7 +149,7 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
         head_key, self._normalize_key = jax.random.split(jax.random.key(s.seed))
         self.length = d.max_prompt_length + d.max_response_length
         cfg, start_kind = supervised.model_config(s.model, self.tokenizer, what="reward_model", length=self.length,
-                                                  kinds=("causal_lm", "reward"))
+                                                  kinds=("causal_lm", "reward"), compute=s.compute)
         self.model_config = cfg
         self.module = ScalarModel(cfg, head_init="reward")
         abstract = boxed_params(self.module)
@@ -187,7 +188,7 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
         m = self.settings.model
         if start_kind is not None:
             loaded = hf.load_model(m.path, self.mesh, kind=start_kind, param_dtype=m.param_dtype or None,
-                                   dtype=m.dtype or None)
+                                   dtype=m.dtype or None, execution=self.model_config.execution())
         if start_kind == "reward":
             return loaded.params
         if start_kind == "causal_lm":
@@ -261,7 +262,9 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
     def _policy_sample_scores(self) -> np.ndarray:
         """Scores of the policy's own samples on the training prompts (as PPO will score them)."""
         n, d = self.settings.normalize, self.settings.data
-        loaded = hf.load_model(n.policy_path or self.settings.model.path, self.mesh, kind="causal_lm")
+        path = n.policy_path or self.settings.model.path
+        execution = self.settings.compute.apply(hf.load_config(path)[0]).execution()
+        loaded = hf.load_model(path, self.mesh, kind="causal_lm", execution=execution)
         policy = CausalLM(loaded.config)
         prompts = []
         seen: dict[str, None] = {}

@@ -10,7 +10,7 @@ import dataclasses
 
 import ml_collections
 
-from ppo_jax.config import AdamWSettings, MeshSettings, RunSettings, check, config_dict
+from ppo_jax.config import AdamWSettings, ComputeSettings, MeshSettings, RunSettings, check, config_dict
 from ppo_jax.models.config import ModelConfig
 
 NORMALIZE_SOURCES = ("none", "policy", "preferences")
@@ -103,6 +103,7 @@ class NormalizeSettings:
 class SFTSettings(RunSettings):
     seed: int = 0  # seeds parameter init and data order
     mesh: MeshSettings = MeshSettings()
+    compute: ComputeSettings = ComputeSettings()  # attention kernel, layer loop, remat
     model: ModelSettings = ModelSettings()
     tokenizer_path: str = ""  # Hugging Face tokenizer directory; "" = model.path's (a tokenizer passed in code wins)
     data: SFTDataSettings = SFTDataSettings()
@@ -110,6 +111,7 @@ class SFTSettings(RunSettings):
     optim: SupervisedOptimSettings = SupervisedOptimSettings(lr=1e-3)
 
     def validate(self) -> None:
+        self.compute.validate("sft: compute")
         self.train.validate("sft")
         self.optim.validate("sft: optim", {"lr": self.optim.lr})
         _validate_lengths(self.data, "sft")
@@ -119,6 +121,7 @@ class SFTSettings(RunSettings):
 class RewardModelSettings(RunSettings):
     seed: int = 0  # seeds the head init, data order and normalisation samples
     mesh: MeshSettings = MeshSettings()
+    compute: ComputeSettings = ComputeSettings()  # attention kernel, layer loop, remat
     # model.path: a causal LM (the SFT model: its transformer, a fresh head) or a reward model; "" = fresh
     model: ModelSettings = ModelSettings()
     tokenizer_path: str = ""  # Hugging Face tokenizer directory; "" = model.path's (a tokenizer passed in code wins)
@@ -129,6 +132,7 @@ class RewardModelSettings(RunSettings):
 
     def validate(self) -> None:
         what = "reward_model"
+        self.compute.validate(f"{what}: compute")
         self.train.validate(what)
         self.optim.validate(f"{what}: optim", {"lr": self.optim.lr})
         _validate_lengths(self.data, what)

@@ -92,6 +92,7 @@ class SFTTrainer(supervised.SupervisedTrainer):
         s = self.settings = SFTSettings.from_config(config)
         self.workdir = workdir
         self.mesh = mesh or sharding.make_mesh(s.mesh.shape)
+        s.compute.enable_compilation_cache()
         supervised.check_batch_size(s.train.batch_size, self.mesh, "sft")
         d = s.data
         fields = {"prompt": d.prompt_field, "response": d.response_field}
@@ -104,12 +105,12 @@ class SFTTrainer(supervised.SupervisedTrainer):
         # Model (validated before any compile).
         self.length = d.max_prompt_length + d.max_response_length
         cfg, _ = supervised.model_config(s.model, self.tokenizer, what="sft", length=self.length,
-                                         kinds=("causal_lm",))
+                                         kinds=("causal_lm",), compute=s.compute)
         self.model_config = cfg
         self.module = CausalLM(cfg)
         if s.model.path:
-            loaded = hf.load_model(s.model.path, self.mesh, kind="causal_lm",
-                                   param_dtype=s.model.param_dtype or None, dtype=s.model.dtype or None)
+            loaded = hf.load_model(s.model.path, self.mesh, kind="causal_lm", param_dtype=s.model.param_dtype or None,
+                                   dtype=s.model.dtype or None, execution=cfg.execution())
             params = loaded.params
             param_shardings = jax.tree.map(lambda x: x.sharding, params)
         else:

@@ -158,6 +158,8 @@ def tensor_maps(config: ModelConfig, kind: str, prefix: str | None = None
     backbone = (_gpt2_maps if family == "gpt2" else _llama_maps)(config, prefix)
     maps = {(("transformer",) + path if path[0] == "layers" else path): m
             for path, m in backbone.items()}
+    if not config.scan_layers:
+        maps = _unscanned(maps, config.num_layers)
     d, v = config.hidden_size, config.vocab_size
     if kind == "reward":
         maps[("score", "kernel")] = _transposed("score.weight", 1, d)
@@ -165,6 +167,19 @@ def tensor_maps(config: ModelConfig, kind: str, prefix: str | None = None
     elif not config.tie_word_embeddings:
         maps[("lm_head", "kernel")] = _transposed("lm_head.weight", v, d)
     return maps
+
+
+def _unscanned(maps: dict[tuple[str, ...], TensorMap], num_layers: int) -> dict[tuple[str, ...], TensorMap]:
+    """The table for per-layer params: each stacked ("transformer", "layers", ...) entry becomes one
+    plain entry per layer, ("transformer", "layers_i", ...) reading tensor `name` of layer i."""
+    out = {}
+    for path, m in maps.items():
+        if not m.stacked:
+            out[path] = m
+            continue
+        for i in range(num_layers):
+            out[(path[0], f"layers_{i}") + path[2:]] = dataclasses.replace(m, name=m.layer_name(i))
+    return out
 
 
 def find_prefix(names: Collection[str], config: ModelConfig) -> str:

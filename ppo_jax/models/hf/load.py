@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from ppo_jax import sharding
-from ppo_jax.models.config import ModelConfig
+from ppo_jax.models.config import EXECUTION_FIELDS, ModelConfig
 from ppo_jax.models.hf.config_map import checkpoint_kind, config_from_hf
 from ppo_jax.models.hf.errors import CheckpointError
 from ppo_jax.models.hf.layouts import (
@@ -66,7 +66,7 @@ def load_config(path: str | os.PathLike) -> tuple[ModelConfig, str]:
 
 def load_model(path: str | os.PathLike, mesh: jax.sharding.Mesh, rules=sharding.DEFAULT_RULES, *,
                param_dtype: str | None = None, dtype: str | None = None,
-               kind: str | None = None) -> LoadedModel:
+               kind: str | None = None, execution: Mapping[str, Any] | None = None) -> LoadedModel:
     """Loads a local Hugging Face checkpoint directory onto `mesh`.
 
     Each device reads only its own shard of each tensor (straight from a memory map of the
@@ -75,7 +75,8 @@ def load_model(path: str | os.PathLike, mesh: jax.sharding.Mesh, rules=sharding.
 
     param_dtype / dtype: parameter and compute dtypes (default float32 for both; a bf16 checkpoint
     is upcast unless param_dtype="bfloat16"). kind: defaults to what config.json's architectures
-    say; a mismatch raises.
+    say; a mismatch raises. execution: ModelConfig execution fields (attention, scan_layers, remat,
+    remat_policy) to run the model with; `scan_layers=False` loads per-layer params.
     """
     path = Path(path)
     data = _read_config_json(path)
@@ -85,7 +86,10 @@ def load_model(path: str | os.PathLike, mesh: jax.sharding.Mesh, rules=sharding.
                               f"({data.get('architectures')}), but kind={kind!r} was requested")
     config = config_from_hf(data)
     overrides = {k: v for k, v in (("param_dtype", param_dtype), ("dtype", dtype)) if v is not None}
-    config = config.replace(**overrides)
+    unknown = set(execution or ()) - set(EXECUTION_FIELDS)
+    if unknown:
+        raise ValueError(f"load_model(execution=...) takes only {EXECUTION_FIELDS}, got {sorted(unknown)}")
+    config = config.replace(**overrides, **(execution or {}))
     store = TensorStore(weight_files(path))
     try:
         maps = tensor_maps(config, found_kind, find_prefix(store.tensors, config))

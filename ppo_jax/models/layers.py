@@ -1,0 +1,105 @@
+"""Small building blocks with logical axis names: projections, norms and the MLP.
+
+Every parameter carries logical axis names (`nn.with_logical_partitioning`) that `ppo_jax.sharding`
+maps onto the mesh. Norm statistics are float32 whatever the compute dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ppo_jax.models.config import ModelConfig
+
+Array = jax.Array
+
+
+def _param(module: nn.Module, name: str, init, shape, axes, dtype):
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+class DenseGeneral(nn.Module):
+    """x[..., *in] @ kernel[*in, *out] (+ bias[*out]) with named axes; computes in `dtype`."""
+
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    axes: tuple[str, ...]  # logical names of kernel axes (in + out)
+    use_bias: bool
+    dtype: Any
+    param_dtype: Any
+    kernel_init: Any = nn.initializers.normal(0.02)
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        kernel = _param(self, "kernel", self.kernel_init, self.in_shape + self.out_shape, self.axes,
+                        self.param_dtype)
+        n_in = len(self.in_shape)
+        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+        y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ())))
+        if self.use_bias:
+            bias = _param(self, "bias", nn.initializers.zeros, self.out_shape,
+                          self.axes[n_in:], self.param_dtype)
+            y = y + bias.astype(self.dtype)
+        return y
+
+
+class LayerNorm(nn.Module):
+    """GPT-2 LayerNorm (scale and bias), statistics in float32."""
+
+    eps: float
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        d = x.shape[-1]
+        scale = _param(self, "scale", nn.initializers.ones, (d,), ("norm",), self.param_dtype)
+        bias = _param(self, "bias", nn.initializers.zeros, (d,), ("norm",), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm: normalise in float32, cast back, then scale (the Hugging Face order)."""
+
+    eps: float
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        d = x.shape[-1]
+        scale = _param(self, "scale", nn.initializers.ones, (d,), ("norm",), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
+        return y.astype(self.dtype) * scale.astype(self.dtype)
+
+
+def norm(config: ModelConfig, name: str) -> nn.Module:
+    cls = LayerNorm if config.family == "gpt2" else RMSNorm
+    return cls(config.norm_eps, config.jnp_dtype, config.jnp_param_dtype, name=name)
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        d, f = cfg.hidden_size, cfg.mlp_dim
+        common = dict(dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype)
+        act = {"gelu_new": lambda y: jax.nn.gelu(y, approximate=True),
+               "gelu": lambda y: jax.nn.gelu(y, approximate=False),
+               "silu": jax.nn.silu, "relu": jax.nn.relu}[cfg.act]
+        if cfg.family == "gpt2":
+            hidden = act(DenseGeneral((d,), (f,), ("embed", "mlp"), True, name="fc", **common)(x))
+            return DenseGeneral((f,), (d,), ("mlp", "embed"), True, name="proj", **common)(hidden)
+        gate = DenseGeneral((d,), (f,), ("embed", "mlp"), False, name="gate", **common)(x)
+        up = DenseGeneral((d,), (f,), ("embed", "mlp"), False, name="up", **common)(x)
+        return DenseGeneral((f,), (d,), ("mlp", "embed"), False, name="down", **common)(act(gate) * up)
