@@ -24,6 +24,7 @@ from ppo_jax import sharding
 from ppo_jax.models import ModelConfig, positions_from_mask, score_at_last_token
 from ppo_jax.models import hf
 from ppo_jax.models.hf import CheckpointError
+from ppo_jax.models.transformer import split_layer_params
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, MLP, MAX_POS = 128, 64, 2, 4, 2, 96, 64
 PAD = 0  # pad token: appears only as left padding
@@ -210,6 +211,28 @@ def test_export_round_trip(case, tmp_path):
         torch.testing.assert_close(tensor, original[name], rtol=0, atol=0, msg=name)
     real = REAL if case.kind == "causal_lm" else slice(None)
     assert np.abs(hf_outputs(reloaded)[real] - case.outputs[real]).max() <= 1e-4
+
+
+@pytest.mark.parametrize("case", ["gpt2-causal_lm", "llama-reward", "mistral-causal_lm"], indirect=True)
+def test_per_layer_params_load_run_and_export(case, tmp_path, mesh_222):
+    """`scan_layers=False` (per-layer params, the GPU layout) reads each layer's tensors into its own
+    leaves, matches PyTorch with the fused attention call, and exports the identical checkpoint."""
+    loaded = hf.load_model(case.path, mesh_222, execution={"scan_layers": False, "attention": "xla"})
+    assert "layers" not in loaded.params["transformer"]
+    for i, layer in enumerate(split_layer_params(case.loaded.params)):
+        per_layer = _flat(loaded.params["transformer"][f"layers_{i}"])
+        for name, value in _flat(layer).items():
+            np.testing.assert_array_equal(per_layer[name], value, err_msg=f"layer {i} {name}")
+    real = REAL if case.kind == "causal_lm" else slice(None)
+    assert np.abs(ours(loaded, mesh_222)[real] - case.reference[real]).max() <= 1e-4
+    out = tmp_path / "exported"
+    hf.export_model(out, loaded.config, loaded.params, kind=case.kind)
+    auto = (transformers.AutoModelForCausalLM if case.kind == "causal_lm"
+            else transformers.AutoModelForSequenceClassification)
+    reloaded = auto.from_pretrained(out, attn_implementation="eager").eval()
+    original = case.torch_model.state_dict()
+    for name, tensor in reloaded.state_dict().items():
+        torch.testing.assert_close(tensor, original[name], rtol=0, atol=0, msg=name)
 
 
 def test_sharded_checkpoint_loads(case, tmp_path, mesh_222):
