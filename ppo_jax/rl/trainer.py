@@ -13,9 +13,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 from etils import epath
 from tqdm.auto import tqdm
@@ -30,7 +28,7 @@ from ppo_jax.models import hf
 from ppo_jax.rl import build
 from ppo_jax.rl.experience import make_scoring_fn
 from ppo_jax.rl.settings import PPOHyper, Settings, derive_sizes, stop_token_ids
-from ppo_jax.rl.state import FrozenParams, Rollout, TrainState
+from ppo_jax.rl.state import FrozenParams, Rollout
 
 Array = jax.Array
 

@@ -19,7 +19,6 @@ import optax
 from tqdm.auto import tqdm
 
 from ppo_jax import data as data_lib
-from ppo_jax import metrics as metrics_lib
 from ppo_jax import sharding
 from ppo_jax.checkpoint import CheckpointManager
 from ppo_jax.config import ComputeSettings, ConfigError, check, check_positions, override_dtypes

@@ -1,25 +1,4 @@
-"""Checkpoints: the only module that imports Orbax.
-
-A run directory holds numbered step checkpoints and, under `frozen/`, trees saved once:
-
-    <directory>/
-      12/state/...        trainable state (any pytree of jax.Arrays; typed PRNG keys included)
-      12/extra/...        JSON: data position, shuffle state, config (whatever the caller passes)
-      12/metrics/...      JSON metrics, written only when a best metric is tracked
-      frozen/reference/   trees saved once (reference / reward params)
-
-What Orbax gives us and we rely on (each one is exercised in tests/test_checkpoint.py):
-- Atomic commits: a step is written to `<step>.orbax-checkpoint-tmp` and renamed when complete, so
-  a process killed mid-save leaves only a tmp directory that the next manager ignores (and removes).
-- Asynchronous saves: `save` returns once arrays are copied off the devices; the write continues in
-  the background. A failed background write is reported (as `CheckpointSaveError`) by the next
-  `save`, `wait` or `close`; the old checkpoints are deleted only after a new one has committed.
-- Restores onto any mesh: the caller's abstract target carries the shardings to restore onto.
-- Multi-process: every process calls every method; Orbax decides which process writes what.
-
-Restore targets are checked against the checkpoint's metadata before any array is read, so a
-checkpoint from a different model names the first differing path and both shapes.
-"""
+"""The manager: numbered step checkpoints (state + JSON extra + metrics) and trees saved once."""
 
 from __future__ import annotations
 
@@ -30,197 +9,18 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies_lib
+
+from ppo_jax.checkpoint import payloads, trees
+from ppo_jax.checkpoint.errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError
 
 STATE_ITEM = "state"
 EXTRA_ITEM = "extra"
 FROZEN_SUBDIR = "frozen"
 _FROZEN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _TMP_MARKER = ".orbax-checkpoint-tmp"
-
-
-class CheckpointError(Exception):
-    """Base class of every error this module raises on purpose."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """No complete checkpoint (or frozen tree) where one was asked for."""
-
-
-class CheckpointMismatchError(CheckpointError, ValueError):
-    """The checkpoint's tree structure or shapes differ from the restore target."""
-
-
-class CheckpointSaveError(CheckpointError, OSError):
-    """A save failed (unwritable directory, disk full, ...); earlier checkpoints are intact."""
-
-
-# --------------------------------------------------------------------------- tree paths
-
-
-def _key_token(key) -> str:
-    """One path entry as Orbax names it on disk: dict keys, attribute names, sequence indices."""
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def _path_name(path: tuple[str, ...]) -> str:
-    return ".".join(path) if path else "<root>"
-
-
-def _is_metadata_leaf(x) -> bool:
-    return hasattr(x, "shape") and hasattr(x, "dtype")
-
-
-def _flatten_with_names(tree, is_leaf=None) -> list[tuple[tuple[str, ...], Any]]:
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
-    return [(tuple(_key_token(k) for k in path), leaf) for path, leaf in leaves]
-
-
-def _is_key_dtype(dtype) -> bool:
-    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _stored_shape(abstract_leaf) -> tuple[int, ...]:
-    """Shape Orbax stores for a target leaf: typed PRNG keys are stored as their key data."""
-    if _is_key_dtype(abstract_leaf.dtype):
-        plain = jax.ShapeDtypeStruct(abstract_leaf.shape, abstract_leaf.dtype)
-        return tuple(jax.eval_shape(jax.random.key_data, plain).shape)
-    return tuple(abstract_leaf.shape)
-
-
-def _check_state_leaves(state) -> None:
-    """Saved leaves must be jax.Arrays: they carry the sharding Orbax writes collectively."""
-    for path, leaf in _flatten_with_names(state):
-        if not isinstance(leaf, jax.Array):
-            raise TypeError(
-                f"checkpoint state leaf `{_path_name(path)}` has type {type(leaf).__name__}, not "
-                "jax.Array; put it on the mesh first (jnp.asarray / jax.device_put), or move "
-                "non-array values into `extra`")
-
-
-def _to_abstract(abstract_state):
-    """Target leaves -> ShapeDtypeStruct with a sharding (jax.Arrays are accepted as targets)."""
-
-    def one(path, leaf):
-        name = _path_name(tuple(_key_token(k) for k in path))
-        if isinstance(leaf, jax.Array):
-            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
-        if not isinstance(leaf, jax.ShapeDtypeStruct):
-            raise TypeError(
-                f"restore target leaf `{name}` has type {type(leaf).__name__}; expected "
-                "jax.ShapeDtypeStruct(shape, dtype, sharding=...) (e.g. from jax.eval_shape)")
-        if leaf.sharding is None:
-            raise ValueError(
-                f"restore target leaf `{name}` has no sharding; build the target with "
-                "jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec)) so the "
-                "checkpoint can be placed on the current mesh")
-        return leaf
-
-    return jax.tree_util.tree_map_with_path(one, abstract_state)
-
-
-def check_tree_matches(stored_tree, abstract_state, *, what: str) -> None:
-    """Raises CheckpointMismatchError naming the first path where `abstract_state` differs.
-
-    `stored_tree` is Orbax's metadata tree (leaves with .shape/.dtype); `abstract_state` the
-    restore target. Dtypes may differ (Orbax casts on restore) except that a typed PRNG key must
-    be restored as a typed key of the same key shape.
-    """
-    stored = dict(_flatten_with_names(stored_tree, is_leaf=_is_metadata_leaf))
-    target = _flatten_with_names(abstract_state)
-    hint = ("the checkpoint was probably written for a different model or state layout; restore "
-            "with the configuration it was saved with")
-    for path, leaf in target:
-        name = _path_name(path)
-        if path not in stored:
-            raise CheckpointMismatchError(
-                f"{what} has no entry `{name}` that the restore target expects "
-                f"(shape {tuple(leaf.shape)}); {hint}")
-        found = tuple(stored[path].shape)
-        expected = _stored_shape(leaf)
-        if found != expected:
-            if _is_key_dtype(leaf.dtype):
-                detail = (f"expected a PRNG key array of shape {tuple(leaf.shape)} (key data "
-                          f"{expected}), found shape {found}")
-            else:
-                detail = f"expected shape {expected}, found {found}"
-            raise CheckpointMismatchError(f"{what} differs at `{name}`: {detail}; {hint}")
-    target_paths = {path for path, _ in target}
-    for path in stored:
-        if path not in target_paths:
-            raise CheckpointMismatchError(
-                f"{what} has an entry `{_path_name(path)}` (shape {tuple(stored[path].shape)}) "
-                f"that the restore target does not have; {hint}")
-
-
-# --------------------------------------------------------------------------- JSON payloads
-
-
-def _first_non_json(value, path="") -> str | None:
-    """Path of the first value json cannot encode, or None."""
-    if isinstance(value, Mapping):
-        for k, v in value.items():
-            if not isinstance(k, str):
-                return f"{path}[{k!r}] (keys must be strings)"
-            found = _first_non_json(v, f"{path}[{k!r}]")
-            if found:
-                return found
-        return None
-    if isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            found = _first_non_json(v, f"{path}[{i}]")
-            if found:
-                return found
-        return None
-    if value is None or isinstance(value, (str, bool, int, float)):
-        return None
-    return f"{path} ({type(value).__name__})"
-
-
-def _check_extra(extra) -> dict:
-    if not isinstance(extra, Mapping):
-        raise TypeError(
-            f"checkpoint `extra` must be a dict of JSON values, got {type(extra).__name__}")
-    bad = _first_non_json(extra)
-    if bad:
-        raise TypeError(
-            f"checkpoint `extra` holds a value JSON cannot store at extra{bad}; convert it to "
-            "int/float/str/bool/list/dict (e.g. int(x), x.tolist()) or save arrays in the state")
-    return dict(extra)
-
-
-def _check_metrics(metrics, best_metric: str | None) -> dict | None:
-    if metrics is None:
-        return None
-    if not isinstance(metrics, Mapping):
-        raise TypeError(
-            f"checkpoint `metrics` must be a dict name -> number, got {type(metrics).__name__}")
-    clean = {}
-    for name, value in metrics.items():
-        if not isinstance(name, str):
-            raise TypeError(f"checkpoint metric names must be strings, got {name!r}")
-        try:
-            clean[name] = float(np.asarray(value).item())
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"checkpoint metric {name!r} must be a scalar number, got {type(value).__name__}"
-            ) from None
-    if best_metric is not None and best_metric not in clean:
-        raise KeyError(
-            f"checkpoint metrics lack the tracked best metric {best_metric!r} (have "
-            f"{sorted(clean)}); pass it, or pass metrics=None for a checkpoint that only counts "
-            "as recent")
-    return clean
-
-
-# --------------------------------------------------------------------------- manager
 
 
 def _as_path(directory) -> epath.Path:
@@ -355,9 +155,9 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
             raise ValueError(f"checkpoint step must be a non-negative integer, got {step!r}")
         step = int(step)
-        _check_state_leaves(state)
-        extra = _check_extra(extra)
-        metrics = _check_metrics(metrics, self._best_metric)
+        trees.check_state_leaves(state)
+        extra = payloads.check_extra(extra)
+        metrics = payloads.check_metrics(metrics, self._best_metric)
         self._raise_if_previous_save_failed()
         if force and step in self._manager.all_steps():
             raise CheckpointError(
@@ -422,7 +222,7 @@ class CheckpointManager:
         elif step not in steps:
             raise CheckpointNotFoundError(
                 f"checkpoint step {step} is not in {self._directory}; available steps: {steps}")
-        abstract = _to_abstract(abstract_state)
+        abstract = trees.to_abstract(abstract_state)
         what = f"checkpoint step {step} in {self._directory}"
         try:
             stored = self._manager.item_metadata(step)[STATE_ITEM]
@@ -431,7 +231,7 @@ class CheckpointManager:
         if stored is None:
             raise CheckpointError(
                 f"{what} has no '{STATE_ITEM}' item; it was not written by ppo_jax")
-        check_tree_matches(getattr(stored, "tree", stored), abstract, what=what)
+        trees.check_tree_matches(getattr(stored, "tree", stored), abstract, what=what)
         args = ocp.args.Composite(**{
             STATE_ITEM: ocp.args.StandardRestore(abstract),
             EXTRA_ITEM: ocp.args.JsonRestore(),
@@ -472,7 +272,7 @@ class CheckpointManager:
         """Starts saving `tree` once under frozen/<name> (asynchronous like `save`)."""
         self._check_open()
         path = self._frozen_path(name)
-        _check_state_leaves(tree)
+        trees.check_state_leaves(tree)
         if self._frozen_checkpointer is None:
             handler = ocp.StandardCheckpointHandler()
             self._frozen_checkpointer = (ocp.AsyncCheckpointer(handler) if self._async
@@ -513,7 +313,7 @@ class CheckpointManager:
                 if root.exists() else []
             raise CheckpointNotFoundError(
                 f"no frozen tree {name!r} at {path}; frozen trees present: {have or 'none'}")
-        abstract = _to_abstract(abstract)
+        abstract = trees.to_abstract(abstract)
         what = f"frozen tree {name!r} at {path}"
         with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
             try:
@@ -521,7 +321,7 @@ class CheckpointManager:
             except Exception as e:
                 raise CheckpointError(
                     f"{what} is unreadable (its metadata failed to load: {e})") from e
-            check_tree_matches(getattr(stored, "tree", stored), abstract, what=what)
+            trees.check_tree_matches(getattr(stored, "tree", stored), abstract, what=what)
             try:
                 return checkpointer.restore(path, args=ocp.args.StandardRestore(abstract))
             except Exception as e:

@@ -1,0 +1,36 @@
+"""Checkpoints: the only package that imports Orbax.
+
+Modules: `manager` (CheckpointManager), `trees` (paths, shapes, the restore-target check),
+`payloads` (the JSON items), `errors`.
+
+A run directory holds numbered step checkpoints and, under `frozen/`, trees saved once:
+
+    <directory>/
+      12/state/...        trainable state (any pytree of jax.Arrays; typed PRNG keys included)
+      12/extra/...        JSON: data position, shuffle state, config (whatever the caller passes)
+      12/metrics/...      JSON metrics, written only when a best metric is tracked
+      frozen/reference/   trees saved once (reference / reward params)
+
+What Orbax gives us and we rely on (each one is exercised in tests/test_checkpoint.py):
+- Atomic commits: a step is written to `<step>.orbax-checkpoint-tmp` and renamed when complete, so
+  a process killed mid-save leaves only a tmp directory that the next manager ignores (and removes).
+- Asynchronous saves: `save` returns once arrays are copied off the devices; the write continues in
+  the background. A failed background write is reported (as `CheckpointSaveError`) by the next
+  `save`, `wait` or `close`; the old checkpoints are deleted only after a new one has committed.
+- Restores onto any mesh: the caller's abstract target carries the shardings to restore onto.
+- Multi-process: every process calls every method; Orbax decides which process writes what.
+
+Restore targets are checked against the checkpoint's metadata before any array is read, so a
+checkpoint from a different model names the first differing path and both shapes.
+"""
+
+from ppo_jax.checkpoint.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+)
+from ppo_jax.checkpoint.manager import CheckpointManager
+
+__all__ = ["CheckpointError", "CheckpointManager", "CheckpointMismatchError", "CheckpointNotFoundError",
+           "CheckpointSaveError"]
