@@ -117,6 +117,71 @@ def test_nonfinite_rewards_skip_updates_then_stop_with_checkpoint_intact(tmp_pat
     trainer.close()
 
 
+def test_a_nonfinite_last_iteration_still_saves_and_is_not_called_done(tmp_path):
+    """The final save happens with the last good parameters, and the run says it ended on skipped
+    updates (an error, so the CLI exits non-zero), never "done"."""
+    calls = {"n": 0}
+
+    def poisoned_last(prompts, responses):
+        calls["n"] += 1
+        scores = np.asarray(reward_fns.toy_target_count(prompts, responses), np.float32)
+        if calls["n"] == 2:
+            scores[0] = np.inf
+        return scores
+
+    config = tiny_config(**{"train.iterations": 2})  # checkpoint_every = 0: only the final save
+    trainer = PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 1, 1)),
+                         reward_functions=[(poisoned_last, 1.0)])
+    with pytest.raises(NonFiniteError, match=r"ended on 1 iteration\(s\) whose updates were skipped.*"
+                                             r"checkpoint step 2"):
+        trainer.train()
+    assert trainer.checkpoints.all_steps() == [2]
+    restored, _ = trainer.checkpoints.restore(2, abstract_state=trainer.abstract_state)
+    for saved, live in zip(jax.tree.leaves(jax.device_get(restored.policy)),
+                           jax.tree.leaves(jax.device_get(trainer.state.policy))):
+        assert np.isfinite(saved).all()
+        np.testing.assert_array_equal(saved, live)
+    trainer.close()
+
+
+def test_an_update_that_makes_parameters_nonfinite_stops_before_saving(tmp_path):
+    """1e39 is a finite Python float but overflows float32: gradients stay finite, the parameters do
+    not. The step-finite check stops the run, and nothing non-finite is ever saved."""
+    config = tiny_config(**{"train.iterations": 3, "train.checkpoint_every": 1, "optim.policy_lr": 1e39,
+                            "optim.max_grad_norm": 0.0})
+    trainer = PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
+    with pytest.raises(NonFiniteError, match="iteration 1's update produced non-finite parameters.*"
+                                             "not saved; no checkpoint was saved"):
+        trainer.train()
+    assert trainer.checkpoints.all_steps() == []
+    trainer.close()
+
+
+def test_export_refuses_nonfinite_parameters(tmp_path):
+    config = tiny_config(**{"train.iterations": 1})
+    trainer = PPOTrainer(config, str(tmp_path / "run"), mesh=make_test_mesh((1, 1, 1)))
+    trainer.train()
+    _, extra = trainer.checkpoints.read_extra(1)
+    state = trainer.state
+    poisoned = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(np.nan), state.policy)
+    trainer.checkpoints.save(2, state.replace(policy=poisoned, step=state.step + 1), extra=extra, force=True)
+    trainer.close()
+    with pytest.raises(ValueError, match="checkpoint step 2 .* holds non-finite policy parameters"):
+        export_checkpoint(str(tmp_path / "run"), str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()
+    assert os.path.isdir(export_checkpoint(str(tmp_path / "run"), str(tmp_path / "hf"), step=1))
+
+
+def test_rerunning_a_finished_run_says_it_is_complete(tmp_path):
+    from ppo_jax.cli.train import train
+
+    config = tiny_config(**{"train.iterations": 1})
+    first = train(config, str(tmp_path))
+    assert first.startswith("done: 1 iterations")
+    again = train(config, str(tmp_path))
+    assert again.startswith("already complete: checkpoint step 1 of train.iterations=1")
+
+
 def test_cli_sigterm_saves_and_says_how_to_resume(tmp_path):
     workdir = tmp_path / "run"
     cmd = [sys.executable, "-m", "ppo_jax.cli.train", f"--config={REPO}/configs/ppo_toy.py",

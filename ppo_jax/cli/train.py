@@ -4,16 +4,25 @@ console script `ppo-jax-train`): a PPO run; the same command on the same workdir
 from __future__ import annotations
 
 from ppo_jax import distributed
-from ppo_jax.cli.common import config_command
+from ppo_jax.cli.common import config_command, fail
 from ppo_jax.rl.settings import Settings
-from ppo_jax.rl.trainer import PPOTrainer
+from ppo_jax.rl.trainer import NonFiniteError, PPOTrainer
 
 
 def train(config, workdir: str) -> str:
     settings = Settings.from_config(config, reward_in_code=False)
     distributed.initialize(settings.distributed)  # before anything touches a device
     trainer = PPOTrainer(settings, workdir)
-    history = trainer.train()
+    try:
+        history = trainer.train()
+    except NonFiniteError as err:  # one line and a non-zero exit, never "done"
+        fail(str(err))
+    if not history:  # a finished run relaunched (e.g. by a preemption script): nothing left to do
+        return (f"already complete: checkpoint step {trainer.checkpoints.latest_step()} of "
+                f"train.iterations={settings.train.iterations} in {trainer.checkpoints.directory}; "
+                "raise train.iterations to continue it")
+    if trainer.stopped_by:
+        return ""  # the trainer said where it stopped and how to resume
     last = history[-1]
     return (f"done: {len(history)} iterations, score {last['objective/scores']:.4f}, "
             f"KL {last['objective/kl']:.4f}; metrics in {trainer.writer.path}")

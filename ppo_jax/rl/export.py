@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 
+import jax
+import jax.numpy as jnp
+
 from ppo_jax import sharding
 from ppo_jax.checkpoint import CheckpointManager
 from ppo_jax.config import from_config, model_config_from_dict
@@ -23,6 +26,12 @@ def checkpoint_dirs(path: str) -> tuple[str, str]:
     if os.path.basename(path.rstrip("/")) == "checkpoints":
         return os.path.dirname(path), path
     return path, os.path.join(path, "checkpoints")
+
+
+def nonfinite_tensors(params) -> list[str]:
+    """Paths of the tensors of `params` holding a NaN or an infinity."""
+    flags = jax.jit(lambda t: jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)), t))(params)
+    return [jax.tree_util.keystr(path) for path, ok in jax.tree_util.tree_leaves_with_path(flags) if not bool(ok)]
 
 
 def export_checkpoint(checkpoint: str, out: str, *, step: int | None = None, which: str = "policy",
@@ -51,6 +60,12 @@ def export_checkpoint(checkpoint: str, out: str, *, step: int | None = None, whi
         state, _ = manager.restore(step, abstract_state=abstract)
     finally:
         manager.close()
+    params = state.policy if which == "policy" else state.value
+    bad = nonfinite_tensors(params)
+    if bad:
+        raise ValueError(f"checkpoint step {step} in {ckpt_dir} holds non-finite {which} parameters (NaN or inf "
+                         f"in {len(bad)} of {len(jax.tree.leaves(params))} tensors, e.g. {bad[0]}); refusing to "
+                         "export them")
     tokenizer = hf.load_tokenizer(os.path.join(workdir, "tokenizer"))
     if which == "policy":
         return str(hf.export_model(out, policy_cfg, state.policy, kind="causal_lm", tokenizer=tokenizer))

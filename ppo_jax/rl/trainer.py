@@ -113,6 +113,7 @@ class PPOTrainer:
         self.history: list[dict[str, float]] = []
         self._stop_signal: str | None = None
         self._consecutive_nonfinite = 0
+        self.stopped_by: str | None = None  # the signal (or preemption notice) that stopped train()
         self._reference_saved = self.checkpoints.has_frozen("reference")
         self._score_jit = None
 
@@ -296,6 +297,18 @@ class PPOTrainer:
         return [{"prompt": p, "response": r, "score": float(s), "kl": float(k)}
                 for p, r, s, k in zip(prompts, responses, host["s"], kl)]
 
+    def _check_state_finite(self, step: int, scalars: dict[str, float]) -> None:
+        """Stops (saving nothing) when the update produced non-finite parameters."""
+        if scalars.get("nonfinite/state", 0.0) == 0.0:
+            return
+        self.checkpoints.wait()
+        last = self.checkpoints.latest_step()
+        where = (f"the last good checkpoint is step {last} in {self.checkpoints.directory}" if last is not None
+                 else "no checkpoint was saved")
+        raise NonFiniteError(
+            f"iteration {step}'s update produced non-finite parameters from finite gradients (check "
+            f"optim.policy_lr / optim.value_lr and the Adam settings); the state was not saved; {where}")
+
     def _handle_nonfinite(self, step: int, scalars: dict[str, float]) -> None:
         """Counts skipped updates, writes the offending samples, stops after too many in a row."""
         if scalars.get("nonfinite/skipped_minibatches", 0.0) == 0.0:
@@ -351,6 +364,7 @@ class PPOTrainer:
                 scalars = self.run_iteration()
                 step = int(self.state.step)
                 self.history.append(scalars)
+                self._check_state_finite(step, scalars)
                 self._handle_nonfinite(step, scalars)
                 if cfg.eval_every and step % cfg.eval_every == 0:
                     scalars.update(self.evaluate())
@@ -369,8 +383,20 @@ class PPOTrainer:
                 stop = self._stop_signal is not None or preempted
                 healthy = self._consecutive_nonfinite == 0
                 due = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
-                if healthy and (due or stop or step == cfg.iterations):
+                final = step == cfg.iterations
+                # Mid-run, a streak of skipped updates is not saved (the last good checkpoint keeps the
+                # data position before it). The final save always happens: skipped updates left the
+                # parameters as they were and _check_state_finite vouched for them, so this is the
+                # last good state, and the run's work is never lost.
+                if final or (healthy and (due or stop)):
                     self.save_checkpoint(force=True)
+                if final and not healthy:
+                    self.checkpoints.wait()
+                    raise NonFiniteError(
+                        f"the run ended on {self._consecutive_nonfinite} iteration(s) whose updates were skipped "
+                        f"for non-finite losses, gradients or rewards (samples in "
+                        f"{os.path.join(self.workdir, 'nonfinite_samples.jsonl')}); checkpoint step {step} "
+                        f"in {self.checkpoints.directory} holds the parameters from before them")
                 if stop:
                     self.checkpoints.wait()
                     reason = self._stop_signal or "a TPU preemption notice"

@@ -155,6 +155,10 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
         kl = jax.tree.map(lambda new, old: jnp.where(exp_finite, new, old), kl, state.kl)
         state = state.replace(kl=kl, step=state.step + 1)
         out["nonfinite/skipped_minibatches"] = metrics["skipped"].sum()
+        # Finite gradients can still produce non-finite parameters (an infinite learning rate, an
+        # overflowing update): one fused reduction over the new trainable state says so, and the
+        # trainer then refuses to save, evaluate or export it.
+        out["nonfinite/state"] = 1.0 - all_finite((state.policy, state.value)).astype(jnp.float32)
         return state, out
 
     return update
