@@ -35,6 +35,9 @@ setup(
         "tfds": ["tensorflow-datasets>=4.9", "array-record>=0.5", "importlib_resources"],
         "hf-datasets": ["datasets>=2.14"],
         "gcs": ["gcsfs"],
+        # Accelerators: the jax build with the platform's plugin (CUDA 12 wheels / libtpu).
+        "cuda12": ["jax[cuda12]"],
+        "tpu": ["jax[tpu]"],
         "bench": ["torch", "trl==0.29.1"],
     },
     entry_points={"console_scripts": [
