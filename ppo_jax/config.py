@@ -204,9 +204,6 @@ class ComputeSettings:
               f"{prefix}.layer_loop={self.layer_loop!r}: use auto, scan or unrolled")
         check(self.remat in ("keep", "none") + REMAT_POLICIES,
               f"{prefix}.remat={self.remat!r}: use keep, none, {', '.join(REMAT_POLICIES)}")
-        check(self.attention != "cudnn" or jax.default_backend() == "gpu",
-              f"{prefix}.attention='cudnn' needs a GPU, but this run's platform is {jax.default_backend()}; "
-              "use auto or einsum")
 
     def execution(self, cfg: ModelConfig) -> dict[str, Any]:
         """The ModelConfig execution fields this section sets for the model `cfg`, "auto" resolved."""
@@ -222,7 +219,11 @@ class ComputeSettings:
         return out
 
     def apply(self, cfg: ModelConfig) -> ModelConfig:
-        """`cfg` as this run executes it (checked: cuDNN attention needs a bf16/fp16 compute dtype)."""
+        """`cfg` as this run executes it (checked: cuDNN attention needs a GPU and a bf16/fp16 compute
+        dtype). Reads the platform, so it runs after `jax.distributed.initialize`, never in validate()."""
+        check(self.attention != "cudnn" or jax.default_backend() == "gpu",
+              f"compute.attention='cudnn' needs a GPU, but this run's platform is {jax.default_backend()}; "
+              "use auto or einsum")
         try:
             return cfg.replace(**self.execution(cfg))
         except ValueError as err:

@@ -167,11 +167,16 @@ def test_auto_resolves_to_the_reference_kernels_off_gpu():
     (ComputeSettings(attention="flash"), "compute.attention='flash'"),
     (ComputeSettings(layer_loop="loop"), "compute.layer_loop='loop'"),
     (ComputeSettings(remat="some"), "compute.remat='some'"),
-    (ComputeSettings(attention="cudnn"), "needs a GPU"),
 ])
 def test_bad_compute_settings_are_refused(settings, message):
     with pytest.raises(ConfigError, match=message):
         settings.validate()
+
+
+def test_cudnn_attention_off_gpu_is_refused_when_applied():
+    ComputeSettings(attention="cudnn").validate()  # validate() must not touch the backend (multi-host)
+    with pytest.raises(ConfigError, match="compute.attention='cudnn' needs a GPU, but this run's platform is cpu"):
+        ComputeSettings(attention="cudnn").apply(MISTRAL.replace(dtype="bfloat16"))
 
 
 def test_cudnn_attention_needs_a_half_precision_compute_dtype():
