@@ -213,9 +213,10 @@ class ComputeSettings:
             attention = "cudnn" if on_gpu and cfg.jnp_dtype in (jnp.bfloat16, jnp.float16) else "einsum"
         loop = self.layer_loop if self.layer_loop != "auto" else ("unrolled" if on_gpu else "scan")
         out = dict(attention=attention, scan_layers=loop == "scan")
-        if self.remat != "keep":
-            out["remat"] = self.remat != "none"
-            out["remat_policy"] = self.remat if self.remat != "none" else cfg.remat_policy
+        if self.remat == "none":
+            out["remat"] = False
+        elif self.remat != "keep":
+            out.update(remat=True, remat_policy=self.remat)
         return out
 
     def apply(self, cfg: ModelConfig) -> ModelConfig:

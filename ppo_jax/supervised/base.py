@@ -245,6 +245,13 @@ class SupervisedTrainer:
         scalars.update(self.loader.metrics())
         return scalars
 
+    def run_steps(self) -> list[dict[str, float]]:
+        """`run_loop` to train.steps on this trainer's step, evaluation, saves and writer."""
+        return run_loop(desc=self.name.replace("_", " "), total_steps=self.settings.train.steps,
+                        state_step=lambda: self.step, train_step=self.train_step,
+                        evaluate=self.evaluate if self.eval_source is not None else None,
+                        save=self.save, config_train=self.settings.train, writer=self.writer)
+
     def save(self, step: int, scalars=None) -> None:
         if step not in self.checkpoints.all_steps():
             self.checkpoints.save(step, self.state, extra={"data": self.loader.state()}, force=True)

@@ -321,10 +321,7 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
     def train(self) -> list[dict[str, float]]:
         """Runs to train.steps (resuming from the latest checkpoint), normalises, exports <workdir>/hf."""
         try:
-            history = supervised.run_loop(
-                desc="reward model", total_steps=self.settings.train.steps, state_step=lambda: self.step,
-                train_step=self.train_step, evaluate=self.evaluate if self.eval_source is not None else None,
-                save=self.save, config_train=self.settings.train, writer=self.writer)
+            history = self.run_steps()
             if self.settings.normalize.source != "none":
                 stats = self.normalize()
                 row = {"step": self.step, **self.writer.write(

@@ -164,10 +164,7 @@ class SFTTrainer(supervised.SupervisedTrainer):
     def train(self) -> list[dict[str, float]]:
         """Runs to train.steps (resuming from the latest checkpoint), then exports to <workdir>/hf."""
         try:
-            history = supervised.run_loop(
-                desc="sft", total_steps=self.settings.train.steps, state_step=lambda: self.step,
-                train_step=self.train_step, evaluate=self.evaluate if self.eval_source is not None else None,
-                save=self.save, config_train=self.settings.train, writer=self.writer)
+            history = self.run_steps()
         finally:
             self.close()
         if self.settings.train.export:
