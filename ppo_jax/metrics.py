@@ -40,20 +40,20 @@ class MetricWriter:
 
     def __init__(self, workdir: str, *, filename: str = "metrics.jsonl", tensorboard: bool = True,
                  resume_step: int = 0):
-        """resume_step: the step a resumed run restarts after; rows logged beyond it by the
-        interrupted run (after its last checkpoint) are dropped so no step appears twice."""
+        """resume_step: the step a run restarts after (0 for a run starting from scratch); rows
+        logged beyond it by an interrupted run (after its last checkpoint, or before its first one)
+        are dropped so that every step appears once."""
         self.active = jax.process_index() == 0
         self.path = os.path.join(workdir, filename)
         self._tb = None
         if self.active:
             epath.Path(workdir).mkdir(parents=True, exist_ok=True)
-            if resume_step and epath.Path(self.path).exists():
-                truncate_after(self.path, resume_step)
+            truncate_after(self.path, resume_step)
             if tensorboard:
                 from tensorboardX import SummaryWriter  # lazy: only the writer needs it
 
                 self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
-                                         purge_step=resume_step + 1 if resume_step else None)
+                                         purge_step=resume_step + 1)
 
     def write(self, step: int, scalars: Mapping[str, Any]) -> dict[str, float]:
         row = {k: _to_float(v) for k, v in scalars.items()}
@@ -72,11 +72,24 @@ class MetricWriter:
             self._tb.close()
 
 
+def _step_of(line: str) -> int | None:
+    """The "step" of a JSONL row; None for a line cut short by a kill mid-write."""
+    try:
+        return int(json.loads(line).get("step", 0))
+    except ValueError:
+        return None
+
+
 def truncate_after(path: str, step: int) -> None:
-    """Drops JSONL rows whose "step" is beyond `step` (rewritten atomically)."""
+    """Drops JSONL rows whose "step" is beyond `step`, and a last line cut short by a kill
+    (rewritten atomically; a missing file is left missing)."""
     path = epath.Path(path)
-    keep = [line + "\n" for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step]
+    if not path.exists():
+        return
+    rows = [(line, _step_of(line)) for line in path.read_text().splitlines() if line.strip()]
+    keep = [line + "\n" for line, row_step in rows if row_step is not None and row_step <= step]
+    if len(keep) == len(rows):
+        return  # nothing to drop: leave the file (and its timestamps) alone
     tmp = path.parent / (path.name + ".tmp")
     tmp.write_text("".join(keep))
     tmp.replace(path)

@@ -19,7 +19,7 @@ from tiny_configs import tiny_config
 
 from ppo_jax import rewards as reward_fns
 from ppo_jax.rl.export import export_checkpoint
-from ppo_jax.rl.trainer import NonFiniteError, PPOTrainer
+from ppo_jax.rl.trainer import NonFiniteError, PPOTrainer, RunFailedError
 
 ITERATIONS = 4
 
@@ -180,6 +180,101 @@ def test_rerunning_a_finished_run_says_it_is_complete(tmp_path):
     assert first.startswith("done: 1 iterations")
     again = train(config, str(tmp_path))
     assert again.startswith("already complete: checkpoint step 1 of train.iterations=1")
+
+
+def test_a_run_killed_before_its_first_checkpoint_logs_every_step_once(tmp_path):
+    """Metrics and samples written by a run that died before any checkpoint are dropped when the
+    next run starts over, so every step appears once (not [1, 2, 1, 2, 3])."""
+    config = tiny_config(**{"train.iterations": 2, "train.sample_every": 1})
+
+    def killed_at_step_2(step, scalars):
+        if step == 2:  # BaseException: nothing catches it, like a hard kill (no emergency save)
+            raise KeyboardInterrupt
+        return None
+
+    first = PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
+    with pytest.raises(KeyboardInterrupt):
+        first.train(on_iteration=killed_at_step_2)
+    first.close()
+    assert [r["step"] for r in map(json.loads, open(tmp_path / "metrics.jsonl"))] == [1]
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "objective/sco')  # a row cut short by the kill
+    second = PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
+    assert second.resumed_from is None
+    second.train()
+    second.close()
+    assert [r["step"] for r in map(json.loads, open(tmp_path / "metrics.jsonl"))] == [1, 2]
+    sample_steps = [r["step"] for r in map(json.loads, open(tmp_path / "samples.jsonl"))]
+    assert sorted(set(sample_steps)) == [1, 2] and sample_steps == sorted(sample_steps)
+    assert sample_steps.count(1) == sample_steps.count(2)
+
+
+def _reward_raising_at(call: int):
+    calls = {"n": 0}
+
+    def reward(prompts, responses):
+        calls["n"] += 1
+        if calls["n"] == call:
+            raise ZeroDivisionError("the reward server divided by zero")
+        return reward_fns.toy_target_count(prompts, responses)
+
+    return reward
+
+
+def test_an_exception_mid_run_saves_the_last_good_state_first(tmp_path):
+    """checkpoint_every=0: without the emergency save, iterations 1-2 would be lost."""
+    config = tiny_config(**{"train.iterations": 4})
+    trainer = PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 1, 1)),
+                         reward_functions=[(_reward_raising_at(3), 1.0)])
+    with pytest.raises(RunFailedError, match=r"iteration 3 failed with ZeroDivisionError: the reward server "
+                                             r"divided by zero; checkpoint step 2 in .* holds the last good state"
+                                             r".*traceback in .*error.log") as info:
+        trainer.train()
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    assert trainer.checkpoints.all_steps() == [2]
+    log = (tmp_path / "error.log").read_text()
+    assert "iteration 3 failed" in log and "Traceback" in log and "ZeroDivisionError" in log
+    trainer.close()
+    resumed = PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 1, 1)),
+                         reward_functions=[(reward_fns.toy_target_count, 1.0)])
+    assert resumed.resumed_from == 2
+    assert len(resumed.train()) == 2
+    resumed.close()
+    assert [r["step"] for r in map(json.loads, open(tmp_path / "metrics.jsonl"))] == [1, 2, 3, 4]
+
+
+def test_an_exception_in_the_first_iteration_saves_nothing_and_says_so(tmp_path):
+    trainer = PPOTrainer(tiny_config(**{"train.iterations": 2}), str(tmp_path), mesh=make_test_mesh((1, 1, 1)),
+                         reward_functions=[(_reward_raising_at(1), 1.0)])
+    with pytest.raises(RunFailedError, match="iteration 1 failed .* no iteration completed, nothing was saved"):
+        trainer.train()
+    assert trainer.checkpoints.all_steps() == []
+    trainer.close()
+
+
+def test_cli_reports_a_failing_reward_function_in_one_line(tmp_path):
+    (tmp_path / "flaky_reward.py").write_text(
+        "CALLS = [0]\n"
+        "def score(prompts, responses):\n"
+        "    CALLS[0] += 1\n"
+        "    if CALLS[0] == 2:\n"
+        "        raise RuntimeError('reward service unavailable')\n"
+        "    return [float(len(r)) for r in responses]\n")
+    workdir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ppo_jax.cli.train", f"--config={REPO}/configs/ppo_toy.py",
+           f"--workdir={workdir}", "--config.train.iterations=3", "--config.train.progress=False",
+           "--config.reward.functions=flaky_reward:score", "--config.rollout.batch_size=8",
+           "--config.rollout.response_length=4", "--config.data.prompt_length=8", "--config.ppo.epochs=1"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and "iteration 2 failed with RuntimeError: reward service unavailable" \
+        in error_lines[0] and "checkpoint step 1" in error_lines[0], proc.stderr[-3000:]
+    assert "RuntimeError" in (workdir / "error.log").read_text()
+    assert sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit()) == [1]
 
 
 def test_cli_sigterm_saves_and_says_how_to_resume(tmp_path):

@@ -7,6 +7,7 @@ The config is locked, so a misspelled override fails instead of being silently i
 from __future__ import annotations
 
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -20,14 +21,21 @@ from ppo_jax.checkpoint import CheckpointError
 USER_ERRORS = (ConfigError, CheckpointError, ValueError, KeyError, FileNotFoundError, FileExistsError)
 
 
-def fail(message: str) -> None:
+VERBOSE = flags.DEFINE_bool("verbose", False, "library INFO logs and full tracebacks on the terminal")
+
+
+def fail(message: str, *, code: int = 2, cause: BaseException | None = None) -> None:
+    """One `error:` line and exit `code` (2: bad input; 1: a failure while running). With --verbose
+    the traceback of `cause` is printed first."""
+    if cause is not None and VERBOSE.value:
+        traceback.print_exception(cause)
     print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
 
 
 def quiet_logging() -> None:
-    """JAX's and Orbax's INFO lines would bury the progress bars (unless --verbosity was given)."""
-    if not flags.FLAGS["verbosity"].present:
+    """JAX's and Orbax's INFO lines would bury the progress bars (unless --verbose or --verbosity)."""
+    if not (VERBOSE.value or flags.FLAGS["verbosity"].present):
         logging.set_verbosity(logging.WARNING)
 
 

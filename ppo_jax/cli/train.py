@@ -6,7 +6,7 @@ from __future__ import annotations
 from ppo_jax import distributed
 from ppo_jax.cli.common import config_command, fail
 from ppo_jax.rl.settings import Settings
-from ppo_jax.rl.trainer import NonFiniteError, PPOTrainer
+from ppo_jax.rl.trainer import NonFiniteError, PPOTrainer, RunFailedError
 
 
 def train(config, workdir: str) -> str:
@@ -17,6 +17,8 @@ def train(config, workdir: str) -> str:
         history = trainer.train()
     except NonFiniteError as err:  # one line and a non-zero exit, never "done"
         fail(str(err))
+    except RunFailedError as err:  # the last good state is saved; the traceback is in the workdir's error.log
+        fail(str(err), code=1, cause=err.__cause__)
     if not history:  # a finished run relaunched (e.g. by a preemption script): nothing left to do
         return (f"already complete: checkpoint step {trainer.checkpoints.latest_step()} of "
                 f"train.iterations={settings.train.iterations} in {trainer.checkpoints.directory}; "

@@ -7,9 +7,11 @@ validates everything before compiling, then `train()` runs the iterations.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import signal
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +22,7 @@ from tqdm.auto import tqdm
 
 from ppo_jax import metrics as metrics_lib
 from ppo_jax import rewards, sampling, sharding
-from ppo_jax.checkpoint import CheckpointManager
+from ppo_jax.checkpoint import CheckpointError, CheckpointManager
 from ppo_jax.config import ConfigError, to_dict
 from ppo_jax.data import toy
 from ppo_jax.data.prompt_stream import PromptStream
@@ -31,10 +33,17 @@ from ppo_jax.rl.settings import PPOHyper, Settings, derive_sizes, stop_token_ids
 from ppo_jax.rl.state import FrozenParams, Rollout
 
 Array = jax.Array
+SAMPLES_FILE = "samples.jsonl"
+NONFINITE_SAMPLES_FILE = "nonfinite_samples.jsonl"
 
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive updates were skipped for non-finite losses, gradients or rewards."""
+
+
+class RunFailedError(RuntimeError):
+    """An exception stopped the loop; the last good state was saved first (the cause is chained
+    and its traceback written to `<workdir>/error.log`)."""
 
 
 class PPOTrainer:
@@ -108,12 +117,16 @@ class PPOTrainer:
                                        self.value_tx, self.state_shardings, self.frozen_shardings, self.stop_ids,
                                        int(self.tokenizer.pad_token_id))
         self.writer = metrics_lib.MetricWriter(self.workdir, resume_step=self.resumed_from or 0)
+        if jax.process_index() == 0:  # sample logs restart with the steps, like the metrics
+            for name in (SAMPLES_FILE, NONFINITE_SAMPLES_FILE):
+                metrics_lib.truncate_after(os.path.join(self.workdir, name), self.resumed_from or 0)
         if jax.process_index() == 0:
             hf.save_tokenizer(self.tokenizer, os.path.join(self.workdir, "tokenizer"))
         self.history: list[dict[str, float]] = []
         self._stop_signal: str | None = None
         self._consecutive_nonfinite = 0
         self.stopped_by: str | None = None  # the signal (or preemption notice) that stopped train()
+        self._checked_step = self.resumed_from  # newest step whose parameters passed the finiteness check
         self._reference_saved = self.checkpoints.has_frozen("reference")
         self._score_jit = None
 
@@ -329,7 +342,7 @@ class PPOTrainer:
         prompts, responses = self.decode(host["pt"][rows], host["pm"][rows], host["t"][rows], host["m"][rows])
         metrics_lib.write_samples(self.workdir, step, [
             {"row": int(r), "prompt": p, "response": t, "score": float(host["s"][r])}
-            for r, p, t in zip(rows, prompts, responses)], filename="nonfinite_samples.jsonl")
+            for r, p, t in zip(rows, prompts, responses)], filename=NONFINITE_SAMPLES_FILE)
         limit = self.settings.train.max_consecutive_nonfinite
         if self._consecutive_nonfinite >= limit:
             self.checkpoints.wait()
@@ -339,7 +352,30 @@ class PPOTrainer:
             raise NonFiniteError(
                 f"{self._consecutive_nonfinite} consecutive iterations had non-finite losses, gradients or "
                 f"rewards (their updates were skipped; the samples are in "
-                f"{os.path.join(self.workdir, 'nonfinite_samples.jsonl')}); {where}")
+                f"{os.path.join(self.workdir, NONFINITE_SAMPLES_FILE)}); {where}")
+
+    def _failed(self, err: Exception) -> RunFailedError:
+        """Saves the last good state if it is not saved yet, logs the traceback, and returns the
+        one-line error that says what failed and what was kept."""
+        step = int(self.state.step)
+        saved = self.checkpoints.latest_step()
+        # Only a state that passed the finiteness check, with no streak of skipped updates in flight
+        # (a streak is never saved mid-run, as in train()), and only once.
+        if step == self._checked_step and self._consecutive_nonfinite == 0 and step != saved:
+            try:
+                self.save_checkpoint(force=True)
+                self.checkpoints.wait()
+                saved = step
+            except CheckpointError as save_err:
+                print(f"warning: the emergency save of step {step} failed: {save_err}", flush=True)
+        log = os.path.join(self.workdir, "error.log")
+        if jax.process_index() == 0:
+            stamp = datetime.datetime.now().isoformat(timespec="seconds")
+            metrics_lib.append_lines(log, [f"--- {stamp}: iteration {step + 1} failed", *traceback.format_exception(err)])
+        kept = (f"checkpoint step {saved} in {self.checkpoints.directory} holds the last good state; run the same "
+                "command again to resume from it" if saved is not None else "no iteration completed, nothing was saved")
+        return RunFailedError(f"iteration {step + 1} failed with {type(err).__name__}: {err}; {kept} "
+                              f"(traceback in {log})")
 
     def _on_signal(self, signum, frame):
         del frame
@@ -365,6 +401,7 @@ class PPOTrainer:
                 step = int(self.state.step)
                 self.history.append(scalars)
                 self._check_state_finite(step, scalars)
+                self._checked_step = step
                 self._handle_nonfinite(step, scalars)
                 if cfg.eval_every and step % cfg.eval_every == 0:
                     scalars.update(self.evaluate())
@@ -373,7 +410,7 @@ class PPOTrainer:
                 if step % cfg.log_every == 0 or step == cfg.iterations:
                     self.writer.write(step, scalars)
                 if cfg.sample_every and step % cfg.sample_every == 0:
-                    metrics_lib.write_samples(self.workdir, step, self.samples())
+                    metrics_lib.write_samples(self.workdir, step, self.samples(), filename=SAMPLES_FILE)
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix(score=f"{scalars['objective/scores']:.3f}",
@@ -395,7 +432,7 @@ class PPOTrainer:
                     raise NonFiniteError(
                         f"the run ended on {self._consecutive_nonfinite} iteration(s) whose updates were skipped "
                         f"for non-finite losses, gradients or rewards (samples in "
-                        f"{os.path.join(self.workdir, 'nonfinite_samples.jsonl')}); checkpoint step {step} "
+                        f"{os.path.join(self.workdir, NONFINITE_SAMPLES_FILE)}); checkpoint step {step} "
                         f"in {self.checkpoints.directory} holds the parameters from before them")
                 if stop:
                     self.checkpoints.wait()
@@ -405,6 +442,10 @@ class PPOTrainer:
                           f"{self.checkpoints.latest_step()} saved in {self.checkpoints.directory}. "
                           "Run the same command again to resume exactly where it stopped.", flush=True)
                     break
+        except (NonFiniteError, CheckpointError):
+            raise  # they say what was kept; saving again could not help
+        except Exception as err:
+            raise self._failed(err) from err
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
