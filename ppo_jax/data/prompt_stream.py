@@ -2,6 +2,10 @@
 
 Prompts are padded to exactly `data.prompt_length` (one static shape, so the rollout compiles once)
 and each process reads its own disjoint rows of every global batch.
+
+Bad prompts fail when the stream is built, before the trainer writes anything, naming the record
+(file:line, or the index of a prompt given in code) and the config field that fixes it: a missing
+data.field, an empty prompt, and with data.truncation=error a prompt longer than data.prompt_length.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from ppo_jax.config import ConfigError
 from ppo_jax.data import loader as loader_lib, sources, tokenization, toy
 
 
@@ -25,7 +30,7 @@ class PromptDataSettings:
     field: str = "prompt"  # JSONL field holding the prompt
     eval_prompts: str = ""  # held-out prompt source for evaluation ("" = a held-out split of the toy task)
     prompt_length: int = 16  # static prompt length (tokens, left-padded)
-    truncation: str = "left"  # over-long prompts: "left" (drop the oldest tokens) or "error"
+    truncation: str = "left"  # over-long prompts: "left" (drop the oldest tokens) or "error" (refuse the run at start-up, naming the prompt)
     chat_template: bool = False  # wrap prompts in the tokenizer's chat template (with the generation prompt)
 
 
@@ -37,7 +42,13 @@ def prompt_source(spec: str, *, field: str, vocab_size: int, seed: int, split: s
         return sources.from_list([{"prompt": t} for t in texts], name=f"toy[{split}]")
     ext = os.path.splitext(spec)[1].lower()
     if ext in (".jsonl", ".json"):
-        return sources.from_jsonl(spec, fields={"prompt": field})
+        try:
+            return sources.from_jsonl(spec, fields={"prompt": field})
+        except sources.MissingFieldError as e:
+            # The field name came from the config: say how to fix it there, not with fields={...}.
+            raise ConfigError(f"{e.where}: the record has no field {field!r} (data.field={field!r}); "
+                              f"it has fields {e.available}. Set --config.data.field=<name in your "
+                              f"data>") from None
     if ext == ".txt":
         return sources.from_text(spec)
     raise ValueError(f"data.prompts={spec!r}: use 'toy', a .jsonl file or a .txt file")
@@ -62,9 +73,13 @@ class PromptStream:
                                    seed=seed, split=split)
         if len(source) == 0:
             raise ValueError(f"no prompts in {d.prompts!r}")
+        texts = [source[i]["prompt"] for i in range(len(source))]
+        _check_not_empty(source, texts)
         self.tokenizer = tokenization.PromptTokenizer(
             tokenizer, max_prompt_length=d.prompt_length, truncation=d.truncation,
             chat_template=d.chat_template or None)
+        if d.truncation == "error":
+            _check_lengths(source, texts, self.tokenizer)
         self.loader = loader_lib.PromptLoader(
             source, self.tokenizer, global_batch_size=batch_size, kind="prompt",
             seed=seed, shuffle=split == "train",
@@ -86,6 +101,39 @@ class PromptStream:
     def restore(self, state: dict) -> None:
         self.loader.restore(state["loader"])
         self.truncated = int(state["truncated"])
+
+
+def _empty(prompt) -> str | None:
+    """Why a prompt is empty, or None when it is not."""
+    if isinstance(prompt, str):
+        if not prompt:
+            return "prompt is empty"
+        return None if prompt.strip() else "prompt is empty (only whitespace)"
+    return None if prompt else "prompt is empty (no chat messages)"
+
+
+def _check_not_empty(source, texts: Sequence) -> None:
+    """An empty prompt tokenizes to nothing (or to specials only) and would stop the run at the batch
+    that draws it, long after start-up; refuse it now, naming the record."""
+    for i, prompt in enumerate(texts):
+        reason = _empty(prompt)
+        if reason:
+            raise ValueError(f"{sources.where(source, i)}: {reason}; remove the record or give it text")
+
+
+def _check_lengths(source, texts: Sequence, tokenizer: tokenization.PromptTokenizer) -> None:
+    """data.truncation=error promises no over-long prompt is ever used; the per-batch check alone
+    would find one only when its batch is drawn (iterations into a run), so every prompt is measured
+    now: one pass of the tokenizer over the set, at start-up."""
+    found = tokenizer.first_overlong_prompt(texts)
+    if found is None:
+        return
+    i, count = found
+    limit = tokenizer.max_prompt_length
+    raise ValueError(f"{sources.where(source, i)}: prompt {tokenization.preview(texts[i])} has {count} "
+                     f"tokens, more than max_prompt_length={limit} (data.prompt_length) with "
+                     f"data.truncation=error; shorten it, raise --config.data.prompt_length, or set "
+                     f"--config.data.truncation=left")
 
 
 def _sum_over_processes(value: int) -> int:

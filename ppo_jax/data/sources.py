@@ -22,6 +22,7 @@ TensorFlow Datasets and Hugging Face `datasets` are optional extras (`pip instal
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -69,6 +70,22 @@ def _describe_field(ours: str, stored: str) -> str:
     return repr(ours) if ours == stored else f"{ours!r} (stored as {stored!r})"
 
 
+class MissingFieldError(ValueError, KeyError):
+    """A record lacks a field the source was asked for.
+
+    A ValueError with a plain one-line message (KeyError's str() would wrap it in quotes), and still
+    a KeyError for callers that catch one. `where` (file:line or name[index]), `field` (our name),
+    `stored` (its name in the data) and `available` (the record's fields) let a caller that knows
+    where the field name came from (a config) say how to fix it there.
+    """
+
+    __str__ = BaseException.__str__
+
+    def __init__(self, message: str, *, where: str, field: str, stored: str, available: list[str]):
+        super().__init__(message)
+        self.where, self.field, self.stored, self.available = where, field, stored, available
+
+
 def _select(record: Any, mapping: dict[str, str] | None, where: str) -> dict[str, Any]:
     """Projects and renames one record; `where` names its origin for error messages."""
     if not isinstance(record, Mapping):
@@ -78,9 +95,12 @@ def _select(record: Any, mapping: dict[str, str] | None, where: str) -> dict[str
     out = {}
     for ours, stored in mapping.items():
         if stored not in record:
-            raise KeyError(f"{where}: missing field {_describe_field(ours, stored)}; the record has "
-                           f"fields {sorted(record)}. Fix the data or map the field with "
-                           f"fields={{{ours!r}: '<name in your data>'}}")
+            available = sorted(record)
+            raise MissingFieldError(
+                f"{where}: missing field {_describe_field(ours, stored)}; the record has fields "
+                f"{available}. Fix the data or map the field with "
+                f"fields={{{ours!r}: '<name in your data>'}}",
+                where=where, field=ours, stored=stored, available=available)
         out[ours] = record[stored]
     return out
 
@@ -111,20 +131,62 @@ def _check_path(path: str | os.PathLike, what: str) -> str:
     return path
 
 
+def _lines(path: str):
+    """(line number, line) of a UTF-8 text file, the line ending kept.
+
+    A byte-order mark at the start is dropped (editors on Windows write one; it is not part of the
+    first record). Invalid UTF-8 raises ValueError naming the file and line: the decoder alone
+    names neither.
+    """
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            yield from enumerate(f, start=1)
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
+
+
+def _not_utf8(path: str) -> ValueError:
+    """The error for a file that does not decode: finds its first bad line (read again as bytes)."""
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            if line_number == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8):]
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return ValueError(f"{path}:{line_number}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at "
+                                  f"byte {e.start + 1} of the line); re-save the file as UTF-8, e.g. "
+                                  f"iconv -f latin1 -t utf-8")
+    return ValueError(f"{path}: not valid UTF-8; re-save the file as UTF-8")
+
+
 # --------------------------------------------------------------------------------------------
 # In-memory sources: lists, JSONL and text files (loaded and validated eagerly, so bad data fails
 # at start-up with its file and line, never halfway through a run).
 
 
 class ListSource:
-    """Records held in memory; every record was validated when the source was built."""
+    """Records held in memory; every record was validated when the source was built.
 
-    def __init__(self, records: list[dict[str, Any]], name: str = "list"):
+    lines: the file line of each record (JSONL, text), so later checks can name it as file:line.
+    """
+
+    def __init__(self, records: list[dict[str, Any]], name: str = "list",
+                 lines: Sequence[int] | None = None):
+        if lines is not None and len(lines) != len(records):
+            raise ValueError(f"{len(lines)} line numbers for {len(records)} records")
         self._records = records
+        self._lines = lines
         self.name = name
 
     def __len__(self) -> int:
         return len(self._records)
+
+    def where(self, index: int) -> str:
+        """Where record `index` came from: "file:line", or "name[index]"."""
+        if self._lines is not None:
+            return f"{self.name}:{self._lines[index]}"
+        return f"{self.name}[{index}]"
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         # A copy: callers may mutate what they get without changing the source.
@@ -149,48 +211,58 @@ def from_list(records: Sequence[Mapping[str, Any]], fields: FieldSpec = None,
     return ListSource(out, name=name)
 
 
+def where(source: Source, index: int) -> str:
+    """Names record `index` of any source in messages (file:line where the source knows it)."""
+    if hasattr(source, "where"):
+        return source.where(index)
+    return f"{getattr(source, 'name', 'source')}[{index}]"
+
+
 def from_jsonl(path: str | os.PathLike, fields: FieldSpec = None) -> ListSource:
     """Source over a JSON Lines file: one JSON object per line; blank lines are skipped.
 
-    A malformed line raises ValueError naming the file and line number; a missing field names the
-    field, the file and the line; a file without records says it is empty.
+    The file is UTF-8 (a byte-order mark at its start is accepted). A malformed line or invalid
+    UTF-8 raises ValueError naming the file and line number; a missing field (MissingFieldError)
+    names the field, the file and the line; a file without records says it is empty.
     """
     path = _check_path(path, "JSONL file")
     mapping = _field_map(fields)
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: malformed JSON ({e.msg} at column {e.colno}): "
-                                 f"{line.strip()[:80]!r}") from None
-            selected = _select(record, mapping, where)
-            _check_text_fields(selected, where)
-            out.append(selected)
+    out, lines = [], []
+    for line_number, line in _lines(path):
+        if not line.strip():
+            continue
+        where = f"{path}:{line_number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: malformed JSON ({e.msg} at column {e.colno}): "
+                             f"{line.strip()[:80]!r}") from None
+        selected = _select(record, mapping, where)
+        _check_text_fields(selected, where)
+        out.append(selected)
+        lines.append(line_number)
     if not out:
         raise ValueError(f"JSONL file {path!r} is empty (no records)")
-    return ListSource(out, name=path)
+    return ListSource(out, name=path, lines=lines)
 
 
 def from_text(path: str | os.PathLike, field: str = "prompt") -> ListSource:
-    """Source over a text file with one prompt per line (blank lines are skipped).
+    """Source over a UTF-8 text file with one prompt per line (blank and whitespace-only lines are
+    skipped; a byte-order mark at the start is accepted).
 
-    Each line becomes `{field: line}` without its line ending.
+    Each line becomes `{field: line}` without its line ending. Invalid UTF-8 raises ValueError
+    naming the file and line.
     """
     path = _check_path(path, "text file")
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            text = line.rstrip("\r\n")
-            if text.strip():
-                out.append({field: text})
+    out, lines = [], []
+    for line_number, line in _lines(path):
+        text = line.rstrip("\r\n")
+        if text.strip():
+            out.append({field: text})
+            lines.append(line_number)
     if not out:
         raise ValueError(f"text file {path!r} is empty (no non-blank lines)")
-    return ListSource(out, name=path)
+    return ListSource(out, name=path, lines=lines)
 
 
 # --------------------------------------------------------------------------------------------

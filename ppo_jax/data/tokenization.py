@@ -107,7 +107,8 @@ def left_pad(rows: Sequence[Sequence[int]], length: int, pad_value: int) -> tupl
     return values, mask
 
 
-def _preview(text: Any) -> str:
+def preview(text: Any) -> str:
+    """A prompt or response shortened for an error message."""
     s = text if isinstance(text, str) else str(text)
     return repr(s[:60] + ("..." if len(s) > 60 else ""))
 
@@ -120,7 +121,7 @@ def _response_text(value: Any, where: str) -> str:
             and isinstance(value[0].get("content"), str)):
         return value[0]["content"]
     raise ValueError(f"{where}: a response must be a string or a list with one assistant message, "
-                     f"got {_preview(value)}")
+                     f"got {preview(value)}")
 
 
 def _field(record: Mapping[str, Any], name: str, where: str) -> Any:
@@ -241,18 +242,18 @@ class PromptTokenizer:
                 ids = ids["input_ids"]
             return [int(i) for i in ids]
         if not isinstance(prompt, str):
-            raise ValueError(f"prompt {_preview(prompt)} is a list of chat messages but no chat "
+            raise ValueError(f"prompt {preview(prompt)} is a list of chat messages but no chat "
                              f"template is configured; set chat_template")
         return list(self.tokenizer(prompt, add_special_tokens=self.add_special_tokens)["input_ids"])
 
     def _truncate_prompt(self, ids: list[int], prompt: Prompt, where: str) -> list[int]:
         self.num_prompts += 1
         if not ids:
-            raise ValueError(f"{where}: prompt {_preview(prompt)} has no tokens")
+            raise ValueError(f"{where}: prompt {preview(prompt)} has no tokens")
         if len(ids) <= self.max_prompt_length:
             return ids
         if self.truncation == "error":
-            raise ValueError(f"{where}: prompt {_preview(prompt)} has {len(ids)} tokens, more than "
+            raise ValueError(f"{where}: prompt {preview(prompt)} has {len(ids)} tokens, more than "
                              f"max_prompt_length={self.max_prompt_length}; shorten it, raise "
                              f"max_prompt_length, or set truncation='left'")
         self.num_truncated_prompts += 1
@@ -268,7 +269,7 @@ class PromptTokenizer:
         if len(ids) + 1 <= self.max_response_length:
             return ids + [self.eos_id]
         if self.truncation == "error":
-            raise ValueError(f"{where}: response {_preview(text)} has {len(ids)} tokens + EOS, more "
+            raise ValueError(f"{where}: response {preview(text)} has {len(ids)} tokens + EOS, more "
                              f"than max_response_length={self.max_response_length}; shorten it, "
                              f"raise max_response_length, or set truncation='left'")
         self.num_truncated_responses += 1
@@ -280,16 +281,33 @@ class PromptTokenizer:
     def _where(labels: Sequence[Any] | None, i: int) -> str:
         return f"example {labels[i]}" if labels is not None else f"batch row {i}"
 
+    def _encode_raw(self, prompts: Sequence[Prompt]) -> list[list[int]]:
+        """Token ids per prompt, before truncation."""
+        if self.use_chat_template or not all(isinstance(p, str) for p in prompts):
+            return [self.encode_prompt(p) for p in prompts]
+        # One batched call into the fast tokenizer.
+        return [list(ids) for ids in self.tokenizer(
+            list(prompts), add_special_tokens=self.add_special_tokens)["input_ids"]] if prompts else []
+
     def encode_prompts(self, prompts: Sequence[Prompt],
                        labels: Sequence[Any] | None = None) -> list[list[int]]:
         """Truncated token ids per prompt. labels name the examples in error messages."""
-        if self.use_chat_template or not all(isinstance(p, str) for p in prompts):
-            raw = [self.encode_prompt(p) for p in prompts]
-        else:  # one batched call into the fast tokenizer
-            raw = [list(ids) for ids in self.tokenizer(
-                list(prompts), add_special_tokens=self.add_special_tokens)["input_ids"]] if prompts else []
+        raw = self._encode_raw(prompts)
         return [self._truncate_prompt(ids, p, self._where(labels, i))
                 for i, (ids, p) in enumerate(zip(raw, prompts))]
+
+    def first_overlong_prompt(self, prompts: Sequence[Prompt],
+                              chunk_size: int = 1024) -> tuple[int, int] | None:
+        """(index, token count) of the first prompt longer than max_prompt_length, or None.
+
+        Only measures: nothing is truncated or counted, so checking a whole data set up front leaves
+        the truncation metrics to the batches. Chunked, so a large set is never held tokenized.
+        """
+        for start in range(0, len(prompts), chunk_size):
+            for offset, ids in enumerate(self._encode_raw(prompts[start:start + chunk_size])):
+                if len(ids) > self.max_prompt_length:
+                    return start + offset, len(ids)
+        return None
 
     def prompt_length(self, rows: Sequence[Sequence[int]]) -> int:
         """Bucketed padded length for these prompt rows."""

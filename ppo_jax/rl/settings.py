@@ -29,7 +29,7 @@ DECODE_LOOPS = {"auto": None, "scan": False, "unrolled": True}
 class PolicySettings:
     """The initial policy (and the reference, its frozen copy)."""
 
-    path: str = ""  # Hugging Face directory or ppo_jax checkpoint of the initial policy; "" = build from policy.model
+    path: str = ""  # initial policy: a Hugging Face model directory (e.g. written by python -m ppo_jax.cli.export), not a ppo_jax checkpoint; "" = build from policy.model
     model: ModelConfig = ModelConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4,
                                      max_position_embeddings=128)  # architecture when policy.path is ""
     param_dtype: str = ""  # override parameter dtype ("" = keep the checkpoint's / model's)
@@ -40,7 +40,7 @@ class PolicySettings:
 class RewardSettings:
     """What scores a response: a reward model and/or Python reward functions."""
 
-    path: str = ""  # reward model (HF ForSequenceClassification dir or ppo_jax checkpoint); "" = none
+    path: str = ""  # reward model: a Hugging Face ForSequenceClassification directory (e.g. a reward-model run's <workdir>/hf), not a ppo_jax checkpoint; "" = none
     model_weight: float = 1.0  # weight of the reward model's score in the total score
     functions: str = ""  # comma-separated Python reward functions: registered names or "module:function"
     function_weights: str = ""  # comma-separated weights for reward.functions ("" = all 1.0)
