@@ -342,9 +342,7 @@ def test_prompt_longer_than_limit_with_error_policy(tmp_path):
     path = tmp_path / "p.txt"
     path.write_text(" ".join(["w1"] * 20) + "\n")
     config = tiny_config(**{"data.prompts": str(path), "data.truncation": "error"})
-    trainer = PPOTrainer(config, str(tmp_path / "run"), mesh=make_test_mesh((1, 1, 1)))
-    with pytest.raises(ValueError, match="more than max_prompt_length=8"):
-        trainer.prompts.next_batch()
+    _expect_error(config, tmp_path, r"p.txt:1: .*has 20 tokens, more than max_prompt_length=8")
 
 
 def test_tokenizer_without_pad_token(tmp_path):
