@@ -28,6 +28,7 @@ from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from ppo_jax import checkpoint as ckpt
+from ppo_jax.checkpoint import verify
 from ppo_jax.models import CausalLM, ModelConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -406,6 +407,105 @@ def test_frozen_trees_round_trip_onto_another_mesh(tmp_path):
         with pytest.raises(ckpt.CheckpointMismatchError,
                            match=r"`embed`: expected shape \(16, 64\), found \(16, 32\)"):
             manager.restore_frozen("reference", wrong)
+
+
+# --------------------------------------------------------------------------- damaged files
+
+
+def _largest_array_file(step_dir: Path) -> Path:
+    """The biggest data file of a step's state (where the parameters' bytes are)."""
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def _flip_bytes(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 8] = bytes(b ^ 0xFF for b in data[middle:middle + 8])
+    path.write_bytes(bytes(data))
+
+
+def _two_steps(tmp_path, mesh):
+    directory = tmp_path / "run"
+    with ckpt.CheckpointManager(directory) as manager:
+        for step in (1, 2):
+            manager.save(step, make_state(mesh, seed=step), extra={"step": step}, force=True)
+    return directory
+
+
+DAMAGE = {
+    # Random float bytes do not compress: a flipped byte decodes to a different number, no error.
+    "flipped_bytes": (lambda d: _flip_bytes(_largest_array_file(d)),
+                      r"differ from the checksums written when it was saved \(first: `"),
+    "truncated": (lambda d: _largest_array_file(d).write_bytes(_largest_array_file(d).read_bytes()[:100]),
+                  "is damaged: OUT_OF_RANGE: Error reading"),
+    "emptied": (lambda d: _largest_array_file(d).write_bytes(b""), "is damaged: OUT_OF_RANGE: Error reading"),
+    "no_metadata": (lambda d: (d / "state" / "_METADATA").unlink(), "its state/_METADATA file is missing"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_step_is_refused_and_resume_falls_back_to_the_previous_one(tmp_path, damage, capfd):
+    mesh = make_test_mesh((1, 1, 1))
+    directory = _two_steps(tmp_path, mesh)
+    corrupt, message = DAMAGE[damage]
+    corrupt(directory / "2")
+    state = make_state(mesh, seed=2)
+    target = abstract_on(state, state_shardings(state, mesh))
+    with ckpt.CheckpointManager(directory) as manager:
+        with pytest.raises(ckpt.CheckpointCorruptError, match="checkpoint step 2 in .* " + message):
+            manager.restore(2, abstract_state=target)
+        restored = manager.restore_newest_valid(abstract_state=target)
+        assert restored.step == 1 and restored.extra == {"step": 1}
+        assert_trees_identical(restored.state, make_state(mesh, seed=1))
+        assert len(restored.skipped) == 1 and "step 2" in restored.skipped[0]
+        assert restored.skipped[0].endswith(f"(moved to {directory / '2.corrupt'})")
+        # The damaged step is kept for inspection but never read again; step 2 can be saved anew.
+        assert (directory / "2.corrupt").is_dir() and manager.all_steps() == [1]
+        manager.save(2, make_state(mesh, seed=2), extra={"step": 2}, force=True)
+        manager.wait()
+        assert manager.restore_newest_valid(abstract_state=target).step == 2
+    assert "Traceback" not in capfd.readouterr().err  # no abandoned-read tracebacks (TensorStore specs)
+
+
+def test_every_step_damaged_is_one_clear_error(tmp_path):
+    mesh = make_test_mesh((1, 1, 1))
+    directory = _two_steps(tmp_path, mesh)
+    for step in ("1", "2"):
+        _flip_bytes(_largest_array_file(directory / step))
+    state = make_state(mesh)
+    with ckpt.CheckpointManager(directory) as manager:
+        with pytest.raises(ckpt.CheckpointCorruptError, match=r"no checkpoint in .* is intact: checkpoint step 2 .*"
+                                                              r"checkpoint step 1 .*Start the run in a new workdir"):
+            manager.restore_newest_valid(abstract_state=abstract_on(state, state_shardings(state, mesh)))
+
+
+def test_checksums_are_the_same_on_every_mesh_and_see_one_changed_word():
+    state = make_state(make_test_mesh((1, 1, 1)))
+    sums = verify.checksums(state)
+    assert sums == verify.checksums(make_state(make_test_mesh((2, 2, 2))))
+    assert sums == verify.checksums(make_state(make_test_mesh((1, 8, 1))))
+    params = state.params
+    nudged = dict(params, embed=params["embed"].at[3, 5].set(jnp.nextafter(params["embed"][3, 5], 1.0)))
+    assert verify.mismatches({"params": nudged}, verify.record({"params": params})) == ["params.embed"]
+    swapped = dict(params, mlp=dict(params["mlp"], bias=params["mlp"]["bias"][::-1]))
+    assert verify.mismatches(swapped, verify.record(params)) == ["mlp.bias"]
+
+
+def test_a_frozen_tree_must_match_its_recorded_checksums(tmp_path):
+    mesh = make_test_mesh((1, 1, 1))
+    params = make_state(mesh, seed=2).params
+    other = make_state(mesh, seed=3).params
+    target = abstract_on(params, state_shardings(params, mesh))
+    with ckpt.CheckpointManager(tmp_path / "run") as manager:
+        record = manager.save_frozen("reference", params)
+        manager.wait()
+        assert_trees_identical(manager.restore_frozen("reference", target, checksums=record), params)
+        with pytest.raises(ckpt.CheckpointCorruptError, match="frozen tree 'reference' .* differ from the checksums"):
+            manager.restore_frozen("reference", target, checksums=verify.record(other))
+        moved = manager.set_aside_frozen("reference", ".stale")
+        assert moved.name == "reference.stale" and not manager.has_frozen("reference")
+        manager.save_frozen("reference", other)  # a fresh one in its place
 
 
 # --------------------------------------------------------------------------- killed mid-save

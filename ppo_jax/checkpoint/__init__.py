@@ -1,14 +1,16 @@
 """Checkpoints: the only package that imports Orbax.
 
 Modules: `manager` (CheckpointManager), `trees` (paths, shapes, the restore-target check),
-`payloads` (the JSON items), `errors`.
+`verify` (leaf checksums), `payloads` (the JSON items), `errors`.
 
 A run directory holds numbered step checkpoints and, under `frozen/`, trees saved once:
 
     <directory>/
       12/state/...        trainable state (any pytree of jax.Arrays; typed PRNG keys included)
       12/extra/...        JSON: data position, shuffle state, config (whatever the caller passes)
+      12/checksums/...    JSON: one checksum per state leaf, compared after every restore
       12/metrics/...      JSON metrics, written only when a best metric is tracked
+      11.corrupt/         a step found damaged on restore (renamed, never deleted)
       frozen/reference/   trees saved once (reference / reward params)
 
 What Orbax gives us and we rely on (each one is exercised in tests/test_checkpoint.py):
@@ -21,16 +23,19 @@ What Orbax gives us and we rely on (each one is exercised in tests/test_checkpoi
 - Multi-process: every process calls every method; Orbax decides which process writes what.
 
 Restore targets are checked against the checkpoint's metadata before any array is read, so a
-checkpoint from a different model names the first differing path and both shapes.
+checkpoint from a different model names the first differing path and both shapes. Restored arrays
+are checked against the checksums written at save time: a flipped byte reads back as a different
+number, not as an error. `restore_newest_valid` falls back past damaged steps and says why.
 """
 
 from ppo_jax.checkpoint.errors import (
+    CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CheckpointSaveError,
 )
-from ppo_jax.checkpoint.manager import CheckpointManager
+from ppo_jax.checkpoint.manager import CheckpointManager, RestoredStep
 
-__all__ = ["CheckpointError", "CheckpointManager", "CheckpointMismatchError", "CheckpointNotFoundError",
+__all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointManager", "RestoredStep", "CheckpointMismatchError", "CheckpointNotFoundError",
            "CheckpointSaveError"]

@@ -15,3 +15,8 @@ class CheckpointMismatchError(CheckpointError, ValueError):
 
 class CheckpointSaveError(CheckpointError, OSError):
     """A save failed (unwritable directory, disk full, ...); earlier checkpoints are intact."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """Stored bytes are damaged or missing: an array file fails to read, metadata is gone, or a
+    restored leaf differs from the checksum written at save time."""

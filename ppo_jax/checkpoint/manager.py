@@ -2,25 +2,83 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import gc
 import math
 import numbers
 import os
 import re
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies_lib
 
-from ppo_jax.checkpoint import payloads, trees
-from ppo_jax.checkpoint.errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError
+from ppo_jax.checkpoint import payloads, trees, verify
+from ppo_jax.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointNotFoundError,
+                                       CheckpointSaveError)
 
 STATE_ITEM = "state"
 EXTRA_ITEM = "extra"
+CHECKSUM_ITEM = "checksums"
+CORRUPT_SUFFIX = ".corrupt"  # damaged steps and frozen trees are renamed, never deleted
 FROZEN_SUBDIR = "frozen"
 _FROZEN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _TMP_MARKER = ".orbax-checkpoint-tmp"
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoredStep:
+    """What `restore_newest_valid` found: the newest step that verified, and why newer ones did not."""
+
+    step: int
+    state: Any
+    extra: dict
+    skipped: tuple[str, ...]  # one message per newer step found damaged (renamed <step>.corrupt)
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(err).__name__
+
+
+def _read_error(what: str, doing: str, err: BaseException) -> CheckpointError:
+    damage = verify.damage_line(err)
+    if damage is not None:
+        return CheckpointCorruptError(f"{what} is damaged: {damage}")
+    return CheckpointError(f"{what}: {doing}: {type(err).__name__}: {_first_line(err)}")
+
+
+def _read(read: Callable[[], Any], what: str, doing: str) -> Any:
+    """read(), with a failure turned into CheckpointCorruptError (bytes damaged; the message holds
+    the line that says so, and the TensorStore chain is dropped: it is hundreds of lines of spec)
+    or CheckpointError (anything else, chained)."""
+    try:
+        return read()
+    except Exception as e:
+        error = _read_error(what, doing, e)
+        if not isinstance(error, CheckpointCorruptError):
+            raise error from e
+    raise error
+
+
+@contextlib.contextmanager
+def _quiet_abandoned_reads():
+    """When one array fails to read, Orbax abandons the reads of the others, and Python prints each
+    abandoned coroutine's exception ("Exception ignored in ...", a TensorStore spec each) when it is
+    collected. The first failure is reported as one line instead; collect the rest here, silently."""
+    previous = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: None
+    try:
+        yield
+    finally:
+        gc.collect()
+        sys.unraisablehook = previous
 
 
 def _as_path(directory) -> epath.Path:
@@ -93,7 +151,8 @@ class CheckpointManager:
                 self._directory, options=options,
                 # Handlers named up front so a fresh manager can read metadata before any save.
                 item_handlers={STATE_ITEM: ocp.StandardCheckpointHandler(),
-                               EXTRA_ITEM: ocp.JsonCheckpointHandler()})
+                               EXTRA_ITEM: ocp.JsonCheckpointHandler(),
+                               CHECKSUM_ITEM: ocp.JsonCheckpointHandler()})
         except OSError as e:
             raise CheckpointSaveError(
                 f"cannot create or open the checkpoint directory {self._directory}: {e}; choose "
@@ -166,6 +225,7 @@ class CheckpointManager:
         args = ocp.args.Composite(**{
             STATE_ITEM: ocp.args.StandardSave(state),
             EXTRA_ITEM: ocp.args.JsonSave(extra),
+            CHECKSUM_ITEM: ocp.args.JsonSave(verify.record(state)),
         })
         try:
             saved = self._manager.save(step, args=args, metrics=metrics, force=force)
@@ -212,11 +272,7 @@ class CheckpointManager:
         self._raise_if_previous_save_failed()
         steps = self.all_steps()
         if not steps:
-            partial = sorted(set(self._incomplete_at_open) | set(self._incomplete_saves()))
-            note = (f" (incomplete saves, ignored: {', '.join(partial)})" if partial else "")
-            raise CheckpointNotFoundError(
-                f"no complete checkpoint in {self._directory}{note}; check the path, or start "
-                "without restoring")
+            raise self._no_checkpoint_error()
         if step is None:
             step = steps[-1]
         elif step not in steps:
@@ -224,23 +280,76 @@ class CheckpointManager:
                 f"checkpoint step {step} is not in {self._directory}; available steps: {steps}")
         abstract = trees.to_abstract(abstract_state)
         what = f"checkpoint step {step} in {self._directory}"
+        step_dir = self._directory / str(step)
         try:
             stored = self._manager.item_metadata(step)[STATE_ITEM]
         except Exception as e:
-            raise CheckpointError(f"{what} is unreadable (its metadata failed to load: {e})") from e
+            raise _read_error(what, "its metadata failed to load", e) from e
         if stored is None:
-            raise CheckpointError(
-                f"{what} has no '{STATE_ITEM}' item; it was not written by ppo_jax")
+            if (step_dir / STATE_ITEM).exists():
+                raise CheckpointCorruptError(f"{what} is damaged: its {STATE_ITEM}/_METADATA file is missing")
+            raise CheckpointError(f"{what} has no '{STATE_ITEM}' item; it was not written by ppo_jax")
         trees.check_tree_matches(getattr(stored, "tree", stored), abstract, what=what)
-        args = ocp.args.Composite(**{
-            STATE_ITEM: ocp.args.StandardRestore(abstract),
-            EXTRA_ITEM: ocp.args.JsonRestore(),
-        })
-        try:
-            restored = self._manager.restore(step, args=args)
-        except Exception as e:
-            raise CheckpointError(f"{what} could not be restored: {type(e).__name__}: {e}") from e
-        return restored[STATE_ITEM], dict(restored[EXTRA_ITEM] or {})
+        # Checkpoints written before checksums existed restore unverified.
+        verified = (step_dir / CHECKSUM_ITEM).exists()
+        items = {STATE_ITEM: ocp.args.StandardRestore(abstract), EXTRA_ITEM: ocp.args.JsonRestore()}
+        if verified:
+            items[CHECKSUM_ITEM] = ocp.args.JsonRestore()
+        with _quiet_abandoned_reads():
+            restored = _read(lambda: self._manager.restore(step, args=ocp.args.Composite(**items)),
+                             what, "it could not be read")
+        state = restored[STATE_ITEM]
+        if verified:
+            self._check_checksums(what, state, restored[CHECKSUM_ITEM])
+        return state, dict(restored[EXTRA_ITEM] or {})
+
+    def _no_checkpoint_error(self) -> CheckpointNotFoundError:
+        partial = sorted(set(self._incomplete_at_open) | set(self._incomplete_saves()))
+        note = (f" (incomplete saves, ignored: {', '.join(partial)})" if partial else "")
+        return CheckpointNotFoundError(
+            f"no complete checkpoint in {self._directory}{note}; check the path, or start without restoring")
+
+    @staticmethod
+    def _check_checksums(what: str, tree, recorded) -> None:
+        bad = verify.mismatches(tree, dict(recorded or {}))
+        if bad:
+            raise CheckpointCorruptError(
+                f"{what} is damaged: {len(bad)} array(s) differ from the checksums written when it was "
+                f"saved (first: `{bad[0]}`); a file was changed after the save")
+
+    def restore_newest_valid(self, *, abstract_state) -> RestoredStep:
+        """The newest step that reads and verifies (as `restore`). Each newer step found damaged is
+        renamed `<step>.corrupt` (kept for inspection, ignored from then on) and named in
+        `skipped`; a checkpoint of a different model is an error here, not damage."""
+        self._check_open()
+        self._raise_if_previous_save_failed()
+        if not self.all_steps():
+            raise self._no_checkpoint_error()
+        skipped: list[str] = []
+        for step in reversed(self.all_steps()):
+            try:
+                state, extra = self.restore(step, abstract_state=abstract_state)
+            except CheckpointCorruptError as e:
+                skipped.append(f"{e} (moved to {self._set_aside(self._directory / str(step))})")
+                continue
+            return RestoredStep(step, state, extra, tuple(skipped))
+        raise CheckpointCorruptError(
+            f"no checkpoint in {self._directory} is intact: {'; '.join(skipped)}. Start the run in a new "
+            "workdir (or move the checkpoints directory away)")
+
+    def _set_aside(self, path: epath.Path, suffix: str = CORRUPT_SUFFIX) -> epath.Path:
+        """Renames a step or frozen tree so nothing reads it again, without deleting it."""
+        target = path.parent / (path.name + suffix)
+        n = 1
+        while target.exists():
+            n += 1
+            target = path.parent / f"{path.name}{suffix}.{n}"
+        if jax.process_index() == 0:
+            path.rename(target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"ppo_jax set aside {path.name}")
+        self._manager.reload()
+        return target
 
     def read_extra(self, step: int | None = None) -> tuple[int, dict]:
         """(step, extra JSON) of `step` (default: the latest) without reading any array."""
@@ -268,11 +377,14 @@ class CheckpointManager:
         """Whether a complete frozen tree `name` exists (saves in flight do not count)."""
         return self._frozen_path(name).exists()
 
-    def save_frozen(self, name: str, tree) -> None:
-        """Starts saving `tree` once under frozen/<name> (asynchronous like `save`)."""
+    def save_frozen(self, name: str, tree) -> dict:
+        """Starts saving `tree` once under frozen/<name> (asynchronous like `save`). Returns the
+        tree's checksums: record them with the steps that depend on the tree and pass them to
+        `restore_frozen`, which then also proves the tree is the one those steps used."""
         self._check_open()
         path = self._frozen_path(name)
         trees.check_state_leaves(tree)
+        record = verify.record(tree)
         if self._frozen_checkpointer is None:
             handler = ocp.StandardCheckpointHandler()
             self._frozen_checkpointer = (ocp.AsyncCheckpointer(handler) if self._async
@@ -290,6 +402,7 @@ class CheckpointManager:
                 "that the directory is writable and the disk has free space") from e
         if not self._async:
             self._wait_frozen()
+        return record
 
     def _wait_frozen(self) -> None:
         if self._frozen_checkpointer is None:
@@ -302,8 +415,12 @@ class CheckpointManager:
                 f"{type(e).__name__}: {e}. Check that the directory is writable and the disk has "
                 "free space") from e
 
-    def restore_frozen(self, name: str, abstract):
-        """The frozen tree `name`, read onto the shardings in `abstract` (as in `restore`)."""
+    def restore_frozen(self, name: str, abstract, *, checksums: dict | None = None):
+        """The frozen tree `name`, read onto the shardings in `abstract` (as in `restore`).
+
+        checksums: what `save_frozen` returned; the restored tree must match them, or
+        CheckpointCorruptError says the tree is damaged or not the one they were taken of.
+        """
         self._check_open()
         path = self._frozen_path(name)
         self._wait_frozen()
@@ -319,14 +436,23 @@ class CheckpointManager:
             try:
                 stored = checkpointer.metadata(path).item_metadata
             except Exception as e:
-                raise CheckpointError(
-                    f"{what} is unreadable (its metadata failed to load: {e})") from e
+                raise _read_error(what, "its metadata failed to load", e) from e
+            if stored is None:
+                raise CheckpointCorruptError(f"{what} is damaged: its _METADATA file is missing")
             trees.check_tree_matches(getattr(stored, "tree", stored), abstract, what=what)
-            try:
-                return checkpointer.restore(path, args=ocp.args.StandardRestore(abstract))
-            except Exception as e:
-                raise CheckpointError(
-                    f"{what} could not be restored: {type(e).__name__}: {e}") from e
+            with _quiet_abandoned_reads():
+                tree = _read(lambda: checkpointer.restore(path, args=ocp.args.StandardRestore(abstract)),
+                             what, "it could not be read")
+        if checksums is not None:
+            self._check_checksums(what, tree, checksums)
+        return tree
+
+    def set_aside_frozen(self, name: str, suffix: str = CORRUPT_SUFFIX) -> epath.Path:
+        """Renames frozen/<name> (damaged, or not the run's) so it is never read again; returns
+        the new path. A later `save_frozen(name, ...)` writes a fresh one."""
+        self._check_open()
+        self._wait_frozen()
+        return self._set_aside(self._frozen_path(name), suffix)
 
     # ------------------------------------------------------------------ lifecycle
 

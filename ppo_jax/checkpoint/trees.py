@@ -17,7 +17,7 @@ def _key_token(key) -> str:
     return str(key)
 
 
-def _path_name(path: tuple[str, ...]) -> str:
+def path_name(path: tuple[str, ...]) -> str:
     return ".".join(path) if path else "<root>"
 
 
@@ -25,7 +25,7 @@ def _is_metadata_leaf(x) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def _flatten_with_names(tree, is_leaf=None) -> list[tuple[tuple[str, ...], Any]]:
+def flatten_with_names(tree, is_leaf=None) -> list[tuple[tuple[str, ...], Any]]:
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     return [(tuple(_key_token(k) for k in path), leaf) for path, leaf in leaves]
 
@@ -44,10 +44,10 @@ def _stored_shape(abstract_leaf) -> tuple[int, ...]:
 
 def check_state_leaves(state) -> None:
     """Saved leaves must be jax.Arrays: they carry the sharding Orbax writes collectively."""
-    for path, leaf in _flatten_with_names(state):
+    for path, leaf in flatten_with_names(state):
         if not isinstance(leaf, jax.Array):
             raise TypeError(
-                f"checkpoint state leaf `{_path_name(path)}` has type {type(leaf).__name__}, not "
+                f"checkpoint state leaf `{path_name(path)}` has type {type(leaf).__name__}, not "
                 "jax.Array; put it on the mesh first (jnp.asarray / jax.device_put), or move "
                 "non-array values into `extra`")
 
@@ -56,7 +56,7 @@ def to_abstract(abstract_state):
     """Target leaves -> ShapeDtypeStruct with a sharding (jax.Arrays are accepted as targets)."""
 
     def one(path, leaf):
-        name = _path_name(tuple(_key_token(k) for k in path))
+        name = path_name(tuple(_key_token(k) for k in path))
         if isinstance(leaf, jax.Array):
             return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
         if not isinstance(leaf, jax.ShapeDtypeStruct):
@@ -80,12 +80,12 @@ def check_tree_matches(stored_tree, abstract_state, *, what: str) -> None:
     restore target. Dtypes may differ (Orbax casts on restore) except that a typed PRNG key must
     be restored as a typed key of the same key shape.
     """
-    stored = dict(_flatten_with_names(stored_tree, is_leaf=_is_metadata_leaf))
-    target = _flatten_with_names(abstract_state)
+    stored = dict(flatten_with_names(stored_tree, is_leaf=_is_metadata_leaf))
+    target = flatten_with_names(abstract_state)
     hint = ("the checkpoint was probably written for a different model or state layout; restore "
             "with the configuration it was saved with")
     for path, leaf in target:
-        name = _path_name(path)
+        name = path_name(path)
         if path not in stored:
             raise CheckpointMismatchError(
                 f"{what} has no entry `{name}` that the restore target expects "
@@ -103,5 +103,5 @@ def check_tree_matches(stored_tree, abstract_state, *, what: str) -> None:
     for path in stored:
         if path not in target_paths:
             raise CheckpointMismatchError(
-                f"{what} has an entry `{_path_name(path)}` (shape {tuple(stored[path].shape)}) "
+                f"{what} has an entry `{path_name(path)}` (shape {tuple(stored[path].shape)}) "
                 f"that the restore target does not have; {hint}")
