@@ -1,6 +1,7 @@
 """Every test sees 8 fake CPU devices; mesh fixtures cover the shapes DESIGN.md names."""
 
 import os
+import tempfile
 
 # Must happen before JAX initialises its backends.
 os.environ["XLA_FLAGS"] = (
@@ -10,6 +11,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite builds the same tiny trainers many times over (and in subprocesses): JAX's persistent
+# compilation cache, keyed by the program's content, compiles each program once. Halves the suite.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"ppo_jax_tests_xla_cache_{os.getuid()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

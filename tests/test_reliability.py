@@ -3,6 +3,7 @@ the CLI, export of a trained policy, and bad input that must fail before anythin
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from test_trainer import REPO
 from tiny_configs import tiny_config
 
 from ppo_jax import rewards as reward_fns
+from ppo_jax.checkpoint import CheckpointCorruptError
 from ppo_jax.rl.export import export_checkpoint
 from ppo_jax.rl.trainer import NonFiniteError, PPOTrainer, RunFailedError
 
@@ -275,6 +277,84 @@ def test_cli_reports_a_failing_reward_function_in_one_line(tmp_path):
         in error_lines[0] and "checkpoint step 1" in error_lines[0], proc.stderr[-3000:]
     assert "RuntimeError" in (workdir / "error.log").read_text()
     assert sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit()) == [1]
+
+
+def _flip_bytes_in_largest_array_file(tree_dir):
+    files = [p for p in tree_dir.rglob("*") if p.is_file() and p.parent.name == "d"]
+    path = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 8] = bytes(8)
+    path.write_bytes(bytes(data))
+
+
+def _assert_same_params(a, b):
+    for x, y in zip(jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b))):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_resume_skips_a_damaged_newest_step_and_says_so(tmp_path, capsys):
+    config = tiny_config(**{"train.iterations": 2, "train.checkpoint_every": 1})
+    PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 1, 1))).train()
+    _flip_bytes_in_largest_array_file(tmp_path / "checkpoints" / "2" / "state")
+    capsys.readouterr()
+    resumed = PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
+    out = capsys.readouterr().out
+    assert resumed.resumed_from == 1
+    assert "warning: checkpoint step 2 in" in out and "differ from the checksums" in out and "2.corrupt" in out \
+        and "resuming from step 1" in out
+    assert len(resumed.train()) == 1  # step 2 again
+    resumed.close()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2", "2.corrupt", "frozen"]
+    assert [r["step"] for r in map(json.loads, open(tmp_path / "metrics.jsonl"))] == [1, 2]
+
+
+def test_a_frozen_reference_is_tied_to_its_run(tmp_path, capsys):
+    """A kill between the reference's commit and the first step's, a reused workdir, and a damaged
+    or lost reference: the run adopts the reference only when it is its own initial policy."""
+    config = tiny_config(**{"train.iterations": 1})
+    mesh = make_test_mesh((1, 1, 1))
+    first = PPOTrainer(config, str(tmp_path), mesh=mesh)
+    first.train()
+    first.close()
+    reference = tmp_path / "checkpoints" / "frozen" / "reference"
+
+    # A kill after the reference committed, before step 1 did: the same run adopts it as it is.
+    shutil.rmtree(tmp_path / "checkpoints" / "1")
+    again = PPOTrainer(config, str(tmp_path), mesh=mesh)
+    assert again.resumed_from is None and again._reference_saved
+    again.train()
+    again.close()
+    _assert_same_params(again.frozen.reference, first.frozen.reference)
+
+    # The workdir reused by a run with another seed (and no steps): that reference is not adopted.
+    shutil.rmtree(tmp_path / "checkpoints" / "1")
+    capsys.readouterr()
+    other_seed = PPOTrainer(tiny_config(**{"train.iterations": 1, "seed": 7}), str(tmp_path), mesh=mesh)
+    assert "is not this run's initial policy" in capsys.readouterr().out
+    assert (reference.parent / "reference.stale").is_dir() and not reference.exists()
+    other_seed.train()  # saves its own
+    other_seed.close()
+    shutil.rmtree(tmp_path / "checkpoints")
+
+    # With steps: a damaged reference is rebuilt from its source and proven equal to the original.
+    first = PPOTrainer(config, str(tmp_path), mesh=mesh)
+    first.train()
+    first.close()
+    _flip_bytes_in_largest_array_file(reference)
+    capsys.readouterr()
+    resumed = PPOTrainer(tiny_config(**{"train.iterations": 2}), str(tmp_path), mesh=mesh)
+    out = capsys.readouterr().out
+    assert "frozen tree 'reference'" in out and "rebuilt the reference policy from the seed" in out
+    _assert_same_params(resumed.frozen.reference, first.frozen.reference)
+    resumed.train()
+    resumed.close()
+    assert reference.is_dir() and (reference.parent / "reference.corrupt").is_dir()
+
+    # A lost reference that the config can no longer rebuild (the seed changed): refused.
+    shutil.rmtree(reference)
+    with pytest.raises(CheckpointCorruptError, match="no frozen tree 'reference'.*does not give the tree the "
+                                                    "checkpoints were trained against"):
+        PPOTrainer(tiny_config(**{"train.iterations": 3, "seed": 7}), str(tmp_path), mesh=mesh)
 
 
 def test_cli_sigterm_saves_and_says_how_to_resume(tmp_path):

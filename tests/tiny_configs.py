@@ -23,6 +23,9 @@ def tiny_config(**overrides):
     c.train.progress = False
     c.train.sample_every = 0
     for key, value in overrides.items():
-        section, field = key.split(".")
-        c[section][field] = value
+        *sections, field = key.split(".")  # "seed" or "section.field"
+        target = c
+        for section in sections:
+            target = target[section]
+        target[field] = value
     return c

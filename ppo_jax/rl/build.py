@@ -95,14 +95,20 @@ def abstract_train_state(s: Settings, modules: Modules, policy_tx, value_tx, mes
     return abstract, shardings
 
 
-def initial_params(s: Settings, modules: Modules, shardings: TrainState, mesh, key, reward_params):
-    """Fresh policy and value params: from policy.path (Hugging Face) or a random init."""
+def initial_policy(s: Settings, modules: Modules, shardings: TrainState, mesh, key):
+    """The policy's starting params (also the frozen reference): policy.path (Hugging Face) or a
+    random init from `key`; the same tree every time it is built."""
     if s.policy.path:
         loaded = hf.load_model(s.policy.path, mesh, kind="causal_lm", param_dtype=s.policy.param_dtype or None,
                                dtype=s.policy.dtype or None, execution=modules.policy.config.execution())
-        policy = jax.device_put(loaded.params, shardings.policy)
-    else:
-        policy, _ = init_params(modules.policy, key, mesh)
+        return jax.device_put(loaded.params, shardings.policy)
+    policy, _ = init_params(modules.policy, key, mesh)
+    return policy
+
+
+def initial_params(s: Settings, modules: Modules, shardings: TrainState, mesh, key, reward_params):
+    """Fresh policy and value params: from policy.path (Hugging Face) or a random init."""
+    policy = initial_policy(s, modules, shardings, mesh, key)
     value = None
     if modules.value is not None:
         if s.value.init == "reward":

@@ -22,7 +22,8 @@ from tqdm.auto import tqdm
 
 from ppo_jax import metrics as metrics_lib
 from ppo_jax import rewards, sampling, sharding
-from ppo_jax.checkpoint import CheckpointError, CheckpointManager
+from ppo_jax.checkpoint import CheckpointCorruptError, CheckpointError, CheckpointManager
+from ppo_jax.checkpoint import verify
 from ppo_jax.config import ConfigError, to_dict
 from ppo_jax.data import toy
 from ppo_jax.data.prompt_stream import PromptStream
@@ -100,9 +101,10 @@ class PPOTrainer:
         checkpoint_dir = os.path.join(self.workdir, "checkpoints")
         # Opening the manager writes nothing; the first save does, after every input was read and checked.
         self.checkpoints = self._checkpoint_manager(checkpoint_dir) if epath.Path(checkpoint_dir).is_dir() else None
-        self.resumed_from = self.checkpoints.latest_step() if self.checkpoints is not None else None
-        if self.resumed_from is not None:
-            self.state, reference = self._restore()
+        self.resumed_from: int | None = None
+        self._init_key = init_key  # rebuilds the reference if its saved copy is lost
+        if self.checkpoints is not None and self.checkpoints.all_steps():
+            self.state, reference, self.resumed_from = self._restore()
         else:
             policy, value = build.initial_params(s, self.modules, self.state_shardings, self.mesh, init_key,
                                                  reward_params)
@@ -111,6 +113,8 @@ class PPOTrainer:
                                            self.state_shardings, self.mesh)
             if self.checkpoints is None:
                 self.checkpoints = self._checkpoint_manager(checkpoint_dir)
+            self._reference_record = verify.record(reference)
+            self._reference_saved = self._adopt_saved_reference()
         self.frozen = FrozenParams(reference=reference, reward=reward_params)
         self.frozen_shardings = build.frozen_shardings(self.state_shardings, reward_params)
         self.steps = build.build_steps(s, self.mesh, self.sizes, self.hp, self.modules, self.policy_tx,
@@ -127,7 +131,6 @@ class PPOTrainer:
         self._consecutive_nonfinite = 0
         self.stopped_by: str | None = None  # the signal (or preemption notice) that stopped train()
         self._checked_step = self.resumed_from  # newest step whose parameters passed the finiteness check
-        self._reference_saved = self.checkpoints.has_frozen("reference")
         self._score_jit = None
 
     @property
@@ -147,17 +150,67 @@ class PPOTrainer:
                                  best_metric=t.best_metric or None, best_mode=t.best_mode)
 
     def _restore(self):
-        state, extra = self.checkpoints.restore(abstract_state=self.abstract_state)
+        """(state, reference, step) of the newest checkpoint that verifies, and the data position."""
+        restored = self.checkpoints.restore_newest_valid(abstract_state=self.abstract_state)
+        for skipped in restored.skipped:
+            self._warn(f"{skipped}; resuming from step {restored.step}")
+        extra = restored.extra
         if extra.get("reward_source") != self._reward_source():
             raise ConfigError(
                 f"the checkpoint in {self.workdir} was trained against reward {extra.get('reward_source')} "
                 f"but the config now names {self._reward_source()}; resume with the original reward or use a "
                 "new workdir")
-        reference = self.checkpoints.restore_frozen("reference", self.abstract_state.policy)
+        reference = self._restore_reference(extra.get("frozen_checksums", {}).get("reference"))
         self.prompts.restore(extra["data"])
         if self.eval_prompts is not None and extra.get("eval_data"):
             self.eval_prompts.restore(extra["eval_data"])
-        return state, reference
+        return restored.state, reference, restored.step
+
+    def _restore_reference(self, recorded: dict | None):
+        """The frozen reference the restored steps were trained against (their checksums prove it).
+
+        The reference is the initial policy, so a damaged, missing or foreign one (a kill between
+        its save and the first step's, a reused workdir) is rebuilt from its source, and adopted only
+        if it matches the checksums the steps recorded: KL is never measured against another tree.
+        """
+        self._reference_saved = True
+        try:
+            reference = self.checkpoints.restore_frozen("reference", self.abstract_state.policy, checksums=recorded)
+            self._reference_record = recorded or verify.record(reference)  # older runs recorded none
+            return reference
+        except CheckpointError as err:  # missing, damaged, or another model's (shapes differ)
+            problem = str(err)
+        source = f"policy.path={self.settings.policy.path}" if self.settings.policy.path else "the seed"
+        rebuilt = build.initial_policy(self.settings, self.modules, self.state_shardings, self.mesh, self._init_key)
+        if recorded is None or verify.mismatches(rebuilt, recorded):
+            raise CheckpointCorruptError(
+                f"{problem}; rebuilding the reference policy from {source} does not give the tree the "
+                f"checkpoints were trained against, so their KL reference is lost; start the run in a new workdir")
+        if self.checkpoints.has_frozen("reference"):
+            self.checkpoints.set_aside_frozen("reference")
+        self._reference_record, self._reference_saved = recorded, False  # saved again with the next step
+        self._warn(f"{problem}; rebuilt the reference policy from {source} (it matches the checkpoints' checksums)")
+        return rebuilt
+
+    def _adopt_saved_reference(self) -> bool:
+        """Starting from scratch over a frozen reference with no step beside it (an attempt killed
+        after saving it, or another run's): keep it if it is exactly this run's reference, else move
+        it aside. Returns whether the run's reference is already saved."""
+        if not self.checkpoints.has_frozen("reference"):
+            return False
+        try:
+            self.checkpoints.restore_frozen("reference", self.abstract_state.policy, checksums=self._reference_record)
+            return True
+        except CheckpointError:  # another model's, another seed's, or damaged
+            moved = self.checkpoints.set_aside_frozen("reference", ".stale")
+            self._warn(f"the frozen reference in {self.checkpoints.directory} is not this run's initial policy "
+                       f"(another seed or policy, or damaged); moved it to {moved}")
+            return False
+
+    @staticmethod
+    def _warn(message: str) -> None:
+        if jax.process_index() == 0:
+            print(f"warning: {message}", flush=True)
 
     def _reward_source(self) -> dict[str, Any]:
         """What scores this run (recorded in checkpoints; a resume must use the same)."""
@@ -181,6 +234,8 @@ class PPOTrainer:
             "value_model": dataclasses.asdict(self.modules.value.config) if self.modules.value else None,
             "value_head_init": self.modules.value.head_init if self.modules.value else None,
             "reward_source": self._reward_source(),
+            # Ties the steps to the frozen tree they were trained against (checked on resume).
+            "frozen_checksums": {"reference": self._reference_record},
         }
         metrics = self.history[-1] if self.history else None
         best = self.settings.train.best_metric

@@ -170,10 +170,13 @@ def resume(manager, state: TrainState, shardings: TrainState, loader) -> TrainSt
     """The latest checkpoint's state and data position, or `state` unchanged when there is none."""
     if manager.latest_step() is None:
         return state
-    restored, extra = manager.restore(abstract_state=abstract_state(state, shardings))
-    if loader is not None and "data" in extra:
-        loader.restore(extra["data"])
-    return restored
+    restored = manager.restore_newest_valid(abstract_state=abstract_state(state, shardings))
+    for skipped in restored.skipped:
+        if jax.process_index() == 0:
+            print(f"warning: {skipped}; resuming from step {restored.step}", flush=True)
+    if loader is not None and "data" in restored.extra:
+        loader.restore(restored.extra["data"])
+    return restored.state
 
 
 def batches_forever(loader) -> Iterator[Any]:
