@@ -39,7 +39,7 @@ def check(cond: bool, message: str) -> None:
 # Schema <-> ConfigDict.
 
 
-def _leaf_type(hint) -> type:
+def leaf_type(hint) -> type:
     """The concrete type of a field (`int | None` -> int), for ConfigDict placeholders and coercion."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if typing.get_origin(hint) in (typing.Union, types.UnionType) and args:
@@ -48,13 +48,13 @@ def _leaf_type(hint) -> type:
     return origin if isinstance(origin, type) else object
 
 
-def _hints(cls) -> dict[str, Any]:
+def type_hints(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
 
 
 def config_dict(section: Any) -> ml_collections.ConfigDict:
     """The ConfigDict of a settings dataclass instance (nested sections become nested ConfigDicts)."""
-    hints = _hints(type(section))
+    hints = type_hints(type(section))
     out = {}
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
@@ -62,7 +62,7 @@ def config_dict(section: Any) -> ml_collections.ConfigDict:
             out[f.name] = config_dict(value)
         elif value is None:
             # ConfigDict needs a type per field: a None default becomes a typed placeholder.
-            kind = _leaf_type(hints[f.name])
+            kind = leaf_type(hints[f.name])
             out[f.name] = (ml_collections.config_dict.placeholder(ml_collections.ConfigDict)
                            if dataclasses.is_dataclass(kind) else ml_collections.config_dict.placeholder(kind))
         else:
@@ -100,13 +100,13 @@ def from_config(schema: type, config: Mapping[str, Any] | ml_collections.ConfigD
         return config
     if isinstance(config, ml_collections.ConfigDict):
         config = config.to_dict()
-    hints = _hints(schema)
+    hints = type_hints(schema)
     names = {f.name for f in dataclasses.fields(schema)}
     unknown = sorted(set(config) - names)
     prefix = f"{where}." if where else ""
     check(not unknown, f"unknown config field(s) {', '.join(prefix + u for u in unknown)}; "
           f"the section has {', '.join(sorted(names))}")
-    values = {name: _coerce(value, _leaf_type(hints[name]), prefix + name) for name, value in config.items()}
+    values = {name: _coerce(value, leaf_type(hints[name]), prefix + name) for name, value in config.items()}
     return schema(**values)
 
 
@@ -153,6 +153,9 @@ class MeshSettings:
     shape: tuple = (1, -1, 1)  # (data, fsdp, tensor); one entry may be -1 = all remaining devices
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 @dataclasses.dataclass(frozen=True)
 class AdamWSettings:
     """AdamW behind global-norm clipping, with linear warmup then a schedule (`ppo_jax.optim`).
@@ -171,7 +174,9 @@ class AdamWSettings:
 
     def validate(self, prefix: str = "optim", learning_rates: Mapping[str, float] = ()) -> None:
         for name, lr in dict(learning_rates).items():
-            check(lr >= 0 and math.isfinite(lr), f"{prefix}.{name} must be >= 0 and finite, got {lr}")
+            # A Python float beyond float32's range is "finite" here but inf on the devices.
+            check(0 <= lr <= FLOAT32_MAX, f"{prefix}.{name} must be >= 0 and at most float32's largest value "
+                                          f"({FLOAT32_MAX:.3g}), got {lr}")
         for name in ("weight_decay", "max_grad_norm", "warmup_steps", "eps_root"):
             value = getattr(self, name)
             check(value >= 0 and math.isfinite(value), f"{prefix}.{name} must be >= 0 and finite, got {value}")

@@ -147,10 +147,11 @@ def test_a_nonfinite_last_iteration_still_saves_and_is_not_called_done(tmp_path)
 
 
 def test_an_update_that_makes_parameters_nonfinite_stops_before_saving(tmp_path):
-    """1e39 is a finite Python float but overflows float32: gradients stay finite, the parameters do
-    not. The step-finite check stops the run, and nothing non-finite is ever saved."""
-    config = tiny_config(**{"train.iterations": 3, "train.checkpoint_every": 1, "optim.policy_lr": 1e39,
-                            "optim.max_grad_norm": 0.0})
+    """A learning rate near float32's largest value with weight decay: gradients stay finite, the
+    AdamW step lr * (adam + decay * p) overflows to inf. The step-finite check stops the run, and
+    nothing non-finite is ever saved."""
+    config = tiny_config(**{"train.iterations": 3, "train.checkpoint_every": 1, "optim.policy_lr": 3e38,
+                            "optim.weight_decay": 1.0, "optim.max_grad_norm": 0.0})
     trainer = PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
     with pytest.raises(NonFiniteError, match="iteration 1's update produced non-finite parameters.*"
                                              "not saved; no checkpoint was saved"):

@@ -3,9 +3,11 @@ console script `ppo-jax-export`): a PPO checkpoint's policy or value model as a 
 
 from __future__ import annotations
 
+import sys
+
 from absl import app, flags
 
-from ppo_jax.cli.common import USER_ERRORS, fail, quiet_logging
+from ppo_jax.cli.common import USER_ERRORS, fail, quiet_logging, wants_help
 from ppo_jax.rl.export import export_checkpoint
 
 
@@ -15,6 +17,9 @@ def main(argv=None) -> None:
     which = flags.DEFINE_enum("which", "policy", ["policy", "value"], "Which model to export.")
     out = flags.DEFINE_string("out", None, "Output Hugging Face directory.")
     flags.mark_flags_as_required(["checkpoint", "out"])
+    if wants_help(sys.argv if argv is None else argv):  # absl's --help exits 1
+        print(__doc__ + "\n\n" + flags.FLAGS.module_help(flags.FLAGS.find_module_defining_flag("checkpoint")))
+        sys.exit(0)
 
     def run(args):
         if len(args) > 1:

@@ -16,6 +16,7 @@ from ppo_jax import sharding
 from ppo_jax.cli.common import config_command
 from ppo_jax.config import ConfigError
 from ppo_jax.rl.plan import GB, GIB, PHASES, format_plan, plan_memory
+from ppo_jax.rl.settings import Settings
 
 
 def mesh_size(shape, num_devices: int | None) -> int:
@@ -105,7 +106,7 @@ def main(argv=None) -> None:
             return json.dumps(dict(result.to_dict(memory), planning_seconds=round(seconds, 1)), indent=2)
         return f"{format_plan(result, memory)}\nPlanned in {seconds:.1f} s."
 
-    config_command(plan, what="PPO", workdir=False, argv=argv)
+    config_command(plan, schema=Settings, what="PPO", workdir=False, argv=argv)
 
 
 if __name__ == "__main__":

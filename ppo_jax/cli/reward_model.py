@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from ppo_jax.cli.common import config_command
+from ppo_jax.supervised.settings import RewardModelSettings
 from ppo_jax.supervised.base import summary_line
 from ppo_jax.supervised.reward_model import RewardModelTrainer
 
@@ -14,7 +15,7 @@ def reward_model(config, workdir: str) -> str:
 
 
 def main(argv=None) -> None:
-    config_command(reward_model, what="reward-model", argv=argv)
+    config_command(reward_model, schema=RewardModelSettings, what="reward-model", argv=argv)
 
 
 if __name__ == "__main__":

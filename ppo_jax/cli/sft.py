@@ -4,6 +4,7 @@ script `ppo-jax-sft`): supervised fine-tuning from the config's data files and m
 from __future__ import annotations
 
 from ppo_jax.cli.common import config_command
+from ppo_jax.supervised.settings import SFTSettings
 from ppo_jax.supervised.base import summary_line
 from ppo_jax.supervised.sft import SFTTrainer
 
@@ -14,7 +15,7 @@ def sft(config, workdir: str) -> str:
 
 
 def main(argv=None) -> None:
-    config_command(sft, what="SFT", argv=argv)
+    config_command(sft, schema=SFTSettings, what="SFT", argv=argv)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ def train(config, workdir: str) -> str:
 
 
 def main(argv=None) -> None:
-    config_command(train, what="PPO", argv=argv)
+    config_command(train, schema=Settings, what="PPO", argv=argv)
 
 
 if __name__ == "__main__":

@@ -87,8 +87,8 @@ def main(argv=None) -> None:
         run_sweep(config, workdir, coefs)
         return f"done: {len(coefs)} PPO runs; {os.path.join(workdir, 'sweep.json')}"
 
-    config_command(sweep, what="demo", default_config=default_config.__file__, workdir=DEFAULT_WORKDIR,
-                   argv=argv)
+    config_command(sweep, schema=DemoSettings, what="demo", default_config=default_config.__file__,
+                   workdir=DEFAULT_WORKDIR, argv=argv)
 
 
 if __name__ == "__main__":

@@ -178,8 +178,8 @@ def _command(config, workdir: str) -> None:
 
 def main(argv=None) -> None:
     """`python -m ppo_jax.demo` (console script `ppo-jax-demo`); without --config: the built-in demo."""
-    config_command(_command, what="demo", default_config=default_config.__file__, workdir=DEFAULT_WORKDIR,
-                   argv=argv)
+    config_command(_command, schema=DemoSettings, what="demo", default_config=default_config.__file__,
+                   workdir=DEFAULT_WORKDIR, argv=argv)
 
 
 if __name__ == "__main__":

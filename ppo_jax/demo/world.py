@@ -236,11 +236,11 @@ class World:
     topic / "it" instead of the prompt's topic.
     """
 
-    max_response_tokens: int = 16
-    p_ramble: float = 0.1
-    p_degenerate: float = 0.05
-    p_off_topic: float = 0.1
-    p_no_topic: float = 0.2
+    max_response_tokens: int = 16  # response budget in tokens, EOS included; past it a response scores FLOOR
+    p_ramble: float = 0.1  # share of SFT responses that ramble with filler past the budget
+    p_degenerate: float = 0.05  # share of SFT responses that repeat one word several times
+    p_off_topic: float = 0.1  # share of SFT responses about another topic than the prompt's
+    p_no_topic: float = 0.2  # share of SFT responses that say "it" instead of the prompt's topic
     eval_fraction: float = 0.2  # share of (template, topic) prompts held out for evaluation
 
     def __post_init__(self):

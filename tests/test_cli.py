@@ -1,0 +1,101 @@
+"""The command lines explain themselves: --help prints every config field with its value and comment
+(exit 0) for every entry point; a missing config file and a misspelled override are one `error:` line
+(exit 2), before anything is parsed, loaded or written."""
+
+import subprocess
+import sys
+
+import pytest
+from test_trainer import REPO
+
+from ppo_jax.cli import common, preflight
+from ppo_jax.config import ConfigError, config_dict
+from ppo_jax.demo.settings import DemoSettings
+from ppo_jax.rl.settings import Settings
+from ppo_jax.supervised.settings import RewardModelSettings, SFTSettings
+
+TOY = f"{REPO}/configs/ppo_toy.py"
+
+
+def _help(capsys, schema, config_file, what="PPO"):
+    with pytest.raises(SystemExit) as exit_info:
+        common.preflight(["prog", f"--config={config_file}", "--help"], what=what, schema=schema,
+                         default_config=None, takes_workdir=True)
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_lists_every_field_with_the_config_files_value_and_its_comment(capsys):
+    out = _help(capsys, Settings, TOY)
+    lines = out.splitlines()
+    # Every leaf of the config appears once, as an override that works.
+    config = preflight.load_config(TOY)
+    leaves = [name for name, _, _ in preflight._rows(config, Settings, "")]
+    assert len(leaves) > 60
+    for name in leaves:
+        assert sum(line.strip().startswith(f"--config.{name}=") for line in lines) == 1, name
+    # The value is the config file's (30, not the schema default 20), the comment the schema's.
+    assert any(line.strip().startswith("--config.train.iterations=30") and
+               line.endswith("# PPO iterations (rollout + update)") for line in lines)
+    assert "--workdir=DIR" in out and "--verbose" in out
+
+
+@pytest.mark.parametrize("schema,config_file,field", [
+    (SFTSettings, "configs/sft.py", "--config.train.steps="),
+    (RewardModelSettings, "configs/reward_model.py", "--config.data.chosen_field="),
+    (DemoSettings, "ppo_jax/demo/default_config.py", "--config.sft.train.steps=800"),
+])
+def test_help_of_the_other_trainers(capsys, schema, config_file, field):
+    out = _help(capsys, schema, f"{REPO}/{config_file}", what="x")
+    assert field in out
+
+
+def test_every_config_field_has_a_comment():
+    """The --help text is the schema's comments: a field without one would print bare."""
+    for schema in (Settings, SFTSettings, RewardModelSettings, DemoSettings):
+        bare = [name for name, _, comment in preflight._rows(config_dict(schema()), schema, "")
+                if not comment and ".model." not in f".{name}"]
+        assert not bare, f"{schema.__name__} fields without a comment: {bare}"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--config.train.iteratons=3", "unknown config field --config.train.iteratons: train has no field 'iteratons'; "
+                                   "did you mean --config.train.iterations?"),
+    ("--config.trian.iterations=3", "the config has no field 'trian'; did you mean --config.train?"),
+    ("--config.seed.x=1", "--config.seed.x: seed is a value, not a section"),
+    ("--config.rollout.zzz=1", "rollout has no field 'zzz'; rollout has batch_size, "),
+])
+def test_a_misspelled_override_is_named_with_a_suggestion(override, message):
+    config = preflight.load_config(TOY)
+    with pytest.raises(ConfigError, match=None) as info:
+        preflight.check_overrides(["--workdir=x", override], config)
+    assert message in str(info.value)
+    preflight.check_overrides(["--config.train.iterations=3", "--config.policy.model.num_layers", "4"], config)
+
+
+def test_a_missing_config_file_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"config file '.*nope.py' does not exist"):
+        preflight.load_config(str(tmp_path / "nope.py"))
+    broken = tmp_path / "broken.py"
+    broken.write_text("def get_config(:\n")
+    with pytest.raises(ConfigError, match="broken.py' failed to load: SyntaxError"):
+        preflight.load_config(str(broken))
+
+
+@pytest.mark.parametrize("command,args,expect", [
+    ("ppo_jax.cli.train", ["--help"], "--config=FILE is required"),
+    ("ppo_jax.cli.plan", [f"--config={REPO}/configs/plan_tiny.py", "--help"], "--device_memory_gb"),
+    ("ppo_jax.cli.export", ["--help"], "--checkpoint: PPO workdir"),
+    ("ppo_jax.demo.kl_sweep", ["--help"], "--kl_coefs"),
+])
+def test_help_exits_0_for_every_entry_point(command, args, expect):
+    out = subprocess.run([sys.executable, "-m", command, *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert expect in out.stdout
+
+
+def test_cli_missing_config_file_is_one_line_exit_2(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "ppo_jax.cli.train", f"--config={tmp_path}/nope.py",
+                          f"--workdir={tmp_path}/run"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("error: config file ") and not (tmp_path / "run").exists()
