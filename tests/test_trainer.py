@@ -118,7 +118,7 @@ INVALID = [
     ({"rollout.temperature": 0.0}, "rollout.temperature must be > 0"),
     ({"optim.policy_lr": -1e-3}, "optim.policy_lr must be >= 0"),
     ({"optim.value_lr": 1e39}, "optim.value_lr must be >= 0 and at most float32's largest value"),
-    ({"optim.b1": 1.5}, r"optim.b1 must be in \[0, 1\)"),
+    ({"optim.b1": 1.5}, "optim.b1 must be in"),
     ({"ppo.clip_eps": 0.0}, "ppo.clip_eps must be > 0"),
     ({"rollout.response_length": 40}, "exceeds the model's max_position_embeddings=32"),
     ({"ppo.advantage_estimator": "grpo"}, "set rollout.num_samples >= 2"),
