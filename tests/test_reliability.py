@@ -274,6 +274,8 @@ def test_cli_reports_a_failing_reward_function_in_one_line(tmp_path):
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    # Nothing else on the terminal: no library INFO lines, no advice, no traceback.
+    assert proc.stderr.strip().splitlines() == error_lines and not proc.stdout.strip(), proc.stderr[-3000:]
     assert len(error_lines) == 1 and "iteration 2 failed with RuntimeError: reward service unavailable" \
         in error_lines[0] and "checkpoint step 1" in error_lines[0], proc.stderr[-3000:]
     assert "RuntimeError" in (workdir / "error.log").read_text()

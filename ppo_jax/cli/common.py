@@ -6,6 +6,7 @@ The config is locked, so a misspelled override fails instead of being silently i
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -35,9 +36,13 @@ def fail(message: str, *, code: int = 2, cause: BaseException | None = None) -> 
 
 
 def quiet_logging() -> None:
-    """JAX's and Orbax's INFO lines would bury the progress bars (unless --verbose or --verbosity)."""
+    """JAX's and Orbax's INFO lines would bury the progress bars (unless --verbose or --verbosity);
+    transformers' advice (e.g. "PyTorch was not found", irrelevant here: we only use its tokenizers
+    and configs) is silenced before its lazy import."""
     if not (VERBOSE.value or flags.FLAGS["verbosity"].present):
         logging.set_verbosity(logging.WARNING)
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 _HELP = ("--help", "-h", "-?", "--helpshort", "--helpfull")

@@ -25,9 +25,9 @@ def train(config, workdir: str) -> str:
                 "raise train.iterations to continue it")
     if trainer.stopped_by:
         return ""  # the trainer said where it stopped and how to resume
-    last = history[-1]
-    return (f"done: {len(history)} iterations, score {last['objective/scores']:.4f}, "
-            f"KL {last['objective/kl']:.4f}; metrics in {trainer.writer.path}")
+    first, last = history[0], history[-1]
+    return (f"done: {len(history)} iterations, score {first['objective/scores']:.4f} -> "
+            f"{last['objective/scores']:.4f}, KL {last['objective/kl']:.4f}; metrics in {trainer.writer.path}")
 
 
 def main(argv=None) -> None:
