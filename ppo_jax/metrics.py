@@ -31,6 +31,12 @@ def append_lines(path: str, lines: Sequence[str]) -> None:
     target.write_text(old + text)
 
 
+def warn(message: str) -> None:
+    """A `warning:` line on the terminal, once per job (process 0)."""
+    if jax.process_index() == 0:
+        print(f"warning: {message}", flush=True)
+
+
 def _to_float(v: Any) -> float:
     return float(np.asarray(v))
 

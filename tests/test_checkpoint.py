@@ -459,7 +459,7 @@ def test_a_damaged_step_is_refused_and_resume_falls_back_to_the_previous_one(tmp
         assert restored.step == 1 and restored.extra == {"step": 1}
         assert_trees_identical(restored.state, make_state(mesh, seed=1))
         assert len(restored.skipped) == 1 and "step 2" in restored.skipped[0]
-        assert restored.skipped[0].endswith(f"(moved to {directory / '2.corrupt'})")
+        assert restored.skipped[0].endswith(f"(moved to {directory / '2.corrupt'}); resuming from step 1")
         # The damaged step is kept for inspection but never read again; step 2 can be saved anew.
         assert (directory / "2.corrupt").is_dir() and manager.all_steps() == [1]
         manager.save(2, make_state(mesh, seed=2), extra={"step": 2}, force=True)

@@ -39,7 +39,7 @@ class RestoredStep:
     step: int
     state: Any
     extra: dict
-    skipped: tuple[str, ...]  # one message per newer step found damaged (renamed <step>.corrupt)
+    skipped: tuple[str, ...]  # one line per newer step found damaged (renamed <step>.corrupt), ready to print
 
 
 def _first_line(err: BaseException) -> str:
@@ -332,7 +332,7 @@ class CheckpointManager:
             except CheckpointCorruptError as e:
                 skipped.append(f"{e} (moved to {self._set_aside(self._directory / str(step))})")
                 continue
-            return RestoredStep(step, state, extra, tuple(skipped))
+            return RestoredStep(step, state, extra, tuple(f"{line}; resuming from step {step}" for line in skipped))
         raise CheckpointCorruptError(
             f"no checkpoint in {self._directory} is intact: {'; '.join(skipped)}. Start the run in a new "
             "workdir (or move the checkpoints directory away)")

@@ -113,18 +113,17 @@ class PPOTrainer:
                                            self.state_shardings, self.mesh)
             if self.checkpoints is None:
                 self.checkpoints = self._checkpoint_manager(checkpoint_dir)
-            self._reference_record = verify.record(reference)
-            self._reference_saved = self._adopt_saved_reference()
+            self._reference_record: dict | None = None  # its checksums, from the first save (or the check below)
+            self._reference_saved = self._adopt_saved_reference(reference)
         self.frozen = FrozenParams(reference=reference, reward=reward_params)
         self.frozen_shardings = build.frozen_shardings(self.state_shardings, reward_params)
         self.steps = build.build_steps(s, self.mesh, self.sizes, self.hp, self.modules, self.policy_tx,
                                        self.value_tx, self.state_shardings, self.frozen_shardings, self.stop_ids,
                                        int(self.tokenizer.pad_token_id))
         self.writer = metrics_lib.MetricWriter(self.workdir, resume_step=self.resumed_from or 0)
-        if jax.process_index() == 0:  # sample logs restart with the steps, like the metrics
-            for name in (SAMPLES_FILE, NONFINITE_SAMPLES_FILE):
-                metrics_lib.truncate_after(os.path.join(self.workdir, name), self.resumed_from or 0)
         if jax.process_index() == 0:
+            for name in (SAMPLES_FILE, NONFINITE_SAMPLES_FILE):  # sample logs restart with the steps too
+                metrics_lib.truncate_after(os.path.join(self.workdir, name), self.resumed_from or 0)
             hf.save_tokenizer(self.tokenizer, os.path.join(self.workdir, "tokenizer"))
         self.history: list[dict[str, float]] = []
         self._stop_signal: str | None = None
@@ -152,8 +151,8 @@ class PPOTrainer:
     def _restore(self):
         """(state, reference, step) of the newest checkpoint that verifies, and the data position."""
         restored = self.checkpoints.restore_newest_valid(abstract_state=self.abstract_state)
-        for skipped in restored.skipped:
-            self._warn(f"{skipped}; resuming from step {restored.step}")
+        for line in restored.skipped:
+            metrics_lib.warn(line)
         extra = restored.extra
         if extra.get("reward_source") != self._reward_source():
             raise ConfigError(
@@ -189,28 +188,24 @@ class PPOTrainer:
         if self.checkpoints.has_frozen("reference"):
             self.checkpoints.set_aside_frozen("reference")
         self._reference_record, self._reference_saved = recorded, False  # saved again with the next step
-        self._warn(f"{problem}; rebuilt the reference policy from {source} (it matches the checkpoints' checksums)")
+        metrics_lib.warn(f"{problem}; rebuilt the reference policy from {source} (it matches the checkpoints' checksums)")
         return rebuilt
 
-    def _adopt_saved_reference(self) -> bool:
+    def _adopt_saved_reference(self, reference) -> bool:
         """Starting from scratch over a frozen reference with no step beside it (an attempt killed
         after saving it, or another run's): keep it if it is exactly this run's reference, else move
         it aside. Returns whether the run's reference is already saved."""
         if not self.checkpoints.has_frozen("reference"):
             return False
+        self._reference_record = verify.record(reference)
         try:
             self.checkpoints.restore_frozen("reference", self.abstract_state.policy, checksums=self._reference_record)
             return True
         except CheckpointError:  # another model's, another seed's, or damaged
             moved = self.checkpoints.set_aside_frozen("reference", ".stale")
-            self._warn(f"the frozen reference in {self.checkpoints.directory} is not this run's initial policy "
+            metrics_lib.warn(f"the frozen reference in {self.checkpoints.directory} is not this run's initial policy "
                        f"(another seed or policy, or damaged); moved it to {moved}")
             return False
-
-    @staticmethod
-    def _warn(message: str) -> None:
-        if jax.process_index() == 0:
-            print(f"warning: {message}", flush=True)
 
     def _reward_source(self) -> dict[str, Any]:
         """What scores this run (recorded in checkpoints; a resume must use the same)."""
@@ -224,7 +219,7 @@ class PPOTrainer:
         """Saves trainable state + data position (the reference once, in frozen/)."""
         step = int(self.state.step)
         if not self._reference_saved:
-            self.checkpoints.save_frozen("reference", self.frozen.reference)
+            self._reference_record = self.checkpoints.save_frozen("reference", self.frozen.reference)
             self._reference_saved = True
         extra = {
             "data": self.prompts.state(),
@@ -422,7 +417,7 @@ class PPOTrainer:
                 self.checkpoints.wait()
                 saved = step
             except CheckpointError as save_err:
-                print(f"warning: the emergency save of step {step} failed: {save_err}", flush=True)
+                metrics_lib.warn(f"the emergency save of step {step} failed: {save_err}")
         log = os.path.join(self.workdir, "error.log")
         if jax.process_index() == 0:
             stamp = datetime.datetime.now().isoformat(timespec="seconds")

@@ -19,6 +19,7 @@ import optax
 from tqdm.auto import tqdm
 
 from ppo_jax import data as data_lib
+from ppo_jax import metrics as metrics_lib
 from ppo_jax import sharding
 from ppo_jax.checkpoint import CheckpointManager
 from ppo_jax.config import ComputeSettings, ConfigError, check, check_positions, override_dtypes
@@ -171,9 +172,8 @@ def resume(manager, state: TrainState, shardings: TrainState, loader) -> TrainSt
     if manager.latest_step() is None:
         return state
     restored = manager.restore_newest_valid(abstract_state=abstract_state(state, shardings))
-    for skipped in restored.skipped:
-        if jax.process_index() == 0:
-            print(f"warning: {skipped}; resuming from step {restored.step}", flush=True)
+    for line in restored.skipped:
+        metrics_lib.warn(line)
     if loader is not None and "data" in restored.extra:
         loader.restore(restored.extra["data"])
     return restored.state
@@ -221,6 +221,17 @@ class SupervisedTrainer:
 
     name: str
     export_kind: str
+    settings_type: type  # SFTSettings / RewardModelSettings
+
+    def _start(self, config, workdir: str, mesh):
+        """Validated settings, the workdir and the mesh: the first lines of every __init__, before
+        anything loads or compiles."""
+        s = self.settings = self.settings_type.from_config(config)
+        self.workdir = workdir
+        self.mesh = mesh or sharding.make_mesh(s.mesh.shape)
+        s.compute.enable_compilation_cache()
+        check_batch_size(s.train.batch_size, self.mesh, self.name)
+        return s
 
     def _load_tokenizer(self):
         path = self.settings.tokenizer_path or self.settings.model.path

@@ -123,6 +123,7 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
     normalises (optionally) and exports to <workdir>/hf."""
 
     name = "reward_model"
+    settings_type = RewardModelSettings
     export_kind = "reward"
 
     def __init__(self, config, workdir: str, *, tokenizer=None,
@@ -131,11 +132,7 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
         """config: a reward-model ConfigDict (`reward_model_config()` and overrides) or
         `RewardModelSettings`, converted and validated here, once. train_records / eval_records: data
         given in code instead of files."""
-        s = self.settings = RewardModelSettings.from_config(config)
-        self.workdir = workdir
-        self.mesh = mesh or sharding.make_mesh(s.mesh.shape)
-        s.compute.enable_compilation_cache()
-        supervised.check_batch_size(s.train.batch_size, self.mesh, "reward_model")
+        s = self._start(config, workdir, mesh)
         d = s.data
         fields = {"prompt": d.prompt_field, "chosen": d.chosen_field, "rejected": d.rejected_field}
         train_source = supervised.data_source(d.train, train_records, fields, "reward_model train data")

@@ -82,6 +82,7 @@ class SFTTrainer(supervised.SupervisedTrainer):
     """Builds the model, data and jitted steps once from a config; `train()` runs the loop."""
 
     name = "sft"
+    settings_type = SFTSettings
     export_kind = "causal_lm"
 
     def __init__(self, config, workdir: str, *, tokenizer=None,
@@ -89,11 +90,7 @@ class SFTTrainer(supervised.SupervisedTrainer):
                  eval_records: Sequence[Mapping[str, Any]] | None = None, mesh=None):
         """config: an SFT ConfigDict (`sft_config()` and overrides) or `SFTSettings`, converted and
         validated here, once. train_records / eval_records: data given in code instead of files."""
-        s = self.settings = SFTSettings.from_config(config)
-        self.workdir = workdir
-        self.mesh = mesh or sharding.make_mesh(s.mesh.shape)
-        s.compute.enable_compilation_cache()
-        supervised.check_batch_size(s.train.batch_size, self.mesh, "sft")
+        s = self._start(config, workdir, mesh)
         d = s.data
         fields = {"prompt": d.prompt_field, "response": d.response_field}
         train_source = supervised.data_source(d.train, train_records, fields, "sft train data")
