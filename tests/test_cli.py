@@ -99,3 +99,18 @@ def test_cli_missing_config_file_is_one_line_exit_2(tmp_path):
                           f"--workdir={tmp_path}/run"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert out.stderr.startswith("error: config file ") and not (tmp_path / "run").exists()
+
+
+def test_no_transformers_advice_on_a_core_install():
+    """Without torch, `import transformers` prints "PyTorch was not found ..." — and the demo's
+    settings import it at module load, before any CLI code runs. Hiding torch from transformers'
+    availability check reproduces a core install."""
+    code = ("import importlib.util\n"
+            "find = importlib.util.find_spec\n"
+            "importlib.util.find_spec = lambda name, *a: None if name == 'torch' else find(name, *a)\n"
+            "import ppo_jax.demo.pipeline\n"
+            "import transformers.utils.import_utils as iu\n"
+            "assert not iu.is_torch_available()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "PyTorch was not found" not in out.stderr and "[transformers]" not in out.stderr, out.stderr

@@ -6,7 +6,6 @@ The config is locked, so a misspelled override fails instead of being silently i
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -36,13 +35,10 @@ def fail(message: str, *, code: int = 2, cause: BaseException | None = None) -> 
 
 
 def quiet_logging() -> None:
-    """JAX's and Orbax's INFO lines would bury the progress bars (unless --verbose or --verbosity);
-    transformers' advice (e.g. "PyTorch was not found", irrelevant here: we only use its tokenizers
-    and configs) is silenced before its lazy import."""
+    """JAX's and Orbax's INFO lines would bury the progress bars (unless --verbose or --verbosity).
+    (transformers' import advice is silenced for the whole package, in `ppo_jax/__init__.py`.)"""
     if not (VERBOSE.value or flags.FLAGS["verbosity"].present):
         logging.set_verbosity(logging.WARNING)
-        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 _HELP = ("--help", "-h", "-?", "--helpshort", "--helpfull")
