@@ -36,6 +36,8 @@ setup(
         "tfds": ["tensorflow-datasets>=4.9", "array-record>=0.5", "importlib_resources"],
         "hf-datasets": ["datasets>=2.14"],
         "gcs": ["gcsfs"],
+        # The TensorBoard viewer (the trainers write its event files with tensorboardX, a core dependency).
+        "tensorboard": ["tensorboard>=2.14"],
         # Accelerators: the jax build with the platform's plugin (CUDA 12 wheels / libtpu).
         "cuda12": ["jax[cuda12]"],
         "tpu": ["jax[tpu]"],
