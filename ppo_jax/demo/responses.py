@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+from tqdm.auto import tqdm
 
 from ppo_jax import sampling
 from ppo_jax.data import PromptTokenizer
@@ -36,12 +37,15 @@ class ResponseSampler:
             mesh, jax.tree.map(lambda x: x.sharding, self.params))
         self.encoder = PromptTokenizer(tok, max_prompt_length=prompt_length)
 
-    def __call__(self, prompts: Sequence[str], key) -> list[list[tuple[str, bool]]]:
+    def __call__(self, prompts: Sequence[str], key, *, desc: str | None = None
+                 ) -> list[list[tuple[str, bool]]]:
+        """desc: a tqdm bar by that name counts the prompts answered (None: no bar)."""
         # sampling.sample_prompts pads each call of batch_size prompts with copies of the last one (one
         # compiled shape), folds `start` into the key per call and drops the filler rows again.
-        out = sampling.sample_prompts(self.sampler, self.params, self.encoder, prompts, key,
-                                      prompt_length=self.prompt_length, mesh=self.mesh,
-                                      batch_size=self.batch_size)
+        with tqdm(total=len(prompts), desc=desc, unit="prompt", disable=desc is None) as bar:
+            out = sampling.sample_prompts(self.sampler, self.params, self.encoder, prompts, key,
+                                          prompt_length=self.prompt_length, mesh=self.mesh,
+                                          batch_size=self.batch_size, on_fetched=bar.update)
         rows = [self.world.decode_response(r, (self.eos,)) for r in out.tokens]
         n = self.num_samples
         return [rows[i * n:(i + 1) * n] for i in range(len(prompts))]

@@ -71,7 +71,8 @@ def sample_preferences(settings: DemoSettings, sft_dir: str, workdir: str, mesh=
 
     def pairs(split: str, n: int, salt: int):
         prompts = world.prompts(n, split, seed=seed + salt)
-        answers = sampler(prompts, jax.random.fold_in(key, salt))
+        desc = f"preferences ({split})" if settings.progress and jax.process_index() == 0 else None
+        answers = sampler(prompts, jax.random.fold_in(key, salt), desc=desc)
         (a, sa), (b, sb) = zip(*[x[0] for x in answers]), zip(*[x[1] for x in answers])
         return prompts, a, b, sa, sb
 

@@ -13,7 +13,7 @@ tokens depend only on the key, its row index and its own logits (see `token_choi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -52,7 +52,8 @@ def _empty_output(prompt_length: int, max_new_tokens: int) -> SampleOutput:
 
 def sample_prompts(sampler: Sampler, params: Any, tokenizer: Any, prompts: Sequence[str],
                    key: jax.Array, *, prompt_length: int, mesh: Mesh | None = None,
-                   batch_size: int | None = None) -> SampleOutput:
+                   batch_size: int | None = None,
+                   on_fetched: Callable[[int], None] | None = None) -> SampleOutput:
     """`sampler.config.num_samples` (n) responses per prompt, as a host (NumPy) SampleOutput of
     R = len(prompts) * n rows, the rows of prompt i at [i * n, (i + 1) * n); no filler row in it.
 
@@ -65,6 +66,8 @@ def sample_prompts(sampler: Sampler, params: Any, tokenizer: Any, prompts: Seque
       [rows, Lq] shape, rows = batch_size rounded up to a multiple of `sampler.batch_multiple`, made
       up with filler rows. The call over prompts[start:start + batch_size] uses the key
       `jax.random.fold_in(key, start)`.
+    on_fetched: called with each call's number of prompts once its result is on the host (a
+      progress bar); the calls still run back to back, every one dispatched before the first fetch.
     """
     if mesh is not None and mesh != sampler.mesh:
         raise ValueError(f"mesh {dict(mesh.shape)} is not the sampler's mesh {dict(sampler.mesh.shape)}")
@@ -85,9 +88,11 @@ def sample_prompts(sampler: Sampler, params: Any, tokenizer: Any, prompts: Seque
         batch = encoder.prompts(part, length=prompt_length, labels=range(start, start + len(part)))
         tokens, mask = sharding.put_batch((_fill(batch.tokens, rows), _fill(batch.mask, rows)), sampler.mesh)
         calls.append((len(part) * n, sampler(params, tokens, mask, jax.random.fold_in(key, start))))
-    outputs = sharding.to_host([out for _, out in calls])
-    kept = [jax.tree.map(lambda x, real=real: np.asarray(x)[:real], out)
-            for (real, _), out in zip(calls, outputs)]
+    kept = []
+    for real, out in calls:
+        kept.append(jax.tree.map(lambda x, real=real: np.asarray(x)[:real], sharding.to_host(out)))
+        if on_fetched is not None:
+            on_fetched(real // n)
     return jax.tree.map(lambda *parts: np.concatenate(parts), *kept)
 
 
