@@ -200,7 +200,7 @@ class ComputeSettings:
     attention: str = "auto"  # "auto", "einsum" (reference, any platform), "cudnn" (GPU, bf16/fp16) or "xla"
     layer_loop: str = "auto"  # "auto", "scan" (stacked [L, ...] params) or "unrolled" (per-layer params)
     remat: str = "keep"  # "keep" the model's own setting, "none", "full" (save nothing) or "dots" (keep matmuls)
-    compilation_cache: str = ""  # directory of jax's persistent compilation cache ("" = off)
+    compilation_cache: str = "auto"  # jax's persistent compilation cache: "auto" (jax's own setting if one is made, else ~/.cache/ppo_jax/xla, at most 4 GiB), a directory, or "" (off)
 
     def validate(self, prefix: str = "compute") -> None:
         check(self.attention in ("auto",) + ATTENTION_KINDS,
@@ -235,12 +235,35 @@ class ComputeSettings:
         except ValueError as err:
             raise ConfigError(str(err).replace("model.attention", "compute.attention")) from None
 
-    def enable_compilation_cache(self) -> None:
-        """Points jax's persistent compilation cache at `compilation_cache` (a rerun, or a resumed run,
-        then skips the compile of every step it has compiled before)."""
-        if self.compilation_cache:
-            jax.config.update("jax_compilation_cache_dir", os.path.expanduser(self.compilation_cache))
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    def enable_compilation_cache(self) -> str | None:
+        """Points jax's persistent compilation cache at `compilation_cache`, so a rerun or a resumed
+        run skips the compile of every program it has compiled before. Returns the directory in use
+        (None: off).
+
+        "auto" leaves a cache the user configured for jax (`JAX_COMPILATION_CACHE_DIR`,
+        `jax.config`) as it is; otherwise it uses one per user, shared by every run: the cache key is
+        the program, the devices and the flags, so runs of different models never collide, and the
+        least recently used entries go once it passes `AUTO_CACHE_MAX_BYTES`."""
+        if not self.compilation_cache:
+            return None
+        if self.compilation_cache == "auto":
+            configured = jax.config.jax_compilation_cache_dir
+            if configured:
+                return configured
+            directory = os.path.expanduser(AUTO_CACHE_DIR)
+            if jax.config.jax_compilation_cache_max_size == -1:
+                jax.config.update("jax_compilation_cache_max_size", AUTO_CACHE_MAX_BYTES)
+        else:
+            directory = os.path.expanduser(self.compilation_cache)
+        jax.config.update("jax_compilation_cache_dir", directory)
+        # Only programs worth caching: the tiny ones recompile faster than a disk round trip.
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        return directory
+
+
+# The "auto" compilation cache: per user, like pip's and Hugging Face's caches.
+AUTO_CACHE_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "ppo_jax", "xla")
+AUTO_CACHE_MAX_BYTES = 4 << 30
 
 
 def override_dtypes(cfg: ModelConfig, param_dtype: str, dtype: str) -> ModelConfig:

@@ -179,6 +179,41 @@ def test_cudnn_attention_off_gpu_is_refused_when_applied():
         ComputeSettings(attention="cudnn").apply(MISTRAL.replace(dtype="bfloat16"))
 
 
+_CACHE_FLAGS = ("jax_compilation_cache_dir", "jax_compilation_cache_max_size",
+                "jax_persistent_cache_min_compile_time_secs")
+
+
+@pytest.fixture
+def cache_flags():
+    """jax's persistent-cache flags, restored after the test (the suite's own cache lives in them)."""
+    saved = {name: getattr(jax.config, name) for name in _CACHE_FLAGS}
+    yield
+    for name, value in saved.items():
+        jax.config.update(name, value)
+
+
+def test_compilation_cache_is_on_by_default_and_keeps_a_configured_one(cache_flags, tmp_path, monkeypatch):
+    assert ComputeSettings().compilation_cache == "auto"
+    configured = jax.config.jax_compilation_cache_dir  # the suite's (JAX_COMPILATION_CACHE_DIR)
+    assert configured and ComputeSettings().enable_compilation_cache() == configured
+    assert jax.config.jax_compilation_cache_dir == configured
+
+    # Nothing configured: the per-user directory, with a size bound.
+    monkeypatch.setattr("ppo_jax.config.AUTO_CACHE_DIR", str(tmp_path / "user_cache"))
+    jax.config.update("jax_compilation_cache_dir", None)
+    jax.config.update("jax_compilation_cache_max_size", -1)
+    assert ComputeSettings().enable_compilation_cache() == str(tmp_path / "user_cache")
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "user_cache")
+    assert jax.config.jax_compilation_cache_max_size == 4 << 30
+
+    # An explicit directory wins; "" turns the cache off and leaves jax's settings alone.
+    chosen = str(tmp_path / "mine")
+    assert ComputeSettings(compilation_cache=chosen).enable_compilation_cache() == chosen
+    assert jax.config.jax_compilation_cache_dir == chosen
+    assert ComputeSettings(compilation_cache="").enable_compilation_cache() is None
+    assert jax.config.jax_compilation_cache_dir == chosen
+
+
 def test_cudnn_attention_needs_a_half_precision_compute_dtype():
     with pytest.raises(ValueError, match="computes in bfloat16 or float16"):
         MISTRAL.replace(attention="cudnn")
