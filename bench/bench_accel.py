@@ -1,0 +1,446 @@
+"""One PPO iteration of a ~1B Llama on an accelerator, phase by phase, with the PyTorch peers beside it.
+
+The shape is the one of the team's GPU profile (TinyLlama-1.1B: vocab 32000, d 2048, 22 layers, 32 query
+/ 4 KV heads, MLP 5632), built from a config with random weights (nothing downloaded): policy + value
+trainable (AdamW), reference + reward model frozen; `--rows` prompts × (`--prompt` + `--response`)
+tokens, 1 epoch of `--rows / --minibatch-rows` minibatches. Every response is full length (EOS is
+suppressed), so every figure counts the same tokens.
+
+Per phase of ppo_jax's iteration (median of `--iterations` steady iterations after the first):
+  generate    time, tokens/s, ms per decode step, fraction of the HBM roofline
+  experience  time, MFU (reference, reward, value and policy forwards)
+  update      time, MFU (policy and value forward + backward, optimizer)
+and compile time (first iteration - steady), trainer start-up, peak device memory of the whole run.
+
+With torch installed, in the same process on the same device (`--no-peers` skips them):
+  HF generate  `transformers` generate with a static KV cache, same weights, same lengths
+  torch update a PyTorch eager update of the same policy + value (fused AdamW where CUDA has it):
+               clipped policy loss + value loss per minibatch, the same rows and minibatches.
+
+FLOPs (stated in the output): N = matmul parameters of a model (every projection and the LM head;
+not the embedding lookup); forward = 2·N per token + attention 4·T·H·Dh per token per layer (no causal
+halving); training = 3 × forward. MFU = FLOPs / time / `--peak-tflops` (a table gives H100/H200/A100
+and TPU figures by device kind; none on CPU). Roofline of a decode step = bytes that must move (the
+policy's weights once + the KV cache written so far) / `--hbm-tbps`; the generate phase's time per
+step includes its prefill, as HF generate's does.
+
+    python bench/bench_accel.py --json accel.json                 # the profile's setup (bf16, 16-row minibatches)
+    python bench/bench_accel.py --minibatch-rows 32 --remat dots   # 32-row minibatches
+    python bench/bench_accel.py --param-dtype float32               # fp32 master weights, bf16 compute
+    python bench/bench_accel.py --tiny                              # CPU smoke test (tiny Llama, seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+# Dense bf16 peak TFLOP/s and HBM TB/s by `device_kind` substring (vendor figures).
+DEVICE_PEAKS = {
+    "H200": (989.0, 4.8), "H100": (989.0, 3.35), "A100": (312.0, 2.0), "L4": (121.0, 0.3),
+    "TPU v5p": (459.0, 2.76), "TPU v5 lite": (197.0, 0.82), "TPU v5e": (197.0, 0.82),
+    "TPU v6": (918.0, 1.64), "TPU v4": (275.0, 1.2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    mlp: int
+
+    def model_config(self, param_dtype: str, dtype: str, max_positions: int):
+        from ppo_jax.models import ModelConfig
+
+        return ModelConfig(arch="llama", vocab_size=self.vocab, hidden_size=self.hidden, num_layers=self.layers,
+                           num_heads=self.heads, num_kv_heads=self.kv_heads, intermediate_size=self.mlp,
+                           max_position_embeddings=max_positions, tie_word_embeddings=False,
+                           param_dtype=param_dtype, dtype=dtype, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+TINYLLAMA = Shape(vocab=32000, hidden=2048, layers=22, heads=32, kv_heads=4, mlp=5632)
+TINY = Shape(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, mlp=128)
+
+
+# --------------------------------------------------------------------------------------------
+# FLOPs and bytes.
+
+
+def matmul_params(cfg, lm_head: bool) -> int:
+    """Parameters that take part in a matmul per token, counted from the model's own parameter shapes
+    (nothing allocated): every `kernel` (projections, and the LM head or the scalar head), plus the
+    embedding when a tied LM head reuses it; norms, biases and the embedding lookup are not matmuls."""
+    import jax
+
+    from ppo_jax.models import CausalLM, ScalarModel, boxed_params
+
+    module = CausalLM(cfg) if lm_head else ScalarModel(cfg)
+    leaves = jax.tree_util.tree_flatten_with_path(boxed_params(module), is_leaf=_is_boxed)[0]
+    kernels = sum(int(np.prod(_unbox(leaf).shape)) for path, leaf in leaves if _last_key(path) == "kernel")
+    tied_head = cfg.vocab_size * cfg.hidden_size if lm_head and cfg.tie_word_embeddings else 0
+    return kernels + tied_head
+
+
+def _is_boxed(x) -> bool:
+    return hasattr(x, "unbox")
+
+
+def _unbox(x):
+    return x.unbox() if _is_boxed(x) else x
+
+
+def _last_key(path) -> str:
+    return str(getattr(path[-1], "key", path[-1]))
+
+
+def forward_flops(cfg, lm_head: bool, rows: int, seq: int) -> float:
+    """One forward over [rows, seq] tokens."""
+    attention = 4 * seq * cfg.num_heads * cfg.dim_per_head * cfg.num_layers
+    return rows * seq * (2 * matmul_params(cfg, lm_head) + attention)
+
+
+def decode_bytes_per_step(cfg, rows: int, prompt: int, response: int) -> float:
+    """Bytes one decode step must move on average: the policy's weights once, plus the KV cache
+    written so far (read back by every step's attention)."""
+    weights = cfg.num_params(with_lm_head=True) * np.dtype(cfg.jnp_param_dtype).itemsize
+    per_token_kv = 2 * cfg.num_layers * cfg.kv_heads * cfg.dim_per_head * np.dtype(cfg.jnp_dtype).itemsize
+    mean_length = prompt + (response - 1) / 2
+    return weights + rows * mean_length * per_token_kv
+
+
+# --------------------------------------------------------------------------------------------
+# The models, as Hugging Face directories (both sides load the same weights).
+
+
+def build_assets(shape: Shape, args, workdir: str) -> dict:
+    """Random policy and reward model, exported by ppo_jax (no torch needed), with a word tokenizer of
+    exactly `vocab` tokens; prompts of exactly `--prompt` tokens (no padding on either side)."""
+    import jax
+
+    from ppo_jax import sharding
+    from ppo_jax.data import build_word_tokenizer
+    from ppo_jax.models import CausalLM, ScalarModel, hf, init_params
+
+    tokenizer = build_word_tokenizer([f"w{i}" for i in range(shape.vocab - 4)])
+    assert len(tokenizer) == shape.vocab and tokenizer.pad_token_id == 0
+    cfg = shape.model_config(args.param_dtype, args.dtype, args.prompt + args.response)
+    mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
+    paths = {"policy": os.path.join(workdir, "policy"), "reward": os.path.join(workdir, "reward")}
+    for (name, module, kind), seed in zip((("policy", CausalLM(cfg), "causal_lm"),
+                                           ("reward", ScalarModel(cfg), "reward")), (0, 1)):
+        params, _ = init_params(module, jax.random.key(seed), mesh)
+        hf.export_model(paths[name], cfg, params, kind=kind, tokenizer=tokenizer)
+        del params
+    rng = np.random.default_rng(0)
+    words = rng.integers(0, shape.vocab - 4, size=(4 * args.rows, args.prompt))
+    return {"tokenizer": tokenizer, "config": cfg, "paths": paths,
+            "prompts": [" ".join(f"w{i}" for i in row) for row in words]}
+
+
+# --------------------------------------------------------------------------------------------
+# ppo_jax.
+
+
+def ppo_jax_settings(args, assets):
+    from ppo_jax.rl.settings import ppo_config
+
+    c = ppo_config()
+    c.policy.path, c.reward.path = assets["paths"]["policy"], assets["paths"]["reward"]
+    c.value.init = "reward"
+    c.data.prompt_length = args.prompt
+    c.data.truncation = "error"  # prompts are exactly --prompt tokens
+    c.rollout.batch_size = args.rows
+    c.rollout.response_length = args.response
+    c.rollout.min_new_tokens = args.response  # full-length responses
+    c.rollout.decode = args.decode
+    c.ppo.epochs = 1
+    c.ppo.num_minibatches = args.rows // args.minibatch_rows
+    c.compute.attention, c.compute.layer_loop, c.compute.remat = args.attention, args.layer_loop, args.remat
+    c.compute.compilation_cache = ""  # compile time is one of the figures
+    c.train.iterations = 10**6  # the benchmark calls run_iteration() itself
+    c.train.progress = False
+    return c
+
+
+def run_ppo_jax(args, assets, workdir: str) -> dict:
+    import jax
+
+    from ppo_jax import sharding
+    from ppo_jax.rl.trainer import PPOTrainer
+
+    mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
+    t0 = time.perf_counter()
+    trainer = PPOTrainer(ppo_jax_settings(args, assets), workdir, tokenizer=assets["tokenizer"],
+                         prompts=assets["prompts"], mesh=mesh)
+    start_s = time.perf_counter() - t0
+    phases = ("time/generate", "time/experience", "time/update")
+    rows = []
+    for _ in range(1 + args.iterations):
+        t0 = time.perf_counter()
+        m = trainer.run_iteration()
+        rows.append({"wall": time.perf_counter() - t0, **{k: float(m[k]) for k in phases}})
+        if m["response/length_mean"] != args.response:
+            raise RuntimeError(f"responses averaged {m['response/length_mean']} tokens, expected {args.response}")
+    first, steady = rows[0], rows[1:]
+    median = {k: statistics.median(r[k] for r in steady) for k in first}
+    stats = jax.devices()[0].memory_stats() or {}
+    return {"trainer_start_s": start_s, "first": first, "median": median,
+            "compile_s": {k: first[k] - median[k] for k in first},
+            "peak_bytes": stats.get("peak_bytes_in_use"), "trace_counts": dict(trainer.trace_counts),
+            "model": dataclasses.asdict(trainer.policy_config)}
+
+
+# --------------------------------------------------------------------------------------------
+# The PyTorch peers (optional).
+
+
+def torch_device_and_dtype(args):
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device, {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+
+
+def _sync(device):
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_hf_generate(args, assets) -> dict:
+    """transformers' generate with a static cache: same weights, prompts and full-length responses."""
+    import torch
+    import transformers
+
+    device, dtype = torch_device_and_dtype(args)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        assets["paths"]["policy"], dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    ids = assets["tokenizer"](assets["prompts"][:args.rows], return_tensors="pt").input_ids.to(device)
+
+    def generate():
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=args.response,
+                                 min_new_tokens=args.response, cache_implementation="static", pad_token_id=0)
+        _sync(device)
+        assert out.shape[1] == args.prompt + args.response
+
+    times = []
+    for _ in range(1 + args.iterations):
+        t0 = time.perf_counter()
+        generate()
+        times.append(time.perf_counter() - t0)
+    del model
+    return {"first": times[0], "median": statistics.median(times[1:]), "device": device}
+
+
+def run_torch_update(args, assets) -> dict:
+    """A PyTorch eager PPO update of policy + value: for each minibatch, the policy's clipped surrogate
+    on the response tokens and the value model's squared error, one backward, clipping, AdamW."""
+    import torch
+    import transformers
+
+    device, dtype = torch_device_and_dtype(args)
+    torch.manual_seed(0)
+    policy = transformers.AutoModelForCausalLM.from_pretrained(
+        assets["paths"]["policy"], dtype=dtype, attn_implementation="sdpa").to(device)
+    backbone = transformers.AutoModel.from_pretrained(
+        assets["paths"]["reward"], dtype=dtype, attn_implementation="sdpa").to(device)
+    head = torch.nn.Linear(backbone.config.hidden_size, 1, dtype=dtype, device=device)
+    params = [*policy.parameters(), *backbone.parameters(), *head.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=1e-6, eps=1e-5, fused=device == "cuda")
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+    T, P = args.prompt + args.response, args.prompt
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    tokens = torch.randint(4, assets["config"].vocab_size, (args.rows, T), generator=gen).to(device)
+    old_logp = (-torch.rand(args.rows, args.response, generator=gen) * 5).to(device)
+    advantages = torch.randn(args.rows, args.response, generator=gen).to(device)
+    returns = torch.randn(args.rows, args.response, generator=gen).to(device)
+
+    def update():
+        for start in range(0, args.rows, args.minibatch_rows):
+            rows = slice(start, start + args.minibatch_rows)
+            x = tokens[rows]
+            logits = policy(x).logits[:, P - 1:-1].float()
+            logp = torch.log_softmax(logits, -1).gather(-1, x[:, P:, None]).squeeze(-1)
+            ratio = torch.exp(logp - old_logp[rows])
+            adv = advantages[rows]
+            policy_loss = torch.max(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)).mean()
+            values = head(backbone(x).last_hidden_state[:, P - 1:-1]).squeeze(-1).float()
+            value_loss = 0.5 * ((values - returns[rows]) ** 2).mean()
+            (policy_loss + 0.1 * value_loss).backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+
+    times = []
+    for _ in range(1 + args.iterations):
+        t0 = time.perf_counter()
+        update()
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+    del policy, backbone, optimizer
+    return {"first": times[0], "median": statistics.median(times[1:]), "peak_bytes": peak, "device": device}
+
+
+# --------------------------------------------------------------------------------------------
+# The report.
+
+
+def device_peaks(args) -> tuple[float | None, float | None]:
+    import jax
+
+    kind = jax.devices()[0].device_kind
+    known = next((v for k, v in DEVICE_PEAKS.items() if k.lower() in kind.lower()), (None, None))
+    return args.peak_tflops or known[0], args.hbm_tbps or known[1]
+
+
+def figures(args, cfg, ours: dict, peers: dict) -> dict:
+    """Phase times -> tokens/s, MFU, roofline fraction, for ppo_jax and each peer."""
+    peak_tflops, hbm_tbps = device_peaks(args)
+    rows, T = args.rows, args.prompt + args.response
+    flops = {
+        "experience": forward_flops(cfg, True, rows, T) * 2 + forward_flops(cfg, False, rows, T) * 2,
+        "update": 3 * (forward_flops(cfg, True, rows, T) + forward_flops(cfg, False, rows, T)),
+    }
+    step_bytes = decode_bytes_per_step(cfg, rows, args.prompt, args.response)
+
+    def mfu(phase, seconds):
+        return flops[phase] / seconds / (peak_tflops * 1e12) if peak_tflops else None
+
+    def decode(seconds):
+        per_step = seconds / args.response
+        roofline = step_bytes / (hbm_tbps * 1e12) / per_step if hbm_tbps else None
+        return {"seconds": seconds, "ms_per_step": 1e3 * per_step, "tokens_per_s": rows * args.response / seconds,
+                "roofline_fraction": roofline}
+
+    med = ours["median"]
+    out = {"ppo_jax": {
+        "generate": decode(med["time/generate"]),
+        "experience": {"seconds": med["time/experience"], "mfu": mfu("experience", med["time/experience"])},
+        "update": {"seconds": med["time/update"], "mfu": mfu("update", med["time/update"]),
+                   "tokens_per_s": rows * T / med["time/update"]},
+        "iteration_seconds": med["wall"], "compile_s": ours["compile_s"], "trainer_start_s": ours["trainer_start_s"],
+        "peak_gib": ours["peak_bytes"] / 2**30 if ours["peak_bytes"] else None,
+    }}
+    if "hf_generate" in peers:
+        out["hf_generate"] = decode(peers["hf_generate"]["median"])
+    if "torch_update" in peers:
+        t = peers["torch_update"]
+        out["torch_update"] = {"seconds": t["median"], "mfu": mfu("update", t["median"]),
+                               "peak_gib": t["peak_bytes"] / 2**30 if t["peak_bytes"] else None}
+    out["flops"] = flops
+    out["decode_bytes_per_step"] = step_bytes
+    out["peaks"] = {"tflops": peak_tflops, "hbm_tbps": hbm_tbps}
+    return out
+
+
+def _fmt(x, spec=".3f", unit=""):
+    return "—" if x is None else f"{x:{spec}}{unit}"
+
+
+def print_table(args, fig: dict, ours: dict) -> None:
+    import jax
+
+    ppo = fig["ppo_jax"]
+    print(f"\ndevice: {jax.devices()[0].device_kind} ({jax.default_backend()}); peaks {fig['peaks']}")
+    print(f"shape: {args.shape}, {args.param_dtype} params / {args.dtype} compute, {args.rows} rows × "
+          f"({args.prompt} + {args.response}) tokens, minibatches of {args.minibatch_rows}; "
+          f"attention={args.attention} layer_loop={args.layer_loop} remat={args.remat} decode={args.decode}")
+    g = ppo["generate"]
+    print(f"  generate    {g['seconds']:.3f} s  {g['ms_per_step']:.2f} ms/step  {g['tokens_per_s']:.0f} tok/s  "
+          f"roofline {_fmt(g['roofline_fraction'], '.0%')}")
+    if "hf_generate" in fig:
+        h = fig["hf_generate"]
+        print(f"    HF generate (static cache) {h['seconds']:.3f} s  {h['ms_per_step']:.2f} ms/step  "
+              f"roofline {_fmt(h['roofline_fraction'], '.0%')}  -> ppo_jax {h['seconds'] / g['seconds']:.2f}×")
+    e = ppo["experience"]
+    print(f"  experience  {e['seconds']:.3f} s  MFU {_fmt(e['mfu'], '.1%')}  ({fig['flops']['experience']:.3g} FLOP)")
+    u = ppo["update"]
+    print(f"  update      {u['seconds']:.3f} s  MFU {_fmt(u['mfu'], '.1%')}  ({fig['flops']['update']:.3g} FLOP)")
+    if "torch_update" in fig:
+        t = fig["torch_update"]
+        print(f"    torch eager update {t['seconds']:.3f} s  MFU {_fmt(t['mfu'], '.1%')}  peak "
+              f"{_fmt(t['peak_gib'], '.1f', ' GiB')}  -> ppo_jax {t['seconds'] / u['seconds']:.2f}×")
+    c = ppo["compile_s"]
+    print(f"  iteration {ppo['iteration_seconds']:.3f} s; compile (first - steady) {c['wall']:.1f} s "
+          f"(generate {c['time/generate']:.1f}, experience {c['time/experience']:.1f}, update {c['time/update']:.1f}); "
+          f"trainer start {ppo['trainer_start_s']:.1f} s; peak {_fmt(ppo['peak_gib'], '.1f', ' GiB')}")
+    if ours["trace_counts"] != {"experience": 1, "update": 1}:
+        print(f"  WARNING: recompiled: {ours['trace_counts']}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny Llama, tiny batch")
+    p.add_argument("--rows", type=int, default=None, help="prompts per iteration (default 64; tiny 4)")
+    p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 128; tiny 8)")
+    p.add_argument("--response", type=int, default=None, help="response tokens (default 128; tiny 8)")
+    p.add_argument("--minibatch-rows", type=int, default=None, help="rows per minibatch (default 16; tiny 2)")
+    p.add_argument("--iterations", type=int, default=3, help="steady iterations timed after the first")
+    p.add_argument("--param-dtype", default="bfloat16", help="stored weights (float32 = fp32 master weights)")
+    p.add_argument("--dtype", default="bfloat16", help="compute dtype")
+    p.add_argument("--attention", default="auto")
+    p.add_argument("--layer-loop", default="auto")
+    p.add_argument("--remat", default="keep")
+    p.add_argument("--decode", default="auto")
+    p.add_argument("--no-peers", action="store_true", help="skip HF generate and the torch update")
+    p.add_argument("--peak-tflops", type=float, default=None, help="device peak (default: by device kind)")
+    p.add_argument("--hbm-tbps", type=float, default=None, help="device memory bandwidth (default: by kind)")
+    p.add_argument("--json", default=None, help="write every figure here")
+    args = p.parse_args(argv)
+    defaults = dict(rows=4, prompt=8, response=8, minibatch_rows=2) if args.tiny else \
+        dict(rows=64, prompt=128, response=128, minibatch_rows=16)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.tiny and args.dtype == "bfloat16" and args.param_dtype == "bfloat16":
+        args.param_dtype = args.dtype = "float32"  # CPUs compute bf16 slowly and the torch peer too
+    args.shape = "tiny" if args.tiny else "tinyllama-1.1b"
+    if args.rows % args.minibatch_rows:
+        p.error(f"--rows={args.rows} must be a multiple of --minibatch-rows={args.minibatch_rows}")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    shape = TINY if args.tiny else TINYLLAMA
+    with tempfile.TemporaryDirectory(prefix="bench_accel_") as workdir:
+        assets = build_assets(shape, args, workdir)
+        ours = run_ppo_jax(args, assets, os.path.join(workdir, "run"))
+        peers = {}
+        if not args.no_peers:
+            try:
+                import torch  # noqa: F401
+                import transformers
+            except ImportError:
+                print("torch is not installed: the peers are skipped", file=sys.stderr)
+            else:
+                transformers.logging.set_verbosity_error()  # the value backbone's unused score head
+                peers["hf_generate"] = run_hf_generate(args, assets)
+                peers["torch_update"] = run_torch_update(args, assets)
+        fig = figures(args, assets["config"], ours, peers)
+    print_table(args, fig, ours)
+    result = {"args": vars(args), "figures": fig, "ppo_jax_raw": ours, "peers_raw": peers}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+    return result
+
+
+if __name__ == "__main__":
+    main()
