@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import statistics
@@ -241,7 +242,6 @@ def run_hf_generate(args, assets) -> dict:
         t0 = time.perf_counter()
         generate()
         times.append(time.perf_counter() - t0)
-    del model
     return {"first": times[0], "median": statistics.median(times[1:]), "device": device}
 
 
@@ -293,7 +293,6 @@ def run_torch_update(args, assets) -> dict:
         update()
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
-    del policy, backbone, optimizer
     return {"first": times[0], "median": statistics.median(times[1:]), "peak_bytes": peak, "device": device}
 
 
@@ -424,12 +423,11 @@ def main(argv=None) -> dict:
         ours = run_ppo_jax(args, assets, os.path.join(workdir, "run"))
         peers = {}
         if not args.no_peers:
-            try:
-                import torch  # noqa: F401
-                import transformers
-            except ImportError:
+            if importlib.util.find_spec("torch") is None:
                 print("torch is not installed: the peers are skipped", file=sys.stderr)
             else:
+                import transformers
+
                 transformers.logging.set_verbosity_error()  # the value backbone's unused score head
                 peers["hf_generate"] = run_hf_generate(args, assets)
                 peers["torch_update"] = run_torch_update(args, assets)
