@@ -154,6 +154,9 @@ class MeshSettings:
 
 
 FLOAT32_MAX = 3.4028234663852886e38
+# Adam's first moment may be stored in a narrower dtype than the parameters. The second moment is not
+# offered: squared gradients span more range than bfloat16's 8 mantissa bits keep useful.
+MOMENT_DTYPES = ("", "float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +174,7 @@ class AdamWSettings:
     eps: float = 1e-8  # Adam epsilon
     eps_root: float = 0.0  # epsilon inside the square root (TF-style Adam places epsilon here)
     max_grad_norm: float = 1.0  # global-norm gradient clipping; 0 = off
+    mu_dtype: str = ""  # dtype of Adam's first moment ("" = the parameters'; "bfloat16" halves it for float32 params)
 
     def validate(self, prefix: str = "optim", learning_rates: Mapping[str, float] = ()) -> None:
         for name, lr in dict(learning_rates).items():
@@ -186,6 +190,8 @@ class AdamWSettings:
         check(self.eps > 0 and math.isfinite(self.eps), f"{prefix}.eps must be finite and > 0, got {self.eps}")
         check(self.schedule in ("constant", "linear", "cosine"),
               f"{prefix}.schedule={self.schedule!r}: use constant, linear or cosine")
+        check(self.mu_dtype in MOMENT_DTYPES,
+              f"{prefix}.mu_dtype={self.mu_dtype!r}: use one of {MOMENT_DTYPES} (\"\" = the parameters' dtype)")
 
 
 @dataclasses.dataclass(frozen=True)

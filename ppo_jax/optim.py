@@ -20,6 +20,6 @@ def make_optimizer(o: AdamWSettings, lr: float, total_steps: int) -> optax.Gradi
     schedule = (optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after], [warmup])
                 if warmup else after)
     adam = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, eps_root=o.eps_root,
-                       weight_decay=o.weight_decay)
+                       weight_decay=o.weight_decay, mu_dtype=o.mu_dtype or None)
     return optax.chain(optax.clip_by_global_norm(o.max_grad_norm), adam) if o.max_grad_norm else adam
 

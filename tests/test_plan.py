@@ -59,6 +59,15 @@ def test_one_device_bytes_are_the_parameter_counts(plans):
         assert 0 <= one.optimizer[name] - 2 * one.params[name] <= SMALL_STATE_BYTES  # + step counters
 
 
+def test_bfloat16_first_moment_is_planned_at_six_bytes_per_parameter():
+    """optim.mu_dtype=bfloat16 with float32 params: Adam keeps 2 + 4 bytes per parameter, not 8."""
+    config = tiny_config()
+    config.optim.mu_dtype = "bfloat16"
+    plan = plan_lib.plan_memory(config, make_test_mesh((1, 1, 1)), phases=("experience",))
+    for name in ("policy", "value"):
+        assert 0 <= plan.optimizer[name] - 1.5 * plan.params[name] <= SMALL_STATE_BYTES
+
+
 def test_fsdp_divides_parameter_and_optimizer_bytes(plans):
     one, eight = plans[(1, 1, 1)], plans[(1, 8, 1)]
     assert params_and_optimizer(eight) <= 1.15 / 8 * params_and_optimizer(one)
