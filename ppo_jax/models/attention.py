@@ -103,7 +103,8 @@ class Attention(nn.Module):
             if cache_kv is not None:
                 cache_kv, (k, v) = _write_cache(cache_kv, k, v, layer, cache_index)
             out = einsum_attention(q, k, v.astype(q.dtype), mask)
-        out = DenseGeneral((h, dh), (d,), ("heads", "head_dim", "embed"), gpt2, name="o", **common)(out)
+        out = DenseGeneral((h, dh), (d,), ("heads", "head_dim", "embed"), gpt2 or cfg.attention_out_bias,
+                           name="o", **common)(out)
         return out, cache_kv
 
 

@@ -66,7 +66,9 @@ class ModelConfig:
     # "original_max_position_embeddings"}; a tuple of pairs so the config stays hashable.
     rope_scaling: tuple[tuple[str, float], ...] | None = None
     tie_word_embeddings: bool = True
-    attention_bias: bool = False  # q/k/v projection biases (Qwen2); GPT-2 always has biases
+    attention_bias: bool = False  # q/k/v projection biases (Qwen2, Llama attention_bias); GPT-2 always has biases
+    attention_out_bias: bool = False  # output projection bias (Llama attention_bias; Qwen2 has none)
+    mlp_bias: bool = False  # gate/up/down projection biases (Llama mlp_bias)
     sliding_window: int | None = None  # Mistral: keys older than this many positions are masked
     activation: str | None = None  # None: "gelu_new" for gpt2, "silu" for llama
     # Numerics and memory.
@@ -164,8 +166,9 @@ class ModelConfig:
             emb = v * d + self.max_position_embeddings * d
             final = 2 * d
         else:
-            attn = d * (q + 2 * kv) + q * d + ((q + 2 * kv) if self.attention_bias else 0)
-            mlp = 3 * d * f
+            attn = (d * (q + 2 * kv) + q * d + ((q + 2 * kv) if self.attention_bias else 0)
+                    + (d if self.attention_out_bias else 0))
+            mlp = 3 * d * f + ((2 * f + d) if self.mlp_bias else 0)
             norms = 2 * d
             emb = v * d
             final = d

@@ -100,6 +100,7 @@ class MLP(nn.Module):
         if cfg.family == "gpt2":
             hidden = act(DenseGeneral((d,), (f,), ("embed", "mlp"), True, name="fc", **common)(x))
             return DenseGeneral((f,), (d,), ("mlp", "embed"), True, name="proj", **common)(hidden)
-        gate = DenseGeneral((d,), (f,), ("embed", "mlp"), False, name="gate", **common)(x)
-        up = DenseGeneral((d,), (f,), ("embed", "mlp"), False, name="up", **common)(x)
-        return DenseGeneral((f,), (d,), ("mlp", "embed"), False, name="down", **common)(act(gate) * up)
+        bias = cfg.mlp_bias
+        gate = DenseGeneral((d,), (f,), ("embed", "mlp"), bias, name="gate", **common)(x)
+        up = DenseGeneral((d,), (f,), ("embed", "mlp"), bias, name="up", **common)(x)
+        return DenseGeneral((f,), (d,), ("mlp", "embed"), bias, name="down", **common)(act(gate) * up)

@@ -155,6 +155,32 @@ def _rope_settings(cfg) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
     raise CheckpointError(f"unsupported rope type {kind!r}; supported: default, linear, llama3")
 
 
+def _biases(cfg) -> dict[str, bool]:
+    """Which projections carry biases. Qwen2 always has q/k/v biases and never an o_proj bias;
+    Llama's `attention_bias` puts biases on q, k, v and o_proj alike, `mlp_bias` on gate/up/down."""
+    if cfg.model_type == "qwen2":
+        return dict(attention_bias=True)
+    attention = bool(getattr(cfg, "attention_bias", False))
+    return dict(attention_bias=attention, attention_out_bias=attention,
+                mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
+
+
+def _check_biases(config: ModelConfig):
+    """Refuses bias combinations the architecture's transformers class cannot hold."""
+    arch = config.arch
+    qkv, out, mlp = config.attention_bias, config.attention_out_bias, config.mlp_bias
+    if arch == "qwen2" and not (qkv and not out and not mlp):
+        raise CheckpointError("qwen2 always has q/k/v biases and no o_proj or MLP biases: set "
+                              "attention_bias=True, attention_out_bias=False, mlp_bias=False")
+    if arch == "mistral" and (qkv or out or mlp):
+        raise CheckpointError("mistral has no projection biases; use arch='llama' (attention_bias, "
+                              "mlp_bias) or 'qwen2' (q/k/v biases)")
+    if arch == "llama" and qkv != out:
+        raise CheckpointError(
+            f"llama's attention_bias puts biases on q/k/v and o_proj together, but attention_bias="
+            f"{qkv}, attention_out_bias={out}; use arch='qwen2' for q/k/v-only biases")
+
+
 def config_from_hf(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
     """A config.json dict (or a transformers PretrainedConfig) -> our ModelConfig.
 
@@ -187,12 +213,6 @@ def config_from_hf(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
             activation=_activation(cfg.activation_function, "activation_function", "gpt2"))
 
     # Llama family.
-    if getattr(cfg, "mlp_bias", False):
-        raise CheckpointError("unsupported option mlp_bias=True (MLP projections with biases)")
-    if arch == "llama" and getattr(cfg, "attention_bias", False):
-        raise CheckpointError(
-            "unsupported option attention_bias=True for llama (it adds an o_proj bias as well as "
-            "q/k/v biases); only Qwen2-style q/k/v biases are supported")
     sliding_window = None
     if arch == "mistral":
         sliding_window = getattr(cfg, "sliding_window", None)
@@ -222,7 +242,7 @@ def config_from_hf(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
         intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
         norm_eps=float(cfg.rms_norm_eps), rope_theta=theta, rope_scaling=scaling,
-        attention_bias=arch == "qwen2", sliding_window=sliding_window,
+        sliding_window=sliding_window, **_biases(cfg),
         activation=_activation(cfg.hidden_act, "hidden_act", "llama"))
 
 
@@ -259,11 +279,7 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
             layer_norm_epsilon=config.norm_eps, activation_function=config.act,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
 
-    if arch in ("llama", "mistral") and config.attention_bias:
-        raise CheckpointError(
-            f"{arch} cannot express q/k/v-only biases (attention_bias=True); use arch='qwen2'")
-    if arch == "qwen2" and not config.attention_bias:
-        raise CheckpointError("qwen2 always has q/k/v biases: set attention_bias=True")
+    _check_biases(config)
     if arch == "llama" and config.sliding_window is not None:
         raise CheckpointError("llama has no sliding window; use arch='mistral' or 'qwen2'")
     family = dict(
@@ -292,7 +308,7 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
                       layer_types=[("sliding_attention" if window else "full_attention")]
                       * config.num_layers)
     if arch == "llama":
-        family.update(attention_bias=False, mlp_bias=False)
+        family.update(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "qwen2": transformers.Qwen2Config}[arch]
     return cls(**common, **family)

@@ -130,6 +130,11 @@ def _llama_maps(cfg: ModelConfig, prefix: str) -> dict[tuple[str, ...], TensorMa
         ("layers", "mlp", "up", "kernel"): _transposed(layer + "mlp.up_proj.weight", f, d),
         ("layers", "mlp", "down", "kernel"): _transposed(layer + "mlp.down_proj.weight", d, f),
     }
+    if cfg.attention_out_bias:
+        maps[("layers", "attn", "o", "bias")] = _same(layer + "self_attn.o_proj.bias", (d,))
+    if cfg.mlp_bias:
+        for part, size in (("gate", f), ("up", f), ("down", d)):
+            maps[("layers", "mlp", part, "bias")] = _same(layer + f"mlp.{part}_proj.bias", (size,))
     for part, heads in (("q", h), ("k", k), ("v", k)):
         maps[("layers", "attn", part, "kernel")] = _window(
             layer + f"self_attn.{part}_proj.weight", (heads * dh, d), [(heads, dh), (d,)], (2, 0, 1))
