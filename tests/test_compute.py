@@ -63,6 +63,13 @@ def test_fused_attention_equals_einsum_reference(window):
 MISTRAL = ModelConfig(arch="mistral", vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
                       intermediate_size=48, sliding_window=4, tie_word_embeddings=False,
                       max_position_embeddings=32)
+# Every per-layer option at once: q/k norms, biases, and sliding layers mixed with full ones (the
+# scanned body chooses each layer's mask by a scanned flag, the unscanned loop in Python).
+MIXED = ModelConfig(arch="qwen3", vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
+                    head_dim=12, intermediate_size=48, sliding_window=4, sliding_layers=(True, False, True),
+                    qk_norm=True, attention_bias=True, attention_out_bias=True, tie_word_embeddings=False,
+                    max_position_embeddings=32)
+BASES = {"mistral": MISTRAL, "mixed": MIXED}
 VARIANTS = {
     "unscanned": dict(scan_layers=False),
     "unscanned+fused": dict(scan_layers=False, attention="xla"),
@@ -101,17 +108,26 @@ def _loss_and_grads(config: ModelConfig, params, tokens, mask):
     return value, logits, grads
 
 
+def _scanned(base: ModelConfig):
+    tokens, mask = _batch()
+    params = nn.unbox(CausalLM(base).init(jax.random.key(0), tokens, positions_from_mask(mask), mask)["params"])
+    return params, tokens, mask, _loss_and_grads(base, params, tokens, mask)
+
+
 @pytest.fixture(scope="module")
 def scanned():
-    tokens, mask = _batch()
-    params = nn.unbox(CausalLM(MISTRAL).init(jax.random.key(0), tokens, positions_from_mask(mask), mask)["params"])
-    return params, tokens, mask, _loss_and_grads(MISTRAL, params, tokens, mask)
+    return _scanned(MISTRAL)
+
+
+@pytest.fixture(scope="module", params=BASES)
+def scanned_base(request):
+    return BASES[request.param], _scanned(BASES[request.param])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_execution_variants_give_the_scanned_models_loss_logits_and_gradients(scanned, variant):
-    params, tokens, mask, (want_loss, want_logits, want_grads) = scanned
-    config = MISTRAL.replace(**VARIANTS[variant])
+def test_execution_variants_give_the_scanned_models_loss_logits_and_gradients(scanned_base, variant):
+    base, (params, tokens, mask, (want_loss, want_logits, want_grads)) = scanned_base
+    config = base.replace(**VARIANTS[variant])
     loss, logits, grads = _loss_and_grads(config, _as_config(params, config), tokens, mask)
     real = np.asarray(mask, bool)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)

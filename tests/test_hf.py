@@ -62,6 +62,13 @@ HF_CONFIGS = {
     # Llama's attention_bias (q/k/v and o_proj) and mlp_bias (gate/up/down).
     "llama_bias": lambda **kw: _llama_family(transformers.LlamaConfig, attention_bias=True,
                                              mlp_bias=True, tie_word_embeddings=False, **kw),
+    # q/k norms, an explicit head_dim (not hidden / heads), and a sliding layer before a full one.
+    "qwen3": lambda **kw: _llama_family(transformers.Qwen3Config, head_dim=24, use_sliding_window=True,
+                                        sliding_window=4, tie_word_embeddings=False,
+                                        layer_types=["sliding_attention", "full_attention"], **kw),
+    # Qwen2's mixed layers as a transformers-4 config writes them: windows from max_window_layers on.
+    "qwen2_mixed": lambda **kw: _llama_family(transformers.Qwen2Config, use_sliding_window=True,
+                                              sliding_window=4, max_window_layers=1, **kw),
 }
 # Config fields each variant must map to (beyond the shared sizes checked for every case).
 EXPECTED_FIELDS = {
@@ -71,18 +78,23 @@ EXPECTED_FIELDS = {
     "qwen2": dict(attention_bias=True, attention_out_bias=False, sliding_window=None,
                   tie_word_embeddings=True),
     "llama_bias": dict(attention_bias=True, attention_out_bias=True, mlp_bias=True),
+    "qwen3": dict(qk_norm=True, head_dim=24, attention_bias=False, sliding_window=4,
+                  sliding_layers=(True, False)),
+    "qwen2_mixed": dict(attention_bias=True, sliding_window=4, sliding_layers=(False, True)),
 }
 HF_CLASSES = {
     ("gpt2", "causal_lm"): transformers.GPT2LMHeadModel,
     ("llama", "causal_lm"): transformers.LlamaForCausalLM,
     ("mistral", "causal_lm"): transformers.MistralForCausalLM,
     ("qwen2", "causal_lm"): transformers.Qwen2ForCausalLM,
+    ("qwen3", "causal_lm"): transformers.Qwen3ForCausalLM,
     ("gpt2", "reward"): transformers.GPT2ForSequenceClassification,
     ("llama", "reward"): transformers.LlamaForSequenceClassification,
     ("qwen2", "reward"): transformers.Qwen2ForSequenceClassification,
+    ("qwen3", "reward"): transformers.Qwen3ForSequenceClassification,
 }
 CASES = [f"{arch}-{kind}" for arch, kind in HF_CLASSES] + [
-    "llama_bias-causal_lm", "llama_bias-reward"]
+    "llama_bias-causal_lm", "llama_bias-reward", "qwen2_mixed-causal_lm"]
 
 CAUSAL_CASES = [c for c in CASES if c.endswith("-causal_lm")]
 
@@ -291,7 +303,8 @@ def test_export_round_trip(case, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["gpt2-causal_lm", "llama-reward", "mistral-causal_lm",
-                                  "llama_bias-causal_lm"], indirect=True)
+                                  "llama_bias-causal_lm", "qwen3-causal_lm", "qwen2_mixed-causal_lm"],
+                         indirect=True)
 def test_per_layer_params_load_run_and_export(case, tmp_path, mesh_222):
     """`scan_layers=False` (per-layer params, the GPU layout) reads each layer's tensors into its own
     leaves, matches PyTorch with the fused attention call, and exports the identical checkpoint."""
@@ -411,8 +424,8 @@ def test_unsupported_gpt2_options(changes, message):
 @pytest.mark.parametrize("arch, changes, message", [
     ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
      "unsupported rope type 'yarn'"),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1,
-               "layer_types": None}, "mix of sliding-window and full-attention layers"),
+    ("qwen2", {"layer_types": ["full_attention", "chunked_attention"]},
+     "unsupported layer_types \\['chunked_attention'\\]"),
     ("mistral", {"model_type": "mixtral"}, "unsupported model_type 'mixtral'"),
 ])
 def test_unsupported_llama_family_options(arch, changes, message):

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from ppo_jax.models.config import ModelConfig
-from ppo_jax.models.layers import DenseGeneral
+from ppo_jax.models.layers import DenseGeneral, norm
 from ppo_jax.models.rope import apply_rope
 
 Array = jax.Array
@@ -94,6 +94,8 @@ class Attention(nn.Module):
         q = DenseGeneral((d,), (h, dh), ("embed", "heads", "head_dim"), qkv_bias, name="q", **common)(x)
         k = DenseGeneral((d,), (kh, dh), ("embed", "kv_heads", "head_dim"), qkv_bias, name="k", **common)(x)
         v = DenseGeneral((d,), (kh, dh), ("embed", "kv_heads", "head_dim"), qkv_bias, name="v", **common)(x)
+        if cfg.qk_norm:  # over each head's Dh features, before the rotation
+            q, k = norm(cfg, "q_norm")(q), norm(cfg, "k_norm")(k)
         if not gpt2:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache_kv is None and cfg.attention != "einsum":

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 
 FAMILIES = ("gpt2", "llama")
 # Hugging Face `model_type` -> our family. Mistral and Qwen2 are Llama with options.
-ARCH_TO_FAMILY = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
+ARCH_TO_FAMILY = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama",
+                  "qwen3": "llama"}
 
 # `attention`: how scores are computed. "einsum" is the reference (float32 scores, any platform);
 # "cudnn" and "xla" call jax.nn.dot_product_attention with that implementation (cuDNN flash attention
@@ -70,6 +71,10 @@ class ModelConfig:
     attention_out_bias: bool = False  # output projection bias (Llama attention_bias; Qwen2 has none)
     mlp_bias: bool = False  # gate/up/down projection biases (Llama mlp_bias)
     sliding_window: int | None = None  # Mistral: keys older than this many positions are masked
+    # Which layers use sliding_window, when some do and some attend to every key (Qwen2 layer_types,
+    # Gemma 2/3 interleaving); None: every layer alike.
+    sliding_layers: tuple[bool, ...] | None = None
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before rope (Qwen3, Gemma 3)
     activation: str | None = None  # None: "gelu_new" for gpt2, "silu" for llama
     # Numerics and memory.
     param_dtype: str = "float32"
@@ -111,6 +116,15 @@ class ModelConfig:
         if self.attention == "cudnn" and to_dtype(self.dtype) not in (jnp.bfloat16, jnp.float16):
             raise ValueError(f"model.attention='cudnn' (flash attention) computes in bfloat16 or float16, "
                              f"but model.dtype={self.dtype!r}; set dtype=bfloat16 or attention='einsum'")
+        if self.sliding_layers is not None:
+            if self.sliding_window is None:
+                raise ValueError("model.sliding_layers needs model.sliding_window")
+            if len(self.sliding_layers) != self.num_layers:
+                raise ValueError(f"model.sliding_layers has {len(self.sliding_layers)} entries for "
+                                 f"{self.num_layers} layers")
+            if len(set(self.sliding_layers)) == 1:  # one spelling per model, so configs compare equal
+                raise ValueError("model.sliding_layers marks every layer alike; use sliding_layers=None "
+                                 "(with or without sliding_window) instead")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"model.remat_policy={self.remat_policy!r}: use one of {REMAT_POLICIES}")
 
@@ -133,6 +147,13 @@ class ModelConfig:
     @property
     def act(self) -> str:
         return self.activation or ("gelu_new" if self.family == "gpt2" else "silu")
+
+    @property
+    def layer_sliding(self) -> tuple[bool, ...]:
+        """Per layer: whether it attends through the sliding window."""
+        if self.sliding_layers is not None:
+            return tuple(bool(s) for s in self.sliding_layers)
+        return (self.sliding_window is not None,) * self.num_layers
 
     @property
     def rope_scaling_dict(self) -> dict[str, float] | None:
@@ -169,7 +190,7 @@ class ModelConfig:
             attn = (d * (q + 2 * kv) + q * d + ((q + 2 * kv) if self.attention_bias else 0)
                     + (d if self.attention_out_bias else 0))
             mlp = 3 * d * f + ((2 * f + d) if self.mlp_bias else 0)
-            norms = 2 * d
+            norms = 2 * d + (2 * self.dim_per_head if self.qk_norm else 0)
             emb = v * d
             final = d
         head = v * d if (with_lm_head and not self.tie_word_embeddings) else 0

@@ -28,10 +28,12 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "causal_lm"),
     "MistralForCausalLM": ("mistral", "causal_lm"),
     "Qwen2ForCausalLM": ("qwen2", "causal_lm"),
+    "Qwen3ForCausalLM": ("qwen3", "causal_lm"),
     "GPT2ForSequenceClassification": ("gpt2", "reward"),
     "LlamaForSequenceClassification": ("llama", "reward"),
     "MistralForSequenceClassification": ("mistral", "reward"),
     "Qwen2ForSequenceClassification": ("qwen2", "reward"),
+    "Qwen3ForSequenceClassification": ("qwen3", "reward"),
 }
 _CLASS_FOR = {value: name for name, value in ARCHITECTURES.items()}
 
@@ -47,6 +49,10 @@ DTYPE_NAMES = {np.dtype("<f8"): "float64", np.dtype("<f4"): "float32", np.dtype(
 
 def _supported_list() -> str:
     return ", ".join(ARCHITECTURES)
+
+
+def _model_types() -> list[str]:
+    return list(dict.fromkeys(t for t, _ in ARCHITECTURES.values()))
 
 
 def _as_dict(hf_config: Mapping[str, Any] | Any) -> dict[str, Any]:
@@ -68,9 +74,9 @@ def _hf_config_object(hf_config: Mapping[str, Any] | Any):
     data = dict(hf_config)
     model_type = data.get("model_type")
     if model_type is None:
-        raise CheckpointError("config.json has no model_type (expected one of gpt2, llama, mistral, "
-                              "qwen2)")
-    if model_type not in {t for t, _ in ARCHITECTURES.values()}:
+        raise CheckpointError(f"config.json has no model_type (expected one of "
+                              f"{', '.join(_model_types())})")
+    if model_type not in _model_types():
         raise CheckpointError(
             f"unsupported model_type {model_type!r} in config.json; supported architectures: "
             f"{_supported_list()}")
@@ -155,9 +161,41 @@ def _rope_settings(cfg) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
     raise CheckpointError(f"unsupported rope type {kind!r}; supported: default, linear, llama3")
 
 
+def _layer_windows(layer_types, window: int | None, num_layers: int
+                   ) -> tuple[int | None, tuple[bool, ...] | None]:
+    """(sliding_window, sliding_layers) of our config from HF `layer_types` and the window the
+    sliding layers use (None: no layer slides)."""
+    layer_types = list(layer_types or [])
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise CheckpointError(f"unsupported layer_types {unknown}")
+    if len(layer_types) != num_layers:
+        raise CheckpointError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    sliding = tuple(t == "sliding_attention" for t in layer_types)
+    if window is None or not any(sliding):
+        return None, None
+    return int(window), (None if all(sliding) else sliding)
+
+
+def _qwen_windows(cfg) -> tuple[int | None, tuple[bool, ...] | None]:
+    """Qwen2/Qwen3: `layer_types` says which layers slide, and only with use_sliding_window."""
+    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", False) else None
+    layer_types = getattr(cfg, "layer_types", None)
+    if not layer_types:  # transformers < 5: windows from max_window_layers on
+        first = getattr(cfg, "max_window_layers", 0)
+        layer_types = ["sliding_attention" if i >= first else "full_attention"
+                       for i in range(cfg.num_hidden_layers)]
+    return _layer_windows(layer_types, window, cfg.num_hidden_layers)
+
+
+def _hf_layer_types(config: ModelConfig) -> list[str]:
+    return ["sliding_attention" if s else "full_attention" for s in config.layer_sliding]
+
+
 def _biases(cfg) -> dict[str, bool]:
     """Which projections carry biases. Qwen2 always has q/k/v biases and never an o_proj bias;
-    Llama's `attention_bias` puts biases on q, k, v and o_proj alike, `mlp_bias` on gate/up/down."""
+    Llama's and Qwen3's `attention_bias` put biases on q, k, v and o_proj alike, Llama's `mlp_bias`
+    on gate/up/down."""
     if cfg.model_type == "qwen2":
         return dict(attention_bias=True)
     attention = bool(getattr(cfg, "attention_bias", False))
@@ -175,10 +213,12 @@ def _check_biases(config: ModelConfig):
     if arch == "mistral" and (qkv or out or mlp):
         raise CheckpointError("mistral has no projection biases; use arch='llama' (attention_bias, "
                               "mlp_bias) or 'qwen2' (q/k/v biases)")
-    if arch == "llama" and qkv != out:
+    if arch in ("llama", "qwen3") and qkv != out:
         raise CheckpointError(
-            f"llama's attention_bias puts biases on q/k/v and o_proj together, but attention_bias="
+            f"{arch}'s attention_bias puts biases on q/k/v and o_proj together, but attention_bias="
             f"{qkv}, attention_out_bias={out}; use arch='qwen2' for q/k/v-only biases")
+    if arch == "qwen3" and mlp:
+        raise CheckpointError("qwen3 has no MLP biases; use arch='llama' for mlp_bias")
 
 
 def config_from_hf(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
@@ -213,25 +253,11 @@ def config_from_hf(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
             activation=_activation(cfg.activation_function, "activation_function", "gpt2"))
 
     # Llama family.
-    sliding_window = None
+    sliding_window, sliding_layers = None, None
     if arch == "mistral":
         sliding_window = getattr(cfg, "sliding_window", None)
-    elif arch == "qwen2":
-        layer_types = list(getattr(cfg, "layer_types", None) or [])
-        uses_window = getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None)
-        if uses_window and not layer_types:  # transformers < 5: windows from max_window_layers on
-            first = getattr(cfg, "max_window_layers", 0)
-            layer_types = ["sliding_attention" if i >= first else "full_attention"
-                           for i in range(cfg.num_hidden_layers)]
-        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-        if unknown:
-            raise CheckpointError(f"unsupported layer_types {unknown}")
-        if uses_window and "sliding_attention" in layer_types:
-            if "full_attention" in layer_types:
-                raise CheckpointError(
-                    f"unsupported mix of sliding-window and full-attention layers "
-                    f"(use_sliding_window=True, layer_types={layer_types}); all layers must be alike")
-            sliding_window = cfg.sliding_window
+    elif arch in ("qwen2", "qwen3"):
+        sliding_window, sliding_layers = _qwen_windows(cfg)
     theta, scaling = _rope_settings(cfg)
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None)
@@ -242,7 +268,8 @@ def config_from_hf(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
         intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
         norm_eps=float(cfg.rms_norm_eps), rope_theta=theta, rope_scaling=scaling,
-        sliding_window=sliding_window, **_biases(cfg),
+        sliding_window=sliding_window, sliding_layers=sliding_layers, qk_norm=arch == "qwen3",
+        **_biases(cfg),
         activation=_activation(cfg.hidden_act, "hidden_act", "llama"))
 
 
@@ -282,6 +309,9 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
     _check_biases(config)
     if arch == "llama" and config.sliding_window is not None:
         raise CheckpointError("llama has no sliding window; use arch='mistral' or 'qwen2'")
+    if arch == "mistral" and config.sliding_layers is not None:
+        raise CheckpointError("mistral slides every layer or none; use arch='qwen2' for "
+                              "sliding_layers")
     family = dict(
         hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_heads, num_key_value_heads=config.kv_heads,
@@ -301,14 +331,18 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
         family["rope_scaling"] = scaling
     if arch == "mistral":
         family["sliding_window"] = config.sliding_window
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3"):
         window = config.sliding_window
         family.update(use_sliding_window=window is not None, sliding_window=window,
-                      max_window_layers=0 if window is not None else config.num_layers,
-                      layer_types=[("sliding_attention" if window else "full_attention")]
-                      * config.num_layers)
+                      max_window_layers=config.layer_sliding.index(True) if window else config.num_layers,
+                      layer_types=_hf_layer_types(config))
     if arch == "llama":
         family.update(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
+    if arch == "qwen3":
+        family.update(attention_bias=config.attention_bias)
+    if config.qk_norm != (arch == "qwen3"):
+        raise CheckpointError(f"{arch} {'always' if arch == 'qwen3' else 'never'} has q/k norms: set "
+                              f"qk_norm={arch == 'qwen3'}")
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config}[arch]
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
     return cls(**common, **family)

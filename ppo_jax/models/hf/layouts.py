@@ -130,6 +130,10 @@ def _llama_maps(cfg: ModelConfig, prefix: str) -> dict[tuple[str, ...], TensorMa
         ("layers", "mlp", "up", "kernel"): _transposed(layer + "mlp.up_proj.weight", f, d),
         ("layers", "mlp", "down", "kernel"): _transposed(layer + "mlp.down_proj.weight", d, f),
     }
+    if cfg.qk_norm:
+        for part in ("q", "k"):
+            maps[("layers", "attn", f"{part}_norm", "scale")] = _same(
+                layer + f"self_attn.{part}_norm.weight", (dh,))
     if cfg.attention_out_bias:
         maps[("layers", "attn", "o", "bias")] = _same(layer + "self_attn.o_proj.bias", (d,))
     if cfg.mlp_bias:
