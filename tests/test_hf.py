@@ -69,6 +69,9 @@ HF_CONFIGS = {
     # Qwen2's mixed layers as a transformers-4 config writes them: windows from max_window_layers on.
     "qwen2_mixed": lambda **kw: _llama_family(transformers.Qwen2Config, use_sliding_window=True,
                                               sliding_window=4, max_window_layers=1, **kw),
+    # Fused qkv_proj and gate_up_proj, GQA, a sliding window shorter than the rows.
+    "phi3": lambda **kw: _llama_family(transformers.Phi3Config, sliding_window=4,
+                                       tie_word_embeddings=False, **kw),
 }
 # Config fields each variant must map to (beyond the shared sizes checked for every case).
 EXPECTED_FIELDS = {
@@ -81,6 +84,7 @@ EXPECTED_FIELDS = {
     "qwen3": dict(qk_norm=True, head_dim=24, attention_bias=False, sliding_window=4,
                   sliding_layers=(True, False)),
     "qwen2_mixed": dict(attention_bias=True, sliding_window=4, sliding_layers=(False, True)),
+    "phi3": dict(attention_bias=False, sliding_window=4, tie_word_embeddings=False),
 }
 HF_CLASSES = {
     ("gpt2", "causal_lm"): transformers.GPT2LMHeadModel,
@@ -88,10 +92,12 @@ HF_CLASSES = {
     ("mistral", "causal_lm"): transformers.MistralForCausalLM,
     ("qwen2", "causal_lm"): transformers.Qwen2ForCausalLM,
     ("qwen3", "causal_lm"): transformers.Qwen3ForCausalLM,
+    ("phi3", "causal_lm"): transformers.Phi3ForCausalLM,
     ("gpt2", "reward"): transformers.GPT2ForSequenceClassification,
     ("llama", "reward"): transformers.LlamaForSequenceClassification,
     ("qwen2", "reward"): transformers.Qwen2ForSequenceClassification,
     ("qwen3", "reward"): transformers.Qwen3ForSequenceClassification,
+    ("phi3", "reward"): transformers.Phi3ForSequenceClassification,
 }
 CASES = [f"{arch}-{kind}" for arch, kind in HF_CLASSES] + [
     "llama_bias-causal_lm", "llama_bias-reward", "qwen2_mixed-causal_lm"]
@@ -303,7 +309,8 @@ def test_export_round_trip(case, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["gpt2-causal_lm", "llama-reward", "mistral-causal_lm",
-                                  "llama_bias-causal_lm", "qwen3-causal_lm", "qwen2_mixed-causal_lm"],
+                                  "llama_bias-causal_lm", "qwen3-causal_lm", "qwen2_mixed-causal_lm",
+                                  "phi3-causal_lm"],
                          indirect=True)
 def test_per_layer_params_load_run_and_export(case, tmp_path, mesh_222):
     """`scan_layers=False` (per-layer params, the GPU layout) reads each layer's tensors into its own
@@ -427,6 +434,9 @@ def test_unsupported_gpt2_options(changes, message):
     ("qwen2", {"layer_types": ["full_attention", "chunked_attention"]},
      "unsupported layer_types \\['chunked_attention'\\]"),
     ("mistral", {"model_type": "mixtral"}, "unsupported model_type 'mixtral'"),
+    ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                                  "long_factor": [2.0] * 8, "original_max_position_embeddings": 32}},
+     "unsupported rope type 'longrope'"),
 ])
 def test_unsupported_llama_family_options(arch, changes, message):
     data = {**HF_CONFIGS[arch]().to_dict(), **changes}

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 FAMILIES = ("gpt2", "llama")
 # Hugging Face `model_type` -> our family. Mistral and Qwen2 are Llama with options.
 ARCH_TO_FAMILY = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama",
-                  "qwen3": "llama"}
+                  "qwen3": "llama", "phi3": "llama"}
 
 # `attention`: how scores are computed. "einsum" is the reference (float32 scores, any platform);
 # "cudnn" and "xla" call jax.nn.dot_product_attention with that implementation (cuDNN flash attention

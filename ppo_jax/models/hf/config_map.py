@@ -29,11 +29,13 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("mistral", "causal_lm"),
     "Qwen2ForCausalLM": ("qwen2", "causal_lm"),
     "Qwen3ForCausalLM": ("qwen3", "causal_lm"),
+    "Phi3ForCausalLM": ("phi3", "causal_lm"),
     "GPT2ForSequenceClassification": ("gpt2", "reward"),
     "LlamaForSequenceClassification": ("llama", "reward"),
     "MistralForSequenceClassification": ("mistral", "reward"),
     "Qwen2ForSequenceClassification": ("qwen2", "reward"),
     "Qwen3ForSequenceClassification": ("qwen3", "reward"),
+    "Phi3ForSequenceClassification": ("phi3", "reward"),
 }
 _CLASS_FOR = {value: name for name, value in ARCHITECTURES.items()}
 
@@ -210,9 +212,9 @@ def _check_biases(config: ModelConfig):
     if arch == "qwen2" and not (qkv and not out and not mlp):
         raise CheckpointError("qwen2 always has q/k/v biases and no o_proj or MLP biases: set "
                               "attention_bias=True, attention_out_bias=False, mlp_bias=False")
-    if arch == "mistral" and (qkv or out or mlp):
-        raise CheckpointError("mistral has no projection biases; use arch='llama' (attention_bias, "
-                              "mlp_bias) or 'qwen2' (q/k/v biases)")
+    if arch in ("mistral", "phi3") and (qkv or out or mlp):
+        raise CheckpointError(f"{arch} has no projection biases; use arch='llama' (attention_bias, "
+                              f"mlp_bias) or 'qwen2' (q/k/v biases)")
     if arch in ("llama", "qwen3") and qkv != out:
         raise CheckpointError(
             f"{arch}'s attention_bias puts biases on q/k/v and o_proj together, but attention_bias="
@@ -254,7 +256,7 @@ def config_from_hf(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
 
     # Llama family.
     sliding_window, sliding_layers = None, None
-    if arch == "mistral":
+    if arch in ("mistral", "phi3"):
         sliding_window = getattr(cfg, "sliding_window", None)
     elif arch in ("qwen2", "qwen3"):
         sliding_window, sliding_layers = _qwen_windows(cfg)
@@ -309,9 +311,12 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
     _check_biases(config)
     if arch == "llama" and config.sliding_window is not None:
         raise CheckpointError("llama has no sliding window; use arch='mistral' or 'qwen2'")
-    if arch == "mistral" and config.sliding_layers is not None:
-        raise CheckpointError("mistral slides every layer or none; use arch='qwen2' for "
-                              "sliding_layers")
+    if arch in ("mistral", "phi3") and config.sliding_layers is not None:
+        raise CheckpointError(f"{arch} slides every layer or none; use arch='qwen2' for "
+                              f"sliding_layers")
+    if arch == "phi3" and config.head_dim not in (None, config.hidden_size // config.num_heads):
+        raise CheckpointError(f"phi3 has no head_dim option; head_dim={config.head_dim} differs from "
+                              f"hidden_size // num_heads")
     family = dict(
         hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_heads, num_key_value_heads=config.kv_heads,
@@ -329,8 +334,11 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
     else:
         family["rope_theta"] = config.rope_theta
         family["rope_scaling"] = scaling
-    if arch == "mistral":
+    if arch in ("mistral", "phi3"):
         family["sliding_window"] = config.sliding_window
+    if arch == "phi3":  # its head size is always hidden_size // num_heads; dropouts off
+        del family["head_dim"]
+        family.update(resid_pdrop=0.0, embd_pdrop=0.0)
     if arch in ("qwen2", "qwen3"):
         window = config.sliding_window
         family.update(use_sliding_window=window is not None, sliding_window=window,
@@ -344,5 +352,6 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
         raise CheckpointError(f"{arch} {'always' if arch == 'qwen3' else 'never'} has q/k norms: set "
                               f"qk_norm={arch == 'qwen3'}")
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "phi3": transformers.Phi3Config}[arch]
     return cls(**common, **family)
