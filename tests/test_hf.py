@@ -72,6 +72,19 @@ HF_CONFIGS = {
     # Fused qkv_proj and gate_up_proj, GQA, a sliding window shorter than the rows.
     "phi3": lambda **kw: _llama_family(transformers.Phi3Config, sliding_window=4,
                                        tie_word_embeddings=False, **kw),
+    # (1 + w) norms, sqrt(D)-scaled embeddings, GeGLU, explicit head_dim, tied embeddings.
+    "gemma": lambda **kw: _llama_family(transformers.GemmaConfig, head_dim=24, **kw),
+    # Gemma 2: post norms, query_pre_attn_scalar, attention and final soft-capping small enough to
+    # bite on these scores and logits, alternating sliding (4) and full layers.
+    "gemma2": lambda **kw: _llama_family(transformers.Gemma2Config, head_dim=16, query_pre_attn_scalar=20,
+                                         attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                                         sliding_window=4, **kw),
+    # Gemma 3: q/k norms, a local rope base for the sliding layers, linear rope scaling on the full ones.
+    "gemma3": lambda **kw: _llama_family(
+        transformers.Gemma3TextConfig, head_dim=16, query_pre_attn_scalar=20, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **kw),
 }
 # Config fields each variant must map to (beyond the shared sizes checked for every case).
 EXPECTED_FIELDS = {
@@ -85,6 +98,14 @@ EXPECTED_FIELDS = {
                   sliding_layers=(True, False)),
     "qwen2_mixed": dict(attention_bias=True, sliding_window=4, sliding_layers=(False, True)),
     "phi3": dict(attention_bias=False, sliding_window=4, tie_word_embeddings=False),
+    "gemma": dict(scale_embeddings=True, norm_unit_offset=True, post_norms=False, head_dim=24,
+                  sliding_window=None, tie_word_embeddings=True),
+    "gemma2": dict(scale_embeddings=True, norm_unit_offset=True, post_norms=True, qk_norm=False,
+                   query_pre_attn_scalar=20, attn_logit_softcap=5.0, final_logit_softcap=3.0,
+                   sliding_window=4, sliding_layers=(True, False), head_dim=None),
+    "gemma3": dict(qk_norm=True, post_norms=True, attn_logit_softcap=None, rope_theta=1e6,
+                   rope_scaling=(("factor", 2.0), ("rope_type", "linear")), rope_local_theta=1e4,
+                   sliding_window=4, sliding_layers=(True, False)),
 }
 HF_CLASSES = {
     ("gpt2", "causal_lm"): transformers.GPT2LMHeadModel,
@@ -93,20 +114,26 @@ HF_CLASSES = {
     ("qwen2", "causal_lm"): transformers.Qwen2ForCausalLM,
     ("qwen3", "causal_lm"): transformers.Qwen3ForCausalLM,
     ("phi3", "causal_lm"): transformers.Phi3ForCausalLM,
+    ("gemma", "causal_lm"): transformers.GemmaForCausalLM,
+    ("gemma2", "causal_lm"): transformers.Gemma2ForCausalLM,
+    ("gemma3_text", "causal_lm"): transformers.Gemma3ForCausalLM,
     ("gpt2", "reward"): transformers.GPT2ForSequenceClassification,
     ("llama", "reward"): transformers.LlamaForSequenceClassification,
     ("qwen2", "reward"): transformers.Qwen2ForSequenceClassification,
     ("qwen3", "reward"): transformers.Qwen3ForSequenceClassification,
     ("phi3", "reward"): transformers.Phi3ForSequenceClassification,
+    ("gemma2", "reward"): transformers.Gemma2ForSequenceClassification,
+    ("gemma3_text", "reward"): transformers.Gemma3TextForSequenceClassification,
 }
-CASES = [f"{arch}-{kind}" for arch, kind in HF_CLASSES] + [
+CASES = [f"{'gemma3' if arch == 'gemma3_text' else arch}-{kind}" for arch, kind in HF_CLASSES] + [
     "llama_bias-causal_lm", "llama_bias-reward", "qwen2_mixed-causal_lm"]
 
 CAUSAL_CASES = [c for c in CASES if c.endswith("-causal_lm")]
 
 
 def arch_of(variant: str) -> str:
-    return variant.split("_")[0]
+    base = variant.split("_")[0]
+    return "gemma3_text" if base == "gemma3" else base
 
 
 def _randomize(model: torch.nn.Module, seed: int):
@@ -178,7 +205,7 @@ def mesh_222():
 
 @pytest.fixture(scope="module", params=CASES)
 def case(request, tmp_path_factory, mesh_222):
-    variant, kind = request.param.split("-")
+    variant, kind = request.param.rsplit("-", 1)
     arch = arch_of(variant)
     config = HF_CONFIGS[variant](**({"num_labels": 1} if kind == "reward" else {}))
     torch_model = HF_CLASSES[(arch, kind)](config).eval()
@@ -310,7 +337,7 @@ def test_export_round_trip(case, tmp_path):
 
 @pytest.mark.parametrize("case", ["gpt2-causal_lm", "llama-reward", "mistral-causal_lm",
                                   "llama_bias-causal_lm", "qwen3-causal_lm", "qwen2_mixed-causal_lm",
-                                  "phi3-causal_lm"],
+                                  "phi3-causal_lm", "gemma2-causal_lm", "gemma3-causal_lm"],
                          indirect=True)
 def test_per_layer_params_load_run_and_export(case, tmp_path, mesh_222):
     """`scan_layers=False` (per-layer params, the GPU layout) reads each layer's tensors into its own
@@ -437,6 +464,15 @@ def test_unsupported_gpt2_options(changes, message):
     ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
                                   "long_factor": [2.0] * 8, "original_max_position_embeddings": 32}},
      "unsupported rope type 'longrope'"),
+    ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
+    ("gemma3", {"rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}},
+     "unsupported rope type 'yarn' on gemma3 sliding layers"),
+    ("gemma3", {"rope_parameters": {
+        "full_attention": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+     "unsupported rope type 'dynamic'"),
 ])
 def test_unsupported_llama_family_options(arch, changes, message):
     data = {**HF_CONFIGS[arch]().to_dict(), **changes}

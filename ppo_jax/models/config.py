@@ -10,11 +10,14 @@ import jax.numpy as jnp
 FAMILIES = ("gpt2", "llama")
 # Hugging Face `model_type` -> our family. Mistral and Qwen2 are Llama with options.
 ARCH_TO_FAMILY = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama",
-                  "qwen3": "llama", "phi3": "llama"}
+                  "qwen3": "llama", "phi3": "llama", "gemma": "llama", "gemma2": "llama",
+                  "gemma3_text": "llama"}
 
 # `attention`: how scores are computed. "einsum" is the reference (float32 scores, any platform);
 # "cudnn" and "xla" call jax.nn.dot_product_attention with that implementation (cuDNN flash attention
-# on GPU; "xla" exists to check the fused call's plumbing against the reference on CPU).
+# on GPU; "xla" exists to check the fused call's plumbing against the reference on CPU). That call
+# cannot soft-cap scores: a model with `attn_logit_softcap` (Gemma 2) runs the einsum kernel whatever
+# `attention` says.
 ATTENTION_KINDS = ("einsum", "cudnn", "xla")
 # `remat_policy`: which activations the backward pass keeps when remat is on.
 REMAT_POLICIES = ("full", "dots")
@@ -75,6 +78,15 @@ class ModelConfig:
     # Gemma 2/3 interleaving); None: every layer alike.
     sliding_layers: tuple[bool, ...] | None = None
     qk_norm: bool = False  # RMSNorm over each head's queries and keys before rope (Qwen3, Gemma 3)
+    rope_local_theta: float | None = None  # rope base of the sliding layers, unscaled (Gemma 3)
+    # Gemma: embeddings times sqrt(hidden_size) (in the compute dtype); RMSNorm scales by (1 + w), in
+    # float32 before the cast back.
+    scale_embeddings: bool = False
+    norm_unit_offset: bool = False
+    post_norms: bool = False  # norms on the attention and MLP outputs before the residual add (Gemma 2/3)
+    query_pre_attn_scalar: int | None = None  # scores scaled by its -1/2 power; None: head_dim's (Gemma 2/3)
+    attn_logit_softcap: float | None = None  # scores -> c * tanh(scores / c) before the mask (Gemma 2)
+    final_logit_softcap: float | None = None  # LM logits -> c * tanh(logits / c) (Gemma 2)
     activation: str | None = None  # None: "gelu_new" for gpt2, "silu" for llama
     # Numerics and memory.
     param_dtype: str = "float32"
@@ -125,6 +137,12 @@ class ModelConfig:
             if len(set(self.sliding_layers)) == 1:  # one spelling per model, so configs compare equal
                 raise ValueError("model.sliding_layers marks every layer alike; use sliding_layers=None "
                                  "(with or without sliding_window) instead")
+        if self.rope_local_theta is not None and self.sliding_layers is None:
+            raise ValueError("model.rope_local_theta (the sliding layers' rope base) needs "
+                             "model.sliding_layers; with every layer alike set rope_theta instead")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"model.{name} must be positive or None, got {getattr(self, name)}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"model.remat_policy={self.remat_policy!r}: use one of {REMAT_POLICIES}")
 
@@ -190,7 +208,7 @@ class ModelConfig:
             attn = (d * (q + 2 * kv) + q * d + ((q + 2 * kv) if self.attention_bias else 0)
                     + (d if self.attention_out_bias else 0))
             mlp = 3 * d * f + ((2 * f + d) if self.mlp_bias else 0)
-            norms = 2 * d + (2 * self.dim_per_head if self.qk_norm else 0)
+            norms = (4 if self.post_norms else 2) * d + (2 * self.dim_per_head if self.qk_norm else 0)
             emb = v * d
             final = d
         head = v * d if (with_lm_head and not self.tie_word_embeddings) else 0

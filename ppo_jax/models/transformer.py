@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from ppo_jax.models.attention import Attention, attention_mask
 from ppo_jax.models.cache import KVCache
 from ppo_jax.models.config import ModelConfig
-from ppo_jax.models.layers import MLP, DenseGeneral, norm
+from ppo_jax.models.layers import MLP, DenseGeneral, norm, softcap
 from ppo_jax.models.rope import rope_tables
 
 Array = jax.Array
@@ -89,8 +89,13 @@ class Block(nn.Module):
             (cos, sin), mask = _for_layer(sliding, (ropes[0], masks[0]), (ropes[1], masks[1]))
         attn_out, cache_kv = Attention(self.config, name="attn")(
             norm(self.config, "ln_1")(x), cos, sin, mask, cache_kv, layer, cache_index)
+        if self.config.post_norms:
+            attn_out = norm(self.config, "post_attn_norm")(attn_out)
         x = x + attn_out
-        x = x + MLP(self.config, name="mlp")(norm(self.config, "ln_2")(x))
+        mlp_out = MLP(self.config, name="mlp")(norm(self.config, "ln_2")(x))
+        if self.config.post_norms:
+            mlp_out = norm(self.config, "post_mlp_norm")(mlp_out)
+        x = x + mlp_out
         x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
         return (x, cache_kv), None
 
@@ -190,6 +195,8 @@ class Transformer(nn.Module):
         model that mixes them with full-attention ones (the first again otherwise)."""
         cfg = self.config
         x = _lookup(self.embed, tokens)
+        if cfg.scale_embeddings:  # sqrt(D) rounded to the compute dtype first, as Gemma does
+            x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
         if cfg.family == "gpt2":
             x = x + _lookup(self.pos_embed, positions, rows="positions")
         x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
@@ -203,7 +210,8 @@ class Transformer(nn.Module):
             return x, (rope, rope), (mask, mask)
         masks = (attention_mask(kv_mask, query_slots, None),
                  attention_mask(kv_mask, query_slots, cfg.sliding_window))
-        return x, (rope, rope), masks
+        local_rope = rope if cfg.rope_local_theta is None else rope_tables(cfg, positions, local=True)
+        return x, (rope, local_rope), masks
 
     def logits(self, hidden: Array) -> Array:
         """Tied output projection: [B, T, D] -> [B, T, V] float32."""
@@ -238,6 +246,7 @@ class CausalLM(nn.Module):
             logits = self.transformer.logits(flat)
         else:
             logits = self.lm_head(flat).astype(jnp.float32)
+        logits = softcap(logits, self.config.final_logit_softcap)
         return logits.reshape(hidden.shape[:-1] + logits.shape[-1:])
 
 

@@ -122,12 +122,19 @@ def _llama_maps(cfg: ModelConfig, prefix: str) -> dict[tuple[str, ...], TensorMa
                                                      (cfg.vocab_size, d)),
         ("transformer", "ln_f", "scale"): _same(f"{prefix}norm.weight", (d,)),
         ("layers", "ln_1", "scale"): _same(layer + "input_layernorm.weight", (d,)),
-        ("layers", "ln_2", "scale"): _same(layer + "post_attention_layernorm.weight", (d,)),
         # torch Linear [out, in]: q_proj [H*Dh, D] -> our [D, H, Dh]; o_proj [D, H*Dh] -> [H, Dh, D].
         ("layers", "attn", "o", "kernel"): _window(
             layer + "self_attn.o_proj.weight", (d, h * dh), [(d,), (h, dh)], (1, 2, 0)),
         ("layers", "mlp", "down", "kernel"): _transposed(layer + "mlp.down_proj.weight", d, f),
     }
+    if cfg.post_norms:  # Gemma 2/3: "post_attention_layernorm" normalises the attention output
+        maps.update({
+            ("layers", "post_attn_norm", "scale"): _same(layer + "post_attention_layernorm.weight", (d,)),
+            ("layers", "ln_2", "scale"): _same(layer + "pre_feedforward_layernorm.weight", (d,)),
+            ("layers", "post_mlp_norm", "scale"): _same(layer + "post_feedforward_layernorm.weight", (d,)),
+        })
+    else:
+        maps[("layers", "ln_2", "scale")] = _same(layer + "post_attention_layernorm.weight", (d,))
     if cfg.arch == "phi3":  # gate_up_proj [2F, D]: the gate's rows, then the up projection's
         for i, part in enumerate(("gate", "up")):
             maps[("layers", "mlp", part, "kernel")] = _window(
