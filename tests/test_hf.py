@@ -122,6 +122,8 @@ HF_CLASSES = {
     ("qwen2", "reward"): transformers.Qwen2ForSequenceClassification,
     ("qwen3", "reward"): transformers.Qwen3ForSequenceClassification,
     ("phi3", "reward"): transformers.Phi3ForSequenceClassification,
+    ("mistral", "reward"): transformers.MistralForSequenceClassification,
+    ("gemma", "reward"): transformers.GemmaForSequenceClassification,
     ("gemma2", "reward"): transformers.Gemma2ForSequenceClassification,
     ("gemma3_text", "reward"): transformers.Gemma3TextForSequenceClassification,
 }

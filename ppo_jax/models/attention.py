@@ -11,7 +11,9 @@ Two kernels compute the same function:
   "xla". Left padding stays on the fused path: the [B, T, S] mask is passed whole ([B, 1, T, S]; cuDNN
   refuses a [B, 1, 1, S] key mask on T > 1 and its sequence-length arguments assume right padding),
   and `is_causal` lets cuDNN skip the blocks above the diagonal. The K/V heads go in unrepeated (cuDNN
-  does grouped-query attention itself; repeating them is slower and less accurate).
+  does grouped-query attention itself; repeating them is slower and less accurate). It has no
+  soft-capping, so a model with `attn_logit_softcap` (Gemma 2) runs the einsum kernel whatever
+  `ModelConfig.attention` says.
 
 Padding rows see no key at all; both kernels give them a finite output (never NaN), which the losses
 mask out.

@@ -1,4 +1,5 @@
-"""Model configuration: one dataclass drives GPT-2 and the Llama family (Llama, Mistral, Qwen2)."""
+"""Model configuration: one dataclass drives GPT-2 and the Llama family (Llama, Mistral, Qwen2,
+Qwen3, Phi-3, Gemma, Gemma 2, Gemma 3 text)."""
 
 from __future__ import annotations
 
@@ -48,11 +49,23 @@ def to_dtype(name: str | Any) -> Any:
 class ModelConfig:
     """Architecture of a decoder-only transformer.
 
-    `arch` is the Hugging Face `model_type` ("gpt2", "llama", "mistral", "qwen2"); `family` follows
-    from it and selects the block structure:
+    `arch` is the Hugging Face `model_type`; `family` follows from it and selects the block structure:
       gpt2:  learned positions, LayerNorm, GELU MLP, biases everywhere, tied embeddings.
-      llama: RoPE, RMSNorm, SwiGLU, grouped-query attention, optional q/k/v bias (Qwen2),
-             optional sliding window (Mistral).
+      llama: RoPE, RMSNorm, gated MLP, grouped-query attention, and per-architecture options, each a
+             field below (models/hf/config_map.py sets them from a checkpoint's config.json).
+
+    What each architecture uses, every one matched against `transformers` in tests/test_hf.py:
+      llama        Llama-3 / linear rope scaling; attention_bias (q/k/v and o: attention_out_bias),
+                   mlp_bias
+      mistral      sliding_window on every layer
+      qwen2        q/k/v biases (attention_bias, no o bias); sliding_layers (layer_types)
+      qwen3        qk_norm, explicit head_dim, sliding_layers, optional q/k/v/o biases
+      phi3         fused qkv/gate_up projections (only the HF layout differs), sliding_window
+      gemma        scale_embeddings, norm_unit_offset, GeGLU (activation "gelu_new": the tanh GELU)
+      gemma2       + post_norms, query_pre_attn_scalar, attn_logit_softcap, final_logit_softcap,
+                   sliding_layers
+      gemma3_text  + qk_norm, rope_local_theta (the sliding layers' rope base), rope scaling on the
+                   full-attention layers
     """
 
     arch: str = "gpt2"

@@ -239,8 +239,9 @@ class CausalLM(nn.Module):
         return self.transformer(tokens, positions, kv_mask)[0]
 
     def project(self, hidden: Array) -> Array:
-        """[..., D] -> [..., V] float32. Flattened to [N, D] first: the backward pass of a 3-D
-        projection writes its large [V, D] gradient through an extra transpose on XLA:CPU."""
+        """[..., D] -> [..., V] float32, soft-capped when the config says (Gemma 2). Flattened to
+        [N, D] first: the backward pass of a 3-D projection writes its large [V, D] gradient through
+        an extra transpose on XLA:CPU."""
         flat = hidden.reshape(-1, hidden.shape[-1])
         if self.config.tie_word_embeddings:
             logits = self.transformer.logits(flat)
