@@ -507,6 +507,15 @@ def test_config_to_hf_refuses_what_the_architecture_cannot_express():
         hf.config_to_hf(ModelConfig(arch="qwen2"))
     with pytest.raises(CheckpointError, match="mistral has no projection biases"):
         hf.config_to_hf(ModelConfig(arch="mistral", mlp_bias=True))
+    with pytest.raises(CheckpointError, match=r"llama cannot express \{'post_norms': True\}"):
+        hf.config_to_hf(ModelConfig(arch="llama", post_norms=True))
+    with pytest.raises(CheckpointError, match=r"gemma3_text cannot express \{'qk_norm': False\}"):
+        hf.config_to_hf(ModelConfig(arch="gemma3_text", scale_embeddings=True, norm_unit_offset=True,
+                                    post_norms=True))
+    with pytest.raises(CheckpointError, match=r"qwen3 has no \['attn_logit_softcap'\]"):
+        hf.config_to_hf(ModelConfig(arch="qwen3", qk_norm=True, attn_logit_softcap=5.0))
+    with pytest.raises(CheckpointError, match="mistral slides every layer or none"):
+        hf.config_to_hf(ModelConfig(arch="mistral", sliding_window=4, sliding_layers=(True, False)))
     with pytest.raises(CheckpointError, match="llama has no sliding window"):
         hf.config_to_hf(ModelConfig(arch="llama", sliding_window=8))
 
