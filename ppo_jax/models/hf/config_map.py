@@ -432,7 +432,8 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
     if arch in ("qwen2", "qwen3"):
         window = config.sliding_window
         family.update(use_sliding_window=window is not None, sliding_window=window,
-                      max_window_layers=config.layer_sliding.index(True) if window else config.num_layers,
+                      max_window_layers=(config.layer_sliding.index(True) if window
+                                         else config.num_layers),
                       layer_types=_hf_layer_types(config))
     if arch == "llama":
         family.update(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
@@ -464,7 +465,8 @@ def _gemma_to_hf(config: ModelConfig, family: dict[str, Any]):
             family["rope_local_base_freq"] = local_theta
             return
         full = family["rope_parameters"]
-        if config.sliding_layers is None and config.sliding_window is not None and full["rope_type"] != "default":
+        every_layer_slides = config.sliding_layers is None and config.sliding_window is not None
+        if every_layer_slides and full["rope_type"] != "default":
             raise CheckpointError("gemma3 never scales the rope of its sliding layers, and every layer "
                                   "slides here: set rope_scaling=None")
         family["rope_parameters"] = {"full_attention": full, "sliding_attention": {

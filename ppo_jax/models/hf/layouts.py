@@ -3,10 +3,10 @@
 How a tensor travels. Every parameter of ours is described by a `TensorMap`: a window of one Hugging
 Face tensor (per layer for our scanned, stacked layers), split into sub-axes and transposed into our
 layout. GPT-2's packed `c_attn` [D, 3D] (Conv1D, [in, out]) gives q, k, v as three windows of its
-output axis split into (H, Dh) (Phi-3's fused `qkv_proj` and `gate_up_proj` likewise, by rows); Llama's `q_proj.weight` [H*Dh, D] (torch Linear, [out, in]) splits
-into (H, Dh, D) and transposes to our [D, H, Dh]. The same table drives loading (`load`: each device
-shard reads only the rows and columns it needs) and export (`export`: the inverse transpose, written
-into the window).
+output axis split into (H, Dh) (Phi-3's fused `qkv_proj` and `gate_up_proj` likewise, by rows);
+Llama's `q_proj.weight` [H*Dh, D] (torch Linear, [out, in]) splits into (H, Dh, D) and transposes to
+our [D, H, Dh]. The same table drives loading (`load`: each device shard reads only the rows and
+columns it needs) and export (`export`: the inverse transpose, written into the window).
 
 Also here: our side of the table, the Flax module and abstract param tree for a checkpoint kind.
 """
