@@ -460,6 +460,11 @@ def test_unsupported_gpt2_options(changes, message):
 @pytest.mark.parametrize("arch, changes, message", [
     ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
      "unsupported rope type 'yarn'"),
+    ("qwen2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                   "original_max_position_embeddings": 32}},
+     "unsupported rope type 'yarn'"),
+    ("qwen3", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+     "unsupported rope type 'dynamic'"),
     ("qwen2", {"layer_types": ["full_attention", "chunked_attention"]},
      "unsupported layer_types \\['chunked_attention'\\]"),
     ("mistral", {"model_type": "mixtral"}, "unsupported model_type 'mixtral'"),
