@@ -142,6 +142,8 @@ class ModelConfig:
             raise ValueError(f"model.attention='cudnn' (flash attention) computes in bfloat16 or float16, "
                              f"but model.dtype={self.dtype!r}; set dtype=bfloat16 or attention='einsum'")
         if self.sliding_layers is not None:
+            # A tuple whatever a config file gave (a list): the config must stay hashable.
+            object.__setattr__(self, "sliding_layers", tuple(bool(s) for s in self.sliding_layers))
             if self.sliding_window is None:
                 raise ValueError("model.sliding_layers needs model.sliding_window")
             if len(self.sliding_layers) != self.num_layers:
