@@ -185,7 +185,7 @@ class ModelConfig:
     def layer_sliding(self) -> tuple[bool, ...]:
         """Per layer: whether it attends through the sliding window."""
         if self.sliding_layers is not None:
-            return tuple(bool(s) for s in self.sliding_layers)
+            return self.sliding_layers
         return (self.sliding_window is not None,) * self.num_layers
 
     @property
