@@ -21,7 +21,8 @@ from conftest import make_test_mesh
 from jax.sharding import PartitionSpec as P
 
 from ppo_jax import sharding
-from ppo_jax.models import ModelConfig, positions_from_mask, score_at_last_token
+from ppo_jax.models import ModelConfig, init_cache, positions_from_mask, score_at_last_token
+from ppo_jax.models.cache import split_cache
 from ppo_jax.models import hf
 from ppo_jax.models.hf import CheckpointError
 from ppo_jax.models.transformer import split_layer_params
@@ -44,6 +45,8 @@ def _llama_family(cls, **kw):
     return cls(**{**base, **kw}, attn_implementation="eager")
 
 
+# Variant name -> config factory; a variant is a model type (its key when they are the same) or a
+# model type with the options named after its underscore ("llama_bias" is Llama with biases).
 HF_CONFIGS = {
     "gpt2": lambda **kw: transformers.GPT2Config(
         n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, vocab_size=VOCAB, n_positions=MAX_POS,
@@ -56,17 +59,83 @@ HF_CONFIGS = {
                                           tie_word_embeddings=False, **kw),
     # q/k/v biases, tied embeddings.
     "qwen2": lambda **kw: _llama_family(transformers.Qwen2Config, tie_word_embeddings=True, **kw),
+    # Llama's attention_bias (q/k/v and o_proj) and mlp_bias (gate/up/down).
+    "llama_bias": lambda **kw: _llama_family(transformers.LlamaConfig, attention_bias=True,
+                                             mlp_bias=True, tie_word_embeddings=False, **kw),
+    # q/k norms, an explicit head_dim (not hidden / heads), and a sliding layer before a full one.
+    "qwen3": lambda **kw: _llama_family(transformers.Qwen3Config, head_dim=24, use_sliding_window=True,
+                                        sliding_window=4, tie_word_embeddings=False,
+                                        layer_types=["sliding_attention", "full_attention"], **kw),
+    # Qwen2's mixed layers as a transformers-4 config writes them: windows from max_window_layers on.
+    "qwen2_mixed": lambda **kw: _llama_family(transformers.Qwen2Config, use_sliding_window=True,
+                                              sliding_window=4, max_window_layers=1, **kw),
+    # Fused qkv_proj and gate_up_proj, GQA, a sliding window shorter than the rows.
+    "phi3": lambda **kw: _llama_family(transformers.Phi3Config, sliding_window=4,
+                                       tie_word_embeddings=False, **kw),
+    # (1 + w) norms, sqrt(D)-scaled embeddings, GeGLU, explicit head_dim, tied embeddings.
+    "gemma": lambda **kw: _llama_family(transformers.GemmaConfig, head_dim=24, **kw),
+    # Gemma 2: post norms, query_pre_attn_scalar, attention and final soft-capping small enough to
+    # bite on these scores and logits, alternating sliding (4) and full layers.
+    "gemma2": lambda **kw: _llama_family(transformers.Gemma2Config, head_dim=16, query_pre_attn_scalar=20,
+                                         attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                                         sliding_window=4, **kw),
+    # Gemma 3: q/k norms, a local rope base for the sliding layers, linear rope scaling on the full ones.
+    "gemma3": lambda **kw: _llama_family(
+        transformers.Gemma3TextConfig, head_dim=16, query_pre_attn_scalar=20, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **kw),
+}
+# Config fields each variant must map to (beyond the shared sizes checked for every case).
+EXPECTED_FIELDS = {
+    "gpt2": dict(tie_word_embeddings=True),
+    "llama": dict(attention_bias=False, sliding_window=None, tie_word_embeddings=False),
+    "mistral": dict(attention_bias=False, sliding_window=4, tie_word_embeddings=False),
+    "qwen2": dict(attention_bias=True, attention_out_bias=False, sliding_window=None,
+                  tie_word_embeddings=True),
+    "llama_bias": dict(attention_bias=True, attention_out_bias=True, mlp_bias=True),
+    "qwen3": dict(qk_norm=True, head_dim=24, attention_bias=False, sliding_window=4,
+                  sliding_layers=(True, False)),
+    "qwen2_mixed": dict(attention_bias=True, sliding_window=4, sliding_layers=(False, True)),
+    "phi3": dict(attention_bias=False, sliding_window=4, tie_word_embeddings=False),
+    "gemma": dict(scale_embeddings=True, norm_unit_offset=True, post_norms=False, head_dim=24,
+                  sliding_window=None, tie_word_embeddings=True),
+    "gemma2": dict(scale_embeddings=True, norm_unit_offset=True, post_norms=True, qk_norm=False,
+                   query_pre_attn_scalar=20, attn_logit_softcap=5.0, final_logit_softcap=3.0,
+                   sliding_window=4, sliding_layers=(True, False), head_dim=None),
+    "gemma3": dict(qk_norm=True, post_norms=True, attn_logit_softcap=None, rope_theta=1e6,
+                   rope_scaling=(("factor", 2.0), ("rope_type", "linear")), rope_local_theta=1e4,
+                   sliding_window=4, sliding_layers=(True, False)),
 }
 HF_CLASSES = {
     ("gpt2", "causal_lm"): transformers.GPT2LMHeadModel,
     ("llama", "causal_lm"): transformers.LlamaForCausalLM,
     ("mistral", "causal_lm"): transformers.MistralForCausalLM,
     ("qwen2", "causal_lm"): transformers.Qwen2ForCausalLM,
+    ("qwen3", "causal_lm"): transformers.Qwen3ForCausalLM,
+    ("phi3", "causal_lm"): transformers.Phi3ForCausalLM,
+    ("gemma", "causal_lm"): transformers.GemmaForCausalLM,
+    ("gemma2", "causal_lm"): transformers.Gemma2ForCausalLM,
+    ("gemma3_text", "causal_lm"): transformers.Gemma3ForCausalLM,
     ("gpt2", "reward"): transformers.GPT2ForSequenceClassification,
     ("llama", "reward"): transformers.LlamaForSequenceClassification,
     ("qwen2", "reward"): transformers.Qwen2ForSequenceClassification,
+    ("qwen3", "reward"): transformers.Qwen3ForSequenceClassification,
+    ("phi3", "reward"): transformers.Phi3ForSequenceClassification,
+    ("mistral", "reward"): transformers.MistralForSequenceClassification,
+    ("gemma", "reward"): transformers.GemmaForSequenceClassification,
+    ("gemma2", "reward"): transformers.Gemma2ForSequenceClassification,
+    ("gemma3_text", "reward"): transformers.Gemma3TextForSequenceClassification,
 }
-CASES = [f"{arch}-{kind}" for arch, kind in HF_CLASSES]
+CASES = [f"{'gemma3' if arch == 'gemma3_text' else arch}-{kind}" for arch, kind in HF_CLASSES] + [
+    "llama_bias-causal_lm", "llama_bias-reward", "qwen2_mixed-causal_lm"]
+
+CAUSAL_CASES = [c for c in CASES if c.endswith("-causal_lm")]
+
+
+def arch_of(variant: str) -> str:
+    base = variant.split("_")[0]
+    return "gemma3_text" if base == "gemma3" else base
 
 
 def _randomize(model: torch.nn.Module, seed: int):
@@ -121,6 +190,7 @@ def ours(loaded: hf.LoadedModel, mesh, params=None) -> np.ndarray:
 
 @dataclasses.dataclass
 class Case:
+    variant: str  # a key of HF_CONFIGS
     arch: str
     kind: str
     path: str  # the saved PyTorch checkpoint
@@ -137,14 +207,15 @@ def mesh_222():
 
 @pytest.fixture(scope="module", params=CASES)
 def case(request, tmp_path_factory, mesh_222):
-    arch, kind = request.param.split("-")
-    config = HF_CONFIGS[arch](**({"num_labels": 1} if kind == "reward" else {}))
+    variant, kind = request.param.rsplit("-", 1)
+    arch = arch_of(variant)
+    config = HF_CONFIGS[variant](**({"num_labels": 1} if kind == "reward" else {}))
     torch_model = HF_CLASSES[(arch, kind)](config).eval()
     _randomize(torch_model, seed=CASES.index(request.param))
     path = str(tmp_path_factory.mktemp(request.param))
     torch_model.save_pretrained(path)
     loaded = hf.load_model(path, mesh_222)
-    return Case(arch, kind, path, torch_model, hf_outputs(torch_model), loaded,
+    return Case(variant, arch, kind, path, torch_model, hf_outputs(torch_model), loaded,
                 ours(loaded, mesh_222))
 
 
@@ -168,7 +239,7 @@ def test_outputs_match_pytorch(case):
         # HF reads the score at the last non-pad token, ours at the last real token of the mask.
         assert case.outputs.shape == (len(LENGTHS),)
         err = np.abs(case.outputs - case.reference).max()
-    assert err <= 1e-4, f"{case.arch} {case.kind}: max abs difference {err}"
+    assert err <= 1e-5, f"{case.arch} {case.kind}: max abs difference {err}"
 
 
 def test_loaded_config(case):
@@ -178,19 +249,72 @@ def test_loaded_config(case):
     assert cfg.pad_token_id == PAD
     if case.arch != "gpt2":
         assert cfg.kv_heads == KV_HEADS and cfg.intermediate_size == MLP
-        assert cfg.attention_bias == (case.arch == "qwen2")
-        assert cfg.sliding_window == (4 if case.arch == "mistral" else None)
-    if case.arch == "llama":
+    expected = dict(EXPECTED_FIELDS[case.variant])
+    if case.kind == "reward":  # a sequence classifier has no LM head to tie
+        expected.pop("tie_word_embeddings", None)
+    assert {name: getattr(cfg, name) for name in expected} == expected
+    if case.variant == "llama":
         assert cfg.rope_theta == 500000.0
         assert cfg.rope_scaling_dict == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                          "high_freq_factor": 4.0,
                                          "original_max_position_embeddings": 64.0}
     if case.kind == "causal_lm":
-        assert cfg.tie_word_embeddings == (case.arch in ("gpt2", "qwen2"))
         assert ("lm_head" in case.loaded.params) != cfg.tie_word_embeddings
     else:
         assert set(case.loaded.params) == {"transformer", "score"}
         np.testing.assert_array_equal(np.asarray(case.loaded.params["score"]["bias"]), 0.0)
+
+
+CHUNKS = (4, 3, 1, 1, 1)  # a prefill shorter than the rows, a multi-token chunk, then single tokens
+
+
+def _chunk_logits(module, tokens, positions, kv_mask, cache, layer_params):
+    """Logits [B, t, V] of one chunk written into the cache: through the stacked layers, or (with
+    per-layer `layer_params`, the sampler's unrolled decode) one layer at a time."""
+    if layer_params is None:
+        hidden, cache = module.transformer(tokens, positions, kv_mask, cache)
+    else:
+        hidden, cache = module.transformer.unrolled(tokens, positions, kv_mask, cache, layer_params)
+    return module.project(hidden), cache
+
+
+@pytest.mark.parametrize("case", CAUSAL_CASES, indirect=True)
+@pytest.mark.parametrize("unrolled", [False, True], ids=["stacked", "unrolled"])
+def test_chunked_cached_decode_matches_pytorch(case, unrolled):
+    """Prefill, a chunk and single tokens through the KV cache give PyTorch's full-sequence logits
+    (the sampler's path: the rollout's log-probs are the training forward's)."""
+    module, params = case.loaded.module, case.loaded.params
+    tokens, mask = jnp.asarray(TOKENS), jnp.asarray(MASK)
+    positions = positions_from_mask(mask)
+    cache = init_cache(case.loaded.config, len(LENGTHS), T)
+    layer_params = None
+    if unrolled:
+        layer_params, cache = split_layer_params(params), split_cache(cache)
+
+    @jax.jit
+    def step(params, layer_params, tokens, positions, cache):
+        return module.apply({"params": params}, tokens, positions, mask, cache, layer_params,
+                            method=_chunk_logits)
+
+    logits, start = [], 0
+    for size in CHUNKS:
+        chunk = slice(start, start + size)
+        out, cache = step(params, layer_params, tokens[:, chunk], positions[:, chunk], cache)
+        logits.append(np.asarray(out))
+        start += size
+    logits = np.concatenate(logits, axis=1)
+    err = np.abs(logits[REAL] - case.reference[REAL]).max()
+    assert err <= 1e-5, f"{case.variant}: cached decode differs from PyTorch by {err}"
+
+
+def test_num_params_counts_pytorch_parameters(case):
+    """ModelConfig.num_params (what the memory planner uses) counts what transformers holds; its
+    score head has no bias, ours one (loaded as 0)."""
+    torch_count = sum(p.numel() for p in case.torch_model.parameters())  # a tied head counts once
+    cfg = case.loaded.config
+    ours_count = cfg.num_params() if case.kind == "causal_lm" else cfg.num_params(False) + HIDDEN
+    assert ours_count == torch_count
+    assert ours_count + (case.kind == "reward") == sum(x.size for x in jax.tree.leaves(case.loaded.params))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,10 +334,13 @@ def test_export_round_trip(case, tmp_path):
     for name, tensor in reloaded.state_dict().items():
         torch.testing.assert_close(tensor, original[name], rtol=0, atol=0, msg=name)
     real = REAL if case.kind == "causal_lm" else slice(None)
-    assert np.abs(hf_outputs(reloaded)[real] - case.outputs[real]).max() <= 1e-4
+    assert np.abs(hf_outputs(reloaded)[real] - case.outputs[real]).max() <= 1e-5
 
 
-@pytest.mark.parametrize("case", ["gpt2-causal_lm", "llama-reward", "mistral-causal_lm"], indirect=True)
+@pytest.mark.parametrize("case", ["gpt2-causal_lm", "llama-reward", "mistral-causal_lm",
+                                  "llama_bias-causal_lm", "qwen3-causal_lm", "qwen2_mixed-causal_lm",
+                                  "phi3-causal_lm", "gemma2-causal_lm", "gemma3-causal_lm"],
+                         indirect=True)
 def test_per_layer_params_load_run_and_export(case, tmp_path, mesh_222):
     """`scan_layers=False` (per-layer params, the GPU layout) reads each layer's tensors into its own
     leaves, matches PyTorch with the fused attention call, and exports the identical checkpoint."""
@@ -224,7 +351,7 @@ def test_per_layer_params_load_run_and_export(case, tmp_path, mesh_222):
         for name, value in _flat(layer).items():
             np.testing.assert_array_equal(per_layer[name], value, err_msg=f"layer {i} {name}")
     real = REAL if case.kind == "causal_lm" else slice(None)
-    assert np.abs(ours(loaded, mesh_222)[real] - case.reference[real]).max() <= 1e-4
+    assert np.abs(ours(loaded, mesh_222)[real] - case.reference[real]).max() <= 1e-5
     out = tmp_path / "exported"
     hf.export_model(out, loaded.config, loaded.params, kind=case.kind)
     auto = (transformers.AutoModelForCausalLM if case.kind == "causal_lm"
@@ -333,11 +460,26 @@ def test_unsupported_gpt2_options(changes, message):
 @pytest.mark.parametrize("arch, changes, message", [
     ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
      "unsupported rope type 'yarn'"),
-    ("llama", {"attention_bias": True}, "attention_bias=True for llama"),
-    ("llama", {"mlp_bias": True}, "mlp_bias=True"),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1,
-               "layer_types": None}, "mix of sliding-window and full-attention layers"),
+    ("qwen2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                   "original_max_position_embeddings": 32}},
+     "unsupported rope type 'yarn'"),
+    ("qwen3", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+     "unsupported rope type 'dynamic'"),
+    ("qwen2", {"layer_types": ["full_attention", "chunked_attention"]},
+     "unsupported layer_types \\['chunked_attention'\\]"),
     ("mistral", {"model_type": "mixtral"}, "unsupported model_type 'mixtral'"),
+    ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                                  "long_factor": [2.0] * 8, "original_max_position_embeddings": 32}},
+     "unsupported rope type 'longrope'"),
+    ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
+    ("gemma3", {"rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}},
+     "unsupported rope type 'yarn' on gemma3 sliding layers"),
+    ("gemma3", {"rope_parameters": {
+        "full_attention": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+     "unsupported rope type 'dynamic'"),
 ])
 def test_unsupported_llama_family_options(arch, changes, message):
     data = {**HF_CONFIGS[arch]().to_dict(), **changes}
@@ -368,6 +510,17 @@ def test_config_to_hf_refuses_what_the_architecture_cannot_express():
         hf.config_to_hf(ModelConfig(arch="llama", attention_bias=True))
     with pytest.raises(CheckpointError, match="qwen2 always has q/k/v biases"):
         hf.config_to_hf(ModelConfig(arch="qwen2"))
+    with pytest.raises(CheckpointError, match="mistral has no projection biases"):
+        hf.config_to_hf(ModelConfig(arch="mistral", mlp_bias=True))
+    with pytest.raises(CheckpointError, match=r"llama cannot express \{'post_norms': True\}"):
+        hf.config_to_hf(ModelConfig(arch="llama", post_norms=True))
+    with pytest.raises(CheckpointError, match=r"gemma3_text cannot express \{'qk_norm': False\}"):
+        hf.config_to_hf(ModelConfig(arch="gemma3_text", scale_embeddings=True, norm_unit_offset=True,
+                                    post_norms=True))
+    with pytest.raises(CheckpointError, match=r"qwen3 has no \['attn_logit_softcap'\]"):
+        hf.config_to_hf(ModelConfig(arch="qwen3", qk_norm=True, attn_logit_softcap=5.0))
+    with pytest.raises(CheckpointError, match="mistral slides every layer or none"):
+        hf.config_to_hf(ModelConfig(arch="mistral", sliding_window=4, sliding_layers=(True, False)))
     with pytest.raises(CheckpointError, match="llama has no sliding window"):
         hf.config_to_hf(ModelConfig(arch="llama", sliding_window=8))
 

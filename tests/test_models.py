@@ -219,3 +219,19 @@ def test_same_logits_on_every_mesh(single_device_run, mesh):
         for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
             if x.size >= 1024:
                 assert x.addressable_shards[0].data.size == x.size // 8, jax.tree_util.keystr(path)
+
+
+def test_sliding_layers_from_a_config_file_list_stay_hashable():
+    config = ModelConfig(arch="qwen2", **BASE, sliding_window=4, sliding_layers=[1, 0])
+    assert config.sliding_layers == (True, False) and config.layer_sliding == (True, False)
+    assert hash(config) == hash(config.replace(sliding_layers=(True, False)))
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(sliding_layers=(True, False)), "sliding_layers needs model.sliding_window"),
+    (dict(sliding_window=4, sliding_layers=(True,)), "1 entries for 2 layers"),
+    (dict(sliding_window=4, sliding_layers=(True, True)), "use sliding_layers=None"),
+])
+def test_bad_sliding_layers_are_refused(changes, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(arch="qwen2", **BASE, **changes)

@@ -1,4 +1,5 @@
-"""Decoder models (GPT-2, Llama, Mistral, Qwen2) with logical axis names and a KV cache."""
+"""Decoder models (GPT-2, Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma 2, Gemma 3 text) with
+logical axis names and a KV cache."""
 
 from ppo_jax.models.config import ModelConfig, to_dtype
 from ppo_jax.models.cache import KV_CACHE_AXES, KVCache, init_cache

@@ -11,7 +11,9 @@ Two kernels compute the same function:
   "xla". Left padding stays on the fused path: the [B, T, S] mask is passed whole ([B, 1, T, S]; cuDNN
   refuses a [B, 1, 1, S] key mask on T > 1 and its sequence-length arguments assume right padding),
   and `is_causal` lets cuDNN skip the blocks above the diagonal. The K/V heads go in unrepeated (cuDNN
-  does grouped-query attention itself; repeating them is slower and less accurate).
+  does grouped-query attention itself; repeating them is slower and less accurate). It has no
+  soft-capping, so a model with `attn_logit_softcap` (Gemma 2) runs the einsum kernel whatever
+  `ModelConfig.attention` says.
 
 Padding rows see no key at all; both kernels give them a finite output (never NaN), which the losses
 mask out.
@@ -26,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from ppo_jax.models.config import ModelConfig
-from ppo_jax.models.layers import DenseGeneral
+from ppo_jax.models.layers import DenseGeneral, norm, softcap
 from ppo_jax.models.rope import apply_rope
 
 Array = jax.Array
@@ -46,31 +48,36 @@ def attention_mask(kv_mask: Array, query_slots: Array, sliding_window: int | Non
     return visible[None, :, :] & kv_mask[:, None, :].astype(bool)
 
 
-def einsum_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
+def einsum_attention(q: Array, k: Array, v: Array, mask: Array, scale: float | None = None,
+                     cap: float | None = None) -> Array:
     """Grouped-query attention, the reference kernel.
 
     q [B, T, H, Dh], k/v [B, K, S, Dh] (the cache layout), mask [B, T, S] -> [B, T, H, Dh]. Scores and
     softmax in float32; a masked score is the most negative finite float (not -inf), so a padded query
-    whose keys are all masked gets a finite, ignored output instead of NaN.
+    whose keys are all masked gets a finite, ignored output instead of NaN. scale: the scores'
+    factor (None: 1/sqrt(Dh)); cap: soft-capping of the scaled scores (None: off).
     """
     b, t, h, dh = q.shape
     kv_heads = k.shape[1]
     q = q.reshape(b, t, kv_heads, h // kv_heads, dh)
     scores = jnp.einsum("btkgd,bksd->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(dh)
+    scores = scores / math.sqrt(dh) if scale is None else scores * scale
+    scores = softcap(scores, cap)
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
     return out.reshape(b, t, h, dh).astype(q.dtype)
 
 
-def fused_attention(q: Array, k: Array, v: Array, mask: Array, implementation: str) -> Array:
+def fused_attention(q: Array, k: Array, v: Array, mask: Array, implementation: str,
+                    scale: float | None = None) -> Array:
     """Self-attention of T tokens through `jax.nn.dot_product_attention` (no cache).
 
     q [B, T, H, Dh], k/v [B, T, K, Dh] (projection layout), mask [B, T, T] (causal, padding and window
-    already in it) -> [B, T, H, Dh]; implementation "cudnn" or "xla".
+    already in it) -> [B, T, H, Dh]; implementation "cudnn" or "xla"; scale: the scores' factor
+    (None: 1/sqrt(Dh)). It has no soft-capping: such models stay on `einsum_attention`.
     """
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], is_causal=True,
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, is_causal=True,
                                        implementation=implementation)
     return out.astype(q.dtype)
 
@@ -94,16 +101,21 @@ class Attention(nn.Module):
         q = DenseGeneral((d,), (h, dh), ("embed", "heads", "head_dim"), qkv_bias, name="q", **common)(x)
         k = DenseGeneral((d,), (kh, dh), ("embed", "kv_heads", "head_dim"), qkv_bias, name="k", **common)(x)
         v = DenseGeneral((d,), (kh, dh), ("embed", "kv_heads", "head_dim"), qkv_bias, name="v", **common)(x)
+        if cfg.qk_norm:  # over each head's Dh features, before the rotation
+            q, k = norm(cfg, "q_norm")(q), norm(cfg, "k_norm")(k)
         if not gpt2:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache_kv is None and cfg.attention != "einsum":
-            out = fused_attention(q, k, v, mask, cfg.attention)
+        scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
+        fused = cfg.attention != "einsum" and cfg.attn_logit_softcap is None  # see config.ATTENTION_KINDS
+        if cache_kv is None and fused:
+            out = fused_attention(q, k, v, mask, cfg.attention, scale)
         else:
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, Dh]
             if cache_kv is not None:
                 cache_kv, (k, v) = _write_cache(cache_kv, k, v, layer, cache_index)
-            out = einsum_attention(q, k, v.astype(q.dtype), mask)
-        out = DenseGeneral((h, dh), (d,), ("heads", "head_dim", "embed"), gpt2, name="o", **common)(out)
+            out = einsum_attention(q, k, v.astype(q.dtype), mask, scale, cfg.attn_logit_softcap)
+        out = DenseGeneral((h, dh), (d,), ("heads", "head_dim", "embed"), gpt2 or cfg.attention_out_bias,
+                           name="o", **common)(out)
         return out, cache_kv
 
 

@@ -1,4 +1,5 @@
-"""Model configuration: one dataclass drives GPT-2 and the Llama family (Llama, Mistral, Qwen2)."""
+"""Model configuration: one dataclass drives GPT-2 and the Llama family (Llama, Mistral, Qwen2,
+Qwen3, Phi-3, Gemma, Gemma 2, Gemma 3 text)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ import jax.numpy as jnp
 
 FAMILIES = ("gpt2", "llama")
 # Hugging Face `model_type` -> our family. Mistral and Qwen2 are Llama with options.
-ARCH_TO_FAMILY = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
+ARCH_TO_FAMILY = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama",
+                  "qwen3": "llama", "phi3": "llama", "gemma": "llama", "gemma2": "llama",
+                  "gemma3_text": "llama"}
 
 # `attention`: how scores are computed. "einsum" is the reference (float32 scores, any platform);
 # "cudnn" and "xla" call jax.nn.dot_product_attention with that implementation (cuDNN flash attention
-# on GPU; "xla" exists to check the fused call's plumbing against the reference on CPU).
+# on GPU; "xla" exists to check the fused call's plumbing against the reference on CPU). That call
+# cannot soft-cap scores: a model with `attn_logit_softcap` (Gemma 2) runs the einsum kernel whatever
+# `attention` says.
 ATTENTION_KINDS = ("einsum", "cudnn", "xla")
 # `remat_policy`: which activations the backward pass keeps when remat is on.
 REMAT_POLICIES = ("full", "dots")
@@ -44,11 +49,23 @@ def to_dtype(name: str | Any) -> Any:
 class ModelConfig:
     """Architecture of a decoder-only transformer.
 
-    `arch` is the Hugging Face `model_type` ("gpt2", "llama", "mistral", "qwen2"); `family` follows
-    from it and selects the block structure:
+    `arch` is the Hugging Face `model_type`; `family` follows from it and selects the block structure:
       gpt2:  learned positions, LayerNorm, GELU MLP, biases everywhere, tied embeddings.
-      llama: RoPE, RMSNorm, SwiGLU, grouped-query attention, optional q/k/v bias (Qwen2),
-             optional sliding window (Mistral).
+      llama: RoPE, RMSNorm, gated MLP, grouped-query attention, and per-architecture options, each a
+             field below (models/hf/config_map.py sets them from a checkpoint's config.json).
+
+    What each architecture uses, every one matched against `transformers` in tests/test_hf.py:
+      llama        Llama-3 / linear rope scaling; attention_bias (q/k/v and o: attention_out_bias),
+                   mlp_bias
+      mistral      sliding_window on every layer
+      qwen2        q/k/v biases (attention_bias, no o bias); sliding_layers (layer_types)
+      qwen3        qk_norm, explicit head_dim, sliding_layers, optional q/k/v/o biases
+      phi3         fused qkv/gate_up projections (only the HF layout differs), sliding_window
+      gemma        scale_embeddings, norm_unit_offset, GeGLU (activation "gelu_new": the tanh GELU)
+      gemma2       + post_norms, query_pre_attn_scalar, attn_logit_softcap, final_logit_softcap,
+                   sliding_layers
+      gemma3_text  + qk_norm, rope_local_theta (the sliding layers' rope base), rope scaling on the
+                   full-attention layers
     """
 
     arch: str = "gpt2"
@@ -66,8 +83,23 @@ class ModelConfig:
     # "original_max_position_embeddings"}; a tuple of pairs so the config stays hashable.
     rope_scaling: tuple[tuple[str, float], ...] | None = None
     tie_word_embeddings: bool = True
-    attention_bias: bool = False  # q/k/v projection biases (Qwen2); GPT-2 always has biases
+    attention_bias: bool = False  # q/k/v projection biases (Qwen2, Llama attention_bias); GPT-2 always has biases
+    attention_out_bias: bool = False  # output projection bias (Llama attention_bias; Qwen2 has none)
+    mlp_bias: bool = False  # gate/up/down projection biases (Llama mlp_bias)
     sliding_window: int | None = None  # Mistral: keys older than this many positions are masked
+    # Which layers use sliding_window, when some do and some attend to every key (Qwen2 layer_types,
+    # Gemma 2/3 interleaving); None: every layer alike.
+    sliding_layers: tuple[bool, ...] | None = None
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before rope (Qwen3, Gemma 3)
+    rope_local_theta: float | None = None  # rope base of the sliding layers, unscaled (Gemma 3)
+    # Gemma: embeddings times sqrt(hidden_size) (in the compute dtype); RMSNorm scales by (1 + w), in
+    # float32 before the cast back.
+    scale_embeddings: bool = False
+    norm_unit_offset: bool = False
+    post_norms: bool = False  # norms on the attention and MLP outputs before the residual add (Gemma 2/3)
+    query_pre_attn_scalar: int | None = None  # scores scaled by its -1/2 power; None: head_dim's (Gemma 2/3)
+    attn_logit_softcap: float | None = None  # scores -> c * tanh(scores / c) before the mask (Gemma 2)
+    final_logit_softcap: float | None = None  # LM logits -> c * tanh(logits / c) (Gemma 2)
     activation: str | None = None  # None: "gelu_new" for gpt2, "silu" for llama
     # Numerics and memory.
     param_dtype: str = "float32"
@@ -109,6 +141,23 @@ class ModelConfig:
         if self.attention == "cudnn" and to_dtype(self.dtype) not in (jnp.bfloat16, jnp.float16):
             raise ValueError(f"model.attention='cudnn' (flash attention) computes in bfloat16 or float16, "
                              f"but model.dtype={self.dtype!r}; set dtype=bfloat16 or attention='einsum'")
+        if self.sliding_layers is not None:
+            # A tuple whatever a config file gave (a list): the config must stay hashable.
+            object.__setattr__(self, "sliding_layers", tuple(bool(s) for s in self.sliding_layers))
+            if self.sliding_window is None:
+                raise ValueError("model.sliding_layers needs model.sliding_window")
+            if len(self.sliding_layers) != self.num_layers:
+                raise ValueError(f"model.sliding_layers has {len(self.sliding_layers)} entries for "
+                                 f"{self.num_layers} layers")
+            if len(set(self.sliding_layers)) == 1:  # one spelling per model, so configs compare equal
+                raise ValueError("model.sliding_layers marks every layer alike; use sliding_layers=None "
+                                 "(with or without sliding_window) instead")
+        if self.rope_local_theta is not None and self.sliding_layers is None:
+            raise ValueError("model.rope_local_theta (the sliding layers' rope base) needs "
+                             "model.sliding_layers; with every layer alike set rope_theta instead")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"model.{name} must be positive or None, got {getattr(self, name)}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"model.remat_policy={self.remat_policy!r}: use one of {REMAT_POLICIES}")
 
@@ -131,6 +180,13 @@ class ModelConfig:
     @property
     def act(self) -> str:
         return self.activation or ("gelu_new" if self.family == "gpt2" else "silu")
+
+    @property
+    def layer_sliding(self) -> tuple[bool, ...]:
+        """Per layer: whether it attends through the sliding window."""
+        if self.sliding_layers is not None:
+            return self.sliding_layers
+        return (self.sliding_window is not None,) * self.num_layers
 
     @property
     def rope_scaling_dict(self) -> dict[str, float] | None:
@@ -164,9 +220,10 @@ class ModelConfig:
             emb = v * d + self.max_position_embeddings * d
             final = 2 * d
         else:
-            attn = d * (q + 2 * kv) + q * d + ((q + 2 * kv) if self.attention_bias else 0)
-            mlp = 3 * d * f
-            norms = 2 * d
+            attn = (d * (q + 2 * kv) + q * d + ((q + 2 * kv) if self.attention_bias else 0)
+                    + (d if self.attention_out_bias else 0))
+            mlp = 3 * d * f + ((2 * f + d) if self.mlp_bias else 0)
+            norms = (4 if self.post_norms else 2) * d + (2 * self.dim_per_head if self.qk_norm else 0)
             emb = v * d
             final = d
         head = v * d if (with_lm_head and not self.tie_word_embeddings) else 0

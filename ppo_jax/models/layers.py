@@ -66,24 +66,39 @@ class LayerNorm(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Llama RMSNorm: normalise in float32, cast back, then scale (the Hugging Face order)."""
+    """RMSNorm over the last axis, normalised in float32, in the Hugging Face order of each family.
+
+    Llama: cast back to `dtype`, then times w. Gemma (`unit_offset`): times (1 + w) in float32, then
+    cast back; w starts at 0.
+    """
 
     eps: float
     dtype: Any
     param_dtype: Any
+    unit_offset: bool = False
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         d = x.shape[-1]
-        scale = _param(self, "scale", nn.initializers.ones, (d,), ("norm",), self.param_dtype)
+        init = nn.initializers.zeros if self.unit_offset else nn.initializers.ones
+        scale = _param(self, "scale", init, (d,), ("norm",), self.param_dtype)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
+        if self.unit_offset:
+            return (y * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)
         return y.astype(self.dtype) * scale.astype(self.dtype)
 
 
 def norm(config: ModelConfig, name: str) -> nn.Module:
-    cls = LayerNorm if config.family == "gpt2" else RMSNorm
-    return cls(config.norm_eps, config.jnp_dtype, config.jnp_param_dtype, name=name)
+    if config.family == "gpt2":
+        return LayerNorm(config.norm_eps, config.jnp_dtype, config.jnp_param_dtype, name=name)
+    return RMSNorm(config.norm_eps, config.jnp_dtype, config.jnp_param_dtype, config.norm_unit_offset,
+                   name=name)
+
+
+def softcap(x: Array, cap: float | None) -> Array:
+    """cap * tanh(x / cap) (Gemma 2's soft-capping of scores and logits); x itself when cap is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 class MLP(nn.Module):
@@ -100,6 +115,7 @@ class MLP(nn.Module):
         if cfg.family == "gpt2":
             hidden = act(DenseGeneral((d,), (f,), ("embed", "mlp"), True, name="fc", **common)(x))
             return DenseGeneral((f,), (d,), ("mlp", "embed"), True, name="proj", **common)(hidden)
-        gate = DenseGeneral((d,), (f,), ("embed", "mlp"), False, name="gate", **common)(x)
-        up = DenseGeneral((d,), (f,), ("embed", "mlp"), False, name="up", **common)(x)
-        return DenseGeneral((f,), (d,), ("mlp", "embed"), False, name="down", **common)(act(gate) * up)
+        bias = cfg.mlp_bias
+        gate = DenseGeneral((d,), (f,), ("embed", "mlp"), bias, name="gate", **common)(x)
+        up = DenseGeneral((d,), (f,), ("embed", "mlp"), bias, name="up", **common)(x)
+        return DenseGeneral((f,), (d,), ("mlp", "embed"), bias, name="down", **common)(act(gate) * up)

@@ -12,11 +12,13 @@ from ppo_jax.models.config import ModelConfig
 Array = jax.Array
 
 
-def rope_inverse_frequencies(config: ModelConfig) -> Array:
-    """[Dh/2] inverse frequencies, with Llama-3 or linear scaling when configured."""
+def rope_inverse_frequencies(config: ModelConfig, local: bool = False) -> Array:
+    """[Dh/2] inverse frequencies, with Llama-3 or linear scaling when configured; `local`: those of
+    the sliding layers (base `rope_local_theta`, never scaled)."""
     dh = config.dim_per_head
-    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
-    scaling = config.rope_scaling_dict
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+    scaling = None if local else config.rope_scaling_dict
     if not scaling:
         return inv_freq
     kind = scaling.get("rope_type", "llama3")
@@ -35,9 +37,10 @@ def rope_inverse_frequencies(config: ModelConfig) -> Array:
     return jnp.where(is_medium, smoothed, scaled)
 
 
-def rope_tables(config: ModelConfig, positions: Array) -> tuple[Array, Array]:
-    """cos, sin tables [B, T, Dh] (float32) for integer positions [B, T]."""
-    freqs = positions.astype(jnp.float32)[..., None] * rope_inverse_frequencies(config)
+def rope_tables(config: ModelConfig, positions: Array, local: bool = False) -> tuple[Array, Array]:
+    """cos, sin tables [B, T, Dh] (float32) for integer positions [B, T] (`local`: the sliding
+    layers' tables)."""
+    freqs = positions.astype(jnp.float32)[..., None] * rope_inverse_frequencies(config, local)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 

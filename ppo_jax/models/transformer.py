@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from ppo_jax.models.attention import Attention, attention_mask
 from ppo_jax.models.cache import KVCache
 from ppo_jax.models.config import ModelConfig
-from ppo_jax.models.layers import MLP, DenseGeneral, norm
+from ppo_jax.models.layers import MLP, DenseGeneral, norm, softcap
 from ppo_jax.models.rope import rope_tables
 
 Array = jax.Array
@@ -61,19 +61,41 @@ def positions_from_mask(mask: Array) -> Array:
     return jnp.cumsum(mask, axis=-1) - mask
 
 
+def _for_layer(sliding, full_inputs, sliding_inputs):
+    """The inputs of a sliding-window layer or of a full-attention one. `sliding` is a Python bool
+    when the layer loop is unrolled (chosen while tracing), a [] bool array inside the scan (chosen
+    by `where`: one scanned body serves both kinds of layer)."""
+    if isinstance(sliding, bool):
+        return sliding_inputs if sliding else full_inputs
+    return jax.tree.map(lambda full, local: jnp.where(sliding, local, full), full_inputs, sliding_inputs)
+
+
 class Block(nn.Module):
     """Pre-norm residual block. The scan carry is (residual stream x [B, T, D], whole-cache (k, v)
-    or None); the scanned input is the layer index."""
+    or None); the scanned inputs are the layer index and whether the layer is a sliding-window one.
+
+    ropes: ((cos, sin), (cos, sin)) and masks: ([B, T, S], [B, T, S]), each a pair (every layer of
+    a model whose layers are alike, or a mixed model's full-attention layers; its sliding-window
+    layers)."""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, carry, layer, cos, sin, mask, cache_index):
+    def __call__(self, carry, layer, sliding, ropes, masks, cache_index):
         x, cache_kv = carry
+        if self.config.sliding_layers is None:
+            (cos, sin), mask = ropes[0], masks[0]
+        else:
+            (cos, sin), mask = _for_layer(sliding, (ropes[0], masks[0]), (ropes[1], masks[1]))
         attn_out, cache_kv = Attention(self.config, name="attn")(
             norm(self.config, "ln_1")(x), cos, sin, mask, cache_kv, layer, cache_index)
+        if self.config.post_norms:
+            attn_out = norm(self.config, "post_attn_norm")(attn_out)
         x = x + attn_out
-        x = x + MLP(self.config, name="mlp")(norm(self.config, "ln_2")(x))
+        mlp_out = MLP(self.config, name="mlp")(norm(self.config, "ln_2")(x))
+        if self.config.post_norms:
+            mlp_out = norm(self.config, "post_mlp_norm")(mlp_out)
+        x = x + mlp_out
         x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
         return (x, cache_kv), None
 
@@ -119,7 +141,7 @@ class Transformer(nn.Module):
                 block,
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
-                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+                in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )(cfg)
@@ -131,14 +153,16 @@ class Transformer(nn.Module):
                  cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
         """tokens, positions [B, T]; kv_mask [B, S] -> hidden [B, T, D], cache (advanced by T)."""
         cache_index = cache.index if cache is not None else jnp.zeros((), jnp.int32)
-        x, cos, sin, mask = self._block_inputs(tokens, positions, kv_mask, cache_index)
+        x, ropes, masks = self._block_inputs(tokens, positions, kv_mask, cache_index)
         cache_kv = (cache.k, cache.v) if cache is not None else None
-        layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-        if self.config.scan_layers:
-            (x, cache_kv), _ = self.layers((x, cache_kv), layer_ids, cos, sin, mask, cache_index)
+        cfg = self.config
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        if cfg.scan_layers:
+            sliding = jnp.asarray(cfg.layer_sliding)
+            (x, cache_kv), _ = self.layers((x, cache_kv), layer_ids, sliding, ropes, masks, cache_index)
         else:
-            for layer, block in zip(layer_ids, self.layers):
-                (x, cache_kv), _ = block((x, cache_kv), layer, cos, sin, mask, cache_index)
+            for layer, local, block in zip(layer_ids, cfg.layer_sliding, self.layers):
+                (x, cache_kv), _ = block((x, cache_kv), layer, local, ropes, masks, cache_index)
         if cache is not None:
             cache = KVCache(k=cache_kv[0], v=cache_kv[1], index=cache.index + tokens.shape[1])
         return self.ln_f(x), cache
@@ -155,29 +179,39 @@ class Transformer(nn.Module):
         they lie and each cache is updated in place.
         """
         cache_index = caches[0].index
-        x, cos, sin, mask = self._block_inputs(tokens, positions, kv_mask, cache_index)
+        x, ropes, masks = self._block_inputs(tokens, positions, kv_mask, cache_index)
         block = Block(self.config, parent=None)  # unbound: applied to each layer's own parameters
         new_caches = []
-        for params, cache in zip(layer_params, caches, strict=True):
-            (x, (k, v)), _ = block.apply({"params": params}, (x, (cache.k, cache.v)), None, cos, sin, mask,
-                                         cache_index)
+        for params, cache, local in zip(layer_params, caches, self.config.layer_sliding, strict=True):
+            (x, (k, v)), _ = block.apply({"params": params}, (x, (cache.k, cache.v)), None, local, ropes,
+                                         masks, cache_index)
             new_caches.append(KVCache(k=k, v=v, index=cache.index + tokens.shape[1]))
         return self.ln_f(x), tuple(new_caches)
 
     def _block_inputs(self, tokens, positions, kv_mask, cache_index):
-        """Embedded tokens x [B, T, D], rope tables cos, sin [B, T, Dh] (scalars for GPT-2) and the
-        attention mask [B, T, S] of T new tokens written from slot `cache_index` on."""
+        """Embedded tokens x [B, T, D] and the pairs `Block` takes: rope tables ((cos, sin), ...)
+        [B, T, Dh] each (scalars for GPT-2) and attention masks [B, T, S] of T new tokens written
+        from slot `cache_index` on. The second of each pair is for the sliding-window layers of a
+        model that mixes them with full-attention ones (the first again otherwise)."""
         cfg = self.config
         x = _lookup(self.embed, tokens)
+        if cfg.scale_embeddings:  # sqrt(D) rounded to the compute dtype first, as Gemma does
+            x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
         if cfg.family == "gpt2":
             x = x + _lookup(self.pos_embed, positions, rows="positions")
         x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
         if cfg.family == "gpt2":
-            cos = sin = jnp.zeros((), jnp.float32)  # unused
+            rope = (jnp.zeros((), jnp.float32),) * 2  # unused
         else:
-            cos, sin = rope_tables(cfg, positions)
+            rope = rope_tables(cfg, positions)
         query_slots = cache_index + jnp.arange(tokens.shape[1])
-        return x, cos, sin, attention_mask(kv_mask, query_slots, cfg.sliding_window)
+        if cfg.sliding_layers is None:
+            mask = attention_mask(kv_mask, query_slots, cfg.sliding_window)
+            return x, (rope, rope), (mask, mask)
+        masks = (attention_mask(kv_mask, query_slots, None),
+                 attention_mask(kv_mask, query_slots, cfg.sliding_window))
+        local_rope = rope if cfg.rope_local_theta is None else rope_tables(cfg, positions, local=True)
+        return x, (rope, local_rope), masks
 
     def logits(self, hidden: Array) -> Array:
         """Tied output projection: [B, T, D] -> [B, T, V] float32."""
@@ -205,13 +239,15 @@ class CausalLM(nn.Module):
         return self.transformer(tokens, positions, kv_mask)[0]
 
     def project(self, hidden: Array) -> Array:
-        """[..., D] -> [..., V] float32. Flattened to [N, D] first: the backward pass of a 3-D
-        projection writes its large [V, D] gradient through an extra transpose on XLA:CPU."""
+        """[..., D] -> [..., V] float32, soft-capped when the config says (Gemma 2). Flattened to
+        [N, D] first: the backward pass of a 3-D projection writes its large [V, D] gradient through
+        an extra transpose on XLA:CPU."""
         flat = hidden.reshape(-1, hidden.shape[-1])
         if self.config.tie_word_embeddings:
             logits = self.transformer.logits(flat)
         else:
             logits = self.lm_head(flat).astype(jnp.float32)
+        logits = softcap(logits, self.config.final_logit_softcap)
         return logits.reshape(hidden.shape[:-1] + logits.shape[-1:])
 
 

@@ -1,9 +1,12 @@
 """Hugging Face checkpoints <-> ppo_jax models: the only package that knows Hugging Face names.
 
 Supported architectures (config.json `architectures`):
-  causal LMs:    GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
-  reward models: GPT2/Llama/Mistral/Qwen2 ForSequenceClassification with num_labels = 1, read into
-                 our `ScalarModel` (its `score` head; Hugging Face has no score bias, so it loads as 0).
+  causal LMs:    GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+                 Qwen3ForCausalLM, Phi3ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM,
+                 Gemma3ForCausalLM (text)
+  reward models: GPT2/Llama/Mistral/Qwen2/Qwen3/Phi3/Gemma/Gemma2 ForSequenceClassification and
+                 Gemma3TextForSequenceClassification with num_labels = 1, read into our
+                 `ScalarModel` (its `score` head; Hugging Face has no score bias, so it loads as 0).
 
 Weights are read from safetensors only (single file or sharded with `model.safetensors.index.json`);
 pickled `.bin`/`.pt` files are refused, nothing is ever unpickled, and `trust_remote_code` is never on.

@@ -28,10 +28,20 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "causal_lm"),
     "MistralForCausalLM": ("mistral", "causal_lm"),
     "Qwen2ForCausalLM": ("qwen2", "causal_lm"),
+    "Qwen3ForCausalLM": ("qwen3", "causal_lm"),
+    "Phi3ForCausalLM": ("phi3", "causal_lm"),
+    "GemmaForCausalLM": ("gemma", "causal_lm"),
+    "Gemma2ForCausalLM": ("gemma2", "causal_lm"),
+    "Gemma3ForCausalLM": ("gemma3_text", "causal_lm"),
     "GPT2ForSequenceClassification": ("gpt2", "reward"),
     "LlamaForSequenceClassification": ("llama", "reward"),
     "MistralForSequenceClassification": ("mistral", "reward"),
     "Qwen2ForSequenceClassification": ("qwen2", "reward"),
+    "Qwen3ForSequenceClassification": ("qwen3", "reward"),
+    "Phi3ForSequenceClassification": ("phi3", "reward"),
+    "GemmaForSequenceClassification": ("gemma", "reward"),
+    "Gemma2ForSequenceClassification": ("gemma2", "reward"),
+    "Gemma3TextForSequenceClassification": ("gemma3_text", "reward"),
 }
 _CLASS_FOR = {value: name for name, value in ARCHITECTURES.items()}
 
@@ -47,6 +57,10 @@ DTYPE_NAMES = {np.dtype("<f8"): "float64", np.dtype("<f4"): "float32", np.dtype(
 
 def _supported_list() -> str:
     return ", ".join(ARCHITECTURES)
+
+
+def _model_types() -> list[str]:
+    return list(dict.fromkeys(t for t, _ in ARCHITECTURES.values()))
 
 
 def _as_dict(hf_config: Mapping[str, Any] | Any) -> dict[str, Any]:
@@ -68,9 +82,9 @@ def _hf_config_object(hf_config: Mapping[str, Any] | Any):
     data = dict(hf_config)
     model_type = data.get("model_type")
     if model_type is None:
-        raise CheckpointError("config.json has no model_type (expected one of gpt2, llama, mistral, "
-                              "qwen2)")
-    if model_type not in {t for t, _ in ARCHITECTURES.values()}:
+        raise CheckpointError(f"config.json has no model_type (expected one of "
+                              f"{', '.join(_model_types())})")
+    if model_type not in _model_types():
         raise CheckpointError(
             f"unsupported model_type {model_type!r} in config.json; supported architectures: "
             f"{_supported_list()}")
@@ -136,6 +150,24 @@ def _rope_settings(cfg) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
     else:
         theta = getattr(cfg, "rope_theta", None) or 10000.0
         scaling = dict(getattr(cfg, "rope_scaling", None) or {})
+    return _rope_from(theta, scaling, cfg)
+
+
+def _gemma3_rope(cfg) -> tuple[float, tuple[tuple[str, Any], ...] | None, float]:
+    """Gemma 3's per-layer-type rope: (rope_theta, rope_scaling) of its full-attention layers and
+    the base of its sliding layers (`rope_local_base_freq`), whose rope is never scaled."""
+    params = {name: dict(value) for name, value in dict(cfg.rope_parameters).items()}
+    local = params["sliding_attention"]
+    kind = local.get("rope_type", "default")
+    if kind != "default":
+        raise CheckpointError(f"unsupported rope type {kind!r} on gemma3 sliding layers (their rope "
+                              f"must be default)")
+    full = params["full_attention"]
+    return (*_rope_from(full["rope_theta"], full, cfg), float(local["rope_theta"]))
+
+
+def _rope_from(theta, scaling: Mapping[str, Any], cfg) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+    """(rope_theta, rope_scaling) of one rope parameter dict; unsupported kinds refused by name."""
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     partial = scaling.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
     if partial not in (None, 1, 1.0):
@@ -153,6 +185,95 @@ def _rope_settings(cfg) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
         pairs = tuple((k, float(scaling[k])) for k in keys) + (("rope_type", "llama3"),)
         return float(theta), tuple(sorted(pairs))
     raise CheckpointError(f"unsupported rope type {kind!r}; supported: default, linear, llama3")
+
+
+def _layer_windows(layer_types, window: int | None, num_layers: int
+                   ) -> tuple[int | None, tuple[bool, ...] | None]:
+    """(sliding_window, sliding_layers) of our config from HF `layer_types` and the window the
+    sliding layers use (None: no layer slides)."""
+    layer_types = list(layer_types or [])
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise CheckpointError(f"unsupported layer_types {unknown}")
+    if len(layer_types) != num_layers:
+        raise CheckpointError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    sliding = tuple(t == "sliding_attention" for t in layer_types)
+    if window is None or not any(sliding):
+        return None, None
+    return int(window), (None if all(sliding) else sliding)
+
+
+def _qwen_windows(cfg) -> tuple[int | None, tuple[bool, ...] | None]:
+    """Qwen2/Qwen3: `layer_types` says which layers slide, and only with use_sliding_window."""
+    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", False) else None
+    layer_types = getattr(cfg, "layer_types", None)
+    if not layer_types:  # transformers < 5: windows from max_window_layers on
+        first = getattr(cfg, "max_window_layers", 0)
+        layer_types = ["sliding_attention" if i >= first else "full_attention"
+                       for i in range(cfg.num_hidden_layers)]
+    return _layer_windows(layer_types, window, cfg.num_hidden_layers)
+
+
+def _hf_layer_types(config: ModelConfig) -> list[str]:
+    return ["sliding_attention" if s else "full_attention" for s in config.layer_sliding]
+
+
+def _biases(cfg) -> dict[str, bool]:
+    """Which projections carry biases. Qwen2 always has q/k/v biases and never an o_proj bias;
+    Llama's and Qwen3's `attention_bias` put biases on q, k, v and o_proj alike, Llama's `mlp_bias`
+    on gate/up/down."""
+    if cfg.model_type == "qwen2":
+        return dict(attention_bias=True)
+    attention = bool(getattr(cfg, "attention_bias", False))
+    return dict(attention_bias=attention, attention_out_bias=attention,
+                mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
+
+
+def _check_biases(config: ModelConfig):
+    """Refuses bias combinations the architecture's transformers class cannot hold."""
+    arch = config.arch
+    qkv, out, mlp = config.attention_bias, config.attention_out_bias, config.mlp_bias
+    if arch == "qwen2" and not (qkv and not out and not mlp):
+        raise CheckpointError("qwen2 always has q/k/v biases and no o_proj or MLP biases: set "
+                              "attention_bias=True, attention_out_bias=False, mlp_bias=False")
+    if arch in ("mistral", "phi3") and (qkv or out or mlp):
+        raise CheckpointError(f"{arch} has no projection biases; use arch='llama' (attention_bias, "
+                              f"mlp_bias) or 'qwen2' (q/k/v biases)")
+    if arch in ("qwen2", "mistral", "phi3"):
+        return
+    if qkv != out:
+        raise CheckpointError(
+            f"{arch}'s attention_bias puts biases on q/k/v and o_proj together, but attention_bias="
+            f"{qkv}, attention_out_bias={out}; use arch='qwen2' for q/k/v-only biases")
+    if arch != "llama" and mlp:
+        raise CheckpointError(f"{arch} has no MLP biases; use arch='llama' for mlp_bias")
+
+
+# Block options each Llama-family architecture fixes (its transformers class always or never has
+# them); the options not listed are off for every architecture but Gemma 2/3 (Gemma 3 alone has a
+# local rope base).
+_GEMMA = dict(scale_embeddings=True, norm_unit_offset=True)
+_ARCH_OPTIONS = {
+    "qwen3": dict(qk_norm=True), "gemma": _GEMMA, "gemma2": dict(_GEMMA, post_norms=True),
+    "gemma3_text": dict(_GEMMA, post_norms=True, qk_norm=True)}
+_FIXED_OFF = dict(qk_norm=False, scale_embeddings=False, norm_unit_offset=False, post_norms=False)
+_GEMMA2_ONLY = ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap")
+
+
+def _check_options(config: ModelConfig):
+    """Refuses block options the architecture's transformers class cannot hold."""
+    arch = config.arch
+    want = {**_FIXED_OFF, **_ARCH_OPTIONS.get(arch, {})}
+    wrong = {name: getattr(config, name) for name, value in want.items() if getattr(config, name) != value}
+    if wrong:
+        raise CheckpointError(f"{arch} cannot express {wrong}; it needs "
+                              f"{ {name: want[name] for name in wrong} }")
+    free = _GEMMA2_ONLY if arch in ("gemma2", "gemma3_text") else ()
+    free += ("rope_local_theta",) if arch == "gemma3_text" else ()
+    wrong = {name: getattr(config, name) for name in _GEMMA2_ONLY + ("rope_local_theta",)
+             if name not in free and getattr(config, name) is not None}
+    if wrong:
+        raise CheckpointError(f"{arch} has no {sorted(wrong)}; set them to None")
 
 
 def config_from_hf(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
@@ -187,43 +308,60 @@ def config_from_hf(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
             activation=_activation(cfg.activation_function, "activation_function", "gpt2"))
 
     # Llama family.
-    if getattr(cfg, "mlp_bias", False):
-        raise CheckpointError("unsupported option mlp_bias=True (MLP projections with biases)")
-    if arch == "llama" and getattr(cfg, "attention_bias", False):
-        raise CheckpointError(
-            "unsupported option attention_bias=True for llama (it adds an o_proj bias as well as "
-            "q/k/v biases); only Qwen2-style q/k/v biases are supported")
-    sliding_window = None
-    if arch == "mistral":
+    sliding_window, sliding_layers = None, None
+    if arch in ("mistral", "phi3"):
         sliding_window = getattr(cfg, "sliding_window", None)
-    elif arch == "qwen2":
-        layer_types = list(getattr(cfg, "layer_types", None) or [])
-        uses_window = getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None)
-        if uses_window and not layer_types:  # transformers < 5: windows from max_window_layers on
-            first = getattr(cfg, "max_window_layers", 0)
-            layer_types = ["sliding_attention" if i >= first else "full_attention"
-                           for i in range(cfg.num_hidden_layers)]
-        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-        if unknown:
-            raise CheckpointError(f"unsupported layer_types {unknown}")
-        if uses_window and "sliding_attention" in layer_types:
-            if "full_attention" in layer_types:
-                raise CheckpointError(
-                    f"unsupported mix of sliding-window and full-attention layers "
-                    f"(use_sliding_window=True, layer_types={layer_types}); all layers must be alike")
-            sliding_window = cfg.sliding_window
-    theta, scaling = _rope_settings(cfg)
+    elif arch in ("qwen2", "qwen3"):
+        sliding_window, sliding_layers = _qwen_windows(cfg)
+    theta, scaling = _rope_settings(cfg) if arch != "gemma3_text" else (None, None)
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None)
     if head_dim == cfg.hidden_size // heads:
         head_dim = None
-    return ModelConfig(
+    act_field = "hidden_activation" if arch in ("gemma2", "gemma3_text") else "hidden_act"
+    fields = dict(
         **common, hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers, num_heads=heads,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
         intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
         norm_eps=float(cfg.rms_norm_eps), rope_theta=theta, rope_scaling=scaling,
-        attention_bias=arch == "qwen2", sliding_window=sliding_window,
-        activation=_activation(cfg.hidden_act, "hidden_act", "llama"))
+        sliding_window=sliding_window, sliding_layers=sliding_layers, qk_norm=arch == "qwen3",
+        **_biases(cfg),
+        activation=_activation(getattr(cfg, act_field), act_field, "llama"))
+    if arch.startswith("gemma"):
+        fields.update(_gemma_fields(cfg))
+    return ModelConfig(**fields)
+
+
+def _gemma_fields(cfg) -> dict[str, Any]:
+    """What Gemma changes in the Llama block: scaled embeddings and (1 + w) norms (all three);
+    post-attention/post-MLP norms, query_pre_attn_scalar, soft-capping and interleaved sliding
+    layers (Gemma 2 and 3); q/k norms and a separate rope base for the sliding layers (Gemma 3)."""
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise CheckpointError("unsupported option use_bidirectional_attention=True (ppo_jax models "
+                              "are causal decoders)")
+    fields = dict(scale_embeddings=True, norm_unit_offset=True)
+    if cfg.model_type == "gemma":
+        return fields
+    window, sliding = _layer_windows(cfg.layer_types, cfg.sliding_window, cfg.num_hidden_layers)
+    fields.update(
+        post_norms=True, query_pre_attn_scalar=int(cfg.query_pre_attn_scalar),
+        attn_logit_softcap=_float_or_none(cfg.attn_logit_softcapping),
+        final_logit_softcap=_float_or_none(cfg.final_logit_softcapping),
+        sliding_window=window, sliding_layers=sliding)
+    if cfg.model_type == "gemma3_text":
+        theta, scaling, local_theta = _gemma3_rope(cfg)
+        if sliding is not None:
+            fields.update(rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta)
+        elif window is not None:  # every layer slides: only the local rope is used
+            fields.update(rope_theta=local_theta, rope_scaling=None)
+        else:
+            fields.update(rope_theta=theta, rope_scaling=scaling)
+        fields["qk_norm"] = True
+    return fields
+
+
+def _float_or_none(value) -> float | None:
+    return None if value is None else float(value)
 
 
 def _transformers_major() -> int:
@@ -259,13 +397,16 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
             layer_norm_epsilon=config.norm_eps, activation_function=config.act,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
 
-    if arch in ("llama", "mistral") and config.attention_bias:
-        raise CheckpointError(
-            f"{arch} cannot express q/k/v-only biases (attention_bias=True); use arch='qwen2'")
-    if arch == "qwen2" and not config.attention_bias:
-        raise CheckpointError("qwen2 always has q/k/v biases: set attention_bias=True")
-    if arch == "llama" and config.sliding_window is not None:
-        raise CheckpointError("llama has no sliding window; use arch='mistral' or 'qwen2'")
+    _check_biases(config)
+    _check_options(config)
+    if arch in ("llama", "gemma") and config.sliding_window is not None:
+        raise CheckpointError(f"{arch} has no sliding window; use arch='mistral' or 'qwen2'")
+    if arch in ("mistral", "phi3") and config.sliding_layers is not None:
+        raise CheckpointError(f"{arch} slides every layer or none; use arch='qwen2' for "
+                              f"sliding_layers")
+    if arch == "phi3" and config.head_dim not in (None, config.hidden_size // config.num_heads):
+        raise CheckpointError(f"phi3 has no head_dim option; head_dim={config.head_dim} differs from "
+                              f"hidden_size // num_heads")
     family = dict(
         hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_heads, num_key_value_heads=config.kv_heads,
@@ -283,16 +424,50 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
     else:
         family["rope_theta"] = config.rope_theta
         family["rope_scaling"] = scaling
-    if arch == "mistral":
+    if arch in ("mistral", "phi3"):
         family["sliding_window"] = config.sliding_window
-    if arch == "qwen2":
+    if arch == "phi3":  # its head size is always hidden_size // num_heads; dropouts off
+        del family["head_dim"]
+        family.update(resid_pdrop=0.0, embd_pdrop=0.0)
+    if arch in ("qwen2", "qwen3"):
         window = config.sliding_window
         family.update(use_sliding_window=window is not None, sliding_window=window,
-                      max_window_layers=0 if window is not None else config.num_layers,
-                      layer_types=[("sliding_attention" if window else "full_attention")]
-                      * config.num_layers)
+                      max_window_layers=(config.layer_sliding.index(True) if window
+                                         else config.num_layers),
+                      layer_types=_hf_layer_types(config))
     if arch == "llama":
-        family.update(attention_bias=False, mlp_bias=False)
+        family.update(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
+    if arch not in ("llama", "qwen2", "mistral", "phi3"):
+        family.update(attention_bias=config.attention_bias)
+    if arch.startswith("gemma"):
+        _gemma_to_hf(config, family)
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config}[arch]
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "phi3": transformers.Phi3Config, "gemma": transformers.GemmaConfig,
+           "gemma2": transformers.Gemma2Config, "gemma3_text": transformers.Gemma3TextConfig}[arch]
     return cls(**common, **family)
+
+
+def _gemma_to_hf(config: ModelConfig, family: dict[str, Any]):
+    """The Gemma keys of `family` (the Llama-family transformers config kwargs), in place."""
+    if config.act == "gelu_new":  # the same tanh approximation, under the name Gemma configs use
+        family["hidden_act"] = "gelu_pytorch_tanh"
+    if config.arch == "gemma":
+        return
+    family["hidden_activation"] = family.pop("hidden_act")
+    family.update(query_pre_attn_scalar=config.query_pre_attn_scalar or config.dim_per_head,
+                  attn_logit_softcapping=config.attn_logit_softcap,
+                  final_logit_softcapping=config.final_logit_softcap,
+                  sliding_window=config.sliding_window, layer_types=_hf_layer_types(config))
+    if config.arch == "gemma3_text":
+        local_theta = config.rope_local_theta or config.rope_theta
+        if "rope_parameters" not in family:  # transformers 4: one rope dict and the local base
+            family["rope_local_base_freq"] = local_theta
+            return
+        full = family["rope_parameters"]
+        every_layer_slides = config.sliding_layers is None and config.sliding_window is not None
+        if every_layer_slides and full["rope_type"] != "default":
+            raise CheckpointError("gemma3 never scales the rope of its sliding layers, and every layer "
+                                  "slides here: set rope_scaling=None")
+        family["rope_parameters"] = {"full_attention": full, "sliding_attention": {
+            "rope_type": "default", "rope_theta": local_theta}}

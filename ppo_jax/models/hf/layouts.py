@@ -3,10 +3,10 @@
 How a tensor travels. Every parameter of ours is described by a `TensorMap`: a window of one Hugging
 Face tensor (per layer for our scanned, stacked layers), split into sub-axes and transposed into our
 layout. GPT-2's packed `c_attn` [D, 3D] (Conv1D, [in, out]) gives q, k, v as three windows of its
-output axis split into (H, Dh); Llama's `q_proj.weight` [H*Dh, D] (torch Linear, [out, in]) splits
-into (H, Dh, D) and transposes to our [D, H, Dh]. The same table drives loading (`load`: each device
-shard reads only the rows and columns it needs) and export (`export`: the inverse transpose, written
-into the window).
+output axis split into (H, Dh) (Phi-3's fused `qkv_proj` and `gate_up_proj` likewise, by rows);
+Llama's `q_proj.weight` [H*Dh, D] (torch Linear, [out, in]) splits into (H, Dh, D) and transposes to
+our [D, H, Dh]. The same table drives loading (`load`: each device shard reads only the rows and
+columns it needs) and export (`export`: the inverse transpose, written into the window).
 
 Also here: our side of the table, the Flax module and abstract param tree for a checkpoint kind.
 """
@@ -122,15 +122,43 @@ def _llama_maps(cfg: ModelConfig, prefix: str) -> dict[tuple[str, ...], TensorMa
                                                      (cfg.vocab_size, d)),
         ("transformer", "ln_f", "scale"): _same(f"{prefix}norm.weight", (d,)),
         ("layers", "ln_1", "scale"): _same(layer + "input_layernorm.weight", (d,)),
-        ("layers", "ln_2", "scale"): _same(layer + "post_attention_layernorm.weight", (d,)),
         # torch Linear [out, in]: q_proj [H*Dh, D] -> our [D, H, Dh]; o_proj [D, H*Dh] -> [H, Dh, D].
         ("layers", "attn", "o", "kernel"): _window(
             layer + "self_attn.o_proj.weight", (d, h * dh), [(d,), (h, dh)], (1, 2, 0)),
-        ("layers", "mlp", "gate", "kernel"): _transposed(layer + "mlp.gate_proj.weight", f, d),
-        ("layers", "mlp", "up", "kernel"): _transposed(layer + "mlp.up_proj.weight", f, d),
         ("layers", "mlp", "down", "kernel"): _transposed(layer + "mlp.down_proj.weight", d, f),
     }
+    if cfg.post_norms:  # Gemma 2/3: "post_attention_layernorm" normalises the attention output
+        maps.update({
+            ("layers", "post_attn_norm", "scale"): _same(layer + "post_attention_layernorm.weight", (d,)),
+            ("layers", "ln_2", "scale"): _same(layer + "pre_feedforward_layernorm.weight", (d,)),
+            ("layers", "post_mlp_norm", "scale"): _same(layer + "post_feedforward_layernorm.weight", (d,)),
+        })
+    else:
+        maps[("layers", "ln_2", "scale")] = _same(layer + "post_attention_layernorm.weight", (d,))
+    if cfg.arch == "phi3":  # gate_up_proj [2F, D]: the gate's rows, then the up projection's
+        for i, part in enumerate(("gate", "up")):
+            maps[("layers", "mlp", part, "kernel")] = _window(
+                layer + "mlp.gate_up_proj.weight", (2 * f, d), [(f,), (d,)], (1, 0), start=(i * f, 0))
+    else:
+        for part in ("gate", "up"):
+            maps[("layers", "mlp", part, "kernel")] = _transposed(layer + f"mlp.{part}_proj.weight", f, d)
+    if cfg.qk_norm:
+        for part in ("q", "k"):
+            maps[("layers", "attn", f"{part}_norm", "scale")] = _same(
+                layer + f"self_attn.{part}_norm.weight", (dh,))
+    if cfg.attention_out_bias:
+        maps[("layers", "attn", "o", "bias")] = _same(layer + "self_attn.o_proj.bias", (d,))
+    if cfg.mlp_bias:
+        for part, size in (("gate", f), ("up", f), ("down", d)):
+            maps[("layers", "mlp", part, "bias")] = _same(layer + f"mlp.{part}_proj.bias", (size,))
+    row = 0  # Phi-3's qkv_proj [(H + 2K)*Dh, D] stacks the q, k and v rows in that order
     for part, heads in (("q", h), ("k", k), ("v", k)):
+        if cfg.arch == "phi3":
+            maps[("layers", "attn", part, "kernel")] = _window(
+                layer + "self_attn.qkv_proj.weight", ((h + 2 * k) * dh, d), [(heads, dh), (d,)],
+                (2, 0, 1), start=(row, 0))
+            row += heads * dh
+            continue
         maps[("layers", "attn", part, "kernel")] = _window(
             layer + f"self_attn.{part}_proj.weight", (heads * dh, d), [(heads, dh), (d,)], (2, 0, 1))
         if cfg.attention_bias:
