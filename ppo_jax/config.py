@@ -221,7 +221,9 @@ class ComputeSettings:
         on_gpu = jax.default_backend() == "gpu"
         attention = self.attention
         if attention == "auto":
-            attention = "cudnn" if on_gpu and cfg.jnp_dtype in (jnp.bfloat16, jnp.float16) else "einsum"
+            # cuDNN's fused call cannot soft-cap scores (Gemma 2): such models run the einsum kernel.
+            fusable = cfg.jnp_dtype in (jnp.bfloat16, jnp.float16) and cfg.attn_logit_softcap is None
+            attention = "cudnn" if on_gpu and fusable else "einsum"
         loop = self.layer_loop if self.layer_loop != "auto" else ("unrolled" if on_gpu else "scan")
         out = dict(attention=attention, scan_layers=loop == "scan")
         if self.remat == "none":
