@@ -232,6 +232,33 @@ def test_logprobs_equal_training_forward(gpt2, request, run_name, config):
     assert np.all(out.logprobs[~mask] == 0) and np.all(out.sampling_logprobs[~mask] == 0)
 
 
+# Every block option of the one decoder at once: Gemma's embedding scale, (1 + w) norms and post norms,
+# query scale, attention and final soft-capping, q/k norms, biases, sliding layers (window 4, shorter
+# than prompt + response) mixed with full ones, each kind with its own rope base.
+EVERY_OPTION = ModelConfig(
+    arch="gemma3_text", vocab_size=256, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=12,
+    intermediate_size=48, sliding_window=4, sliding_layers=(True, False, True), rope_theta=1e6,
+    rope_local_theta=1e4, qk_norm=True, attention_bias=True, attention_out_bias=True, mlp_bias=True,
+    scale_embeddings=True, norm_unit_offset=True, post_norms=True, query_pre_attn_scalar=10,
+    attn_logit_softcap=5.0, final_logit_softcap=3.0, tie_word_embeddings=False, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("scan_layers, unroll_decode", [(True, False), (True, True), (False, None)])
+def test_logprobs_equal_training_forward_with_every_block_option(scan_layers, unroll_decode):
+    """The KV-cache decode (scanned or layer by layer) gives the training forward's log-probs on the
+    newer families' layers too: rollout log-probs == training log-probs (DESIGN.md section 5)."""
+    model = CausalLM(EVERY_OPTION.replace(scan_layers=scan_layers))
+    params, _ = init_params(model, jax.random.key(0), make_test_mesh((1, 1, 1)))
+    params["transformer"]["embed"]["embedding"] = params["transformer"]["embed"]["embedding"] * 7.0
+    config = dataclasses.replace(STOP_CONFIG, unroll_layers=unroll_decode)
+    out = _run(model, params, config, _prompts())
+    scaled = _training_logits(model, params, out) / config.temperature
+    mask = out.mask.astype(bool)
+    expected = np.where(mask, _gather(_log_softmax(scaled), out.tokens), 0.0)
+    np.testing.assert_allclose(out.logprobs, expected, atol=1e-5, rtol=0)
+    assert mask.sum(-1).max() > EVERY_OPTION.sliding_window  # the window cut keys during decode
+
+
 def test_sampling_logprobs_follow_the_truncated_distribution(gpt2, min_run, top_p_run, stop_run):
     """sampling_logprobs: log-probs renormalised over what top-p / min_new_tokens left allowed."""
     model, params, _ = gpt2
