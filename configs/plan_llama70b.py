@@ -11,14 +11,14 @@ master weights and fp32 Adam states add --config.policy.param_dtype=float32. A 7
 """
 
 from ppo_jax.rl.settings import ppo_config
-from ppo_jax.rl.plan import llama_model
+from ppo_jax.rl.plan import model_shape
 
 
 def get_config():
     config = ppo_config()  # every field and its meaning: ppo_jax/rl/settings.py
     config.mesh.shape = (1, 32, 1)  # v5p-64: 32 chips (64 TensorCores), fsdp over all of them
     # remat: each layer is recomputed in the backward pass instead of keeping its activations.
-    config.policy.model = llama_model("llama3-70b", param_dtype="bfloat16", dtype="bfloat16", remat=True)
+    config.policy.model = model_shape("llama3-70b", param_dtype="bfloat16", dtype="bfloat16", remat=True)
     config.reward.functions = "toy_target_count"  # any reward source; the planner adds a reward model
     config.data.prompt_length = 512  # tokens, left-padded
     config.rollout.batch_size = 128  # prompts per iteration

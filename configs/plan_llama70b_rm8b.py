@@ -9,15 +9,15 @@ Batch settings as configs/plan_llama70b.py. Adam moments follow the parameter dt
 import ml_collections
 
 from ppo_jax.rl.settings import ppo_config
-from ppo_jax.rl.plan import llama_model
+from ppo_jax.rl.plan import model_shape
 
 
 def get_config():
     config = ppo_config()  # every field and its meaning: ppo_jax/rl/settings.py
     config.mesh.shape = (1, 8, 1)  # one 8-GPU host, fsdp over all of them
-    config.policy.model = llama_model("llama3-70b", param_dtype="bfloat16", dtype="bfloat16", remat=True)
+    config.policy.model = model_shape("llama3-70b", param_dtype="bfloat16", dtype="bfloat16", remat=True)
     config.plan = ml_collections.ConfigDict()
-    config.plan.reward_model = llama_model("llama3-8b", param_dtype="bfloat16", dtype="bfloat16", remat=True)
+    config.plan.reward_model = model_shape("llama3-8b", param_dtype="bfloat16", dtype="bfloat16", remat=True)
     config.value.init = "reward"  # the value model starts from the 8B reward model
     config.reward.functions = "toy_target_count"  # any reward source; the planner adds the reward model
     config.data.prompt_length = 512  # tokens, left-padded

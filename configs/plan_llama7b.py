@@ -11,14 +11,14 @@ Only shapes are used: no weights exist or are read.
 """
 
 from ppo_jax.rl.settings import ppo_config
-from ppo_jax.rl.plan import llama_model
+from ppo_jax.rl.plan import model_shape
 
 
 def get_config():
     config = ppo_config()  # every field and its meaning: ppo_jax/rl/settings.py
     config.mesh.shape = (1, 32, 1)  # v5p-64: 32 chips (64 TensorCores), fsdp over all of them
     # remat: each layer is recomputed in the backward pass instead of keeping its activations.
-    config.policy.model = llama_model("llama2-7b", param_dtype="bfloat16", dtype="bfloat16", remat=True)
+    config.policy.model = model_shape("llama2-7b", param_dtype="bfloat16", dtype="bfloat16", remat=True)
     config.reward.functions = "toy_target_count"  # any reward source; the planner adds a reward model
     config.data.prompt_length = 512  # tokens, left-padded
     config.rollout.batch_size = 256  # prompts per iteration

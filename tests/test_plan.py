@@ -136,4 +136,23 @@ def test_bad_input_fails_before_compiling():
     with pytest.raises(ConfigError, match="phases"):
         plan_lib.plan_memory(tiny_config(), make_test_mesh((1, 1, 1)), phases=("rollout",))
     with pytest.raises(ConfigError, match="unknown model shape"):
-        plan_lib.llama_model("llama9-1t")
+        plan_lib.model_shape("llama9-1t")
+
+
+@pytest.mark.parametrize("name, hf_config", [
+    ("gemma3-4b", dict(model_type="gemma3_text", vocab_size=262208, hidden_size=2560, num_hidden_layers=34,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=256, intermediate_size=10240)),
+    ("qwen3-8b", dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, num_hidden_layers=36,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288,
+                      tie_word_embeddings=False)),
+])
+def test_published_shapes_have_the_transformers_models_parameter_count(name, hf_config):
+    """The planner's presets count what `transformers` builds from the same published shape (on the meta
+    device: nothing allocated), to the parameter."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(**hf_config)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    ours = model_config_from_dict(plan_lib.model_shape(name))
+    assert ours.num_params() == sum(p.numel() for p in model.parameters())

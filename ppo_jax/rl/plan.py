@@ -60,27 +60,40 @@ GIB = 2**30
 CPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
 
-# Published architectures (their Hugging Face config.json), for planning without a checkpoint.
-LLAMA_SHAPES = {
-    "llama2-7b": dict(arch="llama", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
+# Published architectures (their Hugging Face config.json), for planning without a checkpoint. Shapes
+# and the layer options that change memory; rope details that do not (Gemma 3's global-layer scaling)
+# are left out.
+_LLAMA = dict(norm_eps=1e-5, tie_word_embeddings=False)
+MODEL_SHAPES = {
+    "llama2-7b": dict(_LLAMA, arch="llama", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
                       num_kv_heads=32, intermediate_size=11008, max_position_embeddings=4096,
                       rope_theta=10000.0, bos_token_id=1, eos_token_id=2),
-    "llama3-8b": dict(arch="llama", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
+    "llama3-8b": dict(_LLAMA, arch="llama", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
                       num_kv_heads=8, intermediate_size=14336, max_position_embeddings=8192,
                       rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001),
-    "llama3-70b": dict(arch="llama", vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64,
+    "llama3-70b": dict(_LLAMA, arch="llama", vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64,
                        num_kv_heads=8, intermediate_size=28672, max_position_embeddings=8192,
                        rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001),
+    # google/gemma-3-4b-it (text_config): five sliding-window layers to one global, 262k vocabulary.
+    "gemma3-4b": dict(arch="gemma3_text", vocab_size=262208, hidden_size=2560, num_layers=34, num_heads=8,
+                      num_kv_heads=4, head_dim=256, intermediate_size=10240, max_position_embeddings=131072,
+                      norm_eps=1e-6, tie_word_embeddings=True, activation="gelu_new", scale_embeddings=True,
+                      norm_unit_offset=True, post_norms=True, qk_norm=True, query_pre_attn_scalar=256,
+                      sliding_window=1024, sliding_layers=tuple((i + 1) % 6 != 0 for i in range(34)),
+                      rope_theta=1e6, rope_local_theta=1e4, bos_token_id=2, eos_token_id=1),
+    # Qwen/Qwen3-8B.
+    "qwen3-8b": dict(arch="qwen3", vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32,
+                     num_kv_heads=8, head_dim=128, intermediate_size=12288, max_position_embeddings=40960,
+                     norm_eps=1e-6, tie_word_embeddings=False, qk_norm=True, rope_theta=1e6,
+                     bos_token_id=151643, eos_token_id=151645),
 }
 
 
-def llama_model(name: str, **overrides):
-    """A model section (as policy.model) with the shape of a published Llama: see LLAMA_SHAPES."""
-    if name not in LLAMA_SHAPES:
-        raise ConfigError(f"unknown model shape {name!r}; known: {', '.join(LLAMA_SHAPES)}")
-    fields = dict(LLAMA_SHAPES[name], norm_eps=1e-5, tie_word_embeddings=False)
-    fields.update(overrides)
-    return model_config_dict(**fields)
+def model_shape(name: str, **overrides):
+    """A model section (as policy.model) with the shape of a published model: see MODEL_SHAPES."""
+    if name not in MODEL_SHAPES:
+        raise ConfigError(f"unknown model shape {name!r}; known: {', '.join(MODEL_SHAPES)}")
+    return model_config_dict(**dict(MODEL_SHAPES[name], **overrides))
 
 
 # ----------------------------------------------------------------------------------------------
