@@ -18,8 +18,11 @@ from ppo_jax.models import (CausalLM, LoraConfig, ModelConfig, init_adapters, in
                             positions_from_mask)
 from ppo_jax.models import hf
 from ppo_jax.models.cache import split_cache
+from ppo_jax.models.forward import response_logits, token_logprobs
 from ppo_jax.models.hf import CheckpointError
 from ppo_jax.models.transformer import split_layer_params
+from ppo_jax.sampling.config import SamplingConfig
+from ppo_jax.sampling.loop import sample
 
 LLAMA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 GPT2_TARGETS = ("o", "fc", "proj")  # GPT-2's q/k/v are one fused c_attn: not a PEFT module of ours
@@ -83,9 +86,13 @@ def test_init_is_peft_kaiming_uniform_and_b_zero():
         assert not np.any(np.asarray(module["b"]))
 
 
-@pytest.mark.parametrize("arch,targets", [("llama", LLAMA_TARGETS), ("gpt2", ("q", "k", "v", "o", "fc", "proj"))])
-def test_merged_weights_compute_the_adapted_model(arch, targets):
-    cfg = _config(arch, targets=targets)
+@pytest.mark.parametrize("arch,targets,execution", [
+    ("llama", LLAMA_TARGETS, {}),
+    ("gpt2", ("q", "k", "v", "o", "fc", "proj"), {}),
+    ("llama", LLAMA_TARGETS, {"attention": "xla", "remat": True}),  # the fused attention call, remat
+])
+def test_merged_weights_compute_the_adapted_model(arch, targets, execution):
+    cfg = _config(arch, targets=targets, **execution)
     params, fresh = _init(cfg)
     adapters = _random(fresh)
     merged = merge_lora(params, adapters, cfg.lora)
@@ -130,6 +137,24 @@ def test_cached_chunked_decode_with_adapters_equals_full_forward(unrolled):
         chunks.append(np.asarray(out))
     real = np.asarray(mask, bool)
     np.testing.assert_allclose(np.concatenate(chunks, axis=1)[real], full[real], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("unroll_layers", [False, True])
+def test_rollout_logprobs_with_adapters_equal_the_training_forward(unroll_layers):
+    cfg = _config()
+    params, fresh = _init(cfg)
+    adapters = _random(fresh)
+    tokens, _, mask = _batch()
+    config = SamplingConfig(max_new_tokens=5, pad_token_id=0, temperature=0.7, num_samples=2,
+                            unroll_layers=unroll_layers)
+    model = CausalLM(cfg)
+    out = jax.jit(lambda p, a: sample(p, tokens, mask, jax.random.key(0), model=model, config=config,
+                                      adapters=a))(params, adapters)
+    logits = response_logits(model, params, out.prompt_tokens, out.prompt_mask, out.tokens, out.mask, 0.7,
+                             adapters=adapters)
+    np.testing.assert_allclose(token_logprobs(logits, out.tokens, out.mask), out.logprobs, atol=1e-5, rtol=0)
+    base = jax.jit(lambda p: sample(p, tokens, mask, jax.random.key(0), model=model, config=config))(params)
+    assert np.abs(np.asarray(base.logprobs) - np.asarray(out.logprobs)).max() > 1e-3  # adapters were on
 
 
 def test_gradient_over_the_adapter_tree_only():

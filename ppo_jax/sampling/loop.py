@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from ppo_jax import sharding
-from ppo_jax.models import lora
+from ppo_jax.models import forward
 from ppo_jax.models.cache import KV_CACHE_AXES, KVCache, init_cache, split_cache
 from ppo_jax.models.transformer import CausalLM, last_token_index, positions_from_mask, split_layer_params
 from ppo_jax.sampling.config import SampleOutput, SamplingConfig, validate_inputs
@@ -123,7 +123,7 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
     # Prefill once per prompt (not per sample), into slots [0, Lq) of the cache.
     cache = _constrain_cache(init_cache(mc, batch, slots, config.cache_dtype))
     kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((batch, new - 1), jnp.int32)], axis=1)
-    variables = {"params": params} if adapters is None else {"params": params, lora.COLLECTION: adapters}
+    variables = forward.variables(params, adapters)
     logits, cache = model.apply(variables, prompt_tokens, positions_from_mask(prompt_mask), kv_mask,
                                 cache, last_token_index(prompt_mask), method=_forward_last)
     if n > 1:
