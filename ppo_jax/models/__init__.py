@@ -14,7 +14,7 @@ from ppo_jax.models.init import boxed_params, init_adapters, init_params
 from ppo_jax.models.lora import merge_lora
 
 __all__ = [
-    "KV_CACHE_AXES", "CausalLM", "KVCache", "LoraConfig", "ModelConfig", "ScalarModel", "init_cache", "last_token_index",
-    "positions_from_mask", "score_at_last_token", "to_dtype", "init_params", "boxed_params",
+    "KV_CACHE_AXES", "CausalLM", "KVCache", "LoraConfig", "ModelConfig", "ScalarModel", "init_cache",
+    "last_token_index", "positions_from_mask", "score_at_last_token", "to_dtype", "init_params", "boxed_params",
     "init_adapters", "merge_lora",
 ]

@@ -53,7 +53,6 @@ class DenseGeneral(nn.Module):
             y = y + bias.astype(self.dtype)
         return y
 
-
     def _low_rank(self, x: Array, n_in: int) -> Array:
         """scale * (x[..., *in] @ A[*in, r]) @ B[r, *out] -> [..., *out], in `dtype`."""
         cfg = self.lora
