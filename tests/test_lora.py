@@ -64,10 +64,14 @@ def _logits(cfg, params, adapters=None):
     return np.asarray(CausalLM(cfg).apply(variables, *_batch())[0])
 
 
-@pytest.mark.parametrize("arch,targets", [("llama", LLAMA_TARGETS), ("gpt2", ("q", "k", "v", "o", "fc", "proj"))])
+@pytest.mark.parametrize("arch,targets,dtypes", [
+    ("llama", LLAMA_TARGETS, {}),
+    ("gpt2", ("q", "k", "v", "o", "fc", "proj"), {}),
+    ("llama", LLAMA_TARGETS, {"param_dtype": "bfloat16", "dtype": "bfloat16"}),  # bf16 base, fp32 adapters
+])
 @pytest.mark.parametrize("scan_layers", [True, False])
-def test_adapters_at_init_and_off_give_the_base_exactly(arch, targets, scan_layers):
-    cfg = _config(arch, scan_layers, targets)
+def test_adapters_at_init_and_off_give_the_base_exactly(arch, targets, dtypes, scan_layers):
+    cfg = _config(arch, scan_layers, targets, **dtypes)
     params, fresh = _init(cfg)
     base = _logits(cfg.replace(lora=None), params)
     np.testing.assert_array_equal(_logits(cfg, params, fresh), base)  # B = 0 at init
