@@ -303,3 +303,17 @@ def test_fused_projection_export_is_refused_by_name(tmp_path):
     _, fresh = _init(cfg)
     with pytest.raises(CheckpointError, match="fused tensor 'transformer.h.N.attn.c_attn.weight'"):
         hf.export_adapter(tmp_path / "adapter", cfg, fresh)
+
+
+def test_adapter_tensors_that_disagree_with_the_config_are_refused(tmp_path):
+    cfg = _config()
+    _, fresh = _init(cfg)
+    directory = hf.export_adapter(tmp_path / "adapter", cfg, fresh)
+    config_file = directory / "adapter_config.json"
+    data = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**data, "r": 2}))
+    with pytest.raises(CheckpointError, match=r"lora_A.weight' has shape \[4, 32\], but r and the base"):
+        hf.load_adapter(directory, cfg.replace(lora=None), make_test_mesh((1, 1, 1)))
+    config_file.write_text(json.dumps({**data, "target_modules": ["self_attn.q_proj"]}))
+    with pytest.raises(CheckpointError, match="has tensors that adapter_config.json does not describe"):
+        hf.load_adapter(directory, cfg.replace(lora=None), make_test_mesh((1, 1, 1)))
