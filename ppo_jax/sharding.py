@@ -35,6 +35,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("layers", None),
     ("norm", None),
     ("score", None),
+    ("lora_rank", None),  # LoRA adapters' rank axis: small, replicated (A and B shard like their kernel)
     ("length", None),
     ("act_embed", None),
 )

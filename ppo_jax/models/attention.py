@@ -98,9 +98,12 @@ class Attention(nn.Module):
         gpt2 = cfg.family == "gpt2"
         common = dict(dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype)
         qkv_bias = gpt2 or cfg.attention_bias
-        q = DenseGeneral((d,), (h, dh), ("embed", "heads", "head_dim"), qkv_bias, name="q", **common)(x)
-        k = DenseGeneral((d,), (kh, dh), ("embed", "kv_heads", "head_dim"), qkv_bias, name="k", **common)(x)
-        v = DenseGeneral((d,), (kh, dh), ("embed", "kv_heads", "head_dim"), qkv_bias, name="v", **common)(x)
+        q = DenseGeneral((d,), (h, dh), ("embed", "heads", "head_dim"), qkv_bias, name="q",
+                         lora=cfg.lora_for("q"), **common)(x)
+        k = DenseGeneral((d,), (kh, dh), ("embed", "kv_heads", "head_dim"), qkv_bias, name="k",
+                         lora=cfg.lora_for("k"), **common)(x)
+        v = DenseGeneral((d,), (kh, dh), ("embed", "kv_heads", "head_dim"), qkv_bias, name="v",
+                         lora=cfg.lora_for("v"), **common)(x)
         if cfg.qk_norm:  # over each head's Dh features, before the rotation
             q, k = norm(cfg, "q_norm")(q), norm(cfg, "k_norm")(k)
         if not gpt2:
@@ -115,7 +118,7 @@ class Attention(nn.Module):
                 cache_kv, (k, v) = _write_cache(cache_kv, k, v, layer, cache_index)
             out = einsum_attention(q, k, v.astype(q.dtype), mask, scale, cfg.attn_logit_softcap)
         out = DenseGeneral((h, dh), (d,), ("heads", "head_dim", "embed"), gpt2 or cfg.attention_out_bias,
-                           name="o", **common)(out)
+                           name="o", lora=cfg.lora_for("o"), **common)(out)
         return out, cache_kv
 
 

@@ -4,6 +4,8 @@ Qwen3, Phi-3, Gemma, Gemma 2, Gemma 3 text)."""
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -43,6 +45,54 @@ def to_dtype(name: str | Any) -> Any:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
+
+
+# LoRA targets: our projection names (the Flax module names in layers.py / attention.py) per family.
+TARGETS = {"gpt2": ("q", "k", "v", "o", "fc", "proj"), "llama": ("q", "k", "v", "o", "gate", "up", "down")}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Adapters of rank `rank` on the projections named in `targets` (our names, TARGETS).
+
+    scale = alpha / rank, or alpha / sqrt(rank) with `rslora` (rank-stabilised LoRA, PEFT's
+    use_rslora). param_dtype: the adapters' own dtype (float32 by default: they are the trainable
+    master weights even when the frozen base is bf16).
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("q", "k", "v", "o")
+    rslora: bool = False
+    param_dtype: str = "float32"
+
+    def __post_init__(self):
+        # A tuple whatever a config file gave (a list): the config must stay hashable.
+        targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
+        object.__setattr__(self, "targets", targets)
+        if self.rank < 0:
+            raise ValueError(f"lora.rank must be >= 0 (0: LoRA off), got {self.rank}")
+        if not self.targets:
+            raise ValueError("lora.targets is empty; name at least one projection")
+        known = sorted(set(TARGETS["gpt2"]) | set(TARGETS["llama"]))
+        unknown = [t for t in self.targets if t not in known]
+        if unknown:
+            raise ValueError(f"lora.targets has unknown projections {unknown}; use some of {known}")
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"lora.targets names a projection twice: {list(self.targets)}")
+        if not self.alpha > 0:
+            raise ValueError(f"lora.alpha must be positive, got {self.alpha}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    def check_family(self, family: str):
+        """Refuses targets the family's blocks do not have (GPT-2 has no gate/up/down)."""
+        missing = [t for t in self.targets if t not in TARGETS[family]]
+        if missing:
+            raise ValueError(f"lora.targets {missing} name projections a {family} model does not have; "
+                             f"its projections are {list(TARGETS[family])}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +163,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    # Low-rank adapters (models/lora.py): which projections may carry them; whether a forward uses
+    # them is whether the "lora" collection is passed to `apply`. None (or rank 0): no adapters.
+    lora: LoraConfig | None = None
 
     def __post_init__(self):
         if self.arch not in ARCH_TO_FAMILY:
@@ -160,6 +213,11 @@ class ModelConfig:
                 raise ValueError(f"model.{name} must be positive or None, got {getattr(self, name)}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"model.remat_policy={self.remat_policy!r}: use one of {REMAT_POLICIES}")
+        lora = LoraConfig(**self.lora) if isinstance(self.lora, Mapping) else self.lora
+        # Rank 0 is "off", spelled None, so configs with and without it compare equal.
+        object.__setattr__(self, "lora", lora if lora is not None and lora.rank > 0 else None)
+        if self.lora is not None:
+            self.lora.check_family(self.family)
 
     @property
     def family(self) -> str:
@@ -187,6 +245,10 @@ class ModelConfig:
         if self.sliding_layers is not None:
             return self.sliding_layers
         return (self.sliding_window is not None,) * self.num_layers
+
+    def lora_for(self, projection: str) -> LoraConfig | None:
+        """The LoraConfig when `projection` (our name: "q", "gate", ...) carries an adapter, else None."""
+        return self.lora if self.lora is not None and projection in self.lora.targets else None
 
     @property
     def rope_scaling_dict(self) -> dict[str, float] | None:

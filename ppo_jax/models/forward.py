@@ -2,6 +2,9 @@
 
 Shapes: B rows, Lq prompt length, Lr response length, L = Lq + Lr, V vocabulary. Padding on either
 side is masked, so every model sees exactly the real tokens.
+
+Each takes `adapters`: the model's LoRA adapter tree (models/lora.py) to run with adapters on, or
+None for the base model (with LoRA, the frozen reference is the same params with adapters=None).
 """
 
 from __future__ import annotations
@@ -11,10 +14,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ppo_jax.models import lora
 from ppo_jax.models.transformer import CausalLM, ScalarModel, positions_from_mask, score_at_last_token
 
 Array = jax.Array
 Params = Any
+
+
+def variables(params: Params, adapters: Params | None = None) -> dict[str, Params]:
+    """The variables to `apply` a model with: its params, and its LoRA adapters when given."""
+    return {"params": params} if adapters is None else {"params": params, lora.COLLECTION: adapters}
+
 
 def sequence_inputs(prompt_tokens, prompt_mask, tokens, mask):
     """Concatenates a left-padded prompt and a right-padded response.
@@ -27,14 +37,15 @@ def sequence_inputs(prompt_tokens, prompt_mask, tokens, mask):
     return seq, positions_from_mask(seq_mask), seq_mask
 
 
-def response_logits(model: CausalLM, params, prompt_tokens, prompt_mask, tokens, mask, temperature):
+def response_logits(model: CausalLM, params, prompt_tokens, prompt_mask, tokens, mask, temperature,
+                    adapters=None):
     """Tempered logits that predicted each response token: [B, Lr, V] float32."""
     seq, pos, seq_mask = sequence_inputs(prompt_tokens, prompt_mask, tokens, mask)
-    hidden = model.apply({"params": params}, seq, pos, seq_mask, method=CausalLM.hidden)
+    hidden = model.apply(variables(params, adapters), seq, pos, seq_mask, method=CausalLM.hidden)
     lq, lr = prompt_tokens.shape[1], tokens.shape[1]
     # Position t predicts token t + 1: the response tokens are predicted from positions Lq-1 .. Lq+Lr-2.
     hidden = hidden[:, lq - 1: lq + lr - 1]
-    logits = model.apply({"params": params}, hidden, method=CausalLM.project)
+    logits = model.apply(variables(params, adapters), hidden, method=CausalLM.project)
     return logits / temperature
 
 
@@ -45,21 +56,21 @@ def token_logprobs(logits, tokens, mask):
     return jnp.where(mask.astype(bool), picked, 0.0)
 
 
-def response_values(model: ScalarModel, params, prompt_tokens, prompt_mask, tokens, mask):
+def response_values(model: ScalarModel, params, prompt_tokens, prompt_mask, tokens, mask, adapters=None):
     """Value of the state before each response token: [B, Lr] float32."""
     seq, pos, seq_mask = sequence_inputs(prompt_tokens, prompt_mask, tokens, mask)
-    values, _ = model.apply({"params": params}, seq, pos, seq_mask)
+    values, _ = model.apply(variables(params, adapters), seq, pos, seq_mask)
     lq, lr = prompt_tokens.shape[1], tokens.shape[1]
     return values[:, lq - 1: lq + lr - 1] * mask
 
 
-def sequence_scores(model: ScalarModel, params, tokens, mask):
+def sequence_scores(model: ScalarModel, params, tokens, mask, adapters=None):
     """Score at the last real token of each row: tokens, mask [B, L] -> [B] float32."""
-    values, _ = model.apply({"params": params}, tokens, positions_from_mask(mask), mask)
+    values, _ = model.apply(variables(params, adapters), tokens, positions_from_mask(mask), mask)
     return score_at_last_token(values, mask)
 
 
-def response_scores(model: ScalarModel, params, prompt_tokens, prompt_mask, tokens, mask):
+def response_scores(model: ScalarModel, params, prompt_tokens, prompt_mask, tokens, mask, adapters=None):
     """Reward-model score of prompt + response at its last real token: [B] float32."""
     seq, _, seq_mask = sequence_inputs(prompt_tokens, prompt_mask, tokens, mask)
-    return sequence_scores(model, params, seq, seq_mask)
+    return sequence_scores(model, params, seq, seq_mask, adapters)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from ppo_jax import sharding
+from ppo_jax.models import lora
 from ppo_jax.models.transformer import positions_from_mask
 
 
@@ -18,10 +19,11 @@ def _dummy_inputs(seq_len: int):
     return tokens, positions_from_mask(mask), mask
 
 
-def boxed_params(module, seq_len: int = 2) -> Any:
-    """Abstract params of `module` (ShapeDtypeStructs) still boxed with their logical axis names."""
+def boxed_params(module, seq_len: int = 2, collection: str = "params") -> Any:
+    """Abstract params of `module` (ShapeDtypeStructs) still boxed with their logical axis names;
+    collection "lora": the abstract LoRA adapters of a model whose config has `lora`."""
     inputs = _dummy_inputs(seq_len)
-    return jax.eval_shape(lambda: module.init(jax.random.key(0), *inputs)["params"])
+    return jax.eval_shape(lambda: module.init(jax.random.key(0), *inputs)[collection])
 
 
 def init_params(model, key, mesh, rules=None, seq_len: int = 8):
@@ -29,6 +31,18 @@ def init_params(model, key, mesh, rules=None, seq_len: int = 8):
 
     Returns (params, shardings) as plain trees. `seq_len` only shapes the dummy init input.
     """
+    return _sharded_collection(model, key, mesh, rules, seq_len, "params")
+
+
+def init_adapters(model, key, mesh, rules=None, seq_len: int = 8):
+    """Fresh LoRA adapters (the "lora" collection: A kaiming-uniform, B zero) of a model whose config
+    has `lora`, placed straight onto their mesh shardings. Returns (adapters, shardings).
+
+    Only the adapters are materialised: the base params' init is dead code in the compiled init."""
+    return _sharded_collection(model, key, mesh, rules, seq_len, lora.COLLECTION)
+
+
+def _sharded_collection(model, key, mesh, rules, seq_len: int, collection: str):
     inputs = _dummy_inputs(seq_len)
-    return sharding.sharded_init(lambda: model.init(key, *inputs)["params"], mesh,
+    return sharding.sharded_init(lambda: model.init(key, *inputs)[collection], mesh,
                                  rules or sharding.DEFAULT_RULES)

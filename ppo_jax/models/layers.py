@@ -12,7 +12,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ppo_jax.models.config import ModelConfig
+from ppo_jax.models import lora as lora_lib
+from ppo_jax.models.config import LoraConfig, ModelConfig, to_dtype
 
 Array = jax.Array
 
@@ -22,7 +23,12 @@ def _param(module: nn.Module, name: str, init, shape, axes, dtype):
 
 
 class DenseGeneral(nn.Module):
-    """x[..., *in] @ kernel[*in, *out] (+ bias[*out]) with named axes; computes in `dtype`."""
+    """x[..., *in] @ kernel[*in, *out] (+ bias[*out]) with named axes; computes in `dtype`.
+
+    With `lora` (the model's LoraConfig when this projection is a target) and a "lora" collection
+    given to `apply`, adds scale * (x @ A[*in, r]) @ B[r, *out] (models/lora.py); without that
+    collection the projection is the base one, bit for bit.
+    """
 
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
@@ -31,19 +37,41 @@ class DenseGeneral(nn.Module):
     dtype: Any
     param_dtype: Any
     kernel_init: Any = nn.initializers.normal(0.02)
+    lora: LoraConfig | None = None
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         kernel = _param(self, "kernel", self.kernel_init, self.in_shape + self.out_shape, self.axes,
                         self.param_dtype)
         n_in = len(self.in_shape)
-        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-        y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ())))
+        y = _contract(x.astype(self.dtype), kernel.astype(self.dtype), n_in)
+        if self.lora is not None and (self.is_initializing() or self.has_variable(lora_lib.COLLECTION, "a")):
+            y = y + self._low_rank(x, n_in)
         if self.use_bias:
             bias = _param(self, "bias", nn.initializers.zeros, self.out_shape,
                           self.axes[n_in:], self.param_dtype)
             y = y + bias.astype(self.dtype)
         return y
+
+    def _low_rank(self, x: Array, n_in: int) -> Array:
+        """scale * (x[..., *in] @ A[*in, r]) @ B[r, *out] -> [..., *out], in `dtype`."""
+        cfg = self.lora
+        dtype = to_dtype(cfg.param_dtype)
+        a_init = nn.with_logical_partitioning(
+            lambda key, shape, dt: lora_lib.kaiming_uniform_a_sqrt5(key, shape, dt, n_in),
+            self.axes[:n_in] + ("lora_rank",))
+        b_init = nn.with_logical_partitioning(nn.initializers.zeros, ("lora_rank",) + self.axes[n_in:])
+        a = self.variable(lora_lib.COLLECTION, "a", lambda: a_init(self.make_rng("params"),
+                                                                   self.in_shape + (cfg.rank,), dtype))
+        b = self.variable(lora_lib.COLLECTION, "b", lambda: b_init(None, (cfg.rank,) + self.out_shape, dtype))
+        low = _contract(x.astype(self.dtype), a.value.astype(self.dtype), n_in)  # [..., r]
+        return _contract(low, b.value.astype(self.dtype), 1) * jnp.asarray(cfg.scale, self.dtype)
+
+
+def _contract(x: Array, w: Array, n_in: int) -> Array:
+    """x[..., *in] @ w[*in, *out] over the last `n_in` axes of x -> [..., *out]."""
+    contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+    return jax.lax.dot_general(x, w, (contract, ((), ())))
 
 
 class LayerNorm(nn.Module):
@@ -113,9 +141,13 @@ class MLP(nn.Module):
                "gelu": lambda y: jax.nn.gelu(y, approximate=False),
                "silu": jax.nn.silu, "relu": jax.nn.relu}[cfg.act]
         if cfg.family == "gpt2":
-            hidden = act(DenseGeneral((d,), (f,), ("embed", "mlp"), True, name="fc", **common)(x))
-            return DenseGeneral((f,), (d,), ("mlp", "embed"), True, name="proj", **common)(hidden)
+            hidden = act(DenseGeneral((d,), (f,), ("embed", "mlp"), True, name="fc", lora=cfg.lora_for("fc"),
+                                      **common)(x))
+            return DenseGeneral((f,), (d,), ("mlp", "embed"), True, name="proj", lora=cfg.lora_for("proj"),
+                                **common)(hidden)
         bias = cfg.mlp_bias
-        gate = DenseGeneral((d,), (f,), ("embed", "mlp"), bias, name="gate", **common)(x)
-        up = DenseGeneral((d,), (f,), ("embed", "mlp"), bias, name="up", **common)(x)
-        return DenseGeneral((f,), (d,), ("mlp", "embed"), bias, name="down", **common)(act(gate) * up)
+        gate = DenseGeneral((d,), (f,), ("embed", "mlp"), bias, name="gate", lora=cfg.lora_for("gate"),
+                            **common)(x)
+        up = DenseGeneral((d,), (f,), ("embed", "mlp"), bias, name="up", lora=cfg.lora_for("up"), **common)(x)
+        return DenseGeneral((f,), (d,), ("mlp", "embed"), bias, name="down", lora=cfg.lora_for("down"),
+                            **common)(act(gate) * up)

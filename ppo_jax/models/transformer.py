@@ -31,6 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ppo_jax.models import lora
 from ppo_jax.models.attention import Attention, attention_mask
 from ppo_jax.models.cache import KVCache
 from ppo_jax.models.config import ModelConfig
@@ -44,8 +45,9 @@ _REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_ba
 
 
 def split_layer_params(params: Any) -> tuple[Any, ...]:
-    """One Block parameter tree per layer out of a CausalLM/ScalarModel tree: the per-layer trees
-    themselves when the layers are unscanned, else slices of the stacked tree (copies)."""
+    """One Block parameter tree per layer out of a CausalLM/ScalarModel tree (or its "lora" adapter
+    tree, which has the same paths): the per-layer trees themselves when the layers are unscanned,
+    else slices of the stacked tree (copies)."""
     backbone = params["transformer"]
     if "layers" not in backbone:
         count = sum(1 for name in backbone if name.startswith("layers_"))
@@ -139,7 +141,7 @@ class Transformer(nn.Module):
         if cfg.scan_layers:
             self.layers = nn.scan(
                 block,
-                variable_axes={"params": 0},
+                variable_axes={"params": 0, lora.COLLECTION: 0},
                 split_rngs={"params": True},
                 in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,
@@ -168,11 +170,14 @@ class Transformer(nn.Module):
         return self.ln_f(x), cache
 
     def unrolled(self, tokens: Array, positions: Array, kv_mask: Array, caches: tuple[KVCache, ...],
-                 layer_params: tuple[Any, ...]) -> tuple[Array, tuple[KVCache, ...]]:
+                 layer_params: tuple[Any, ...], layer_adapters: tuple[Any, ...] | None = None
+                 ) -> tuple[Array, tuple[KVCache, ...]]:
         """`__call__` with a cache, one layer at a time on per-layer parameters and caches.
 
         caches: one KVCache per layer with k, v [B, K, S, Dh] (`split_cache`); layer_params: one
-        Block parameter tree per layer (`split_layer_params`). Used by the sampler's decode loop: a scan
+        Block parameter tree per layer (`split_layer_params`); layer_adapters: likewise one Block
+        adapter tree per layer (`split_layer_params` of the "lora" collection), None for adapters
+        off. Used by the sampler's decode loop: a scan
         over the stacked layers copies every layer's weights and cache slab out of the stacked buffers
         at every token (XLA fuses neither dynamic slice into the dots; measured 2.3x slower per token
         on an H100, docs/gpu_probe.md); with separate buffers the dots read weights and cache where
@@ -182,8 +187,12 @@ class Transformer(nn.Module):
         x, ropes, masks = self._block_inputs(tokens, positions, kv_mask, cache_index)
         block = Block(self.config, parent=None)  # unbound: applied to each layer's own parameters
         new_caches = []
-        for params, cache, local in zip(layer_params, caches, self.config.layer_sliding, strict=True):
-            (x, (k, v)), _ = block.apply({"params": params}, (x, (cache.k, cache.v)), None, local, ropes,
+        adapters = layer_adapters if layer_adapters is not None else (None,) * len(layer_params)
+        for params, lora_params, cache, local in zip(layer_params, adapters, caches, self.config.layer_sliding,
+                                                     strict=True):
+            variables = {"params": params} if lora_params is None else {"params": params,
+                                                                        lora.COLLECTION: lora_params}
+            (x, (k, v)), _ = block.apply(variables, (x, (cache.k, cache.v)), None, local, ropes,
                                          masks, cache_index)
             new_caches.append(KVCache(k=k, v=v, index=cache.index + tokens.shape[1]))
         return self.ln_f(x), tuple(new_caches)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from ppo_jax import sharding
+from ppo_jax.models import forward
 from ppo_jax.models.cache import KV_CACHE_AXES, KVCache, init_cache, split_cache
 from ppo_jax.models.transformer import CausalLM, last_token_index, positions_from_mask, split_layer_params
 from ppo_jax.sampling.config import SampleOutput, SamplingConfig, validate_inputs
@@ -64,15 +65,18 @@ def _constrain_cache(cache: KVCache) -> KVCache:
     return cache.replace(k=_constrain(cache.k, names), v=_constrain(cache.v, names))
 
 
-def _forward_last(module: CausalLM, tokens, positions, kv_mask, cache, last_index, layer_params=None):
+def _forward_last(module: CausalLM, tokens, positions, kv_mask, cache, last_index, layer_params=None,
+                  layer_adapters=None):
     """Logits [B, V] at slot `last_index [B]` only: the prompt's [B, Lq, V] logits are never built.
 
-    With `layer_params` (per-layer trees) the cache is a per-layer tuple and the layers are unrolled.
+    With `layer_params` (per-layer trees, and `layer_adapters` likewise when LoRA is on) the cache is
+    a per-layer tuple and the layers are unrolled.
     """
     if layer_params is None:
         hidden, cache = module.transformer(tokens, positions, kv_mask, cache)
     else:
-        hidden, cache = module.transformer.unrolled(tokens, positions, kv_mask, cache, layer_params)
+        hidden, cache = module.transformer.unrolled(tokens, positions, kv_mask, cache, layer_params,
+                                                    layer_adapters)
     last_hidden = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)
     return module.project(last_hidden)[:, 0], cache
 
@@ -101,11 +105,12 @@ def _record(state: DecodeState, choice: TokenChoice, config: SamplingConfig) -> 
 
 
 def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *, model: CausalLM,
-           config: SamplingConfig) -> SampleOutput:
+           config: SamplingConfig, adapters: Any = None) -> SampleOutput:
     """Samples `config.num_samples` responses per left-padded prompt. Pure and jittable.
 
     params: the CausalLM parameter tree; prompt_tokens, prompt_mask [B, Lq] (left-padded, every row
-    with at least one real token); key: a typed PRNG key. Returns a SampleOutput with R = B * n rows.
+    with at least one real token); key: a typed PRNG key; adapters: the model's LoRA adapter tree
+    (models/lora.py), None to decode the base. Returns a SampleOutput with R = B * n rows.
     """
     validate_inputs(model, config, prompt_tokens.shape, prompt_mask.shape)
     mc = model.config
@@ -118,7 +123,8 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
     # Prefill once per prompt (not per sample), into slots [0, Lq) of the cache.
     cache = _constrain_cache(init_cache(mc, batch, slots, config.cache_dtype))
     kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((batch, new - 1), jnp.int32)], axis=1)
-    logits, cache = model.apply({"params": params}, prompt_tokens, positions_from_mask(prompt_mask), kv_mask,
+    variables = forward.variables(params, adapters)
+    logits, cache = model.apply(variables, prompt_tokens, positions_from_mask(prompt_mask), kv_mask,
                                 cache, last_token_index(prompt_mask), method=_forward_last)
     if n > 1:
         def repeat(x, axis=0):
@@ -130,6 +136,7 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
     prompt_lengths = prompt_mask.sum(axis=-1)
     unroll = config.unroll_layers if config.unroll_layers is not None else jax.default_backend() != "tpu"
     layer_params = split_layer_params(params) if unroll else None
+    layer_adapters = split_layer_params(adapters) if unroll and adapters is not None else None
     if unroll:
         cache = tuple(_constrain_cache(layer) for layer in split_cache(cache))
     uniforms = _constrain(response_uniforms(key, rows, new), ("batch", "length"))
@@ -156,8 +163,9 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
         slot = prompt_len + state.step - 1
         kv_mask = jax.lax.dynamic_update_slice(state.kv_mask, jnp.ones((rows, 1), jnp.int32), (0, slot))
         positions = (prompt_lengths + state.step - 1)[:, None]
-        logits, cache = model.apply({"params": params}, previous, positions, kv_mask, state.cache,
-                                    jnp.zeros((rows,), jnp.int32), layer_params, method=_forward_last)
+        logits, cache = model.apply(variables, previous, positions, kv_mask, state.cache,
+                                    jnp.zeros((rows,), jnp.int32), layer_params, layer_adapters,
+                                    method=_forward_last)
         state = state.replace(cache=cache, kv_mask=kv_mask)
         return _record(state, choose(logits, state.step), config)
 

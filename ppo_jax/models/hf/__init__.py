@@ -18,7 +18,8 @@ One module per job; each imports only those above it in this list (no cycles):
                   the Flax module and abstract params of a checkpoint kind
   safetensors_io  safetensors files: find (single / sharded), memory-map, write, fingerprint
   load            load_config, load_model (straight onto mesh shardings)
-  export          export_model (atomic directory write)
+  export          export_model (atomic directory write; LoRA adapters merged in on request)
+  peft            PEFT LoRA adapter directories: export_adapter, load_adapter
   tokenizers      load_tokenizer, save_tokenizer
 
 Callers use the names re-exported here: `from ppo_jax.models import hf; hf.load_model(...)`.
@@ -29,11 +30,13 @@ from ppo_jax.models.hf.errors import CheckpointError
 from ppo_jax.models.hf.export import export_model
 from ppo_jax.models.hf.layouts import TensorMap, abstract_params, make_model, tensor_maps
 from ppo_jax.models.hf.load import LoadedModel, load_config, load_model
+from ppo_jax.models.hf.peft import export_adapter, load_adapter
 from ppo_jax.models.hf.safetensors_io import fingerprint
 from ppo_jax.models.hf.tokenizers import load_tokenizer, save_tokenizer
 
 __all__ = [
     "ARCHITECTURES", "CheckpointError", "LoadedModel", "TensorMap", "abstract_params",
-    "checkpoint_kind", "config_from_hf", "config_to_hf", "export_model", "fingerprint",
+    "checkpoint_kind", "config_from_hf", "config_to_hf", "export_adapter", "export_model", "fingerprint",
+    "load_adapter",
     "load_config", "load_model", "load_tokenizer", "make_model", "save_tokenizer", "tensor_maps",
 ]

@@ -20,23 +20,31 @@ from jax.experimental import multihost_utils
 
 from ppo_jax import sharding
 from ppo_jax.models.config import ModelConfig
+from ppo_jax.models.lora import merge_lora
 from ppo_jax.models.hf.config_map import DTYPE_NAMES, KINDS, config_to_hf
 from ppo_jax.models.hf.errors import CheckpointError
 from ppo_jax.models.hf.layouts import TensorMap, path_keys, tensor_maps
 from ppo_jax.models.hf.safetensors_io import DTYPE_CODES, write_safetensors
 
 def export_model(out_dir: str | os.PathLike, config: ModelConfig, params: Any, *,
-                 kind: str = "causal_lm", tokenizer=None) -> Path:
+                 kind: str = "causal_lm", tokenizer=None, adapters: Any = None) -> Path:
     """Writes `params` as a Hugging Face checkpoint directory (config.json, model.safetensors and,
     when given, the tokenizer) that transformers' AutoModelForCausalLM / AutoModelForSequence-
     Classification loads. Written to a temporary directory beside `out_dir` and renamed at the
     end, so `out_dir` is never half-written; an existing `out_dir` is replaced.
+
+    adapters: LoRA adapters (config.lora's "lora" tree) merged into the weights first (`merge_lora`):
+    full weights of the adapted model. To write the adapters alone use `peft.export_adapter`.
 
     Tensors are written in the params' dtype, one group of params gathered to host at a time.
     Every process must call this (gathering is collective); process 0 writes.
     """
     if kind not in KINDS:
         raise CheckpointError(f"kind must be one of {KINDS}, got {kind!r}")
+    if adapters is not None:
+        if config.lora is None:
+            raise CheckpointError("adapters given but config.lora is None: nothing says how to merge them")
+        params = merge_lora(params, adapters, config.lora)
     out_dir = Path(out_dir)
     dtypes = {np.dtype(x.dtype) for x in jax.tree.leaves(params)}
     unsupported = dtypes - set(DTYPE_CODES)

@@ -8,19 +8,22 @@ Llama's `q_proj.weight` [H*Dh, D] (torch Linear, [out, in]) splits into (H, Dh, 
 our [D, H, Dh]. The same table drives loading (`load`: each device shard reads only the rows and
 columns it needs) and export (`export`: the inverse transpose, written into the window).
 
-Also here: our side of the table, the Flax module and abstract param tree for a checkpoint kind.
+Also here: the same table for LoRA adapters in PEFT's names (`lora_tensor_maps`), and our side of the
+table, the Flax module and abstract param tree for a checkpoint kind.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from collections.abc import Collection, Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
 
-from ppo_jax.models.config import ModelConfig
+from ppo_jax.models.config import TARGETS, ModelConfig
 from ppo_jax.models.hf.config_map import KINDS
 from ppo_jax.models.hf.errors import CheckpointError
 from ppo_jax.models.init import boxed_params
@@ -207,6 +210,57 @@ def _unscanned(maps: dict[tuple[str, ...], TensorMap], num_layers: int) -> dict[
             continue
         for i in range(num_layers):
             out[(path[0], f"layers_{i}") + path[2:]] = dataclasses.replace(m, name=m.layer_name(i))
+    return out
+
+
+# Our kernel's input axes per LoRA target (1 unless named): o reads [H, Dh].
+_LORA_IN_AXES = {"o": 2}
+# PEFT's names: the wrapper's prefix before a module's name, and the adapter tensors' infixes.
+PEFT_PREFIX = "base_model.model."
+_MODULE_IN_LAYER = re.compile(r"\.(?:layers|h)\.\{layer\}\.(.+)\.weight$")
+
+
+def lora_module_names(config: ModelConfig) -> dict[str, str]:
+    """Our LoRA target name -> the Hugging Face module inside a layer ("self_attn.q_proj",
+    "attn.c_proj", ...), for every target of the config's family: PEFT's `target_modules` entries,
+    specific enough that GPT-2's attention c_proj and MLP c_proj are told apart."""
+    maps = tensor_maps(config.replace(scan_layers=True, lora=None), "causal_lm")
+    out = {}
+    for target in TARGETS[config.family]:
+        part = "attn" if target in ("q", "k", "v", "o") else "mlp"
+        out[target] = _MODULE_IN_LAYER.search(maps[("transformer", "layers", part, target, "kernel")].name)[1]
+    return out
+
+
+def lora_tensor_maps(config: ModelConfig) -> dict[tuple[str, ...], TensorMap]:
+    """Our adapter path (("transformer", "layers", "attn", "q", "a"), ...) -> TensorMap of the PEFT
+    tensor holding it: lora_A.weight [r, in] (torch Linear) for our A [*in, r], lora_B.weight [out, r]
+    for our B [r, *out], named after the base tensor with PEFT's prefix. Only projections that are one
+    whole Hugging Face tensor qualify: GPT-2's c_attn and Phi-3's qkv_proj / gate_up_proj pack several
+    of ours, which PEFT adapts with one shared A, so they are refused by name."""
+    lora = config.lora
+    base = tensor_maps(config.replace(lora=None), "causal_lm")
+    out = {}
+    for path, m in base.items():
+        if path[-1] != "kernel" or path[-2] not in lora.targets:
+            continue
+        if any(m.start) or tuple(math.prod(sub) for sub in m.split) != m.hf_shape:
+            raise CheckpointError(
+                f"LoRA on {path[-2]!r} cannot be written as a PEFT adapter: in {config.arch} it is a window "
+                f"of the fused tensor {m.name.format(layer='N')!r}, which PEFT adapts as one module")
+        name_a, name_b = (PEFT_PREFIX + m.name.removesuffix("weight") + f"lora_{x}.weight" for x in "AB")
+        n_in = _LORA_IN_AXES.get(path[-2], 1)
+        in_flat = {m.perm[i] for i in range(n_in)}
+        in_axis = 0 if in_flat == set(range(len(m.split[0]))) else 1  # Conv1D [in, out] or Linear [out, in]
+        in_sub, out_sub = m.split[in_axis], m.split[1 - in_axis]
+        in_offset, out_offset = (0, len(in_sub)) if in_axis == 0 else (len(out_sub), 0)
+        rank = lora.rank
+        # A: HF [r, in] splits into (r,) + in_sub; our axes are (*in, r).
+        out[path[:-1] + ("a",)] = _window(name_a, (rank, math.prod(in_sub)), [(rank,), in_sub],
+                                          [m.perm[i] - in_offset + 1 for i in range(n_in)] + [0])
+        # B: HF [out, r] splits into out_sub + (r,); our axes are (r, *out).
+        out[path[:-1] + ("b",)] = _window(name_b, (math.prod(out_sub), rank), [out_sub, (rank,)],
+                                          [len(out_sub)] + [m.perm[i] - out_offset for i in range(n_in, len(m.perm))])
     return out
 
 
