@@ -24,7 +24,7 @@ from ppo_jax.models import CausalLM, ModelConfig, hf, init_params
 from ppo_jax.ppo.stats import finalize_metrics
 from ppo_jax.supervised import base as supervised
 from ppo_jax.supervised.dpo import DPOTrainer, dpo_config, sequence_logps
-from ppo_jax.supervised.dpo_loss import PairLogps, dpo_loss
+from ppo_jax.supervised.dpo_loss import Pair, dpo_loss
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = [f"w{i}" for i in range(40)] + ["good", "bad", "?", "."]
@@ -54,17 +54,19 @@ def log_sigmoid(x):
     return -np.logaddexp(0.0, -x)
 
 
-def numpy_dpo(pc, pr, rc, rr, *, loss_type, beta, label_smoothing=0.0, sft_coef=0.0, tokens=None):
+def numpy_dpo(pc, pr, rc, rr, *, tc, tr, loss_type, beta, label_smoothing=0.0, sft_coef=0.0):
     """The papers' formulas, float64: DPO (Rafailov et al. eq. 7), conservative DPO (Mitchell), IPO
-    (Azar et al. eq. 17, empirical form), plus sft_coef x token-mean NLL of the chosen answers."""
-    h = (pc - pr) - (rc - rr)
+    (Azar et al. eq. 17, empirical form, on per-token mean log-ratios), plus sft_coef x the token-mean
+    NLL of the chosen answers. tc, tr: response token counts."""
     if loss_type == "sigmoid":
+        h = (pc - rc) - (pr - rr)
         per_pair = -(1 - label_smoothing) * log_sigmoid(beta * h) - label_smoothing * log_sigmoid(-beta * h)
     else:
+        h = (pc - rc) / tc - (pr - rr) / tr
         per_pair = (h - 1 / (2 * beta)) ** 2
     loss = per_pair.mean()
     if sft_coef:
-        loss += sft_coef * (-pc.sum()) / tokens.sum()
+        loss += sft_coef * (-pc.sum()) / tc.sum()
     return loss
 
 
@@ -83,17 +85,17 @@ def test_loss_and_gradient_match_numpy(name):
     kw = CASES[name]
     rng = np.random.default_rng(0)
     b = 32
-    tokens = rng.integers(1, 12, size=b).astype(np.float64)
-    pc, pr = -tokens * rng.uniform(0.5, 3, b), -rng.uniform(2, 30, b)
+    tc, tr = (rng.integers(1, 12, size=b).astype(np.float64) for _ in range(2))
+    pc, pr = -tc * rng.uniform(0.5, 3, b), -tr * rng.uniform(0.5, 3, b)
     rc, rr = pc + rng.normal(0, 3, b), pr + rng.normal(0, 3, b)
+    tokens = Pair(chosen=jnp.asarray(tc, jnp.float32), rejected=jnp.asarray(tr, jnp.float32))
 
     def ours(pc, pr, rc, rr):
-        return dpo_loss(PairLogps(chosen=pc, rejected=pr), PairLogps(chosen=rc, rejected=rr),
-                        chosen_tokens=jnp.asarray(tokens, jnp.float32), **kw)[0]
+        return dpo_loss(Pair(chosen=pc, rejected=pr), Pair(chosen=rc, rejected=rr), tokens, **kw)[0]
 
     f32 = [jnp.asarray(x, jnp.float32) for x in (pc, pr, rc, rr)]
     loss, grads = jax.value_and_grad(ours, argnums=(0, 1, 2, 3))(*f32)
-    expected = numpy_dpo(pc, pr, rc, rr, tokens=tokens, **kw)
+    expected = numpy_dpo(pc, pr, rc, rr, tc=tc, tr=tr, **kw)
     assert float(loss) == pytest.approx(expected, rel=1e-5)
     # Central differences of the float64 formula (exact to ~1e-9 at this step).
     eps = 1e-5
@@ -103,7 +105,7 @@ def test_loss_and_gradient_match_numpy(name):
             up, down = [np.array(x) for x in (pc, pr, rc, rr)], [np.array(x) for x in (pc, pr, rc, rr)]
             up[which][i] += eps
             down[which][i] -= eps
-            numeric[i] = (numpy_dpo(*up, tokens=tokens, **kw) - numpy_dpo(*down, tokens=tokens, **kw)) / (2 * eps)
+            numeric[i] = (numpy_dpo(*up, tc=tc, tr=tr, **kw) - numpy_dpo(*down, tc=tc, tr=tr, **kw)) / (2 * eps)
         np.testing.assert_allclose(np.asarray(grad), numeric, rtol=1e-4, atol=1e-7)
     # The reference is a constant: no gradient reaches it.
     assert not np.any(np.asarray(grads[2])) and not np.any(np.asarray(grads[3]))
@@ -116,7 +118,8 @@ def test_metrics_have_trls_names_and_values():
     weight = np.ones(16)
     weight[-3:] = 0  # filler rows
     beta = 0.3
-    _, metrics = dpo_loss(PairLogps(jnp.asarray(pc), jnp.asarray(pr)), PairLogps(jnp.asarray(rc), jnp.asarray(rr)),
+    ones = Pair(jnp.ones(16), jnp.ones(16))
+    _, metrics = dpo_loss(Pair(jnp.asarray(pc), jnp.asarray(pr)), Pair(jnp.asarray(rc), jnp.asarray(rr)), ones,
                           beta=beta, weight=jnp.asarray(weight))
     m = {k: float(v) for k, v in finalize_metrics(metrics).items()}
     real = weight == 1
@@ -130,7 +133,8 @@ def test_metrics_have_trls_names_and_values():
 
 def test_bad_loss_type_in_the_pure_function():
     with pytest.raises(ValueError, match="loss_type must be one of"):
-        dpo_loss(PairLogps(jnp.zeros(2), jnp.zeros(2)), PairLogps(jnp.zeros(2), jnp.zeros(2)), loss_type="hinge")
+        zeros = Pair(jnp.zeros(2), jnp.zeros(2))
+        dpo_loss(zeros, zeros, zeros, loss_type="hinge")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from ppo_jax.models import CausalLM, boxed_params
 from ppo_jax.optim import make_optimizer
 from ppo_jax.ppo.stats import finalize_metrics
 from ppo_jax.supervised import base as supervised
-from ppo_jax.supervised.dpo_loss import PairLogps, dpo_loss
+from ppo_jax.supervised.dpo_loss import Pair, dpo_loss
 from ppo_jax.supervised.settings import DPOLossSettings, DPOSettings, dpo_config  # noqa: F401  (dpo_config: the defaults)
 from ppo_jax.supervised.sft import response_token_nll
 
@@ -42,10 +42,10 @@ Array = jax.Array
 
 @flax.struct.dataclass
 class DPOBatch:
-    """Preference pairs ([B, L] each) and the frozen reference's log-probs of them (PairLogps [B])."""
+    """Preference pairs ([B, L] each) and the frozen reference's summed log-probs of them (Pair [B])."""
 
     pairs: data_lib.PreferenceBatch
-    reference: PairLogps
+    reference: Pair
 
 
 def sequence_logps(model: CausalLM, params, tokens: Array, mask: Array, response_mask: Array):
@@ -55,14 +55,14 @@ def sequence_logps(model: CausalLM, params, tokens: Array, mask: Array, response
     return -nll.sum(-1), weight.sum(-1)
 
 
-def pair_logps(model: CausalLM, params, pairs: data_lib.PreferenceBatch) -> tuple[PairLogps, Array]:
-    """(PairLogps [B], response tokens of each chosen answer [B]) from one [2B, L] forward."""
+def pair_logps(model: CausalLM, params, pairs: data_lib.PreferenceBatch) -> tuple[Pair, Pair]:
+    """(summed response log-probs, response token counts), each a Pair [B], from one [2B, L] forward."""
     b = pairs.chosen_tokens.shape[0]
     both = [jnp.concatenate([c, r], axis=0) for c, r in (
         (pairs.chosen_tokens, pairs.rejected_tokens), (pairs.chosen_mask, pairs.rejected_mask),
         (pairs.chosen_response_mask, pairs.rejected_response_mask))]
     logps, tokens = sequence_logps(model, params, *both)
-    return PairLogps(chosen=logps[:b], rejected=logps[b:]), tokens[:b]
+    return Pair(chosen=logps[:b], rejected=logps[b:]), Pair(chosen=tokens[:b], rejected=tokens[b:])
 
 
 def _loss_fn(model: CausalLM, hp: DPOLossSettings, batch: DPOBatch, weight: Array | None = None,
@@ -70,10 +70,10 @@ def _loss_fn(model: CausalLM, hp: DPOLossSettings, batch: DPOBatch, weight: Arra
     """params -> (loss, SumCount metrics) of `batch` under the configured loss."""
 
     def loss_fn(params):
-        policy, chosen_tokens = pair_logps(model, params, batch.pairs)
-        return dpo_loss(policy, batch.reference, loss_type=hp.type, beta=hp.beta,
-                        label_smoothing=hp.label_smoothing, sft_coef=hp.sft_coef, chosen_tokens=chosen_tokens,
-                        weight=weight, num_pairs=num_pairs, num_tokens=num_tokens)
+        policy, tokens = pair_logps(model, params, batch.pairs)
+        return dpo_loss(policy, batch.reference, tokens, loss_type=hp.type, beta=hp.beta,
+                        label_smoothing=hp.label_smoothing, sft_coef=hp.sft_coef, weight=weight,
+                        num_pairs=num_pairs, num_tokens=num_tokens)
 
     return loss_fn
 
@@ -165,7 +165,7 @@ class DPOTrainer(supervised.SupervisedTrainer):
         data_sh = sharding.data_sharding(self.mesh)
         replicated = sharding.replicated(self.mesh)
         pairs_sh = data_lib.PreferenceBatch(*([data_sh] * 6))
-        batch_sh = DPOBatch(pairs=pairs_sh, reference=PairLogps(chosen=data_sh, rejected=data_sh))
+        batch_sh = DPOBatch(pairs=pairs_sh, reference=Pair(chosen=data_sh, rejected=data_sh))
         self._reference_logps = sharding.on_mesh(jax.jit(
             lambda p, pairs: pair_logps(self.module, p, pairs)[0], in_shardings=(param_shardings, pairs_sh),
             out_shardings=batch_sh.reference), self.mesh)

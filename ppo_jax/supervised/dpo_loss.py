@@ -1,17 +1,18 @@
 """Direct preference optimisation losses: pure array math on per-sequence log-probs, no model or mesh.
 
 Inputs are log pi(y | x) summed over each response's tokens (prompt and padding excluded), for the
-policy (differentiated) and the frozen reference (constants), chosen and rejected: `PairLogps`, each
-field [B]. With h = (pi_c - pi_r) - (ref_c - ref_r), the log-ratio margin:
+policy (differentiated) and the frozen reference (constants), chosen and rejected, and each response's
+token count: `Pair`s, each field [B]. With h = (pi_c - ref_c) - (pi_r - ref_r), the log-ratio margin:
 
   sigmoid  (DPO, Rafailov et al. 2023):   -log sigmoid(beta h)
   sigmoid with label_smoothing = eps     -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)
            (conservative DPO, Mitchell 2023: each label flipped with probability eps)
-  ipo      (Azar et al. 2023):            (h - 1 / (2 beta))^2
+  ipo      (Azar et al. 2023, eq. 17):   (h_bar - 1 / (2 beta))^2, h_bar the same margin of per-token
+           mean log-ratios (each side divided by its response length, as TRL does and as the IPO
+           authors' reported results were computed; summed log-ratios would scale with length)
 
 and optionally `sft_coef` times the chosen responses' token-mean negative log-likelihood (RPO, Pang et
-al. 2024; TRL's rpo_alpha). IPO here uses the paper's summed log-probs (TRL's "ipo" divides each by its
-response length first).
+al. 2024; TRL's rpo_alpha).
 
 Reduction: the pair loss is summed over this call's pairs and divided by `num_pairs`, the NLL term by
 `num_tokens` (defaults: this call's own counts). Pass the whole batch's counts when gradients are
@@ -35,32 +36,37 @@ LOSS_TYPES = ("sigmoid", "ipo")
 
 
 @flax.struct.dataclass
-class PairLogps:
-    """Summed response log-probs of each pair's two answers: chosen [B], rejected [B]."""
+class Pair:
+    """One value per answer of each pair (summed log-probs, or response token counts): chosen [B],
+    rejected [B]."""
 
     chosen: Array
     rejected: Array
 
 
-def pair_losses(margin: Array, *, loss_type: str, beta: float, label_smoothing: float = 0.0) -> Array:
-    """Per-pair loss [B] from the log-ratio margin h [B] (module docstring)."""
+def pair_losses(policy: Pair, reference: Pair, tokens: Pair, *, loss_type: str, beta: float,
+                label_smoothing: float = 0.0) -> Array:
+    """Per-pair loss [B] (module docstring); log-probs and token counts as `Pair`s of [B]."""
+    chosen_ratio, rejected_ratio = policy.chosen - reference.chosen, policy.rejected - reference.rejected
     if loss_type == "sigmoid":
+        margin = beta * (chosen_ratio - rejected_ratio)
         # softplus(-x) = -log sigmoid(x), stable for large |x|.
-        return ((1.0 - label_smoothing) * jax.nn.softplus(-beta * margin)
-                + label_smoothing * jax.nn.softplus(beta * margin))
+        return (1.0 - label_smoothing) * jax.nn.softplus(-margin) + label_smoothing * jax.nn.softplus(margin)
     if loss_type == "ipo":
+        margin = (chosen_ratio / jnp.maximum(tokens.chosen, 1.0)
+                  - rejected_ratio / jnp.maximum(tokens.rejected, 1.0))
         return jnp.square(margin - 1.0 / (2.0 * beta))
     raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
 
 
-def dpo_loss(policy: PairLogps, reference: PairLogps, *, loss_type: str = "sigmoid", beta: float = 0.1,
-             label_smoothing: float = 0.0, sft_coef: float = 0.0, chosen_tokens: Array | None = None,
-             weight: Array | None = None, num_pairs: Array | float | None = None,
+def dpo_loss(policy: Pair, reference: Pair, tokens: Pair, *, loss_type: str = "sigmoid", beta: float = 0.1,
+             label_smoothing: float = 0.0, sft_coef: float = 0.0, weight: Array | None = None,
+             num_pairs: Array | float | None = None,
              num_tokens: Array | float | None = None) -> tuple[Array, dict[str, SumCount]]:
     """(loss [], metrics) for a batch of pairs.
 
-    policy: PairLogps [B] (differentiated); reference: PairLogps [B] (treated as constants).
-    chosen_tokens [B]: response tokens of each chosen answer (needed for sft_coef > 0).
+    policy: summed response log-probs, Pair [B] (differentiated); reference: the same under the
+    frozen reference (treated as constants); tokens: response token counts, Pair [B].
     weight [B]: 1 for real pairs, 0 for filler rows (default all 1).
     num_pairs / num_tokens: normalisers of the pair loss / the NLL term (module docstring).
     """
@@ -68,8 +74,8 @@ def dpo_loss(policy: PairLogps, reference: PairLogps, *, loss_type: str = "sigmo
     weight = jnp.ones_like(policy.chosen) if weight is None else weight.astype(jnp.float32)
     chosen_reward = beta * (policy.chosen - reference.chosen)  # the implicit reward, as TRL logs it
     rejected_reward = beta * (policy.rejected - reference.rejected)
-    margin = (policy.chosen - policy.rejected) - (reference.chosen - reference.rejected)
-    per_pair = pair_losses(margin, loss_type=loss_type, beta=beta, label_smoothing=label_smoothing)
+    per_pair = pair_losses(policy, reference, tokens, loss_type=loss_type, beta=beta,
+                           label_smoothing=label_smoothing)
 
     pairs = weight.sum() if num_pairs is None else jnp.asarray(num_pairs, jnp.float32)
     loss = (per_pair * weight).sum() / jnp.maximum(pairs, 1.0)
@@ -83,9 +89,7 @@ def dpo_loss(policy: PairLogps, reference: PairLogps, *, loss_type: str = "sigmo
         "pair_loss": SumCount.of(per_pair, weight),
     }
     if sft_coef:
-        if chosen_tokens is None:
-            raise ValueError("sft_coef > 0 needs chosen_tokens (the response tokens of each chosen answer)")
-        real_tokens = (chosen_tokens * weight).astype(jnp.float32)
+        real_tokens = (tokens.chosen * weight).astype(jnp.float32)
         tokens = real_tokens.sum() if num_tokens is None else jnp.asarray(num_tokens, jnp.float32)
         nll = -(policy.chosen * weight).sum()
         loss = loss + sft_coef * nll / jnp.maximum(tokens, 1.0)

@@ -98,7 +98,7 @@ class PreferenceDataSettings:
 
 @dataclasses.dataclass(frozen=True)
 class DPOLossSettings:
-    type: str = "sigmoid"  # "sigmoid" (DPO; conservative DPO with label_smoothing > 0) or "ipo"
+    type: str = "sigmoid"  # "sigmoid" (DPO; conservative DPO with label_smoothing > 0) or "ipo" (on per-token mean log-ratios, as TRL)
     beta: float = 0.1  # strength of the implicit KL leash to the reference: larger stays closer
     label_smoothing: float = 0.0  # conservative DPO: the assumed chance a label is flipped, in [0, 0.5); sigmoid only
     sft_coef: float = 0.0  # weight of the chosen answers' token-mean NLL added to the loss (RPO); 0 = none
