@@ -283,7 +283,7 @@ def test_gradients_do_not_depend_on_the_microbatch_count(sft_dir, tmp_path):
     # One step first: at policy = reference every margin is a tie, broken by rounding differently
     # for different row counts, and rewards/accuracies would count float noise.
     trainer.train_step()
-    batch = trainer._with_reference(next(trainer.loader))
+    batch = trainer._device_batch(next(trainer.loader))
     hp = trainer.settings.loss
     num_tokens = batch.pairs.chosen_response_mask.sum().astype(jnp.float32)
     from ppo_jax.supervised.dpo import _loss_fn
@@ -360,3 +360,51 @@ def test_command_line_rejects_a_bad_value_in_one_line(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr == "error: dpo: loss.beta must be > 0, got -0.1\n"
     assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# TRL (a test-only dependency: skipped where it is not installed; the NumPy tests above are not).
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_loss_equals_trls_dpo_trainer_on_its_own_batch(loss_type, sft_dir, tmp_path):
+    """TRL's DPOTrainer tokenizes and collates a batch and computes its loss (policy and reference two
+    different models, so the loss is not log 2); ours on the same token ids and weights agrees."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    tok = tokenizer()
+    cfg = hf.load_config(sft_dir)[0]
+    ref_params, _ = init_params(CausalLM(cfg), jax.random.key(2), make_test_mesh((1, 1, 1)))
+    ref_dir = str(tmp_path / "ref")
+    hf.export_model(ref_dir, cfg, ref_params, kind="causal_lm", tokenizer=tok)
+    # TRL joins prompt and answer as text: the answers carry the separating space.
+    records = [{**r, "chosen": " " + r["chosen"], "rejected": " " + r["rejected"]} for r in pairs(8, seed=3)]
+    beta = 0.3
+    trainer = trl.DPOTrainer(
+        model=transformers.GPT2LMHeadModel.from_pretrained(sft_dir),
+        ref_model=transformers.GPT2LMHeadModel.from_pretrained(ref_dir),
+        args=trl.DPOConfig(output_dir=str(tmp_path / "trl"), beta=beta, loss_type=[loss_type],
+                           per_device_train_batch_size=8, report_to="none", use_cpu=True,
+                           bf16=False),  # TRL would run the reference under bf16 autocast
+        train_dataset=Dataset.from_list(records), processing_class=tok)
+    batch = next(iter(trainer.get_train_dataloader()))
+    with torch.no_grad():
+        theirs = float(trainer.compute_loss(trainer.model, batch))
+
+    tokens, mask, completion = (batch[k].numpy().astype(np.int32) for k in
+                                ("input_ids", "attention_mask", "completion_mask"))
+    mesh = make_test_mesh((1, 1, 1))
+    policy = hf.load_model(sft_dir, mesh, kind="causal_lm")
+    module = policy.module
+
+    def logps(params):
+        with sharding.mesh_context(mesh):
+            out, counts = jax.jit(lambda p, t, m, r: sequence_logps(module, p, t, m, r))(params, tokens, mask, completion)
+        b = tokens.shape[0] // 2  # TRL's batch: chosen rows, then rejected rows
+        return Pair(out[:b], out[b:]), Pair(counts[:b], counts[b:])
+
+    (ours_policy, counts), (ours_ref, _) = logps(policy.params), logps(ref_params)
+    ours, _ = dpo_loss(ours_policy, ours_ref, counts, loss_type=loss_type, beta=beta)
+    assert abs(theirs - math.log(2)) > 1e-2  # the two models differ: not the trivial step-0 value
+    assert float(ours) == pytest.approx(theirs, rel=1e-4)

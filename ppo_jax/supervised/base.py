@@ -306,10 +306,15 @@ class SupervisedTrainer:
     def _place(self, tree):
         return sharding.put_local_batch(tree, self.mesh)
 
+    def _device_batch(self, batch):
+        """A host batch as the jitted step takes it: placed on the mesh (DPO adds the reference's
+        log-probs)."""
+        return self._place(batch)
+
     def train_step(self) -> dict[str, float]:
         """One optimizer step on the next batch; its metrics and the loader's, as host floats."""
         batch = next(self.loader)
-        self.state, metrics = self._train_step(self.state, self._place(batch))
+        self.state, metrics = self._train_step(self.state, self._device_batch(batch))
         scalars = host_scalars(metrics)
         scalars.update(self.loader.metrics())
         return scalars

@@ -180,7 +180,7 @@ class DPOTrainer(supervised.SupervisedTrainer):
 
     # -- the reference
 
-    def _with_reference(self, pairs: data_lib.PreferenceBatch) -> DPOBatch:
+    def _device_batch(self, pairs: data_lib.PreferenceBatch) -> DPOBatch:
         """Placed pairs and the reference's log-probs of them (one jitted forward)."""
         pairs = self._place(pairs)
         return DPOBatch(pairs=pairs, reference=self._reference_logps(self.reference, pairs))
@@ -209,14 +209,6 @@ class DPOTrainer(supervised.SupervisedTrainer):
 
     # -- steps
 
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step on the next batch; its metrics and the loader's, as host floats."""
-        batch = self._with_reference(next(self.loader))
-        self.state, metrics = self._train_step(self.state, batch)
-        scalars = supervised.host_scalars(metrics)
-        scalars.update(self.loader.metrics())
-        return scalars
-
     def evaluate(self) -> dict[str, float]:
         """Loss and the TRL metrics (rewards/accuracies, margins, ...) over every eval pair (or
         train.eval_batches batches), as `eval/<name>`."""
@@ -226,7 +218,7 @@ class DPOTrainer(supervised.SupervisedTrainer):
         for i, records in enumerate(data_lib.iterate_once(self.eval_source, self.settings.train.batch_size)):
             if self.settings.train.eval_batches and i >= self.settings.train.eval_batches:
                 break
-            batch = self._with_reference(self.prompt_tokenizer.preferences(records.records, length=self.length))
+            batch = self._device_batch(self.prompt_tokenizer.preferences(records.records, length=self.length))
             out = self._eval_step(self.state.params, batch, self._place(records.valid))
             totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
         metrics = {k: float(v) for k, v in jax.device_get(finalize_metrics(totals)).items()}
