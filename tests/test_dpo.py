@@ -23,7 +23,7 @@ from ppo_jax.data import build_word_tokenizer
 from ppo_jax.models import CausalLM, ModelConfig, hf, init_params
 from ppo_jax.ppo.stats import finalize_metrics
 from ppo_jax.supervised import base as supervised
-from ppo_jax.supervised.dpo import DPOTrainer, dpo_config, sequence_logps
+from ppo_jax.supervised.dpo import DPOTrainer, dpo_config, make_loss_fn, sequence_logps
 from ppo_jax.supervised.dpo_loss import Pair, dpo_loss
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -286,12 +286,11 @@ def test_gradients_do_not_depend_on_the_microbatch_count(sft_dir, tmp_path):
     batch = trainer._device_batch(next(trainer.loader))
     hp = trainer.settings.loss
     num_tokens = batch.pairs.chosen_response_mask.sum().astype(jnp.float32)
-    from ppo_jax.supervised.dpo import _loss_fn
 
     def totals(n):
         def fn(params, batch):
             return supervised.accumulate_gradients(
-                lambda p, mb: _loss_fn(trainer.module, hp, mb, num_pairs=16, num_tokens=num_tokens)(p),
+                lambda p, mb: make_loss_fn(trainer.module, hp, mb, num_pairs=16, num_tokens=num_tokens)(p),
                 params, supervised.split_microbatches(batch, n), sharding.data_sharding(trainer.mesh))
         with sharding.mesh_context(trainer.mesh):
             loss, metrics, grads = jax.jit(fn)(trainer.params, batch)

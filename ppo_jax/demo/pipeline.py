@@ -80,6 +80,7 @@ class DemoResult:
     dpo: DPOSummary | None = None  # the DPO stage's row (with run_dpo)
 
     def table(self) -> str:
+        kl_row = f"final KL to SFT (bound {self.kl_bound:g})"
         rows = [
             ("reward model val accuracy (vs gold)", f"{self.rm_val_accuracy:.1%}",
              self.targets_met["rm_accuracy"]),
@@ -88,17 +89,21 @@ class DemoResult:
             ("gold reward, best achievable", f"{self.best_gold:+.3f}", None),
             ("share of the gap closed by PPO", f"{self.gap_closed:.1%}", self.targets_met["gap_closed"]),
             ("RM score, SFT -> PPO", f"{self.sft_rm_score:+.2f} -> {self.ppo_rm_score:+.2f}", None),
-            (f"final KL to SFT (bound {self.kl_bound:g})", f"{self.final_kl:.2f} nats", self.targets_met["kl"]),
+            (kl_row, f"{self.final_kl:.2f} nats", self.targets_met["kl"]),
             ("wall time", " + ".join(f"{k} {v:.0f}s" for k, v in self.seconds.items() if k != "total")
              + f" = {self.seconds['total']:.0f}s", None),
         ]
-        if self.dpo is not None:
+        if self.dpo is not None:  # each DPO row under its PPO counterpart
             d = self.dpo
-            rows[3:3] = [("gold reward, DPO policy", f"{d.gold:+.3f}", None)]
-            rows[5:5] = [("share of the gap closed by DPO", f"{d.gap_closed:.1%}", None),
-                         ("DPO validation reward accuracy (vs gold)", f"{d.val_accuracy:.1%}", None)]
-            rows[-1:-1] = [("RM score, SFT -> DPO", f"{self.sft_rm_score:+.2f} -> {d.rm_score:+.2f}", None),
-                           ("final KL to SFT, DPO", f"{d.kl:.2f} nats", None)]
+            under = {
+                "reward model val accuracy (vs gold)": ("DPO implicit-reward val accuracy (vs gold)",
+                                                        f"{d.val_accuracy:.1%}"),
+                "gold reward, PPO policy": ("gold reward, DPO policy", f"{d.gold:+.3f}"),
+                "share of the gap closed by PPO": ("share of the gap closed by DPO", f"{d.gap_closed:.1%}"),
+                "RM score, SFT -> PPO": ("RM score, SFT -> DPO", f"{self.sft_rm_score:+.2f} -> {d.rm_score:+.2f}"),
+                kl_row: ("final KL to SFT, DPO", f"{d.kl:.2f} nats"),
+            }
+            rows = [r for row in rows for r in ([row, (*under[row[0]], None)] if row[0] in under else [row])]
         width = max(len(r[0]) for r in rows)
         lines = []
         for name, value, ok in rows:

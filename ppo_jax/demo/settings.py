@@ -163,7 +163,7 @@ def _dpo_defaults() -> DPOSettings:
             # linked to world.max_response_tokens (get_config): an unfinished answer is stored without EOS
             max_response_length=RESPONSE_TOKENS,
         ),
-        loss=replace(s.loss, beta=0.1),  # the implicit KL leash (the usual DPO value)
+        loss=replace(s.loss, beta=0.3),  # the implicit KL leash (docs/demo.md: 0.1 drifts to KL 22 and loses the gold gain)
         train=replace(
             s.train,
             batch_size=64,  # pairs per step

@@ -65,8 +65,8 @@ def pair_logps(model: CausalLM, params, pairs: data_lib.PreferenceBatch) -> tupl
     return Pair(chosen=logps[:b], rejected=logps[b:]), Pair(chosen=tokens[:b], rejected=tokens[b:])
 
 
-def _loss_fn(model: CausalLM, hp: DPOLossSettings, batch: DPOBatch, weight: Array | None = None,
-             num_pairs=None, num_tokens=None):
+def make_loss_fn(model: CausalLM, hp: DPOLossSettings, batch: DPOBatch, weight: Array | None = None,
+                 num_pairs=None, num_tokens=None):
     """params -> (loss, SumCount metrics) of `batch` under the configured loss."""
 
     def loss_fn(params):
@@ -86,7 +86,7 @@ def make_train_step(model: CausalLM, tx, hp: DPOLossSettings, num_microbatches: 
         num_pairs = batch.reference.chosen.shape[0]
         num_tokens = batch.pairs.chosen_response_mask.sum().astype(jnp.float32)
         loss, metrics, grads = supervised.accumulate_gradients(
-            lambda params, mb: _loss_fn(model, hp, mb, num_pairs=num_pairs, num_tokens=num_tokens)(params),
+            lambda params, mb: make_loss_fn(model, hp, mb, num_pairs=num_pairs, num_tokens=num_tokens)(params),
             state.params, supervised.split_microbatches(batch, num_microbatches), batch_sharding)
         metrics = finalize_metrics(metrics)
         del metrics["pair_loss"]  # = loss (less sft_coef * nll_loss)
@@ -100,7 +100,7 @@ def make_eval_step(model: CausalLM, hp: DPOLossSettings):
     """(params, DPOBatch, valid [B]) -> SumCount metrics over the valid pairs (an eval pass adds them)."""
 
     def eval_step(params, batch: DPOBatch, valid: Array):
-        _, metrics = _loss_fn(model, hp, batch, weight=valid)(params)
+        _, metrics = make_loss_fn(model, hp, batch, weight=valid)(params)
         return metrics
 
     return eval_step
