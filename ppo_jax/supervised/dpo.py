@@ -118,7 +118,7 @@ class DPOTrainer(supervised.SupervisedTrainer):
     settings_type = DPOSettings
     export_kind = "causal_lm"
     progress_keys = ("loss", "rewards/accuracies", "eval/loss", "eval/rewards/accuracies")
-    summary_prefixes = ("loss", "rewards/", "eval/")
+    summary_prefixes = ("loss", "rewards/", "logps/", "eval/")
 
     def __init__(self, config, workdir: str, *, tokenizer=None,
                  train_records: Sequence[Mapping[str, Any]] | None = None,
