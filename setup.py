@@ -48,6 +48,7 @@ setup(
         "ppo-jax-train=ppo_jax.cli.train:main",
         "ppo-jax-sft=ppo_jax.cli.sft:main",
         "ppo-jax-reward-model=ppo_jax.cli.reward_model:main",
+        "ppo-jax-dpo=ppo_jax.cli.dpo:main",
         "ppo-jax-export=ppo_jax.cli.export:main",
         "ppo-jax-plan=ppo_jax.cli.plan:main",
         "ppo-jax-demo=ppo_jax.demo.pipeline:main",

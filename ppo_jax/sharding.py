@@ -15,6 +15,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
@@ -184,6 +185,11 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
         return jax.make_array_from_callback(value.shape, target, lambda idx: value[idx])
 
     return jax.tree.map(one, tree)
+
+
+def copy_tree(params: Any, shardings: Any) -> Any:
+    """A real copy on the given shardings (a reference aliasing the policy would die on donation)."""
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(params)
 
 
 def to_host(tree: Any) -> Any:

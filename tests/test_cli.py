@@ -12,7 +12,7 @@ from ppo_jax.cli import common, preflight
 from ppo_jax.config import ConfigError, config_dict
 from ppo_jax.demo.settings import DemoSettings
 from ppo_jax.rl.settings import Settings
-from ppo_jax.supervised.settings import RewardModelSettings, SFTSettings
+from ppo_jax.supervised.settings import DPOSettings, RewardModelSettings, SFTSettings
 
 TOY = f"{REPO}/configs/ppo_toy.py"
 
@@ -43,6 +43,7 @@ def test_help_lists_every_field_with_the_config_files_value_and_its_comment(caps
 @pytest.mark.parametrize("schema,config_file,field", [
     (SFTSettings, "configs/sft.py", "--config.train.steps="),
     (RewardModelSettings, "configs/reward_model.py", "--config.data.chosen_field="),
+    (DPOSettings, "configs/dpo.py", "--config.loss.beta=0.1 "),
     (DemoSettings, "ppo_jax/demo/default_config.py", "--config.sft.train.steps=800"),
 ])
 def test_help_of_the_other_trainers(capsys, schema, config_file, field):
@@ -52,7 +53,7 @@ def test_help_of_the_other_trainers(capsys, schema, config_file, field):
 
 def test_every_config_field_has_a_comment():
     """The --help text is the schema's comments: a field without one would print bare."""
-    for schema in (Settings, SFTSettings, RewardModelSettings, DemoSettings):
+    for schema in (Settings, SFTSettings, RewardModelSettings, DPOSettings, DemoSettings):
         bare = [name for name, _, comment in preflight._rows(config_dict(schema()), schema, "")
                 if not comment and ".model." not in f".{name}"]
         assert not bare, f"{schema.__name__} fields without a comment: {bare}"
@@ -87,6 +88,7 @@ def test_a_missing_config_file_is_one_line(tmp_path):
     ("ppo_jax.cli.plan", [f"--config={REPO}/configs/plan_tiny.py", "--help"], "--device_memory_gb"),
     ("ppo_jax.cli.export", ["--help"], "--checkpoint: PPO workdir"),
     ("ppo_jax.demo.kl_sweep", ["--help"], "--kl_coefs"),
+    ("ppo_jax.cli.dpo", [f"--config={REPO}/configs/dpo.py", "--help"], "--config.loss.label_smoothing=0.0"),
 ])
 def test_help_exits_0_for_every_entry_point(command, args, expect):
     out = subprocess.run([sys.executable, "-m", command, *args], capture_output=True, text=True, timeout=300)

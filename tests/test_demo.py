@@ -1,6 +1,7 @@
-"""The offline demo end to end at reduced size (configs/demo_small.py): the reward model beats chance
-on gold labels, PPO raises the hidden gold reward with a bounded KL, every promised output is written,
-preference sampling is reproducible, and the command line refuses a workdir it did not make."""
+"""The offline demo end to end at reduced size (configs/demo_small.py, with the DPO stage): the reward
+model beats chance on gold labels, PPO raises the hidden gold reward with a bounded KL, DPO is judged
+beside it, every promised output is written, preference sampling is reproducible, and the command line
+refuses a workdir it did not make."""
 
 import json
 import os
@@ -22,6 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def result(tmp_path_factory):
     config = small_config()
     config.progress = False
+    config.run_dpo = True
     workdir = str(tmp_path_factory.mktemp("demo"))
     return config, pipeline.run(config, workdir, mesh=make_test_mesh((1, 1, 1)), verbose=False)
 
@@ -40,7 +42,7 @@ def test_direction_rm_beats_chance_gold_goes_up_kl_bounded(result):
 def test_every_output_is_written(result):
     config, r = result
     w = r.workdir
-    for stage in ("sft", "reward_model", "ppo"):
+    for stage in ("sft", "reward_model", "ppo", "dpo"):
         rows = [json.loads(line) for line in open(os.path.join(w, stage, "metrics.jsonl"))]
         assert rows, stage
         assert os.path.isdir(os.path.join(w, stage, "checkpoints")), stage
@@ -60,6 +62,19 @@ def test_every_output_is_written(result):
     val = [json.loads(line) for line in open(os.path.join(w, "preferences", "val.jsonl"))]
     assert all(v["gold_chosen"] > v["gold_rejected"] for v in val)  # validation labels are the gold ones
     assert "gold reward, PPO policy" in r.table() and "reward model val accuracy" in r.table()
+
+
+def test_dpo_is_judged_beside_ppo(result):
+    _, r = result
+    d = r.dpo
+    assert d is not None and d.kl > 0  # DPO moved the policy away from the SFT reference
+    assert d.gap_closed == pytest.approx((d.gold - r.sft_gold) / (r.best_gold - r.sft_gold))
+    assert d.val_accuracy > 0.55  # DPO's implicit reward prefers the gold winner more often than chance
+    point = json.loads(open(os.path.join(r.workdir, "dpo", "eval.jsonl")).read())
+    assert point["gold"] == pytest.approx(d.gold) and point["kl"] == pytest.approx(d.kl)
+    summary = json.load(open(os.path.join(r.workdir, "summary.json")))
+    assert summary["dpo"]["gold"] == d.gold
+    assert "gold reward, DPO policy" in r.table() and "final KL to SFT, DPO" in r.table()
 
 
 def test_preference_sampling_is_reproducible(result, tmp_path):

@@ -10,6 +10,8 @@
    policy's samples score mean 0, std 1.
 4. PPO against the reward model with a KL leash to the SFT policy. Every few iterations the policy
    answers held-out prompts and the gold reward - which PPO never sees - judges the answers.
+5. With --config.run_dpo=True: DPO from the SFT policy on the same preference pairs (no reward model),
+   its final policy judged like PPO's (same prompts, sampling keys, gold reward, KL to the SFT policy).
 
 Everything lands in the workdir: per-stage metrics (JSONL + TensorBoard), Orbax checkpoints, Hugging
 Face exports, the preference data, PPO samples, before/after samples, PNG plots and summary.json.
@@ -33,12 +35,29 @@ from ppo_jax.demo import default_config
 from ppo_jax.demo.evaluator import EvalPoint
 from ppo_jax.demo.plots import plot_ppo, plot_supervised
 from ppo_jax.demo.settings import DemoSettings
-from ppo_jax.demo.stages import sample_preferences, train_ppo, train_reward_model, train_sft
+from ppo_jax.demo.stages import DPOResult, sample_preferences, train_dpo, train_ppo, train_reward_model, train_sft
 
 DEFAULT_WORKDIR = os.path.join("runs", "demo")
 MARKER = ".ppo_jax_demo"  # marks a directory the demo may clear and rewrite
-STAGE_DIRS = ("sft", "preferences", "reward_model", "ppo", "plots")
+STAGE_DIRS = ("sft", "preferences", "reward_model", "ppo", "dpo", "plots")
 STAGE_FILES = ("samples_before_after.jsonl", "summary.json")
+
+
+@dataclasses.dataclass
+class DPOSummary:
+    """The DPO stage beside PPO: the same held-out prompts, sampling keys and measures."""
+
+    gold: float  # mean gold reward of the final DPO policy
+    gap_closed: float  # (dpo_gold - sft_gold) / (best_gold - sft_gold)
+    kl: float  # KL(DPO policy || SFT), nats per response
+    rm_score: float  # mean reward-model score of its answers (DPO never saw the reward model)
+    val_accuracy: float  # DPO's implicit-reward accuracy on the gold-labelled validation pairs
+
+
+def dpo_summary(dpo: DPOResult, sft_gold: float, best_gold: float) -> DPOSummary:
+    val = [r for r in dpo.history if "eval/rewards/accuracies" in r][-1]["eval/rewards/accuracies"]
+    return DPOSummary(gold=dpo.final.gold, gap_closed=(dpo.final.gold - sft_gold) / (best_gold - sft_gold),
+                      kl=dpo.final.kl, rm_score=dpo.final.rm_score, val_accuracy=float(val))
 
 
 @dataclasses.dataclass
@@ -58,8 +77,10 @@ class DemoResult:
     evals: list[EvalPoint]  # every gold evaluation during PPO
     workdir: str
     targets_met: dict[str, bool]  # rm_accuracy, gap_closed, kl
+    dpo: DPOSummary | None = None  # the DPO stage's row (with run_dpo)
 
     def table(self) -> str:
+        kl_row = f"final KL to SFT (bound {self.kl_bound:g})"
         rows = [
             ("reward model val accuracy (vs gold)", f"{self.rm_val_accuracy:.1%}",
              self.targets_met["rm_accuracy"]),
@@ -68,10 +89,21 @@ class DemoResult:
             ("gold reward, best achievable", f"{self.best_gold:+.3f}", None),
             ("share of the gap closed by PPO", f"{self.gap_closed:.1%}", self.targets_met["gap_closed"]),
             ("RM score, SFT -> PPO", f"{self.sft_rm_score:+.2f} -> {self.ppo_rm_score:+.2f}", None),
-            (f"final KL to SFT (bound {self.kl_bound:g})", f"{self.final_kl:.2f} nats", self.targets_met["kl"]),
+            (kl_row, f"{self.final_kl:.2f} nats", self.targets_met["kl"]),
             ("wall time", " + ".join(f"{k} {v:.0f}s" for k, v in self.seconds.items() if k != "total")
              + f" = {self.seconds['total']:.0f}s", None),
         ]
+        if self.dpo is not None:  # each DPO row under its PPO counterpart
+            d = self.dpo
+            under = {
+                "reward model val accuracy (vs gold)": ("DPO implicit-reward val accuracy (vs gold)",
+                                                        f"{d.val_accuracy:.1%}"),
+                "gold reward, PPO policy": ("gold reward, DPO policy", f"{d.gold:+.3f}"),
+                "share of the gap closed by PPO": ("share of the gap closed by DPO", f"{d.gap_closed:.1%}"),
+                "RM score, SFT -> PPO": ("RM score, SFT -> DPO", f"{self.sft_rm_score:+.2f} -> {d.rm_score:+.2f}"),
+                kl_row: ("final KL to SFT, DPO", f"{d.kl:.2f} nats"),
+            }
+            rows = [r for row in rows for r in ([row, (*under[row[0]], None)] if row[0] in under else [row])]
         width = max(len(r[0]) for r in rows)
         lines = []
         for name, value, ok in rows:
@@ -118,23 +150,30 @@ def run(config, workdir: str = DEFAULT_WORKDIR, *, mesh=None, verbose: bool = Tr
         + (f", load average {load[0]:.1f}" if load else "") + ")")
     seconds: dict[str, float] = {}
 
-    log("[1/4] SFT: a tiny GPT-2 learns the world's language")
+    n = 5 if settings.run_dpo else 4
+    log(f"[1/{n}] SFT: a tiny GPT-2 learns the world's language")
     sft = train_sft(settings, workdir, mesh)
     seconds["sft"] = sft.seconds
 
-    log("[2/4] preferences: SFT answers, labelled by the hidden gold reward")
+    log(f"[2/{n}] preferences: SFT answers, labelled by the hidden gold reward")
     t0 = time.perf_counter()
     train_pairs, val_pairs = sample_preferences(settings, sft.hf_dir, workdir, mesh)
     seconds["preferences"] = time.perf_counter() - t0
 
-    log(f"[3/4] reward model: Bradley-Terry on {len(train_pairs)} pairs")
+    log(f"[3/{n}] reward model: Bradley-Terry on {len(train_pairs)} pairs")
     rm = train_reward_model(settings, sft.hf_dir, train_pairs, val_pairs, workdir, mesh)
     seconds["reward_model"] = rm.seconds
     rm_accuracy = rm_val_accuracy(rm.history)
 
-    log("[4/4] PPO against the reward model (the gold reward only watches)")
+    log(f"[4/{n}] PPO against the reward model (the gold reward only watches)")
     ppo = train_ppo(settings, sft.hf_dir, rm.hf_dir, workdir, mesh)
     seconds["ppo"] = ppo.seconds
+
+    dpo = None
+    if settings.run_dpo:
+        log(f"[5/{n}] DPO from the SFT policy on the same {len(train_pairs)} pairs (no reward model)")
+        dpo = train_dpo(settings, sft.hf_dir, rm.hf_dir, train_pairs, val_pairs, workdir, mesh)
+        seconds["dpo"] = dpo.seconds
 
     t = settings.targets
     if jax.process_index() == 0:
@@ -159,7 +198,8 @@ def run(config, workdir: str = DEFAULT_WORKDIR, *, mesh=None, verbose: bool = Tr
         gap_closed=gap_closed, final_kl=last.kl, kl_bound=t.kl_bound, sft_rm_score=first.rm_score,
         ppo_rm_score=last.rm_score, seconds=seconds, evals=ppo.evals, workdir=workdir,
         targets_met={"rm_accuracy": rm_accuracy >= t.rm_accuracy, "gap_closed": gap_closed >= t.gap_closed,
-                     "kl": last.kl < t.kl_bound})
+                     "kl": last.kl < t.kl_bound},
+        dpo=None if dpo is None else dpo_summary(dpo, first.gold, best))
     if jax.process_index() == 0:
         summary = {k: v for k, v in dataclasses.asdict(result).items() if k != "evals"}
         summary["load_average_at_start"] = list(load) if load else None

@@ -1,9 +1,9 @@
 """Demo settings: the schema of a demo config (every field with its default and a one-line comment), its
 validation, and the settings each stage runs with.
 
-The sft / reward_model / ppo sections ARE the trainers' own settings types (`SFTSettings`,
-`RewardModelSettings`, PPO `Settings`; every field documented in `ppo_jax.supervised.settings` and
-`ppo_jax.rl.settings`), with the demo's values as defaults. `get_config()` is the ConfigDict that
+The sft / reward_model / ppo / dpo sections ARE the trainers' own settings types (`SFTSettings`,
+`RewardModelSettings`, PPO `Settings`, `DPOSettings`; every field documented in
+`ppo_jax.supervised.settings` and `ppo_jax.rl.settings`), with the demo's values as defaults. `get_config()` is the ConfigDict that
 configs/demo.py starts from and the command line overrides; `DemoSettings.from_config` converts it
 once, at the edge (`pipeline.run`), and validates every section here. Below that edge the stages see
 typed settings only and hand the trainers typed settings (which they accept as they are).
@@ -19,7 +19,7 @@ import ml_collections
 from ppo_jax.config import RunSettings, check, config_dict
 from ppo_jax.demo.world import World
 from ppo_jax.rl.settings import Settings
-from ppo_jax.supervised.settings import RewardModelSettings, SFTSettings
+from ppo_jax.supervised.settings import DPOSettings, RewardModelSettings, SFTSettings
 
 PROMPT_LENGTH = 10  # the longest world prompt has 10 words
 RESPONSE_TOKENS = World().max_response_tokens  # the world's response budget (16)
@@ -153,6 +153,34 @@ def _ppo_defaults() -> Settings:
     )
 
 
+def _dpo_defaults() -> DPOSettings:
+    """The optional DPO stage: from the SFT policy (model.path set by the demo) on the reward model's
+    training pairs, against the SFT policy as the frozen reference."""
+    s = DPOSettings()
+    return replace(
+        s,
+        data=replace(
+            s.data,
+            max_prompt_length=PROMPT_LENGTH,  # linked to prompt_length (get_config)
+            # linked to world.max_response_tokens (get_config): an unfinished answer is stored without EOS
+            max_response_length=RESPONSE_TOKENS,
+        ),
+        loss=replace(s.loss, beta=0.3),  # the implicit KL leash (docs/demo.md: 0.1 drifts to KL 22 and loses the gold gain)
+        train=replace(
+            s.train,
+            batch_size=64,  # pairs per step
+            steps=300,  # about 3 epochs of the pairs
+            log_every=25,  # metrics every N steps
+            eval_every=100,  # validation reward accuracy (gold labels) every N steps
+        ),
+        optim=replace(
+            s.optim,
+            lr=1e-4,  # fine-tuning the SFT policy
+            warmup_steps=30,  # linear warmup, then cosine decay
+        ),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class DemoSettings(RunSettings):
     """A whole demo run's settings; `DemoSettings.from_config(config)` converts and validates."""
@@ -165,6 +193,8 @@ class DemoSettings(RunSettings):
     preferences: PreferenceSettings = PreferenceSettings()
     reward_model: RewardModelSettings = _reward_model_defaults()  # `ppo_jax.supervised.settings.RewardModelSettings`
     ppo: Settings = _ppo_defaults()  # `ppo_jax.rl.settings.Settings`
+    run_dpo: bool = False  # also train DPO from the SFT policy on the reward model's pairs; judged like PPO
+    dpo: DPOSettings = _dpo_defaults()  # `ppo_jax.supervised.settings.DPOSettings` (used with run_dpo)
     eval: EvalSettings = EvalSettings()
     targets: TargetSettings = TargetSettings()
     progress: bool = True  # tqdm bars per stage
@@ -178,6 +208,10 @@ class DemoSettings(RunSettings):
     def reward_model_stage(self, sft_dir: str) -> RewardModelSettings:
         rm = self.reward_model
         return replace(rm, model=replace(rm.model, path=sft_dir), train=replace(rm.train, progress=self.progress))
+
+    def dpo_stage(self, sft_dir: str) -> DPOSettings:
+        d = self.dpo
+        return replace(d, model=replace(d.model, path=sft_dir), train=replace(d.train, progress=self.progress))
 
     def ppo_stage(self, sft_dir: str, rm_dir: str) -> Settings:
         p = self.ppo
@@ -205,6 +239,8 @@ class DemoSettings(RunSettings):
         self.sft_stage().validate()
         self.reward_model_stage(_SFT_DIR).validate()
         self.ppo_stage(_SFT_DIR, _RM_DIR).validate()
+        if self.run_dpo:
+            self.dpo_stage(_SFT_DIR).validate()
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -216,11 +252,13 @@ def get_config() -> ml_collections.ConfigDict:
     c = config_dict(DemoSettings())
     seed, prompt_length = c.get_ref("seed"), c.get_ref("prompt_length")
     response_tokens = c.world.get_ref("max_response_tokens")
-    c.sft.seed = c.reward_model.seed = c.ppo.seed = seed
+    c.sft.seed = c.reward_model.seed = c.ppo.seed = c.dpo.seed = seed
     c.sft.data.max_prompt_length = prompt_length
     c.reward_model.data.max_prompt_length = prompt_length
+    c.dpo.data.max_prompt_length = prompt_length
     c.ppo.data.prompt_length = prompt_length
     c.reward_model.data.max_response_length = response_tokens  # an unfinished answer is stored without EOS
+    c.dpo.data.max_response_length = response_tokens
     c.ppo.rollout.response_length = response_tokens
     return c
 
@@ -239,6 +277,8 @@ def small_config() -> ml_collections.ConfigDict:
     c.reward_model.normalize.num_prompts = 1024  # normalise on every training pair
     c.reward_model.train.steps = 100  # reward-model optimizer steps
     c.reward_model.train.eval_every = 0  # evaluate once, at the end
+    c.dpo.train.steps = 50  # DPO optimizer steps (with run_dpo)
+    c.dpo.train.eval_every = 0  # evaluate once, at the end
     c.ppo.rollout.batch_size = 32  # prompts per PPO iteration
     c.ppo.train.iterations = 20  # PPO iterations
     c.eval.num_prompts = 64  # held-out prompts judged by the gold reward

@@ -4,6 +4,8 @@
 2. `sample_preferences`: pairs of SFT answers labelled by the gold reward; <workdir>/preferences/.
 3. `train_reward_model`: Bradley-Terry from the SFT transformer; exports <workdir>/reward_model/hf.
 4. `train_ppo`: PPO against the reward model, judged by the gold reward; exports <workdir>/ppo/hf.
+5. `train_dpo` (optional): DPO from the SFT policy on the stage-3 pairs, judged like PPO; exports
+   <workdir>/dpo/hf.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ppo_jax.demo.responses import ResponseSampler
 from ppo_jax.demo.settings import DemoSettings
 from ppo_jax.models import hf
 from ppo_jax.rl.trainer import PPOTrainer
+from ppo_jax.supervised.dpo import DPOTrainer
 from ppo_jax.supervised.reward_model import RewardModelTrainer
 from ppo_jax.supervised.sft import SFTTrainer
 
@@ -33,6 +36,15 @@ class StageResult:
     seconds: float  # wall time of the stage, compilation included
     history: list[dict[str, float]]  # the trainer's logged rows
     hf_dir: str | None = None  # the stage's Hugging Face export
+
+
+@dataclasses.dataclass
+class DPOResult:
+    seconds: float  # training and the gold evaluation
+    history: list[dict[str, float]]  # the DPO trainer's logged rows
+    final: EvalPoint  # the final DPO policy on PPO's held-out prompts and sampling keys
+    after: list[dict[str, Any]]  # its evaluation answers
+    hf_dir: str
 
 
 @dataclasses.dataclass
@@ -146,3 +158,32 @@ def train_ppo(settings: DemoSettings, sft_dir: str, rm_dir: str, workdir: str, m
     hf.export_model(hf_dir, trainer.policy_config, trainer.state.policy, kind="causal_lm",
                     tokenizer=trainer.tokenizer)
     return PPOResult(time.perf_counter() - t0, history, evals, before, after, hf_dir)
+
+
+def train_dpo(settings: DemoSettings, sft_dir: str, rm_dir: str, train_pairs, val_pairs, workdir: str,
+              mesh=None) -> DPOResult:
+    """Stage 5 (with run_dpo): DPO from the SFT policy on the pairs the reward model learned from,
+    validated on the gold-labelled pairs; exports <workdir>/dpo/hf. The final policy is judged exactly
+    as PPO's: `PolicyEvaluator` on the same held-out prompts and sampling keys, its KL measured against
+    the SFT policy (the PPO trainer's reference) and its answers scored by the reward model too.
+    """
+    t0 = time.perf_counter()
+    world = settings.world
+    out = os.path.join(workdir, "dpo")
+    trainer = DPOTrainer(settings.dpo_stage(sft_dir), out, tokenizer=world.tokenizer, train_records=train_pairs,
+                         eval_records=val_pairs, mesh=mesh)
+    history = trainer.train()
+    # A PPO trainer built as stage 4's (SFT reference, the reward model) but never trained: its sampler,
+    # reference and reward model are the evaluator's instruments; the DPO policy takes its place.
+    judge = PPOTrainer(settings.ppo_stage(sft_dir, rm_dir), os.path.join(out, "gold_eval"),
+                       prompts=world.all_prompts("train"), mesh=mesh)
+    judge.state = judge.state.replace(policy=jax.device_put(trainer.params, judge.state_shardings.policy))
+    eval_prompts = world.prompts(settings.eval.num_prompts, "eval", seed=settings.seed + 29)
+    try:
+        final, after = PolicyEvaluator(judge, world, eval_prompts, seed=settings.seed)(trainer.step)
+    finally:
+        judge.close()
+    if jax.process_index() == 0:
+        with open(os.path.join(out, "eval.jsonl"), "w") as f:
+            f.write(json.dumps(dataclasses.asdict(final)) + "\n")
+    return DPOResult(time.perf_counter() - t0, history, final, after, os.path.join(out, "hf"))

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ppo_jax import ppo, sampling, sharding
+from ppo_jax.sharding import copy_tree
 from ppo_jax.config import ConfigError, override_dtypes
 from ppo_jax.models import CausalLM, ModelConfig, ScalarModel, boxed_params, hf, init_params
 from ppo_jax.optim import make_optimizer
@@ -21,11 +22,6 @@ from ppo_jax.rl.experience import make_experience_fn
 from ppo_jax.rl.settings import DerivedSizes, PPOHyper, Settings, sampling_config
 from ppo_jax.rl.state import Experience, FrozenParams, Rollout, TrainState
 from ppo_jax.rl.update import make_update_fn
-
-
-def copy_tree(params, shardings):
-    """A real copy on the same shardings (a reference aliasing the policy would die on donation)."""
-    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(params)
 
 
 def policy_model_config(s: Settings) -> ModelConfig:

@@ -1,7 +1,8 @@
-"""What the SFT and reward-model trainers share: the model's config checks, the train state,
-checkpoint resume, and the training loop (metrics, evaluation, checkpoints, progress bar).
+"""What the SFT, reward-model and DPO trainers share: the model's config checks, the train state,
+gradient accumulation over microbatches, checkpoint resume, and the training loop (metrics,
+evaluation, checkpoints, progress bar).
 
-The PPO trainer has its own loop (rollouts are not minibatches of a dataset); these two are plain
+The PPO trainer has its own loop (rollouts are not minibatches of a dataset); these three are plain
 supervised learning over a `ppo_jax.data` loader.
 """
 
@@ -23,7 +24,7 @@ from ppo_jax import metrics as metrics_lib
 from ppo_jax import sharding
 from ppo_jax.checkpoint import CheckpointManager
 from ppo_jax.config import ComputeSettings, ConfigError, check, check_positions, override_dtypes
-from ppo_jax.models import ModelConfig, hf
+from ppo_jax.models import ModelConfig, hf, init_params
 from ppo_jax.supervised.settings import ModelSettings
 
 Array = jax.Array
@@ -117,6 +118,42 @@ def check_batch_size(batch_size: int, mesh, what: str) -> None:
             f"devices (mesh data x fsdp = {dict(mesh.shape)}); use a multiple of {divisor}")
 
 
+def split_microbatches(tree, num_microbatches: int):
+    """Leaves [B, ...] -> [num_microbatches, B / num_microbatches, ...].
+
+    Rows are dealt round-robin (microbatch i = rows i, i + n, ...), so with a batch-sharded input
+    every microbatch still spans all data-parallel devices instead of landing on a few of them.
+    """
+
+    def split(x):
+        x = x.reshape((x.shape[0] // num_microbatches, num_microbatches) + x.shape[1:])
+        return jnp.swapaxes(x, 0, 1)
+
+    return jax.tree.map(split, tree)
+
+
+def accumulate_gradients(loss_fn: Callable, params, microbatches, batch_sharding):
+    """(loss, metrics, grads), each summed over the microbatches with one `lax.scan`.
+
+    loss_fn(params, microbatch) -> (loss [], metrics): every loss term and metric must be a sum over
+    the microbatch divided by a whole-batch count (or a `SumCount`), so that the sums are exactly the
+    full-batch loss, gradient and metrics however the rows fall into microbatches.
+    microbatches: leaves [n, b, ...] (`split_microbatches`).
+    """
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def step(acc, microbatch):
+        microbatch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, batch_sharding), microbatch)
+        (loss, metrics), grads = grad_fn(params, microbatch)
+        return jax.tree.map(jnp.add, acc, (loss, metrics, grads)), None
+
+    first = jax.tree.map(lambda x: x[0], microbatches)
+    (loss_shape, metric_shapes), grad_shapes = jax.eval_shape(grad_fn, params, first)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss_shape, metric_shapes, grad_shapes))
+    totals, _ = jax.lax.scan(step, zeros, microbatches)
+    return totals
+
+
 # ----------------------------------------------------------------------------------------------
 # The loop.
 
@@ -128,9 +165,12 @@ def host_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
 def run_loop(*, desc: str, total_steps: int, state_step: Callable[[], int],
              train_step: Callable[[], dict[str, float]], evaluate: Callable[[], dict[str, float]] | None,
              save: Callable[[int, dict[str, float] | None], None], config_train, writer,
-             on_log: Callable[[int, dict[str, float]], None] | None = None) -> list[dict[str, float]]:
+             on_log: Callable[[int, dict[str, float]], None] | None = None,
+             shown: tuple[str, ...] = ("train/loss", "train/accuracy", "eval/loss", "eval/accuracy"),
+             ) -> list[dict[str, float]]:
     """Steps until `total_steps`, logging every `log_every`, evaluating every `eval_every` (and at the
-    end), checkpointing every `checkpoint_every` (and at the end). Returns the logged rows."""
+    end), checkpointing every `checkpoint_every` (and at the end). Returns the logged rows.
+    shown: the metrics on the progress bar (by their last name component)."""
     t = config_train
     history: list[dict[str, float]] = []
     progress = None
@@ -154,9 +194,7 @@ def run_loop(*, desc: str, total_steps: int, state_step: Callable[[], int],
                 save(step, scalars)
             if progress is not None:
                 progress.update(1)
-                shown = {k.split("/")[-1]: f"{v:.3f}" for k, v in scalars.items()
-                         if k in ("train/loss", "train/accuracy", "eval/loss", "eval/accuracy")}
-                progress.set_postfix(shown)
+                progress.set_postfix({k.split("/")[-1]: f"{v:.3f}" for k, v in scalars.items() if k in shown})
     finally:
         if progress is not None:
             progress.close()
@@ -167,13 +205,17 @@ def checkpoint_manager(workdir: str, keep: int):
     return CheckpointManager(os.path.join(workdir, "checkpoints"), max_to_keep=int(keep))
 
 
-def resume(manager, state: TrainState, shardings: TrainState, loader) -> TrainState:
-    """The latest checkpoint's state and data position, or `state` unchanged when there is none."""
+def resume(manager, state: TrainState, shardings: TrainState, loader,
+           check_extra: Callable[[dict], None] | None = None) -> TrainState:
+    """The latest checkpoint's state and data position, or `state` unchanged when there is none.
+    check_extra: called with the checkpoint's JSON extra before it is used (raises if it does not fit)."""
     if manager.latest_step() is None:
         return state
     restored = manager.restore_newest_valid(abstract_state=abstract_state(state, shardings))
     for line in restored.skipped:
         metrics_lib.warn(line)
+    if check_extra is not None:
+        check_extra(restored.extra)
     if loader is not None and "data" in restored.extra:
         loader.restore(restored.extra["data"])
     return restored.state
@@ -185,9 +227,11 @@ def batches_forever(loader) -> Iterator[Any]:
 
 
 def summary_line(trainer, history: list[dict[str, float]]) -> str:
-    """The last logged train/eval metrics of a finished run, and where its export is."""
-    logged = [row for row in history if any(k.startswith(("train/", "eval/")) for k in row)]
-    shown = {k: round(v, 4) for k, v in logged[-1].items() if k.startswith(("train/", "eval/"))} if logged else {}
+    """The last logged train/eval metrics of a finished run (`trainer.summary_prefixes`), and where
+    its export is."""
+    prefixes = trainer.summary_prefixes
+    logged = [row for row in history if any(k.startswith(prefixes) for k in row)]
+    shown = {k: round(v, 4) for k, v in logged[-1].items() if k.startswith(prefixes)} if logged else {}
     return f"done: {trainer.step} steps {shown}; Hugging Face export in {os.path.join(trainer.workdir, 'hf')}"
 
 
@@ -211,7 +255,7 @@ def data_source(path: str, records, fields: Mapping[str, str], what: str):
 
 
 class SupervisedTrainer:
-    """What the SFT and reward-model trainers share once their __init__ has built `config`,
+    """What the SFT, reward-model and DPO trainers share once their __init__ has built `config`,
     `workdir`, `mesh`, `tokenizer`, `model_config`, `state`, `loader`, `checkpoints`, `writer` and
     the jitted `_train_step`: one training step, checkpoint saves, export and shutdown.
 
@@ -221,7 +265,9 @@ class SupervisedTrainer:
 
     name: str
     export_kind: str
-    settings_type: type  # SFTSettings / RewardModelSettings
+    settings_type: type  # SFTSettings / RewardModelSettings / DPOSettings
+    progress_keys: tuple[str, ...] = ("train/loss", "train/accuracy", "eval/loss", "eval/accuracy")  # on the bar
+    summary_prefixes: tuple[str, ...] = ("train/", "eval/")  # metrics in the command line's last line
 
     def _start(self, config, workdir: str, mesh):
         """Validated settings, the workdir and the mesh: the first lines of every __init__, before
@@ -240,6 +286,15 @@ class SupervisedTrainer:
                                          f"tokenizer_path or model.path")
         return hf.load_tokenizer(path)
 
+    def _causal_lm_params(self):
+        """(params, shardings) of the causal LM at model.path, or of a fresh `self.module` (seeded)."""
+        m = self.settings.model
+        if m.path:
+            loaded = hf.load_model(m.path, self.mesh, kind="causal_lm", param_dtype=m.param_dtype or None,
+                                   dtype=m.dtype or None, execution=self.model_config.execution())
+            return loaded.params, jax.tree.map(lambda x: x.sharding, loaded.params)
+        return init_params(self.module, jax.random.key(self.settings.seed), self.mesh)
+
     @property
     def params(self):
         return self.state.params
@@ -251,10 +306,15 @@ class SupervisedTrainer:
     def _place(self, tree):
         return sharding.put_local_batch(tree, self.mesh)
 
+    def _device_batch(self, batch):
+        """A host batch as the jitted step takes it: placed on the mesh (DPO adds the reference's
+        log-probs)."""
+        return self._place(batch)
+
     def train_step(self) -> dict[str, float]:
         """One optimizer step on the next batch; its metrics and the loader's, as host floats."""
         batch = next(self.loader)
-        self.state, metrics = self._train_step(self.state, self._place(batch))
+        self.state, metrics = self._train_step(self.state, self._device_batch(batch))
         scalars = host_scalars(metrics)
         scalars.update(self.loader.metrics())
         return scalars
@@ -264,11 +324,16 @@ class SupervisedTrainer:
         return run_loop(desc=self.name.replace("_", " "), total_steps=self.settings.train.steps,
                         state_step=lambda: self.step, train_step=self.train_step,
                         evaluate=self.evaluate if self.eval_source is not None else None,
-                        save=self.save, config_train=self.settings.train, writer=self.writer)
+                        save=self.save, config_train=self.settings.train, writer=self.writer,
+                        shown=self.progress_keys)
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        """The JSON saved beside each step's state: the data position (subclasses add to it)."""
+        return {"data": self.loader.state()}
 
     def save(self, step: int, scalars=None) -> None:
         if step not in self.checkpoints.all_steps():
-            self.checkpoints.save(step, self.state, extra={"data": self.loader.state()}, force=True)
+            self.checkpoints.save(step, self.state, extra=self.checkpoint_extra(), force=True)
 
     def export(self, out_dir: str | None = None) -> str:
         """The current params as a Hugging Face model of `export_kind`, with the tokenizer; default

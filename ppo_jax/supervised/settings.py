@@ -1,7 +1,8 @@
-"""SFT and reward-model settings: their schemas (every field with its default and a one-line comment)
-and validation. `sft_config()` / `reward_model_config()` are the ConfigDicts that files under
-`configs/` start from; the trainers convert one, once, with `SFTSettings.from_config` /
-`RewardModelSettings.from_config`. Field names match the PPO settings' where the idea is the same.
+"""SFT, reward-model and DPO settings: their schemas (every field with its default and a one-line
+comment) and validation. `sft_config()` / `reward_model_config()` / `dpo_config()` are the ConfigDicts
+that files under `configs/` start from; the trainers convert one, once, with `SFTSettings.from_config`
+/ `RewardModelSettings.from_config` / `DPOSettings.from_config`. Field names match the PPO settings'
+where the idea is the same.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import ml_collections
 
 from ppo_jax.config import AdamWSettings, ComputeSettings, MeshSettings, RunSettings, check, config_dict
 from ppo_jax.models.config import ModelConfig
+from ppo_jax.supervised.dpo_loss import LOSS_TYPES
 
 NORMALIZE_SOURCES = ("none", "policy", "preferences")
 
@@ -49,6 +51,18 @@ class SupervisedTrainSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class DPOTrainSettings(SupervisedTrainSettings):
+    num_microbatches: int = 1  # gradient-accumulation slices per batch: the same update in less memory
+
+    def validate(self, what: str) -> None:
+        super().validate(what)
+        check(self.num_microbatches >= 1, f"{what}: train.num_microbatches must be >= 1, got {self.num_microbatches}")
+        check(self.batch_size % self.num_microbatches == 0,
+              f"{what}: train.batch_size={self.batch_size} does not split into train.num_microbatches="
+              f"{self.num_microbatches} equal microbatches")
+
+
+@dataclasses.dataclass(frozen=True)
 class SupervisedOptimSettings(AdamWSettings):
     """AdamW (the shared fields: `ppo_jax.config.AdamWSettings`)."""
 
@@ -80,6 +94,25 @@ class PreferenceDataSettings:
     # without EOS, as an unfinished rollout is)
     max_response_length: int = 32
     truncation: str = "left"  # over-long examples: "left" (cut and count them) or "error"
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOLossSettings:
+    type: str = "sigmoid"  # "sigmoid" (DPO; conservative DPO with label_smoothing > 0) or "ipo" (on per-token mean log-ratios, as TRL)
+    beta: float = 0.1  # strength of the implicit KL leash to the reference: larger stays closer
+    label_smoothing: float = 0.0  # conservative DPO: the assumed chance a label is flipped, in [0, 0.5); sigmoid only
+    sft_coef: float = 0.0  # weight of the chosen answers' token-mean NLL added to the loss (RPO); 0 = none
+
+    def validate(self, what: str) -> None:
+        check(self.type in LOSS_TYPES, f"{what}: loss.type={self.type!r}: use one of {LOSS_TYPES}")
+        check(self.beta > 0, f"{what}: loss.beta must be > 0, got {self.beta}")
+        check(0 <= self.label_smoothing < 0.5,
+              f"{what}: loss.label_smoothing must be in [0, 0.5) (0.5 would make every label a coin flip), "
+              f"got {self.label_smoothing}")
+        check(self.type == "sigmoid" or self.label_smoothing == 0,
+              f"{what}: loss.label_smoothing={self.label_smoothing} applies to loss.type='sigmoid' only, "
+              f"not {self.type!r}")
+        check(self.sft_coef >= 0, f"{what}: loss.sft_coef must be >= 0, got {self.sft_coef}")
 
 
 def _validate_lengths(d, what: str) -> None:
@@ -147,6 +180,28 @@ class RewardModelSettings(RunSettings):
             check(n.temperature > 0, f"{what}: normalize.temperature must be > 0, got {n.temperature}")
 
 
+@dataclasses.dataclass(frozen=True)
+class DPOSettings(RunSettings):
+    seed: int = 0  # seeds a fresh model's init and the data order
+    mesh: MeshSettings = MeshSettings()
+    compute: ComputeSettings = ComputeSettings()  # attention kernel, layer loop, remat
+    # model.path: the causal LM to start from (usually the SFT model); it is also the frozen reference
+    model: ModelSettings = ModelSettings()
+    tokenizer_path: str = ""  # Hugging Face tokenizer directory; "" = model.path's (a tokenizer passed in code wins)
+    data: PreferenceDataSettings = PreferenceDataSettings()
+    loss: DPOLossSettings = DPOLossSettings()
+    train: DPOTrainSettings = DPOTrainSettings(steps=500)
+    optim: SupervisedOptimSettings = SupervisedOptimSettings(lr=1e-4)
+
+    def validate(self) -> None:
+        what = "dpo"
+        self.compute.validate(f"{what}: compute")
+        self.train.validate(what)
+        self.optim.validate(f"{what}: optim", {"lr": self.optim.lr})
+        self.loss.validate(what)
+        _validate_lengths(self.data, what)
+
+
 def sft_config() -> ml_collections.ConfigDict:
     """Default SFT config: every field commented (above). Files under configs/ override what they need."""
     return config_dict(SFTSettings())
@@ -155,3 +210,8 @@ def sft_config() -> ml_collections.ConfigDict:
 def reward_model_config() -> ml_collections.ConfigDict:
     """Default reward-model config: every field commented (above). Files under configs/ override it."""
     return config_dict(RewardModelSettings())
+
+
+def dpo_config() -> ml_collections.ConfigDict:
+    """Default DPO config: every field commented (above). Files under configs/ override it."""
+    return config_dict(DPOSettings())

@@ -22,7 +22,7 @@ from ppo_jax import data as data_lib
 from ppo_jax import metrics as metrics_lib
 from ppo_jax import sharding
 from ppo_jax.config import ConfigError
-from ppo_jax.models import CausalLM, boxed_params, hf, init_params, positions_from_mask
+from ppo_jax.models import CausalLM, boxed_params, positions_from_mask
 from ppo_jax.optim import make_optimizer
 from ppo_jax.supervised import base as supervised
 from ppo_jax.supervised.settings import SFTSettings, sft_config  # noqa: F401  (sft_config: the defaults)
@@ -105,13 +105,7 @@ class SFTTrainer(supervised.SupervisedTrainer):
                                          kinds=("causal_lm",), compute=s.compute)
         self.model_config = cfg
         self.module = CausalLM(cfg)
-        if s.model.path:
-            loaded = hf.load_model(s.model.path, self.mesh, kind="causal_lm", param_dtype=s.model.param_dtype or None,
-                                   dtype=s.model.dtype or None, execution=cfg.execution())
-            params = loaded.params
-            param_shardings = jax.tree.map(lambda x: x.sharding, params)
-        else:
-            params, param_shardings = init_params(self.module, jax.random.key(s.seed), self.mesh)
+        params, param_shardings = self._causal_lm_params()
 
         self.prompt_tokenizer = data_lib.PromptTokenizer(
             self.tokenizer, max_prompt_length=d.max_prompt_length, truncation=d.truncation,

@@ -1,0 +1,237 @@
+"""Direct preference optimisation: the policy learns from (prompt, chosen, rejected) pairs directly,
+with no reward model and no sampling, held near a frozen reference (the initial policy) by beta.
+
+    trainer = DPOTrainer(dpo_config(), workdir, tokenizer=tok, train_records=[{"prompt", "chosen", "rejected"}, ...])
+    trainer.train()            # -> logged rows; <workdir>/hf is the fine-tuned causal LM
+
+Each step: one jitted forward of the frozen reference over the batch gives its per-sequence log-probs;
+then the policy's loss and gradient are accumulated over `train.num_microbatches` slices of the batch
+(each normalised by whole-batch counts, so the update is the same for any slicing) and applied once.
+The losses themselves (sigmoid DPO, conservative DPO, IPO, the optional NLL term) are pure functions
+in `ppo_jax.supervised.dpo_loss`. Metrics carry TRL's names (`rewards/chosen`, ..., `loss`).
+
+Shapes: B pairs, L = data.max_prompt_length + data.max_response_length (one static length, one
+compiled step). Sequences are prompt + response (+ EOS), left-padded (`ppo_jax.data`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from ppo_jax import data as data_lib
+from ppo_jax import metrics as metrics_lib
+from ppo_jax import sharding
+from ppo_jax.checkpoint import verify
+from ppo_jax.config import ConfigError
+from ppo_jax.models import CausalLM, boxed_params
+from ppo_jax.optim import make_optimizer
+from ppo_jax.ppo.stats import finalize_metrics
+from ppo_jax.supervised import base as supervised
+from ppo_jax.supervised.dpo_loss import Pair, dpo_loss
+from ppo_jax.supervised.settings import DPOLossSettings, DPOSettings, dpo_config  # noqa: F401  (dpo_config: the defaults)
+from ppo_jax.supervised.sft import response_token_nll
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class DPOBatch:
+    """Preference pairs ([B, L] each) and the frozen reference's summed log-probs of them (Pair [B])."""
+
+    pairs: data_lib.PreferenceBatch
+    reference: Pair
+
+
+def sequence_logps(model: CausalLM, params, tokens: Array, mask: Array, response_mask: Array):
+    """(log p(response | prompt) [B], response tokens [B]) of left-padded sequences [B, L]: the sum
+    of the response tokens' log-probs (EOS included); prompt and padding count for nothing."""
+    nll, _, weight = response_token_nll(model, params, tokens, mask, response_mask)
+    return -nll.sum(-1), weight.sum(-1)
+
+
+def pair_logps(model: CausalLM, params, pairs: data_lib.PreferenceBatch) -> tuple[Pair, Pair]:
+    """(summed response log-probs, response token counts), each a Pair [B], from one [2B, L] forward."""
+    b = pairs.chosen_tokens.shape[0]
+    both = [jnp.concatenate([c, r], axis=0) for c, r in (
+        (pairs.chosen_tokens, pairs.rejected_tokens), (pairs.chosen_mask, pairs.rejected_mask),
+        (pairs.chosen_response_mask, pairs.rejected_response_mask))]
+    logps, tokens = sequence_logps(model, params, *both)
+    return Pair(chosen=logps[:b], rejected=logps[b:]), Pair(chosen=tokens[:b], rejected=tokens[b:])
+
+
+def make_loss_fn(model: CausalLM, hp: DPOLossSettings, batch: DPOBatch, weight: Array | None = None,
+                 num_pairs=None, num_tokens=None):
+    """params -> (loss, SumCount metrics) of `batch` under the configured loss."""
+
+    def loss_fn(params):
+        policy, tokens = pair_logps(model, params, batch.pairs)
+        return dpo_loss(policy, batch.reference, tokens, loss_type=hp.type, beta=hp.beta,
+                        label_smoothing=hp.label_smoothing, sft_coef=hp.sft_coef, weight=weight,
+                        num_pairs=num_pairs, num_tokens=num_tokens)
+
+    return loss_fn
+
+
+def make_train_step(model: CausalLM, tx, hp: DPOLossSettings, num_microbatches: int, batch_sharding):
+    """(state, DPOBatch) -> (state, metrics): one optimizer step, gradients accumulated over
+    `num_microbatches` slices, each normalised by the whole batch's pair and chosen-token counts."""
+
+    def train_step(state: supervised.TrainState, batch: DPOBatch):
+        num_pairs = batch.reference.chosen.shape[0]
+        num_tokens = batch.pairs.chosen_response_mask.sum().astype(jnp.float32)
+        loss, metrics, grads = supervised.accumulate_gradients(
+            lambda params, mb: make_loss_fn(model, hp, mb, num_pairs=num_pairs, num_tokens=num_tokens)(params),
+            state.params, supervised.split_microbatches(batch, num_microbatches), batch_sharding)
+        metrics = finalize_metrics(metrics)
+        del metrics["pair_loss"]  # = loss (less sft_coef * nll_loss)
+        metrics.update(loss=loss, grad_norm=optax.tree.norm(grads))
+        return supervised.apply_gradients(tx, state, grads), metrics
+
+    return train_step
+
+
+def make_eval_step(model: CausalLM, hp: DPOLossSettings):
+    """(params, DPOBatch, valid [B]) -> SumCount metrics over the valid pairs (an eval pass adds them)."""
+
+    def eval_step(params, batch: DPOBatch, valid: Array):
+        _, metrics = make_loss_fn(model, hp, batch, weight=valid)(params)
+        return metrics
+
+    return eval_step
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer.
+
+
+class DPOTrainer(supervised.SupervisedTrainer):
+    """Builds the policy, its frozen reference, data and jitted steps once from a config; `train()`
+    runs the loop and exports the policy to <workdir>/hf."""
+
+    name = "dpo"
+    settings_type = DPOSettings
+    export_kind = "causal_lm"
+    progress_keys = ("loss", "rewards/accuracies", "eval/loss", "eval/rewards/accuracies")
+    summary_prefixes = ("loss", "rewards/", "logps/", "eval/")
+
+    def __init__(self, config, workdir: str, *, tokenizer=None,
+                 train_records: Sequence[Mapping[str, Any]] | None = None,
+                 eval_records: Sequence[Mapping[str, Any]] | None = None, mesh=None):
+        """config: a DPO ConfigDict (`dpo_config()` and overrides) or `DPOSettings`, converted and
+        validated here, once. train_records / eval_records: data given in code instead of files."""
+        s = self._start(config, workdir, mesh)
+        micro = s.train.batch_size // s.train.num_microbatches
+        divisor = sharding.batch_divisor(self.mesh)
+        if micro % divisor:
+            raise ConfigError(f"dpo: a microbatch of {micro} pairs (train.batch_size / train.num_microbatches) does "
+                              f"not split over the {divisor} data-parallel devices; make it a multiple of {divisor}")
+        d = s.data
+        fields = {"prompt": d.prompt_field, "chosen": d.chosen_field, "rejected": d.rejected_field}
+        train_source = supervised.data_source(d.train, train_records, fields, "dpo train data")
+        if train_source is None:
+            raise ConfigError("dpo: no training data; set data.train (a JSONL file of prompt/chosen/rejected) "
+                              "or pass train_records")
+        self.eval_source = supervised.data_source(d.eval, eval_records, fields, "dpo eval data")
+        self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
+
+        self.length = d.max_prompt_length + d.max_response_length
+        cfg, _ = supervised.model_config(s.model, self.tokenizer, what="dpo", length=self.length,
+                                         kinds=("causal_lm",), compute=s.compute)
+        self.model_config = cfg
+        self.module = CausalLM(cfg)
+        params, param_shardings = self._causal_lm_params()
+        # The reference is the initial policy, a real copy: the policy's buffers are donated each step.
+        self.reference = sharding.copy_tree(params, param_shardings)
+        self._reference_record: dict | None = None  # its checksums, computed at the first save
+
+        self.prompt_tokenizer = data_lib.PromptTokenizer(
+            self.tokenizer, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
+            max_response_length=d.max_response_length)
+        self.loader = data_lib.PromptLoader(train_source, self.prompt_tokenizer, s.train.batch_size,
+                                            kind="preference", seed=s.seed)
+        self.tx = make_optimizer(s.optim, s.optim.lr, s.train.steps)
+        self.state, self.state_shardings = supervised.init_train_state(
+            params, param_shardings, boxed_params(self.module), self.tx, self.mesh)
+        self.checkpoints = supervised.checkpoint_manager(workdir, s.train.keep_checkpoints)
+        self.state = supervised.resume(self.checkpoints, self.state, self.state_shardings, self.loader,
+                                       check_extra=self._check_reference)
+
+        data_sh = sharding.data_sharding(self.mesh)
+        replicated = sharding.replicated(self.mesh)
+        pairs_sh = data_lib.PreferenceBatch(*([data_sh] * 6))
+        batch_sh = DPOBatch(pairs=pairs_sh, reference=Pair(chosen=data_sh, rejected=data_sh))
+        self._reference_logps = sharding.on_mesh(jax.jit(
+            lambda p, pairs: pair_logps(self.module, p, pairs)[0], in_shardings=(param_shardings, pairs_sh),
+            out_shardings=batch_sh.reference), self.mesh)
+        self._train_step = sharding.on_mesh(jax.jit(
+            make_train_step(self.module, self.tx, s.loss, s.train.num_microbatches, data_sh),
+            in_shardings=(self.state_shardings, batch_sh), out_shardings=(self.state_shardings, replicated),
+            donate_argnums=(0,)), self.mesh)
+        self._eval_step = sharding.on_mesh(jax.jit(
+            make_eval_step(self.module, s.loss), in_shardings=(param_shardings, batch_sh, data_sh),
+            out_shardings=replicated), self.mesh)
+        self.writer = metrics_lib.MetricWriter(workdir, resume_step=self.step)  # drops rows past the checkpoint
+
+    # -- the reference
+
+    def _device_batch(self, pairs: data_lib.PreferenceBatch) -> DPOBatch:
+        """Placed pairs and the reference's log-probs of them (one jitted forward)."""
+        pairs = self._place(pairs)
+        return DPOBatch(pairs=pairs, reference=self._reference_logps(self.reference, pairs))
+
+    def _reference_checksums(self) -> dict:
+        if self._reference_record is None:
+            self._reference_record = verify.record(self.reference)
+        return self._reference_record
+
+    def _check_reference(self, extra: dict) -> None:
+        """The checkpoints' steps were taken against one reference; resuming against another (a changed
+        model.path) would silently train a different objective."""
+        recorded = extra.get("reference")
+        if recorded is None:
+            return
+        changed = verify.mismatches(self.reference, recorded)
+        if changed:
+            raise ConfigError(
+                f"dpo: the checkpoints in {self.checkpoints.directory} were trained against another reference "
+                f"model than model.path={self.settings.model.path!r} gives ({len(changed)} tensors differ, e.g. "
+                f"{changed[0]}); resume with the original model.path or start in a new workdir")
+        self._reference_record = recorded
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        return {**super().checkpoint_extra(), "reference": self._reference_checksums()}
+
+    # -- steps
+
+    def evaluate(self) -> dict[str, float]:
+        """Loss and the TRL metrics (rewards/accuracies, margins, ...) over every eval pair (or
+        train.eval_batches batches), as `eval/<name>`."""
+        if self.eval_source is None:
+            return {}
+        totals = None
+        for i, records in enumerate(data_lib.iterate_once(self.eval_source, self.settings.train.batch_size)):
+            if self.settings.train.eval_batches and i >= self.settings.train.eval_batches:
+                break
+            batch = self._device_batch(self.prompt_tokenizer.preferences(records.records, length=self.length))
+            out = self._eval_step(self.state.params, batch, self._place(records.valid))
+            totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
+        metrics = {k: float(v) for k, v in jax.device_get(finalize_metrics(totals)).items()}
+        metrics["loss"] = metrics.pop("pair_loss") + self.settings.loss.sft_coef * metrics.get("nll_loss", 0.0)
+        metrics["pairs"] = float(jax.device_get(totals["pair_loss"].count))
+        return {f"eval/{k}": v for k, v in metrics.items()}
+
+    def train(self) -> list[dict[str, float]]:
+        """Runs to train.steps (resuming from the latest checkpoint), then exports to <workdir>/hf."""
+        try:
+            history = self.run_steps()
+        finally:
+            self.close()
+        if self.settings.train.export:
+            self.export()
+        return history
