@@ -33,18 +33,29 @@ class Sampler:
         batch = sharding.data_sharding(mesh)
         out_shardings = SampleOutput(**{f.name: batch for f in dataclasses.fields(SampleOutput)})
 
-        def run(params, adapters, prompt_tokens, prompt_mask, key):
+        self.takes_adapters = adapter_shardings is not None
+
+        def run(params, prompt_tokens, prompt_mask, key, adapters=None):
             self.trace_count += 1  # Python side effect: runs once per trace, never per call
             return sample(params, prompt_tokens, prompt_mask, key, model=model, config=config, adapters=adapters)
 
-        self.jitted = jax.jit(
-            run, in_shardings=(param_shardings, adapter_shardings, batch, batch, sharding.replicated(mesh)),
-            out_shardings=out_shardings)
+        # Adapters go last and only when the sampler takes them, so the lowered / compiled program of
+        # a base sampler keeps its (params, prompt_tokens, prompt_mask, key) signature.
+        in_shardings = (param_shardings, batch, batch, sharding.replicated(mesh))
+        in_shardings += (adapter_shardings,) if self.takes_adapters else ()
+        self.jitted = jax.jit(run, in_shardings=in_shardings, out_shardings=out_shardings)
 
     @property
     def batch_multiple(self) -> int:
         """The prompt batch must be a multiple of this: the ways the mesh splits the batch (data x fsdp)."""
         return sharding.batch_divisor(self.mesh)
+
+    def _args(self, params, prompt_tokens, prompt_mask, key, adapters) -> tuple:
+        if (adapters is not None) != self.takes_adapters:
+            raise ValueError("this sampler was made with adapter_shardings and must be given adapters" if
+                             self.takes_adapters else "this sampler decodes the base: make it with "
+                             "adapter_shardings to pass adapters")
+        return (params, prompt_tokens, prompt_mask, key) + ((adapters,) if self.takes_adapters else ())
 
     def _check(self, prompt_tokens, prompt_mask) -> None:
         validate_inputs(self.model, self.config, np.shape(prompt_tokens), np.shape(prompt_mask))
@@ -58,13 +69,13 @@ class Sampler:
     def __call__(self, params, prompt_tokens, prompt_mask, key, adapters=None) -> SampleOutput:
         self._check(prompt_tokens, prompt_mask)
         with sharding.mesh_context(self.mesh):
-            return self.jitted(params, adapters, prompt_tokens, prompt_mask, key)
+            return self.jitted(*self._args(params, prompt_tokens, prompt_mask, key, adapters))
 
     def lower(self, params, prompt_tokens, prompt_mask, key, adapters=None):
         """The lowered program (for `.compile().memory_analysis()` and cost reports)."""
         self._check(prompt_tokens, prompt_mask)
         with sharding.mesh_context(self.mesh):
-            return self.jitted.lower(params, adapters, prompt_tokens, prompt_mask, key)
+            return self.jitted.lower(*self._args(params, prompt_tokens, prompt_mask, key, adapters))
 
 
 def make_sampler(model: CausalLM, config: SamplingConfig, mesh: Mesh, param_shardings: Any,
