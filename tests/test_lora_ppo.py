@@ -3,6 +3,8 @@ frozen and, with the adapters off, is the reference (no reference tree exists). 
 invariants on real steps, exact resume, export (PEFT adapter and merged weights), bad configs."""
 
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -15,6 +17,8 @@ from tiny_configs import tiny_config
 
 from ppo_jax.config import ConfigError
 from ppo_jax.models import CausalLM, hf
+from ppo_jax.models.forward import response_logits, token_logprobs
+from ppo_jax.rl import plan as plan_lib
 from ppo_jax.rl.export import export_checkpoint
 from ppo_jax.rl.trainer import PPOTrainer
 
@@ -76,10 +80,31 @@ def test_update_changes_only_the_adapters_and_no_reference_exists(lora_run):
     assert set(extra["frozen_checksums"]) == {"policy_base"}
 
 
-def test_reference_logprobs_are_the_base_without_adapters(lora_run):
+def test_no_recompilation_after_first_iteration(lora_run):
+    trainer, _, _, _ = lora_run
+    assert trainer.trace_counts == {"experience": 1, "update": 1}
+    assert trainer.sampler.trace_count == 1
+
+
+def test_planner_counts_no_reference_and_adapter_optimizer_state():
+    mesh = make_test_mesh((1, 1, 1))
+    full = plan_lib.plan_memory(tiny_config(), mesh, phases=("experience",))
+    lora = plan_lib.plan_memory(lora_config(1), mesh, phases=("update",))
+    assert lora.params["reference"] == 0 and full.params["reference"] == full.params["policy"]
+    assert lora.params["policy"] > full.params["policy"]  # the base plus the adapters
+    assert 0 < lora.optimizer["policy"] < full.optimizer["policy"] / 4
+    assert "the base is the reference" in plan_lib.format_plan(lora)
+
+
+def test_reference_logprobs_are_the_initial_base_without_adapters(lora_run):
     trainer, _, (base_before, _), _ = lora_run
-    rollout, exp = trainer._last_rollout
-    ref_logp, _ = trainer.score_responses(rollout.prompt_tokens, rollout.prompt_mask, rollout.tokens, rollout.mask)
+    r, exp = trainer._last_rollout
+    # The untrained base (snapshot before iteration 1), adapters off, gives the last iteration's reference.
+    logits = response_logits(trainer.modules.policy, base_before, r.prompt_tokens, r.prompt_mask, r.tokens, r.mask,
+                             trainer.hp.temperature)
+    np.testing.assert_allclose(np.asarray(token_logprobs(logits, r.tokens, r.mask)), np.asarray(exp.ref_logprobs),
+                               atol=1e-6, rtol=0)
+    ref_logp, _ = trainer.score_responses(r.prompt_tokens, r.prompt_mask, r.tokens, r.mask)
     np.testing.assert_array_equal(np.asarray(ref_logp), np.asarray(exp.ref_logprobs))
 
 
@@ -125,7 +150,10 @@ def test_export_as_peft_adapter_and_merged_match_our_logits(lora_run, tmp_path):
     merged = export_checkpoint(str(workdir), str(tmp_path / "merged"), lora_format="merged")
     np.testing.assert_allclose(_torch_logits(transformers.AutoModelForCausalLM.from_pretrained(merged)), ours,
                                atol=1e-5, rtol=0)
-    adapter = export_checkpoint(str(workdir), str(tmp_path / "adapter"), lora_format="adapter")
+    adapter = str(tmp_path / "adapter")  # through the command line, as users export
+    out = subprocess.run([sys.executable, "-m", "ppo_jax.cli.export", f"--checkpoint={workdir}", f"--out={adapter}",
+                          "--lora=adapter"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
     assert sorted(os.listdir(adapter)) == ["adapter_config.json", "adapter_model.safetensors"]
     # The run's base was a random init (no policy.path): export it to give PEFT something to load onto.
     base_dir = hf.export_model(tmp_path / "base", cfg.replace(lora=None), trainer.frozen.policy)

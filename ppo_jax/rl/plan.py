@@ -381,7 +381,8 @@ def format_plan(plan: MemoryPlan, device_memory_bytes: float | None = None) -> s
     lines = [
         f"Memory plan: mesh (data={d}, fsdp={f}, tensor={t}) = {plan.num_devices} devices; "
         f"compiled by XLA:{plan.platform.upper()} for {plan.device_kind}",
-        _model_line("policy", plan.policy_model) + "  (reference: same)",
+        _model_line("policy", plan.policy_model) + ("  (reference: same)" if plan.params["reference"] else
+                                                     "  (LoRA: adapters on a frozen base; the base is the reference)"),
         _model_line("reward", plan.reward_model) + f"  ({plan.reward_source})",
         (_model_line("value", plan.value_model) + f"  (from the {plan.value_init})") if plan.value_model
         else "value   none (critic-free estimator)",
