@@ -15,6 +15,7 @@ import transformers
 from conftest import make_test_mesh
 from tiny_configs import tiny_config
 
+from ppo_jax.checkpoint import CheckpointError
 from ppo_jax.config import ConfigError
 from ppo_jax.models import CausalLM, hf
 from ppo_jax.models.forward import response_logits, token_logprobs
@@ -177,3 +178,22 @@ def test_bad_lora_config_fails_before_compiling_with_its_message(overrides, mess
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         PPOTrainer(config, str(tmp_path / "run"), mesh=make_test_mesh((1, 1, 1)))
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_bf16_base_with_fp32_adapters_trains(tmp_path):
+    """The frozen base in any dtype: a bf16 base, fp32 adapters (the trainable master weights)."""
+    config = lora_config(1, **{"policy.param_dtype": "bfloat16"})
+    trainer = PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
+    history = trainer.train()
+    assert {x.dtype for x in jax.tree.leaves(trainer.frozen.policy)} == {np.dtype("bfloat16")}
+    assert {x.dtype for x in jax.tree.leaves(trainer.state.policy)} == {np.dtype("float32")}
+    assert history[0]["objective/kl"] == 0.0 and history[0]["first_minibatch/ratio"] == 1.0
+
+
+def test_resume_against_another_base_is_refused(tmp_path):
+    trainer = trainer_for(tmp_path, 1)
+    trainer.train()
+    trainer.close()
+    # Another seed inits another base: the checkpoint's base checksums no longer match.
+    with pytest.raises(CheckpointError, match="were trained on another base policy than the one seed=1"):
+        PPOTrainer(lora_config(2, seed=1), str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
