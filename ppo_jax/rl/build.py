@@ -187,8 +187,8 @@ class Steps:
 
     sampler: rollout sampling; experience_jit(state, frozen, rollout) -> (Experience, metrics);
     update_jit(state, frozen.policy, experience) -> (state, metrics), the state donated (the LoRA base,
-    None without LoRA, never). trace_counts counts the
-    traces of the two jitted steps (the sampler counts its own).
+    None without LoRA, never). trace_counts counts the traces of the two jitted steps (the sampler
+    counts its own).
     """
 
     sampling_config: sampling.SamplingConfig

@@ -3,8 +3,9 @@
 The output holds config.json, model.safetensors and the run's tokenizer; `transformers` loads it
 with `from_pretrained`. A LoRA policy (policy.lora.rank > 0) is written either merged (full weights,
 adapters folded into the frozen base: the same kind of directory) or as a PEFT adapter directory
-(adapter_config.json + adapter_model.safetensors, for `peft.PeftModel.from_pretrained` on the base). The directory is written beside its destination and renamed at the end, so an
-interrupted export leaves nothing half-written. Command line: `ppo_jax.cli.export`.
+(adapter_config.json + adapter_model.safetensors, for `peft.PeftModel.from_pretrained` on the base).
+The directory is written beside its destination and renamed at the end, so an interrupted export
+leaves nothing half-written. Command line: `ppo_jax.cli.export`.
 """
 
 from __future__ import annotations
