@@ -197,3 +197,21 @@ def test_resume_against_another_base_is_refused(tmp_path):
     # Another seed inits another base: the checkpoint's base checksums no longer match.
     with pytest.raises(CheckpointError, match="were trained on another base policy than the one seed=1"):
         PPOTrainer(lora_config(2, seed=1), str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
+
+
+def test_learning_rate_zero_keeps_the_policy_the_base_exactly(tmp_path):
+    config = lora_config(2, **{"optim.policy_lr": 0.0, "optim.value_lr": 0.0})
+    trainer = PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
+    before = jax.device_get(trainer.state.policy)
+    history = trainer.train()
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(trainer.state.policy))):
+        np.testing.assert_array_equal(a, b)
+    for row in history:  # B stays 0: the policy is the reference bit for bit
+        assert row["objective/kl"] == 0.0
+
+
+def test_sampler_refuses_a_call_without_its_adapters(lora_run):
+    trainer, _, _, _ = lora_run
+    tokens, _, mask = _tokens()
+    with pytest.raises(ValueError, match="must be given adapters"):
+        trainer.sampler(trainer.frozen.policy, tokens[:, :8], mask[:, :8], jax.random.key(0))
