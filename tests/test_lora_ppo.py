@@ -215,3 +215,14 @@ def test_sampler_refuses_a_call_without_its_adapters(lora_run):
     tokens, _, mask = _tokens()
     with pytest.raises(ValueError, match="must be given adapters"):
         trainer.sampler(trainer.frozen.policy, tokens[:, :8], mask[:, :8], jax.random.key(0))
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2, 2)], ids=lambda s: "mesh" + "x".join(map(str, s)))
+def test_sharded_meshes_give_the_same_metrics(lora_run, mesh_shape, tmp_path):
+    """Adapters and the frozen base sharded over data / fsdp / tensor axes: the same run."""
+    _, expected, _, _ = lora_run
+    history = PPOTrainer(lora_config(3), str(tmp_path), mesh=make_test_mesh(mesh_shape)).train()
+    for want, got in zip(expected, history):
+        for key, value in want.items():
+            if not key.startswith(("time/", "perf/")):  # the tolerances of tests/test_trainer.py
+                np.testing.assert_allclose(got[key], value, rtol=2e-3, atol=2e-4, err_msg=key)
