@@ -180,10 +180,6 @@ class Settings(RunSettings):
     def uses_critic(self) -> bool:
         return self.ppo.advantage_estimator == "gae"
 
-    @property
-    def uses_lora(self) -> bool:
-        return self.policy.lora.rank != 0
-
     def validate(self, *, reward_in_code: bool = False) -> None:
         """Every value that needs no mesh, model or tokenizer; the rest is in `derive_sizes`.
 
@@ -201,8 +197,7 @@ class Settings(RunSettings):
         check(r.top_k >= 0, f"rollout.top_k must be >= 0 (0 = off), got {r.top_k}")
         check(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
         self.compute.validate()
-        check(self.policy.lora.rank >= 0, f"policy.lora.rank must be >= 0 (0: LoRA off), got {self.policy.lora.rank}")
-        self.policy.lora.lora_config()  # targets and alpha (the model family is checked with the model)
+        self.policy.lora.lora_config()  # LoraConfig's checks (the model family is checked with the model)
         check(r.decode in DECODE_LOOPS, f"rollout.decode={r.decode!r}: use one of {sorted(DECODE_LOOPS)}")
         stop_token_ids(r, None)  # parses
         check(p.advantage_estimator in ESTIMATORS,
