@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from ppo_jax import ppo, sampling, sharding
-from ppo_jax.sharding import copy_tree
+from ppo_jax.checkpoint import CheckpointError, verify
 from ppo_jax.config import ConfigError, override_dtypes
-from ppo_jax.models import CausalLM, ModelConfig, ScalarModel, boxed_params, hf, init_params
+from ppo_jax.models import CausalLM, ModelConfig, ScalarModel, boxed_params, hf, init_adapters, init_params
 from ppo_jax.optim import make_optimizer
 from ppo_jax.rl.experience import make_experience_fn
 from ppo_jax.rl.settings import DerivedSizes, PPOHyper, Settings, sampling_config
@@ -24,9 +24,27 @@ from ppo_jax.rl.state import Experience, FrozenParams, Rollout, TrainState
 from ppo_jax.rl.update import make_update_fn
 
 
+@dataclasses.dataclass(frozen=True)
+class RunKeys:
+    """The keys a run derives from its seed (the exporter re-derives `init` to rebuild a base)."""
+
+    init: jax.Array  # the policy's random init (when no policy.path), then the LoRA adapters'
+    sample: jax.Array  # rollout sampling, folded with the iteration
+    state: jax.Array  # TrainState.key (minibatch shuffles)
+
+
+def run_keys(seed: int) -> RunKeys:
+    return RunKeys(*jax.random.split(jax.random.key(seed), 3))
+
+
 def policy_model_config(s: Settings) -> ModelConfig:
-    """The policy architecture, read without loading weights (config.json or policy.model)."""
+    """The policy architecture, read without loading weights (config.json or policy.model), with
+    policy.lora's adapters (ModelConfig.lora; None when off, whatever the model config said)."""
     cfg = hf.load_config(s.policy.path)[0] if s.policy.path else s.policy.model
+    try:
+        cfg = dataclasses.replace(cfg, lora=s.policy.lora.lora_config())
+    except ValueError as err:  # the family lacks a target (gate on GPT-2)
+        raise ConfigError(f"policy.{err}") from None
     return s.compute.apply(override_dtypes(cfg, s.policy.param_dtype, s.policy.dtype))
 
 
@@ -52,9 +70,9 @@ class Modules:
 
 def make_modules(s: Settings, policy_cfg: ModelConfig, reward_cfg: ModelConfig | None) -> Modules:
     value = None
-    if s.uses_critic:
+    if s.uses_critic:  # a full model even with a LoRA policy
         value = (ScalarModel(reward_cfg, head_init="reward") if s.value.init == "reward"
-                 else ScalarModel(policy_cfg, head_init="zero"))
+                 else ScalarModel(dataclasses.replace(policy_cfg, lora=None), head_init="zero"))
     reward = ScalarModel(reward_cfg, head_init="reward") if reward_cfg is not None else None
     return Modules(policy=CausalLM(policy_cfg), value=value, reward=reward)
 
@@ -76,9 +94,11 @@ def abstract_train_state(s: Settings, modules: Modules, policy_tx, value_tx, mes
     """(abstract TrainState of ShapeDtypeStructs carrying shardings, TrainState of shardings).
 
     Built once from `jax.eval_shape` and the logical axis rules: the shardings every step is
-    jitted with, and the target a checkpoint restores onto (whatever mesh it was saved on).
+    jitted with, and the target a checkpoint restores onto (whatever mesh it was saved on). With LoRA
+    the trainable policy is the adapters (the base: `base_shardings`).
     """
-    policy = boxed_params(modules.policy)
+    lora = modules.policy.config.lora is not None
+    policy = boxed_params(modules.policy, collection="lora" if lora else "params")
     value = boxed_params(modules.value) if modules.value is not None else None
     boxed = TrainState(
         step=jax.ShapeDtypeStruct((), jnp.int32), policy=policy,
@@ -91,24 +111,51 @@ def abstract_train_state(s: Settings, modules: Modules, policy_tx, value_tx, mes
     return abstract, shardings
 
 
-def initial_policy(s: Settings, modules: Modules, shardings: TrainState, mesh, key):
-    """The policy's starting params (also the frozen reference): policy.path (Hugging Face) or a
-    random init from `key`; the same tree every time it is built."""
+def base_shardings(modules: Modules, mesh):
+    """Shardings of the policy's full params (with LoRA: of its frozen base)."""
+    return sharding.tree_shardings(boxed_params(modules.policy), mesh)
+
+
+def initial_policy(s: Settings, modules: Modules, param_shardings, mesh, key):
+    """The policy's starting params (also the frozen reference; with LoRA, the frozen base):
+    policy.path (Hugging Face) or a random init from `key`; the same tree every time it is built."""
     if s.policy.path:
         loaded = hf.load_model(s.policy.path, mesh, kind="causal_lm", param_dtype=s.policy.param_dtype or None,
                                dtype=s.policy.dtype or None, execution=modules.policy.config.execution())
-        return jax.device_put(loaded.params, shardings.policy)
+        return jax.device_put(loaded.params, param_shardings)
     policy, _ = init_params(modules.policy, key, mesh)
     return policy
 
 
+def rebuild_lora_base(s: Settings, modules: Modules, mesh, init_key, recorded: dict | None, where: str):
+    """The frozen base a LoRA run's adapters were trained on. Checkpoints hold its checksums, not a
+    copy (it is policy.path or the seed's init, unchanged): rebuilt from that source and adopted only
+    if the checksums match. recorded: `frozen_checksums["policy_base"]` of a checkpoint in `where`."""
+    base = initial_policy(s, modules, base_shardings(modules, mesh), mesh, init_key)
+    if recorded is None or verify.mismatches(base, recorded):
+        source = f"policy.path={s.policy.path}" if s.policy.path else f"seed={s.seed}"
+        what = "record no LoRA base" if recorded is None else "were trained on another base policy"
+        raise CheckpointError(f"the checkpoints in {where} {what} than the one {source} gives now (checksums "
+                              "differ); use the original policy and seed, or a new workdir")
+    return base
+
+
+def initial_adapters(modules: Modules, mesh, key):
+    """Fresh LoRA adapters (B = 0, so the first policy is exactly the base). `key` is the run's init
+    key folded, so the adapters never share random bits with a random base init."""
+    adapters, _ = init_adapters(modules.policy, jax.random.fold_in(key, 1), mesh)
+    return adapters
+
+
 def initial_params(s: Settings, modules: Modules, shardings: TrainState, mesh, key, reward_params):
-    """Fresh policy and value params: from policy.path (Hugging Face) or a random init."""
-    policy = initial_policy(s, modules, shardings, mesh, key)
+    """Fresh policy and value params: from policy.path (Hugging Face) or a random init. With LoRA
+    the policy returned is the base (frozen); the trainable adapters come from `initial_adapters`."""
+    lora = modules.policy.config.lora is not None
+    policy = initial_policy(s, modules, base_shardings(modules, mesh) if lora else shardings.policy, mesh, key)
     value = None
     if modules.value is not None:
         if s.value.init == "reward":
-            value = copy_tree(reward_params, shardings.value)
+            value = sharding.copy_tree(reward_params, shardings.value)
         else:
             head = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
                                 nn.unbox(boxed_params(modules.value))["score"])
@@ -134,8 +181,9 @@ class Steps:
     """The three compiled phases of a PPO iteration, with their shardings and donation.
 
     sampler: rollout sampling; experience_jit(state, frozen, rollout) -> (Experience, metrics);
-    update_jit(state, experience) -> (state, metrics), the state donated. trace_counts counts the
-    traces of the two jitted steps (the sampler counts its own).
+    update_jit(state, frozen.policy, experience) -> (state, metrics), the state donated (the LoRA base,
+    None without LoRA, never). trace_counts counts the traces of the two jitted steps (the sampler
+    counts its own).
     """
 
     sampling_config: sampling.SamplingConfig
@@ -154,7 +202,11 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
     batch = sharding.data_sharding(mesh)
     replicated = sharding.replicated(mesh)
     sampler_settings = sampling_config(s, stop_ids, pad_id, unroll_layers)
-    sampler = sampling.make_sampler(modules.policy, sampler_settings, mesh, state_shardings.policy)
+    if frozen_shardings.policy is None:
+        sampler = sampling.make_sampler(modules.policy, sampler_settings, mesh, state_shardings.policy)
+    else:  # LoRA: the rollout decodes the frozen base with the trainable adapters (no merged copy)
+        sampler = sampling.make_sampler(modules.policy, sampler_settings, mesh, frozen_shardings.policy,
+                                        adapter_shardings=state_shardings.policy)
     experience = make_experience_fn(modules.policy, modules.value, modules.reward, hp)
     update = make_update_fn(modules.policy, modules.value, policy_tx, value_tx, hp, sizes.rollout_rows, batch)
     rollout_sh = jax.tree.map(lambda _: batch, Rollout(*([0] * len(dataclasses.fields(Rollout)))))
@@ -170,13 +222,15 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
     experience_jit = jax.jit(traced("experience", experience),
                              in_shardings=(state_shardings, frozen_shardings, rollout_sh),
                              out_shardings=(exp_sh, replicated))
-    update_jit = jax.jit(traced("update", update), in_shardings=(state_shardings, exp_sh),
+    update_jit = jax.jit(traced("update", update), in_shardings=(state_shardings, frozen_shardings.policy, exp_sh),
                          out_shardings=(state_shardings, replicated), donate_argnums=(0,))
     return Steps(sampler_settings, sampler, experience_jit, update_jit, trace_counts)
 
 
-def frozen_shardings(state_shardings: TrainState, reward_params) -> FrozenParams:
-    """The reference lives on the policy's shardings; the reward model keeps its own."""
+def frozen_shardings(state_shardings: TrainState, reward_params, lora_base_shardings=None) -> FrozenParams:
+    """The reference lives on the policy's shardings (with LoRA there is none: the base, on
+    `lora_base_shardings`, is the reference); the reward model keeps its own."""
     return FrozenParams(
-        reference=state_shardings.policy,
-        reward=jax.tree.map(lambda x: x.sharding, reward_params) if reward_params is not None else None)
+        reference=state_shardings.policy if lora_base_shardings is None else None,
+        reward=jax.tree.map(lambda x: x.sharding, reward_params) if reward_params is not None else None,
+        policy=lora_base_shardings)

@@ -1,8 +1,11 @@
 """Export a trained policy (or value model) from a PPO checkpoint as a Hugging Face directory.
 
 The output holds config.json, model.safetensors and the run's tokenizer; `transformers` loads it
-with `from_pretrained`. The directory is written beside its destination and renamed at the end, so an
-interrupted export leaves nothing half-written. Command line: `ppo_jax.cli.export`.
+with `from_pretrained`. A LoRA policy (policy.lora.rank > 0) is written either merged (full weights,
+adapters folded into the frozen base: the same kind of directory) or as a PEFT adapter directory
+(adapter_config.json + adapter_model.safetensors, for `peft.PeftModel.from_pretrained` on the base).
+The directory is written beside its destination and renamed at the end, so an interrupted export
+leaves nothing half-written. Command line: `ppo_jax.cli.export`.
 """
 
 from __future__ import annotations
@@ -34,10 +37,16 @@ def nonfinite_tensors(params) -> list[str]:
     return [jax.tree_util.keystr(path) for path, ok in jax.tree_util.tree_leaves_with_path(flags) if not bool(ok)]
 
 
+LORA_FORMATS = ("merged", "adapter")  # a LoRA policy as full weights, or as a PEFT adapter directory
+
+
 def export_checkpoint(checkpoint: str, out: str, *, step: int | None = None, which: str = "policy",
-                      mesh=None) -> str:
+                      mesh=None, lora_format: str = "merged") -> str:
     """Restores `which` ("policy" or "value") from a PPO checkpoint and writes it as a Hugging Face
-    directory; returns its path."""
+    directory; returns its path. lora_format (LORA_FORMATS) says how a LoRA policy is written;
+    ignored otherwise."""
+    if lora_format not in LORA_FORMATS:
+        raise ValueError(f"lora_format={lora_format!r}: use one of {', '.join(LORA_FORMATS)}")
     workdir, ckpt_dir = checkpoint_dirs(checkpoint)
     if not os.path.isdir(ckpt_dir):
         raise FileNotFoundError(f"{ckpt_dir} does not exist: --checkpoint must be a PPO workdir or its "
@@ -58,6 +67,10 @@ def export_checkpoint(checkpoint: str, out: str, *, step: int | None = None, whi
         mesh = mesh or sharding.make_mesh((1, -1, 1))
         abstract, _ = build.abstract_train_state(settings, modules, policy_tx, value_tx, mesh)
         state, _ = manager.restore(step, abstract_state=abstract)
+        base = None
+        if which == "policy" and policy_cfg.lora is not None and lora_format == "merged":
+            base = build.rebuild_lora_base(settings, modules, mesh, build.run_keys(settings.seed).init,
+                                           extra.get("frozen_checksums", {}).get("policy_base"), ckpt_dir)
     finally:
         manager.close()
     params = state.policy if which == "policy" else state.value
@@ -67,6 +80,12 @@ def export_checkpoint(checkpoint: str, out: str, *, step: int | None = None, whi
                          f"in {len(bad)} of {len(jax.tree.leaves(params))} tensors, e.g. {bad[0]}); refusing to "
                          "export them")
     tokenizer = hf.load_tokenizer(os.path.join(workdir, "tokenizer"))
+    if which == "policy" and policy_cfg.lora is not None:  # state.policy holds the adapters
+        if lora_format == "adapter":
+            return str(hf.export_adapter(out, policy_cfg, state.policy,
+                                         base_model_name_or_path=settings.policy.path or None))
+        return str(hf.export_model(out, policy_cfg, base, kind="causal_lm", tokenizer=tokenizer,
+                                   adapters=state.policy))
     if which == "policy":
         return str(hf.export_model(out, policy_cfg, state.policy, kind="causal_lm", tokenizer=tokenizer))
     return str(hf.export_model(out, value.config, state.value, kind="reward", tokenizer=tokenizer))

@@ -47,7 +47,7 @@ from ppo_jax.config import ConfigError, from_config, model_config_dict
 from ppo_jax.models import KV_CACHE_AXES, ModelConfig, boxed_params, init_cache
 from ppo_jax.rl import build
 from ppo_jax.rl.settings import PPOHyper, Settings, derive_sizes, stop_token_ids
-from ppo_jax.rl.state import FrozenParams, Rollout
+from ppo_jax.rl.state import FrozenParams, Rollout, policy_variables
 
 GB = 10**9
 GIB = 2**30
@@ -285,10 +285,14 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES) -> MemoryPl
     policy_tx, value_tx = build.make_optimizers(s)
     state, state_shardings = build.abstract_train_state(s, modules, policy_tx, value_tx, mesh)
     reward = _abstract(boxed_params(modules.reward), mesh)
-    frozen = FrozenParams(reference=state.policy, reward=reward)
+    # With LoRA the trainable policy is its adapters, beside a frozen base that is also the reference.
+    base = _abstract(boxed_params(modules.policy), mesh) if policy_cfg.lora is not None else None
+    frozen = FrozenParams(reference=state.policy if base is None else None, reward=reward, policy=base)
     frozen_shardings = jax.tree.map(lambda s: s.sharding, frozen)
 
-    params = {"policy": device_bytes(state.policy), "reference": device_bytes(frozen.reference),
+    policy_bytes = device_bytes(state.policy) + (device_bytes(base) if base is not None else 0)
+    params = {"policy": policy_bytes,
+              "reference": device_bytes(frozen.reference) if base is None else 0,
               "reward": device_bytes(frozen.reward),
               "value": device_bytes(state.value) if state.value is not None else 0}
     optimizer = {"policy": device_bytes(state.policy_opt),
@@ -307,7 +311,8 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES) -> MemoryPl
                                    jnp.int32, sharding=batch_sh)
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                                sharding=sharding.replicated(mesh))
-    sampler_lowered = steps.sampler.lower(state.policy, prompts, prompts, key)
+    sampler_params, sampler_adapters = policy_variables(state.policy, base)
+    sampler_lowered = steps.sampler.lower(sampler_params, prompts, prompts, key, adapters=sampler_adapters)
     sample = sampler_lowered.out_info
     rows = sample.tokens.shape[0]
     rollout = Rollout(
@@ -318,7 +323,7 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES) -> MemoryPl
     with sharding.mesh_context(mesh):
         experience_lowered = steps.experience_jit.lower(state, frozen, rollout)
         experience = experience_lowered.out_info[0]
-        update_lowered = steps.update_jit.lower(state, experience)
+        update_lowered = steps.update_jit.lower(state, base, experience)
 
     slots = s.data.prompt_length + s.rollout.response_length - 1
     cache = jax.eval_shape(lambda: init_cache(policy_cfg, rows, slots, steps.sampling_config.cache_dtype))
@@ -376,7 +381,8 @@ def format_plan(plan: MemoryPlan, device_memory_bytes: float | None = None) -> s
     lines = [
         f"Memory plan: mesh (data={d}, fsdp={f}, tensor={t}) = {plan.num_devices} devices; "
         f"compiled by XLA:{plan.platform.upper()} for {plan.device_kind}",
-        _model_line("policy", plan.policy_model) + "  (reference: same)",
+        _model_line("policy", plan.policy_model) + ("  (reference: same)" if plan.params["reference"] else
+                                                     "  (LoRA: adapters on a frozen base; the base is the reference)"),
         _model_line("reward", plan.reward_model) + f"  ({plan.reward_source})",
         (_model_line("value", plan.value_model) + f"  (from the {plan.value_init})") if plan.value_model
         else "value   none (critic-free estimator)",

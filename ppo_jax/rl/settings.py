@@ -17,7 +17,7 @@ import ml_collections
 from ppo_jax.config import AdamWSettings, ComputeSettings, ConfigError, MeshSettings, RunSettings, check, check_positions, config_dict
 from ppo_jax.data.prompt_stream import PromptDataSettings
 from ppo_jax.distributed import DistributedSettings
-from ppo_jax.models.config import ModelConfig
+from ppo_jax.models.config import LoraConfig, ModelConfig
 from ppo_jax.sampling import SamplingConfig
 
 ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
@@ -26,14 +26,35 @@ DECODE_LOOPS = {"auto": None, "scan": False, "unrolled": True}
 
 
 @dataclasses.dataclass(frozen=True)
+class PolicyLoraSettings:
+    """LoRA on the policy: train low-rank adapters on a frozen base (the base, adapters off, is the
+    reference, so no reference copy exists)."""
+
+    rank: int = 0  # adapter rank; 0 = off (the whole policy is trained against a frozen reference copy)
+    alpha: float = 16.0  # adapter scale = alpha / rank
+    targets: str = "q,k,v,o"  # comma-separated projections to adapt: q,k,v,o,fc,proj (GPT-2) or q,k,v,o,gate,up,down (Llama family)
+
+    def lora_config(self) -> LoraConfig | None:
+        """The model's LoraConfig, None when off; raises ConfigError naming the bad field."""
+        if self.rank == 0:
+            return None
+        targets = tuple(t.strip() for t in self.targets.split(",") if t.strip())
+        try:
+            return LoraConfig(rank=self.rank, alpha=self.alpha, targets=targets)
+        except ValueError as err:  # LoraConfig's own checks, with the field's full config name
+            raise ConfigError(f"policy.{err}") from None
+
+
+@dataclasses.dataclass(frozen=True)
 class PolicySettings:
-    """The initial policy (and the reference, its frozen copy)."""
+    """The initial policy (and the reference, its frozen copy; with LoRA, the frozen base)."""
 
     path: str = ""  # initial policy: a Hugging Face model directory (e.g. written by python -m ppo_jax.cli.export), not a ppo_jax checkpoint; "" = build from policy.model
     model: ModelConfig = ModelConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4,
                                      max_position_embeddings=128)  # architecture when policy.path is ""
     param_dtype: str = ""  # override parameter dtype ("" = keep the checkpoint's / model's)
     dtype: str = ""  # override compute dtype ("" = keep)
+    lora: PolicyLoraSettings = PolicyLoraSettings()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +197,7 @@ class Settings(RunSettings):
         check(r.top_k >= 0, f"rollout.top_k must be >= 0 (0 = off), got {r.top_k}")
         check(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
         self.compute.validate()
+        self.policy.lora.lora_config()  # LoraConfig's checks (the model family is checked with the model)
         check(r.decode in DECODE_LOOPS, f"rollout.decode={r.decode!r}: use one of {sorted(DECODE_LOOPS)}")
         stop_token_ids(r, None)  # parses
         check(p.advantage_estimator in ESTIMATORS,

@@ -1,7 +1,11 @@
 """The named containers one PPO iteration passes between its phases.
 
 Shapes: B rollout rows (prompts x samples), Lq prompt length, Lr response length. Trainable state is
-donated to the update; frozen parameters (reference, reward) never are.
+donated to the update; frozen parameters (reference, reward, a LoRA policy's base) never are.
+
+With LoRA (policy.lora.rank > 0) `TrainState.policy` holds only the adapters (the "lora" collection)
+and `FrozenParams.policy` the base they apply to; the reference is that same base with the adapters
+off, so `FrozenParams.reference` is None and no copy of the policy exists.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ class TrainState:
     """Everything the update changes; donated to the update step."""
 
     step: Array  # [] int32, PPO iterations done
-    policy: Params
+    policy: Params  # the policy's params; with LoRA, its adapters only
     policy_opt: Any
     value: Params | None  # None for critic-free estimators (grpo, rloo, reinforce_pp)
     value_opt: Any
@@ -33,8 +37,20 @@ class TrainState:
 class FrozenParams:
     """Never donated, never optimised."""
 
-    reference: Params
+    reference: Params | None  # the initial policy's copy; None with LoRA (the base is the reference)
     reward: Params | None  # None when only Python reward functions score
+    policy: Params | None = None  # a LoRA policy's frozen base; None for full fine-tuning
+
+
+def policy_variables(trainable: Params, base: Params | None) -> tuple[Params, Params | None]:
+    """(params, adapters) of a policy forward: (trainable, None) for full fine-tuning, (base, trainable)
+    with LoRA, where the trainable tree is the adapters."""
+    return (trainable, None) if base is None else (base, trainable)
+
+
+def reference_params(frozen: FrozenParams) -> Params:
+    """The reference's params: its own copy, or with LoRA the base (applied without adapters)."""
+    return frozen.reference if frozen.reference is not None else frozen.policy
 
 
 @flax.struct.dataclass

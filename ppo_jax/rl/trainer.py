@@ -31,7 +31,7 @@ from ppo_jax.models import hf
 from ppo_jax.rl import build
 from ppo_jax.rl.experience import make_scoring_fn
 from ppo_jax.rl.settings import PPOHyper, Settings, derive_sizes, stop_token_ids
-from ppo_jax.rl.state import FrozenParams, Rollout
+from ppo_jax.rl.state import FrozenParams, Rollout, policy_variables
 
 Array = jax.Array
 SAMPLES_FILE = "samples.jsonl"
@@ -64,7 +64,8 @@ class PPOTrainer:
         self.workdir = str(workdir)
         self.mesh = mesh or sharding.make_mesh(s.mesh.shape)
         s.compute.enable_compilation_cache()
-        init_key, self._sample_key, state_key = jax.random.split(jax.random.key(s.seed), 3)
+        keys = build.run_keys(s.seed)
+        init_key, self._sample_key, state_key = keys.init, keys.sample, keys.state
 
         # -- Everything that can be checked is checked before any weights load or anything compiles.
         self.policy_config = build.policy_model_config(s)
@@ -92,6 +93,9 @@ class PPOTrainer:
         self.policy_tx, self.value_tx = build.make_optimizers(s)
         self.abstract_state, self.state_shardings = build.abstract_train_state(
             s, self.modules, self.policy_tx, self.value_tx, self.mesh)
+        # LoRA: the trainable policy is the adapters; the base is frozen and is also the reference.
+        self.lora = self.policy_config.lora is not None
+        self.base_shardings = build.base_shardings(self.modules, self.mesh) if self.lora else None
 
         # -- Weights: the frozen reward model, then a checkpoint to resume or fresh trainable state.
         reward_params = None
@@ -102,21 +106,27 @@ class PPOTrainer:
         # Opening the manager writes nothing; the first save does, after every input was read and checked.
         self.checkpoints = self._checkpoint_manager(checkpoint_dir) if epath.Path(checkpoint_dir).is_dir() else None
         self.resumed_from: int | None = None
-        self._init_key = init_key  # rebuilds the reference if its saved copy is lost
+        self._init_key = init_key  # rebuilds the reference (or the LoRA base) from its source
+        base = None
         if self.checkpoints is not None and self.checkpoints.all_steps():
-            self.state, reference, self.resumed_from = self._restore()
+            self.state, reference, base, self.resumed_from = self._restore()
         else:
             policy, value = build.initial_params(s, self.modules, self.state_shardings, self.mesh, init_key,
                                                  reward_params)
-            reference = build.copy_tree(policy, self.state_shardings.policy)
-            self.state = build.fresh_state(s, policy, value, state_key, self.policy_tx, self.value_tx,
-                                           self.state_shardings, self.mesh)
             if self.checkpoints is None:
                 self.checkpoints = self._checkpoint_manager(checkpoint_dir)
-            self._reference_record: dict | None = None  # its checksums, from the first save (or the check below)
-            self._reference_saved = self._adopt_saved_reference(reference)
-        self.frozen = FrozenParams(reference=reference, reward=reward_params)
-        self.frozen_shardings = build.frozen_shardings(self.state_shardings, reward_params)
+            if self.lora:  # no reference copy: the base with the adapters off is the reference
+                base, reference = policy, None
+                policy = build.initial_adapters(self.modules, self.mesh, init_key)
+                self._base_record = verify.record(base)  # identifies the base in every checkpoint
+            else:
+                reference = sharding.copy_tree(policy, self.state_shardings.policy)
+                self._reference_record: dict | None = None  # its checksums, from the first save (or the check below)
+                self._reference_saved = self._adopt_saved_reference(reference)
+            self.state = build.fresh_state(s, policy, value, state_key, self.policy_tx, self.value_tx,
+                                           self.state_shardings, self.mesh)
+        self.frozen = FrozenParams(reference=reference, reward=reward_params, policy=base)
+        self.frozen_shardings = build.frozen_shardings(self.state_shardings, reward_params, self.base_shardings)
         self.steps = build.build_steps(s, self.mesh, self.sizes, self.hp, self.modules, self.policy_tx,
                                        self.value_tx, self.state_shardings, self.frozen_shardings, self.stop_ids,
                                        int(self.tokenizer.pad_token_id))
@@ -149,7 +159,8 @@ class PPOTrainer:
                                  best_metric=t.best_metric or None, best_mode=t.best_mode)
 
     def _restore(self):
-        """(state, reference, step) of the newest checkpoint that verifies, and the data position."""
+        """(state, reference, LoRA base, step) of the newest checkpoint that verifies, and the data
+        position. With LoRA the reference is None and the base is rebuilt from its source."""
         restored = self.checkpoints.restore_newest_valid(abstract_state=self.abstract_state)
         for line in restored.skipped:
             metrics_lib.warn(line)
@@ -159,11 +170,17 @@ class PPOTrainer:
                 f"the checkpoint in {self.workdir} was trained against reward {extra.get('reward_source')} "
                 f"but the config now names {self._reward_source()}; resume with the original reward or use a "
                 "new workdir")
-        reference = self._restore_reference(extra.get("frozen_checksums", {}).get("reference"))
+        recorded = extra.get("frozen_checksums", {})
+        if self.lora:
+            self._base_record = recorded.get("policy_base")
+            reference, base = None, build.rebuild_lora_base(self.settings, self.modules, self.mesh, self._init_key,
+                                                            self._base_record, self.checkpoints.directory)
+        else:
+            reference, base = self._restore_reference(recorded.get("reference")), None
         self.prompts.restore(extra["data"])
         if self.eval_prompts is not None and extra.get("eval_data"):
             self.eval_prompts.restore(extra["eval_data"])
-        return restored.state, reference, restored.step
+        return restored.state, reference, base, restored.step
 
     def _restore_reference(self, recorded: dict | None):
         """The frozen reference the restored steps were trained against (their checksums prove it).
@@ -180,7 +197,8 @@ class PPOTrainer:
         except CheckpointError as err:  # missing, damaged, or another model's (shapes differ)
             problem = str(err)
         source = f"policy.path={self.settings.policy.path}" if self.settings.policy.path else "the seed"
-        rebuilt = build.initial_policy(self.settings, self.modules, self.state_shardings, self.mesh, self._init_key)
+        rebuilt = build.initial_policy(self.settings, self.modules, self.state_shardings.policy, self.mesh,
+                                       self._init_key)
         if recorded is None or verify.mismatches(rebuilt, recorded):
             raise CheckpointCorruptError(
                 f"{problem}; rebuilding the reference policy from {source} does not give the tree the "
@@ -216,11 +234,16 @@ class PPOTrainer:
         return source
 
     def save_checkpoint(self, force: bool = False) -> bool:
-        """Saves trainable state + data position (the reference once, in frozen/)."""
+        """Saves trainable state + data position (the reference once, in frozen/; a LoRA base never,
+        only its checksums)."""
         step = int(self.state.step)
-        if not self._reference_saved:
-            self._reference_record = self.checkpoints.save_frozen("reference", self.frozen.reference)
-            self._reference_saved = True
+        if self.lora:
+            frozen_checksums = {"policy_base": self._base_record}
+        else:
+            if not self._reference_saved:
+                self._reference_record = self.checkpoints.save_frozen("reference", self.frozen.reference)
+                self._reference_saved = True
+            frozen_checksums = {"reference": self._reference_record}
         extra = {
             "data": self.prompts.state(),
             "eval_data": self.eval_prompts.state() if self.eval_prompts is not None else None,
@@ -229,8 +252,8 @@ class PPOTrainer:
             "value_model": dataclasses.asdict(self.modules.value.config) if self.modules.value else None,
             "value_head_init": self.modules.value.head_init if self.modules.value else None,
             "reward_source": self._reward_source(),
-            # Ties the steps to the frozen tree they were trained against (checked on resume).
-            "frozen_checksums": {"reference": self._reference_record},
+            # Ties the steps to the frozen tree they were trained against (checked on resume and export).
+            "frozen_checksums": frozen_checksums,
         }
         metrics = self.history[-1] if self.history else None
         best = self.settings.train.best_metric
@@ -267,14 +290,15 @@ class PPOTrainer:
 
     def _update(self, state, exp):
         with sharding.mesh_context(self.mesh):
-            return self.steps.update_jit(state, exp)
+            return self.steps.update_jit(state, self.frozen.policy, exp)
 
     # ------------------------------------------------------------------ the loop
 
     def rollout(self, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key) -> tuple[Rollout, Any]:
         """Samples responses and scores them with the Python reward functions (host)."""
         toks, mask = sharding.put_local_batch((prompt_tokens, prompt_mask), self.mesh)
-        out = self.steps.sampler(self.state.policy, toks, mask, sharding.replicate(key, self.mesh))
+        params, adapters = policy_variables(self.state.policy, self.frozen.policy)
+        out = self.steps.sampler(params, toks, mask, sharding.replicate(key, self.mesh), adapters=adapters)
         if self.reward_functions:
             host = sharding.to_host({"pt": out.prompt_tokens, "pm": out.prompt_mask, "t": out.tokens,
                                      "m": out.mask})

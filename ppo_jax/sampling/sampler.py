@@ -19,29 +19,43 @@ from ppo_jax.sampling.loop import sample
 
 
 class Sampler:
-    """`sample` jitted over a mesh: call as sampler(params, prompt_tokens, prompt_mask, key).
+    """`sample` jitted over a mesh: call as sampler(params, prompt_tokens, prompt_mask, key, adapters=None).
 
     Batch-major inputs and outputs are split over the batch mesh axes, params follow
-    `param_shardings`, the key is replicated. One trace per input shape: `trace_count` counts them.
+    `param_shardings`, LoRA adapters (the "lora" tree, None for the base) `adapter_shardings`, the key
+    is replicated. One trace per input shape: `trace_count` counts them.
     """
 
-    def __init__(self, model: CausalLM, config: SamplingConfig, mesh: Mesh, param_shardings: Any):
+    def __init__(self, model: CausalLM, config: SamplingConfig, mesh: Mesh, param_shardings: Any,
+                 adapter_shardings: Any = None):
         self.model, self.config, self.mesh = model, config, mesh
         self.trace_count = 0
         batch = sharding.data_sharding(mesh)
         out_shardings = SampleOutput(**{f.name: batch for f in dataclasses.fields(SampleOutput)})
 
-        def run(params, prompt_tokens, prompt_mask, key):
-            self.trace_count += 1  # Python side effect: runs once per trace, never per call
-            return sample(params, prompt_tokens, prompt_mask, key, model=model, config=config)
+        self.takes_adapters = adapter_shardings is not None
 
-        self.jitted = jax.jit(run, in_shardings=(param_shardings, batch, batch, sharding.replicated(mesh)),
-                              out_shardings=out_shardings)
+        def run(params, prompt_tokens, prompt_mask, key, adapters=None):
+            self.trace_count += 1  # Python side effect: runs once per trace, never per call
+            return sample(params, prompt_tokens, prompt_mask, key, model=model, config=config, adapters=adapters)
+
+        # Adapters go last and only when the sampler takes them, so the lowered / compiled program of
+        # a base sampler keeps its (params, prompt_tokens, prompt_mask, key) signature.
+        in_shardings = (param_shardings, batch, batch, sharding.replicated(mesh))
+        in_shardings += (adapter_shardings,) if self.takes_adapters else ()
+        self.jitted = jax.jit(run, in_shardings=in_shardings, out_shardings=out_shardings)
 
     @property
     def batch_multiple(self) -> int:
         """The prompt batch must be a multiple of this: the ways the mesh splits the batch (data x fsdp)."""
         return sharding.batch_divisor(self.mesh)
+
+    def _args(self, params, prompt_tokens, prompt_mask, key, adapters) -> tuple:
+        if (adapters is not None) != self.takes_adapters:
+            raise ValueError("this sampler was made with adapter_shardings and must be given adapters" if
+                             self.takes_adapters else "this sampler decodes the base: make it with "
+                             "adapter_shardings to pass adapters")
+        return (params, prompt_tokens, prompt_mask, key) + ((adapters,) if self.takes_adapters else ())
 
     def _check(self, prompt_tokens, prompt_mask) -> None:
         validate_inputs(self.model, self.config, np.shape(prompt_tokens), np.shape(prompt_mask))
@@ -52,18 +66,20 @@ class Sampler:
                 f"ways the mesh splits the batch (data x fsdp = {dict(self.mesh.shape)}); pad the batch "
                 f"or change the mesh")
 
-    def __call__(self, params, prompt_tokens, prompt_mask, key) -> SampleOutput:
+    def __call__(self, params, prompt_tokens, prompt_mask, key, adapters=None) -> SampleOutput:
         self._check(prompt_tokens, prompt_mask)
         with sharding.mesh_context(self.mesh):
-            return self.jitted(params, prompt_tokens, prompt_mask, key)
+            return self.jitted(*self._args(params, prompt_tokens, prompt_mask, key, adapters))
 
-    def lower(self, params, prompt_tokens, prompt_mask, key):
+    def lower(self, params, prompt_tokens, prompt_mask, key, adapters=None):
         """The lowered program (for `.compile().memory_analysis()` and cost reports)."""
         self._check(prompt_tokens, prompt_mask)
         with sharding.mesh_context(self.mesh):
-            return self.jitted.lower(params, prompt_tokens, prompt_mask, key)
+            return self.jitted.lower(*self._args(params, prompt_tokens, prompt_mask, key, adapters))
 
 
-def make_sampler(model: CausalLM, config: SamplingConfig, mesh: Mesh, param_shardings: Any) -> Sampler:
-    """A compiled sampler for `model` on `mesh` (see `Sampler`)."""
-    return Sampler(model, config, mesh, param_shardings)
+def make_sampler(model: CausalLM, config: SamplingConfig, mesh: Mesh, param_shardings: Any,
+                 adapter_shardings: Any = None) -> Sampler:
+    """A compiled sampler for `model` on `mesh` (see `Sampler`); adapter_shardings: those of the LoRA
+    adapters it will be called with (None: it decodes the base)."""
+    return Sampler(model, config, mesh, param_shardings, adapter_shardings)
