@@ -2,7 +2,7 @@
 gold reward (which PPO never sees) judges the answers, beside the reward model's score and the KL to
 the SFT reference.
 
-Only the trainer's public API is used: `settings`, `tokenizer`, `mesh`, `sampler`, `state`, `stop_ids`
+Only the trainer's public API is used: `settings`, `tokenizer`, `mesh`, `sample`, `stop_ids`
 and `score_responses` (the reference log-probs and reward-model scores of sampled responses).
 """
 
@@ -54,7 +54,7 @@ class PolicyEvaluator:
         rows: list[dict[str, Any]] = []
         stop_ids = tuple(t.stop_ids)
         for batch, key in zip(self.batches, self.keys):
-            out = t.sampler(t.state.policy, batch[0], batch[1], key)
+            out = t.sample(batch[0], batch[1], key)
             ref_logprobs, rm_scores = t.score_responses(out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
             host = sharding.to_host({"tokens": out.tokens, "mask": out.mask, "logprobs": out.logprobs,
                                      "ref": ref_logprobs, "rm": rm_scores})

@@ -24,6 +24,7 @@ from ppo_jax.demo.evaluator import EvalPoint, PolicyEvaluator
 from ppo_jax.demo.responses import ResponseSampler
 from ppo_jax.demo.settings import DemoSettings
 from ppo_jax.models import hf
+from ppo_jax.rl.state import policy_variables
 from ppo_jax.rl.trainer import PPOTrainer
 from ppo_jax.supervised.dpo import DPOTrainer
 from ppo_jax.supervised.reward_model import RewardModelTrainer
@@ -155,8 +156,9 @@ def train_ppo(settings: DemoSettings, sft_dir: str, rm_dir: str, workdir: str, m
         trainer.close()
     history = trainer.history
     hf_dir = os.path.join(out, "hf")
-    hf.export_model(hf_dir, trainer.policy_config, trainer.state.policy, kind="causal_lm",
-                    tokenizer=trainer.tokenizer)
+    params, adapters = policy_variables(trainer.state.policy, trainer.frozen.policy)  # LoRA: merged on export
+    hf.export_model(hf_dir, trainer.policy_config, params, kind="causal_lm", tokenizer=trainer.tokenizer,
+                    adapters=adapters)
     return PPOResult(time.perf_counter() - t0, history, evals, before, after, hf_dir)
 
 

@@ -294,11 +294,16 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ the loop
 
+    def sample(self, prompt_tokens, prompt_mask, key) -> sampling.SampleOutput:
+        """Responses of the current policy (its adapters applied, with LoRA) to batch-sharded prompts
+        [B, Lq] (global arrays, e.g. `sharding.put_batch`), with a replicated key."""
+        params, adapters = policy_variables(self.state.policy, self.frozen.policy)
+        return self.steps.sampler(params, prompt_tokens, prompt_mask, key, adapters=adapters)
+
     def rollout(self, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key) -> tuple[Rollout, Any]:
         """Samples responses and scores them with the Python reward functions (host)."""
         toks, mask = sharding.put_local_batch((prompt_tokens, prompt_mask), self.mesh)
-        params, adapters = policy_variables(self.state.policy, self.frozen.policy)
-        out = self.steps.sampler(params, toks, mask, sharding.replicate(key, self.mesh), adapters=adapters)
+        out = self.sample(toks, mask, sharding.replicate(key, self.mesh))
         if self.reward_functions:
             host = sharding.to_host({"pt": out.prompt_tokens, "pm": out.prompt_mask, "t": out.tokens,
                                      "m": out.mask})
