@@ -335,6 +335,16 @@ class SupervisedTrainer:
         if step not in self.checkpoints.all_steps():
             self.checkpoints.save(step, self.state, extra=self.checkpoint_extra(), force=True)
 
+    def train(self) -> list[dict[str, float]]:
+        """Runs to train.steps (resuming from the latest checkpoint), then exports to <workdir>/hf."""
+        try:
+            history = self.run_steps()
+        finally:
+            self.close()
+        if self.settings.train.export:
+            self.export()
+        return history
+
     def export(self, out_dir: str | None = None) -> str:
         """The current params as a Hugging Face model of `export_kind`, with the tokenizer; default
         <workdir>/hf."""

@@ -225,13 +225,3 @@ class DPOTrainer(supervised.SupervisedTrainer):
         metrics["loss"] = metrics.pop("pair_loss") + self.settings.loss.sft_coef * metrics.get("nll_loss", 0.0)
         metrics["pairs"] = float(jax.device_get(totals["pair_loss"].count))
         return {f"eval/{k}": v for k, v in metrics.items()}
-
-    def train(self) -> list[dict[str, float]]:
-        """Runs to train.steps (resuming from the latest checkpoint), then exports to <workdir>/hf."""
-        try:
-            history = self.run_steps()
-        finally:
-            self.close()
-        if self.settings.train.export:
-            self.export()
-        return history

@@ -151,13 +151,3 @@ class SFTTrainer(supervised.SupervisedTrainer):
         nll = totals["nll"] / count
         return {"eval/loss": nll, "eval/perplexity": float(np.exp(min(nll, 50.0))),
                 "eval/accuracy": totals["correct"] / count, "eval/tokens": totals["tokens"]}
-
-    def train(self) -> list[dict[str, float]]:
-        """Runs to train.steps (resuming from the latest checkpoint), then exports to <workdir>/hf."""
-        try:
-            history = self.run_steps()
-        finally:
-            self.close()
-        if self.settings.train.export:
-            self.export()
-        return history

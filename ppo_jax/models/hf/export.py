@@ -10,7 +10,7 @@ import math
 import os
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,21 @@ def export_model(out_dir: str | os.PathLike, config: ModelConfig, params: Any, *
         params = _fold_score_bias(config, params)
     flat = {path_keys(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
     groups = _export_groups(config, flat, kind)
+
+    def write_metadata(directory: Path) -> None:
+        hf_config.save_pretrained(str(directory))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(directory))
+
+    return write_weights_dir(out_dir, config, groups, flat, weights_file="model.safetensors",
+                             write_metadata=write_metadata, what="export")
+
+
+def write_weights_dir(out_dir: Path, config: ModelConfig, groups: list[_ExportGroup], flat: Mapping, *,
+                      weights_file: str, write_metadata: Callable[[Path], None], what: str) -> Path:
+    """Writes `groups` (gathered to host one group at a time) as `weights_file` and whatever
+    `write_metadata(directory)` adds, into a temporary directory beside `out_dir` that is renamed at
+    the end, so `out_dir` is never half-written. Collective: every process calls it, process 0 writes."""
     writer = jax.process_index() == 0
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
@@ -65,12 +80,10 @@ def export_model(out_dir: str | os.PathLike, config: ModelConfig, params: Any, *
             tmp.mkdir()
             entries = [(name, g.dtype, g.first.hf_shape)
                        for g in groups for name in g.names(config.num_layers)]
-            write_safetensors(tmp / "model.safetensors", entries,
+            write_safetensors(tmp / weights_file, entries,
                               (item for group in groups
                                for item in _group_tensors(group, flat, config.num_layers)))
-            hf_config.save_pretrained(str(tmp))
-            if tokenizer is not None:
-                tokenizer.save_pretrained(str(tmp))
+            write_metadata(tmp)
             _replace_dir(tmp, out_dir)
         else:
             for group in groups:  # take part in the collective gathers
@@ -80,7 +93,7 @@ def export_model(out_dir: str | os.PathLike, config: ModelConfig, params: Any, *
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(f"ppo_jax export {out_dir}")
+        multihost_utils.sync_global_devices(f"ppo_jax {what} {out_dir}")
     return out_dir
 
 

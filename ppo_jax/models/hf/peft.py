@@ -11,24 +11,21 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from ppo_jax import sharding
 from ppo_jax.models import lora as lora_lib
 from ppo_jax.models.config import LoraConfig, ModelConfig
 from ppo_jax.models.hf.errors import CheckpointError
-from ppo_jax.models.hf.export import _ExportGroup, _group_tensors, _replace_dir
+from ppo_jax.models.hf.export import _ExportGroup, write_weights_dir
 from ppo_jax.models.hf.layouts import lora_module_names, lora_tensor_maps, make_model, path_keys
 from ppo_jax.models.hf.load import _shard_reader
-from ppo_jax.models.hf.safetensors_io import TensorStore, write_safetensors
+from ppo_jax.models.hf.safetensors_io import TensorStore
 from ppo_jax.models.init import boxed_params
 
 CONFIG_FILE = "adapter_config.json"
@@ -66,27 +63,9 @@ def export_adapter(out_dir: str | os.PathLike, config: ModelConfig, adapters: An
         "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": config.family == "gpt2",  # GPT-2's Conv1D
         "inference_mode": True, "use_dora": False, "modules_to_save": None,
     }
-    writer = jax.process_index() == 0
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        if writer:
-            out_dir.parent.mkdir(parents=True, exist_ok=True)
-            tmp.mkdir()
-            entries = [(name, g.dtype, g.first.hf_shape) for g in groups for name in g.names(config.num_layers)]
-            write_safetensors(tmp / WEIGHTS_FILE, entries,
-                              (item for g in groups for item in _group_tensors(g, flat, config.num_layers)))
-            (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2))
-            _replace_dir(tmp, out_dir)
-        else:
-            for g in groups:  # take part in the collective gathers
-                _group_tensors(g, flat, config.num_layers)
-    except BaseException:
-        if writer:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(f"ppo_jax export_adapter {out_dir}")
-    return out_dir
+    return write_weights_dir(
+        out_dir, config, groups, flat, weights_file=WEIGHTS_FILE, what="export_adapter",
+        write_metadata=lambda directory: (directory / CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2)))
 
 
 def adapter_lora_config(path: str | os.PathLike, config: ModelConfig) -> LoraConfig:
