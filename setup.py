@@ -33,6 +33,9 @@ setup(
             "nbclient>=0.7",
             "nbformat>=5",
             "ipykernel>=6",
+            # TRL's DPOTrainer is a reference for the DPO loss (tests/test_dpo.py). 1.x has no PPO trainer:
+            # bench_ppo.py needs the [bench] pin (0.29.1), so install [test] and [bench] in separate envs.
+            "trl>=1.16",
         ],
         "tfds": ["tensorflow-datasets>=4.9", "array-record>=0.5", "importlib_resources"],
         "hf-datasets": ["datasets>=2.14"],
