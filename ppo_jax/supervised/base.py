@@ -25,6 +25,7 @@ from ppo_jax import sharding
 from ppo_jax.checkpoint import CheckpointManager
 from ppo_jax.config import ComputeSettings, ConfigError, check, check_positions, override_dtypes
 from ppo_jax.models import ModelConfig, hf, init_params
+from ppo_jax.optim import make_optimizer
 from ppo_jax.supervised.settings import ModelSettings
 
 Array = jax.Array
@@ -278,6 +279,24 @@ class SupervisedTrainer:
         s.compute.enable_compilation_cache()
         check_batch_size(s.train.batch_size, self.mesh, self.name)
         return s
+
+    def _start_training(self, params, param_shardings, boxed_abstract, train_source, kind: str,
+                        check_extra: Callable[[dict], None] | None = None) -> None:
+        """The data pipeline, optimizer, train state and resume every trainer builds the same way once
+        it has its initial params: sets `prompt_tokenizer`, `loader` (of `kind` batches), `tx`,
+        `state`, `state_shardings` and `checkpoints` (the state restored from the newest valid one)."""
+        s, d = self.settings, self.settings.data
+        self.prompt_tokenizer = data_lib.PromptTokenizer(
+            self.tokenizer, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
+            max_response_length=d.max_response_length)
+        self.loader = data_lib.PromptLoader(train_source, self.prompt_tokenizer, s.train.batch_size, kind=kind,
+                                            seed=s.seed)
+        self.tx = make_optimizer(s.optim, s.optim.lr, s.train.steps)
+        self.state, self.state_shardings = init_train_state(params, param_shardings, boxed_abstract, self.tx,
+                                                            self.mesh)
+        self.checkpoints = checkpoint_manager(self.workdir, s.train.keep_checkpoints)
+        self.state = resume(self.checkpoints, self.state, self.state_shardings, self.loader,
+                            check_extra=check_extra)
 
     def _load_tokenizer(self):
         path = self.settings.tokenizer_path or self.settings.model.path

@@ -30,7 +30,6 @@ from ppo_jax import sharding
 from ppo_jax.checkpoint import verify
 from ppo_jax.config import ConfigError
 from ppo_jax.models import CausalLM, boxed_params
-from ppo_jax.optim import make_optimizer
 from ppo_jax.ppo.stats import finalize_metrics
 from ppo_jax.supervised import base as supervised
 from ppo_jax.supervised.dpo_loss import Pair, dpo_loss
@@ -150,17 +149,8 @@ class DPOTrainer(supervised.SupervisedTrainer):
         self.reference = sharding.copy_tree(params, param_shardings)
         self._reference_record: dict | None = None  # its checksums, computed at the first save
 
-        self.prompt_tokenizer = data_lib.PromptTokenizer(
-            self.tokenizer, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
-            max_response_length=d.max_response_length)
-        self.loader = data_lib.PromptLoader(train_source, self.prompt_tokenizer, s.train.batch_size,
-                                            kind="preference", seed=s.seed)
-        self.tx = make_optimizer(s.optim, s.optim.lr, s.train.steps)
-        self.state, self.state_shardings = supervised.init_train_state(
-            params, param_shardings, boxed_params(self.module), self.tx, self.mesh)
-        self.checkpoints = supervised.checkpoint_manager(workdir, s.train.keep_checkpoints)
-        self.state = supervised.resume(self.checkpoints, self.state, self.state_shardings, self.loader,
-                                       check_extra=self._check_reference)
+        self._start_training(params, param_shardings, boxed_params(self.module), train_source, "preference",
+                             check_extra=self._check_reference)
 
         data_sh = sharding.data_sharding(self.mesh)
         replicated = sharding.replicated(self.mesh)

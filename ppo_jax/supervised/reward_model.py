@@ -36,7 +36,6 @@ from ppo_jax import sampling, sharding
 from ppo_jax.config import ConfigError
 from ppo_jax.models import CausalLM, ScalarModel, boxed_params, hf, init_params
 from ppo_jax.models.forward import response_scores, sequence_scores
-from ppo_jax.optim import make_optimizer
 from ppo_jax.supervised import base as supervised
 from ppo_jax.supervised.settings import RewardModelSettings, reward_model_config  # noqa: F401  (the defaults)
 
@@ -153,16 +152,7 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
         self.param_shardings = sharding.tree_shardings(abstract, self.mesh)
         params = self._initial_params(start_kind, head_key)
 
-        self.prompt_tokenizer = data_lib.PromptTokenizer(
-            self.tokenizer, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
-            max_response_length=d.max_response_length)
-        self.loader = data_lib.PromptLoader(train_source, self.prompt_tokenizer, s.train.batch_size,
-                                            kind="preference", seed=s.seed)
-        self.tx = make_optimizer(s.optim, s.optim.lr, s.train.steps)
-        self.state, self.state_shardings = supervised.init_train_state(
-            params, self.param_shardings, abstract, self.tx, self.mesh)
-        self.checkpoints = supervised.checkpoint_manager(workdir, s.train.keep_checkpoints)
-        self.state = supervised.resume(self.checkpoints, self.state, self.state_shardings, self.loader)
+        self._start_training(params, self.param_shardings, abstract, train_source, "preference")
 
         data_sh = sharding.data_sharding(self.mesh)
         batch_sh = data_lib.PreferenceBatch(*([data_sh] * 6))

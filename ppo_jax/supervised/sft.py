@@ -23,7 +23,6 @@ from ppo_jax import metrics as metrics_lib
 from ppo_jax import sharding
 from ppo_jax.config import ConfigError
 from ppo_jax.models import CausalLM, boxed_params, positions_from_mask
-from ppo_jax.optim import make_optimizer
 from ppo_jax.supervised import base as supervised
 from ppo_jax.supervised.settings import SFTSettings, sft_config  # noqa: F401  (sft_config: the defaults)
 
@@ -107,18 +106,8 @@ class SFTTrainer(supervised.SupervisedTrainer):
         self.module = CausalLM(cfg)
         params, param_shardings = self._causal_lm_params()
 
-        self.prompt_tokenizer = data_lib.PromptTokenizer(
-            self.tokenizer, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
-            max_response_length=d.max_response_length)
-        self.loader = data_lib.PromptLoader(train_source, self.prompt_tokenizer, s.train.batch_size, kind="sft",
-                                            seed=s.seed)
         self.eval_source = eval_source
-
-        self.tx = make_optimizer(s.optim, s.optim.lr, s.train.steps)
-        self.state, self.state_shardings = supervised.init_train_state(
-            params, param_shardings, boxed_params(self.module), self.tx, self.mesh)
-        self.checkpoints = supervised.checkpoint_manager(workdir, s.train.keep_checkpoints)
-        self.state = supervised.resume(self.checkpoints, self.state, self.state_shardings, self.loader)
+        self._start_training(params, param_shardings, boxed_params(self.module), train_source, "sft")
 
         batch_sh = data_lib.SFTBatch(*([sharding.data_sharding(self.mesh)] * 3))
         replicated = sharding.replicated(self.mesh)
