@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from ppo_jax.models.config import ATTENTION_KINDS, REMAT_POLICIES, ModelConfig
+from ppo_jax.models.config import ATTENTION_KINDS, REMAT_POLICIES, LoraConfig, ModelConfig
 
 
 class ConfigError(ValueError):
@@ -267,6 +267,37 @@ class ComputeSettings:
         # Only programs worth caching: the tiny ones recompile faster than a disk round trip.
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
         return directory
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSettings:
+    """LoRA: train low-rank adapters (`ppo_jax.models.lora`) on a frozen base. The block of PPO's
+    `policy.lora` and of the supervised trainers' `model.lora`; `where` (the block's parent, e.g.
+    "policy" or "sft: model") names the field in every error."""
+
+    rank: int = 0  # adapter rank; 0 = off (every parameter trains)
+    alpha: float = 16.0  # adapter scale = alpha / rank
+    targets: str = "q,k,v,o"  # comma-separated projections to adapt: q,k,v,o,fc,proj (GPT-2) or q,k,v,o,gate,up,down (Llama family)
+
+    def lora_config(self, where: str) -> LoraConfig | None:
+        """The model's LoraConfig, None when off; raises ConfigError naming the bad field."""
+        if self.rank == 0:
+            return None
+        targets = tuple(t.strip() for t in self.targets.split(",") if t.strip())
+        try:
+            return LoraConfig(rank=self.rank, alpha=self.alpha, targets=targets)
+        except ValueError as err:  # LoraConfig's own checks ("lora.rank ..."), with the field's full name
+            raise ConfigError(f"{where}.{err}") from None
+
+    def apply(self, cfg: ModelConfig, where: str) -> ModelConfig:
+        """`cfg` with these adapters (ModelConfig.lora; None when off, whatever `cfg` said); a target the
+        model family lacks (gate on GPT-2) is refused naming the field."""
+        try:
+            return cfg.replace(lora=self.lora_config(where))
+        except ValueError as err:
+            if isinstance(err, ConfigError):
+                raise
+            raise ConfigError(f"{where}.{err}") from None
 
 
 # The "auto" compilation cache: per user, like pip's and Hugging Face's caches.

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import ml_collections
 
-from ppo_jax.config import AdamWSettings, ComputeSettings, ConfigError, MeshSettings, RunSettings, check, check_positions, config_dict
+from ppo_jax.config import (AdamWSettings, ComputeSettings, ConfigError, LoraSettings, MeshSettings, RunSettings, check,
+                            check_positions, config_dict)
 from ppo_jax.data.prompt_stream import PromptDataSettings
 from ppo_jax.distributed import DistributedSettings
 from ppo_jax.models.config import LoraConfig, ModelConfig
@@ -26,23 +27,13 @@ DECODE_LOOPS = {"auto": None, "scan": False, "unrolled": True}
 
 
 @dataclasses.dataclass(frozen=True)
-class PolicyLoraSettings:
+class PolicyLoraSettings(LoraSettings):
     """LoRA on the policy: train low-rank adapters on a frozen base (the base, adapters off, is the
-    reference, so no reference copy exists)."""
+    reference, so no reference copy exists). rank 0 = off: the whole policy is trained against a
+    frozen reference copy. The fields: `ppo_jax.config.LoraSettings`."""
 
-    rank: int = 0  # adapter rank; 0 = off (the whole policy is trained against a frozen reference copy)
-    alpha: float = 16.0  # adapter scale = alpha / rank
-    targets: str = "q,k,v,o"  # comma-separated projections to adapt: q,k,v,o,fc,proj (GPT-2) or q,k,v,o,gate,up,down (Llama family)
-
-    def lora_config(self) -> LoraConfig | None:
-        """The model's LoraConfig, None when off; raises ConfigError naming the bad field."""
-        if self.rank == 0:
-            return None
-        targets = tuple(t.strip() for t in self.targets.split(",") if t.strip())
-        try:
-            return LoraConfig(rank=self.rank, alpha=self.alpha, targets=targets)
-        except ValueError as err:  # LoraConfig's own checks, with the field's full config name
-            raise ConfigError(f"policy.{err}") from None
+    def lora_config(self, where: str = "policy") -> LoraConfig | None:
+        return super().lora_config(where)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""What the SFT, reward-model and DPO trainers share: the model's config checks, the train state,
-gradient accumulation over microbatches, checkpoint resume, and the training loop (metrics,
-evaluation, checkpoints, progress bar).
+"""What the SFT, reward-model and DPO trainers share: the model's config checks, the train state
+(the whole model, or with LoRA the adapters and any new head on a frozen base), gradient accumulation
+over microbatches, checkpoint resume, the training loop (metrics, evaluation, checkpoints, progress
+bar) and the export.
 
 The PPO trainer has its own loop (rollouts are not minibatches of a dataset); these three are plain
 supervised learning over a `ppo_jax.data` loader.
@@ -8,6 +9,7 @@ supervised learning over a `ppo_jax.data` loader.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -22,13 +24,17 @@ from tqdm.auto import tqdm
 from ppo_jax import data as data_lib
 from ppo_jax import metrics as metrics_lib
 from ppo_jax import sharding
-from ppo_jax.checkpoint import CheckpointManager
+from ppo_jax.checkpoint import CheckpointError, CheckpointManager, verify
 from ppo_jax.config import ComputeSettings, ConfigError, check, check_positions, override_dtypes
-from ppo_jax.models import ModelConfig, hf, init_params
+from ppo_jax.models import ModelConfig, boxed_params, hf, init_adapters, init_params
+from ppo_jax.models.hf.layouts import lora_tensor_maps
+from ppo_jax.models.lora import COLLECTION as LORA
 from ppo_jax.optim import make_optimizer
 from ppo_jax.supervised.settings import ModelSettings
 
 Array = jax.Array
+# frozen_checksums[BASE_KEY] in a LoRA run's checkpoints: its frozen base's checksums (PPO's is "policy_base").
+BASE_KEY = "model_base"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -36,11 +42,12 @@ Array = jax.Array
 
 
 def model_config(section: ModelSettings, tokenizer, *, what: str, length: int, kinds: tuple[str, ...],
-                 compute: ComputeSettings) -> tuple[ModelConfig, str | None]:
+                 compute: ComputeSettings, lora_export: str = "merged") -> tuple[ModelConfig, str | None]:
     """(the model's ModelConfig, the kind of checkpoint at model.path or None for a fresh model).
 
     A fresh model takes the tokenizer's special ids; any model must fit `length` positions and hold the
-    tokenizer's vocabulary. Checked before anything loads or compiles.
+    tokenizer's vocabulary; model.lora's adapters become ModelConfig.lora (None when off, whatever the
+    checkpoint's config said). Checked before anything loads or compiles.
     """
     start_kind = None
     if section.path:
@@ -50,9 +57,16 @@ def model_config(section: ModelSettings, tokenizer, *, what: str, length: int, k
     else:
         ids = {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id", None) for k in ("bos", "eos", "pad")}
         cfg = section.config.replace(**{k: v for k, v in ids.items() if v is not None})
-    cfg = compute.apply(override_dtypes(cfg, section.param_dtype, section.dtype))
+    cfg = section.lora.apply(compute.apply(override_dtypes(cfg, section.param_dtype, section.dtype)),
+                             f"{what}: model")
     check_tokenizer(tokenizer, cfg.vocab_size, what)
     check_positions(length, cfg.max_position_embeddings, f"{what}: data.max_prompt_length + data.max_response_length")
+    if cfg.lora is not None and lora_export == "adapter":
+        try:  # the PEFT names of every adapter: refused by name when a target is a window of a fused tensor
+            lora_tensor_maps(cfg)
+        except hf.CheckpointError as err:
+            raise ConfigError(f"{what}: train.lora_export='adapter' with model.lora.targets="
+                              f"{section.lora.targets!r}: {err}; use merged, or other targets") from None
     return cfg, start_kind
 
 
@@ -65,6 +79,63 @@ def check_tokenizer(tokenizer, vocab_size: int, what: str) -> None:
         raise ConfigError(
             f"{what}: the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has "
             f"{vocab_size}; raise model.config.vocab_size (or use the model's own tokenizer)")
+
+
+# ----------------------------------------------------------------------------------------------
+# What trains and what stays frozen.
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainable:
+    """The tree the optimizer trains, and the frozen base beside it.
+
+    Without LoRA: `params` is the whole model, `base` None. With LoRA: `params` is
+    {"lora": adapters, **heads} (heads: new top-level params that must train, the reward model's
+    "score") and `base` the model's params less those heads, frozen: never donated, no optimizer state.
+    `join(params, base)` gives back what the model applies.
+    """
+
+    params: Any
+    shardings: Any
+    boxed: Any  # `params`' abstract tree with logical axis names (shards the optimizer state like it)
+    base: Any = None
+    base_shardings: Any = None
+
+
+def whole_model(module, params, shardings) -> Trainable:
+    """Every parameter trains (LoRA off)."""
+    return Trainable(params=params, shardings=shardings, boxed=boxed_params(module))
+
+
+def lora_adapters(module, params, shardings, mesh, key, heads: tuple[str, ...] = ()) -> Trainable:
+    """Fresh adapters (A random from `key`, B = 0: at step 0 the model is the base exactly) and `heads`
+    train; the rest of `params` is the frozen base."""
+    adapters, adapter_shardings = init_adapters(module, key, mesh)
+    boxed = boxed_params(module)
+
+    def split(tree):
+        return {k: v for k, v in tree.items() if k not in heads}, {k: tree[k] for k in heads}
+
+    (base, head), (base_sh, head_sh) = split(params), split(shardings)
+    return Trainable(params={LORA: adapters, **head}, shardings={LORA: adapter_shardings, **head_sh},
+                     boxed={LORA: boxed_params(module, collection=LORA), **split(boxed)[1]},
+                     base=base, base_shardings=base_sh)
+
+
+def without_lora(module):
+    """`module` without adapters. A fresh base is initialised with it: the adapters' A draws from the
+    "params" random stream, so a module with LoRA would init its base params differently from the
+    same seed's LoRA-free model."""
+    return module.clone(config=module.config.replace(lora=None))
+
+
+def join(trainable, base) -> tuple[Any, Any]:
+    """(params, adapters) a model applies (`ppo_jax.models.forward.variables`): `trainable` itself
+    and None without LoRA (`base` None); with LoRA the base with the trained heads, and the adapters."""
+    if base is None:
+        return trainable, None
+    heads = {k: v for k, v in trainable.items() if k != LORA}
+    return {**base, **heads}, trainable[LORA]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -258,7 +329,8 @@ def data_source(path: str, records, fields: Mapping[str, str], what: str):
 class SupervisedTrainer:
     """What the SFT, reward-model and DPO trainers share once their __init__ has built `config`,
     `workdir`, `mesh`, `tokenizer`, `model_config`, `state`, `loader`, `checkpoints`, `writer` and
-    the jitted `_train_step`: one training step, checkpoint saves, export and shutdown.
+    the jitted `_train_step(state, base, batch)` (state donated, the LoRA base never): one training
+    step, checkpoint saves, export and shutdown.
 
     Subclasses set `name` (config/CLI name, used in messages) and `export_kind` (the Hugging Face
     kind written by `export`: "causal_lm" or "reward").
@@ -280,23 +352,52 @@ class SupervisedTrainer:
         check_batch_size(s.train.batch_size, self.mesh, self.name)
         return s
 
-    def _start_training(self, params, param_shardings, boxed_abstract, train_source, kind: str,
+    def _trainable(self, params, shardings, heads: tuple[str, ...] = ()) -> Trainable:
+        """The whole model, or with model.lora the adapters (and `heads`) on the frozen rest."""
+        if self.model_config.lora is None:
+            return whole_model(self.module, params, shardings)
+        # Folded off the seed's key: the adapters never share random bits with a fresh base's init.
+        key = jax.random.fold_in(jax.random.key(self.settings.seed), 1)
+        return lora_adapters(self.module, params, shardings, self.mesh, key, heads)
+
+    def _start_training(self, trainable: Trainable, train_source, kind: str,
                         check_extra: Callable[[dict], None] | None = None) -> None:
         """The data pipeline, optimizer, train state and resume every trainer builds the same way once
-        it has its initial params: sets `prompt_tokenizer`, `loader` (of `kind` batches), `tx`,
-        `state`, `state_shardings` and `checkpoints` (the state restored from the newest valid one)."""
+        it has its initial params: sets `base` / `base_shardings` (None without LoRA),
+        `prompt_tokenizer`, `loader` (of `kind` batches), `tx`, `state`, `state_shardings` and
+        `checkpoints` (the state restored from the newest valid one, its LoRA base checked)."""
         s, d = self.settings, self.settings.data
+        self.base, self.base_shardings = trainable.base, trainable.base_shardings
+        self._base_record: dict | None = None  # the base's checksums, from the first save (or a resume)
         self.prompt_tokenizer = data_lib.PromptTokenizer(
             self.tokenizer, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
             max_response_length=d.max_response_length)
         self.loader = data_lib.PromptLoader(train_source, self.prompt_tokenizer, s.train.batch_size, kind=kind,
                                             seed=s.seed)
         self.tx = make_optimizer(s.optim, s.optim.lr, s.train.steps)
-        self.state, self.state_shardings = init_train_state(params, param_shardings, boxed_abstract, self.tx,
-                                                            self.mesh)
+        self.state, self.state_shardings = init_train_state(trainable.params, trainable.shardings, trainable.boxed,
+                                                            self.tx, self.mesh)
         self.checkpoints = checkpoint_manager(self.workdir, s.train.keep_checkpoints)
-        self.state = resume(self.checkpoints, self.state, self.state_shardings, self.loader,
-                            check_extra=check_extra)
+
+        def check(extra: dict) -> None:
+            if self.base is not None:
+                self._check_base(extra.get("frozen_checksums", {}).get(BASE_KEY))
+            if check_extra is not None:
+                check_extra(extra)
+
+        self.state = resume(self.checkpoints, self.state, self.state_shardings, self.loader, check_extra=check)
+
+    def _check_base(self, recorded: dict | None) -> None:
+        """A LoRA checkpoint holds adapters, not the base they were trained on, only its checksums:
+        resuming them on another base (a changed model.path or seed) would silently train another model."""
+        if recorded is None or verify.mismatches(self.base, recorded):
+            m = self.settings.model
+            source = f"model.path={m.path}" if m.path else f"seed={self.settings.seed}"
+            what = "record no LoRA base" if recorded is None else "were trained on another base model"
+            raise CheckpointError(f"{self.name}: the checkpoints in {self.checkpoints.directory} {what} than the "
+                                  f"one {source} gives now (checksums differ); use the original model.path and "
+                                  "seed, or a new workdir")
+        self._base_record = recorded
 
     def _load_tokenizer(self):
         path = self.settings.tokenizer_path or self.settings.model.path
@@ -312,11 +413,16 @@ class SupervisedTrainer:
             loaded = hf.load_model(m.path, self.mesh, kind="causal_lm", param_dtype=m.param_dtype or None,
                                    dtype=m.dtype or None, execution=self.model_config.execution())
             return loaded.params, jax.tree.map(lambda x: x.sharding, loaded.params)
-        return init_params(self.module, jax.random.key(self.settings.seed), self.mesh)
+        return init_params(without_lora(self.module), jax.random.key(self.settings.seed), self.mesh)
 
     @property
     def params(self):
+        """The trained tree: the whole model, or with LoRA {"lora": adapters, **heads}."""
         return self.state.params
+
+    def model_variables(self) -> tuple[Any, Any]:
+        """(params, adapters) of the current model (`join`; adapters None without LoRA)."""
+        return join(self.state.params, self.base)
 
     @property
     def step(self) -> int:
@@ -333,7 +439,7 @@ class SupervisedTrainer:
     def train_step(self) -> dict[str, float]:
         """One optimizer step on the next batch; its metrics and the loader's, as host floats."""
         batch = next(self.loader)
-        self.state, metrics = self._train_step(self.state, self._device_batch(batch))
+        self.state, metrics = self._train_step(self.state, self.base, self._device_batch(batch))
         scalars = host_scalars(metrics)
         scalars.update(self.loader.metrics())
         return scalars
@@ -347,8 +453,15 @@ class SupervisedTrainer:
                         shown=self.progress_keys)
 
     def checkpoint_extra(self) -> dict[str, Any]:
-        """The JSON saved beside each step's state: the data position (subclasses add to it)."""
-        return {"data": self.loader.state()}
+        """The JSON saved beside each step's state: the data position and, with LoRA, the frozen base's
+        checksums (checked on resume; the base itself is model.path or the seed's, never copied).
+        Subclasses add to it."""
+        extra: dict[str, Any] = {"data": self.loader.state()}
+        if self.base is not None:
+            if self._base_record is None:
+                self._base_record = verify.record(self.base)
+            extra["frozen_checksums"] = {BASE_KEY: self._base_record}
+        return extra
 
     def save(self, step: int, scalars=None) -> None:
         if step not in self.checkpoints.all_steps():
@@ -364,12 +477,20 @@ class SupervisedTrainer:
             self.export()
         return history
 
-    def export(self, out_dir: str | None = None) -> str:
-        """The current params as a Hugging Face model of `export_kind`, with the tokenizer; default
-        <workdir>/hf."""
+    def export(self, out_dir: str | None = None, lora_export: str | None = None) -> str:
+        """The current model as a Hugging Face model of `export_kind`, with the tokenizer; default
+        <workdir>/hf. With LoRA, lora_export (default train.lora_export) "merged" writes full weights
+        with the adapters folded in, "adapter" a PEFT adapter directory for model.path (causal LMs)."""
         out_dir = out_dir or os.path.join(self.workdir, "hf")
-        hf.export_model(out_dir, self.model_config, self.state.params, kind=self.export_kind,
-                        tokenizer=self.tokenizer)
+        lora_export = lora_export or self.settings.train.lora_export
+        params, adapters = self.model_variables()
+        if adapters is not None and lora_export == "adapter":
+            check(self.export_kind == "causal_lm", f"{self.name}: a {self.export_kind} model exports merged only")
+            hf.export_adapter(out_dir, self.model_config, adapters,
+                              base_model_name_or_path=self.settings.model.path or None)
+            return out_dir
+        hf.export_model(out_dir, self.model_config, params, kind=self.export_kind, tokenizer=self.tokenizer,
+                        adapters=adapters)
         return out_dir
 
     def close(self) -> None:

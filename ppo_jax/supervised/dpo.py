@@ -10,6 +10,12 @@ then the policy's loss and gradient are accumulated over `train.num_microbatches
 The losses themselves (sigmoid DPO, conservative DPO, IPO, the optional NLL term) are pure functions
 in `ppo_jax.supervised.dpo_loss`. Metrics carry TRL's names (`rewards/chosen`, ..., `loss`).
 
+LoRA (model.lora.rank > 0): only adapters train, on the frozen base, and the reference is that same
+base with the adapters off, `pair_logps(model, base, pairs, adapters=None)`: no reference tree is
+copied, loaded or saved. It is exactly the initial policy (B starts at 0, so the adapters add exactly
+0 at step 0 and the loss is log 2), and it cannot drift: the base never changes. Checkpoints hold the
+adapters and their optimizer state, and the base's checksums (a resume on another base is refused).
+
 Shapes: B pairs, L = data.max_prompt_length + data.max_response_length (one static length, one
 compiled step). Sequences are prompt + response (+ EOS), left-padded (`ppo_jax.data`).
 """
@@ -29,7 +35,7 @@ from ppo_jax import metrics as metrics_lib
 from ppo_jax import sharding
 from ppo_jax.checkpoint import verify
 from ppo_jax.config import ConfigError
-from ppo_jax.models import CausalLM, boxed_params
+from ppo_jax.models import CausalLM
 from ppo_jax.ppo.stats import finalize_metrics
 from ppo_jax.supervised import base as supervised
 from ppo_jax.supervised.dpo_loss import Pair, dpo_loss
@@ -47,29 +53,30 @@ class DPOBatch:
     reference: Pair
 
 
-def sequence_logps(model: CausalLM, params, tokens: Array, mask: Array, response_mask: Array):
+def sequence_logps(model: CausalLM, params, tokens: Array, mask: Array, response_mask: Array, adapters=None):
     """(log p(response | prompt) [B], response tokens [B]) of left-padded sequences [B, L]: the sum
-    of the response tokens' log-probs (EOS included); prompt and padding count for nothing."""
-    nll, _, weight = response_token_nll(model, params, tokens, mask, response_mask)
+    of the response tokens' log-probs (EOS included); prompt and padding count for nothing.
+    adapters: LoRA adapters on `params` (None: the model without them, e.g. the LoRA reference)."""
+    nll, _, weight = response_token_nll(model, params, tokens, mask, response_mask, adapters)
     return -nll.sum(-1), weight.sum(-1)
 
 
-def pair_logps(model: CausalLM, params, pairs: data_lib.PreferenceBatch) -> tuple[Pair, Pair]:
+def pair_logps(model: CausalLM, params, pairs: data_lib.PreferenceBatch, adapters=None) -> tuple[Pair, Pair]:
     """(summed response log-probs, response token counts), each a Pair [B], from one [2B, L] forward."""
     b = pairs.chosen_tokens.shape[0]
     both = [jnp.concatenate([c, r], axis=0) for c, r in (
         (pairs.chosen_tokens, pairs.rejected_tokens), (pairs.chosen_mask, pairs.rejected_mask),
         (pairs.chosen_response_mask, pairs.rejected_response_mask))]
-    logps, tokens = sequence_logps(model, params, *both)
+    logps, tokens = sequence_logps(model, params, *both, adapters)
     return Pair(chosen=logps[:b], rejected=logps[b:]), Pair(chosen=tokens[:b], rejected=tokens[b:])
 
 
 def make_loss_fn(model: CausalLM, hp: DPOLossSettings, batch: DPOBatch, weight: Array | None = None,
                  num_pairs=None, num_tokens=None):
-    """params -> (loss, SumCount metrics) of `batch` under the configured loss."""
+    """(params, adapters=None) -> (loss, SumCount metrics) of `batch` under the configured loss."""
 
-    def loss_fn(params):
-        policy, tokens = pair_logps(model, params, batch.pairs)
+    def loss_fn(params, adapters=None):
+        policy, tokens = pair_logps(model, params, batch.pairs, adapters)
         return dpo_loss(policy, batch.reference, tokens, loss_type=hp.type, beta=hp.beta,
                         label_smoothing=hp.label_smoothing, sft_coef=hp.sft_coef, weight=weight,
                         num_pairs=num_pairs, num_tokens=num_tokens)
@@ -78,15 +85,20 @@ def make_loss_fn(model: CausalLM, hp: DPOLossSettings, batch: DPOBatch, weight: 
 
 
 def make_train_step(model: CausalLM, tx, hp: DPOLossSettings, num_microbatches: int, batch_sharding):
-    """(state, DPOBatch) -> (state, metrics): one optimizer step, gradients accumulated over
-    `num_microbatches` slices, each normalised by the whole batch's pair and chosen-token counts."""
+    """(state, base, DPOBatch) -> (state, metrics): one optimizer step, gradients (over state.params:
+    the policy, or with LoRA its adapters on the frozen `base`) accumulated over `num_microbatches`
+    slices, each normalised by the whole batch's pair and chosen-token counts."""
 
-    def train_step(state: supervised.TrainState, batch: DPOBatch):
+    def train_step(state: supervised.TrainState, base, batch: DPOBatch):
         num_pairs = batch.reference.chosen.shape[0]
         num_tokens = batch.pairs.chosen_response_mask.sum().astype(jnp.float32)
+
+        def loss_fn(trainable, microbatch):
+            fn = make_loss_fn(model, hp, microbatch, num_pairs=num_pairs, num_tokens=num_tokens)
+            return fn(*supervised.join(trainable, base))
+
         loss, metrics, grads = supervised.accumulate_gradients(
-            lambda params, mb: make_loss_fn(model, hp, mb, num_pairs=num_pairs, num_tokens=num_tokens)(params),
-            state.params, supervised.split_microbatches(batch, num_microbatches), batch_sharding)
+            loss_fn, state.params, supervised.split_microbatches(batch, num_microbatches), batch_sharding)
         metrics = finalize_metrics(metrics)
         del metrics["pair_loss"]  # = loss (less sft_coef * nll_loss)
         metrics.update(loss=loss, grad_norm=optax.tree.norm(grads))
@@ -96,10 +108,11 @@ def make_train_step(model: CausalLM, tx, hp: DPOLossSettings, num_microbatches: 
 
 
 def make_eval_step(model: CausalLM, hp: DPOLossSettings):
-    """(params, DPOBatch, valid [B]) -> SumCount metrics over the valid pairs (an eval pass adds them)."""
+    """(trainable, base, DPOBatch, valid [B]) -> SumCount metrics over the valid pairs (an eval pass
+    adds them)."""
 
-    def eval_step(params, batch: DPOBatch, valid: Array):
-        _, metrics = make_loss_fn(model, hp, batch, weight=valid)(params)
+    def eval_step(trainable, base, batch: DPOBatch, valid: Array):
+        _, metrics = make_loss_fn(model, hp, batch, weight=valid)(*supervised.join(trainable, base))
         return metrics
 
     return eval_step
@@ -141,16 +154,22 @@ class DPOTrainer(supervised.SupervisedTrainer):
 
         self.length = d.max_prompt_length + d.max_response_length
         cfg, _ = supervised.model_config(s.model, self.tokenizer, what="dpo", length=self.length,
-                                         kinds=("causal_lm",), compute=s.compute)
+                                         kinds=("causal_lm",), compute=s.compute, lora_export=s.train.lora_export)
         self.model_config = cfg
         self.module = CausalLM(cfg)
         params, param_shardings = self._causal_lm_params()
-        # The reference is the initial policy, a real copy: the policy's buffers are donated each step.
-        self.reference = sharding.copy_tree(params, param_shardings)
+        trainable = self._trainable(params, param_shardings)
+        if trainable.base is None:
+            # The reference is the initial policy, a real copy: the policy's buffers are donated each step.
+            self.reference = sharding.copy_tree(params, param_shardings)
+        else:
+            # LoRA: the reference is the frozen base itself, run with the adapters off (no copy; never
+            # donated). Checkpoints tie it to the steps by the base's checksums (`SupervisedTrainer`).
+            self.reference = trainable.base
         self._reference_record: dict | None = None  # its checksums, computed at the first save
 
-        self._start_training(params, param_shardings, boxed_params(self.module), train_source, "preference",
-                             check_extra=self._check_reference)
+        self._start_training(trainable, train_source, "preference",
+                             check_extra=self._check_reference if trainable.base is None else None)
 
         data_sh = sharding.data_sharding(self.mesh)
         replicated = sharding.replicated(self.mesh)
@@ -161,10 +180,11 @@ class DPOTrainer(supervised.SupervisedTrainer):
             out_shardings=batch_sh.reference), self.mesh)
         self._train_step = sharding.on_mesh(jax.jit(
             make_train_step(self.module, self.tx, s.loss, s.train.num_microbatches, data_sh),
-            in_shardings=(self.state_shardings, batch_sh), out_shardings=(self.state_shardings, replicated),
-            donate_argnums=(0,)), self.mesh)
+            in_shardings=(self.state_shardings, self.base_shardings, batch_sh),
+            out_shardings=(self.state_shardings, replicated), donate_argnums=(0,)), self.mesh)  # never the base
         self._eval_step = sharding.on_mesh(jax.jit(
-            make_eval_step(self.module, s.loss), in_shardings=(param_shardings, batch_sh, data_sh),
+            make_eval_step(self.module, s.loss),
+            in_shardings=(self.state_shardings.params, self.base_shardings, batch_sh, data_sh),
             out_shardings=replicated), self.mesh)
         self.writer = metrics_lib.MetricWriter(workdir, resume_step=self.step)  # drops rows past the checkpoint
 
@@ -195,7 +215,8 @@ class DPOTrainer(supervised.SupervisedTrainer):
         self._reference_record = recorded
 
     def checkpoint_extra(self) -> dict[str, Any]:
-        return {**super().checkpoint_extra(), "reference": self._reference_checksums()}
+        extra = super().checkpoint_extra()  # with LoRA: the base's checksums, which are the reference's
+        return extra if self.base is not None else {**extra, "reference": self._reference_checksums()}
 
     # -- steps
 
@@ -209,7 +230,7 @@ class DPOTrainer(supervised.SupervisedTrainer):
             if self.settings.train.eval_batches and i >= self.settings.train.eval_batches:
                 break
             batch = self._device_batch(self.prompt_tokenizer.preferences(records.records, length=self.length))
-            out = self._eval_step(self.state.params, batch, self._place(records.valid))
+            out = self._eval_step(self.state.params, self.base, batch, self._place(records.valid))
             totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
         metrics = {k: float(v) for k, v in jax.device_get(finalize_metrics(totals)).items()}
         metrics["loss"] = metrics.pop("pair_loss") + self.settings.loss.sft_coef * metrics.get("nll_loss", 0.0)

@@ -13,6 +13,11 @@ carry the bias (folded into the final LayerNorm bias by `hf.export_model`); Llam
 nowhere to store it, so for them the bias is only written to normalization.json - put it in the PPO
 config as reward.bias.
 
+LoRA (model.lora.rank > 0): the transformer's adapters and the score head train (the head is new, so
+it must), the transformer's base stays frozen; normalisation folds into the trained head as above,
+and the export is merged (full weights, adapters folded in): a PEFT adapter directory has no place for
+a new head other than `modules_to_save`, which we do not write.
+
 Shapes: B pairs, L = data.max_prompt_length + data.max_response_length, D hidden size.
 """
 
@@ -41,12 +46,12 @@ from ppo_jax.supervised.settings import RewardModelSettings, reward_model_config
 
 Array = jax.Array
 
-def pair_scores(model: ScalarModel, params, batch: data_lib.PreferenceBatch) -> tuple[Array, Array]:
-    """(chosen [B], rejected [B]) scores from one [2B, L] forward."""
+def pair_scores(model: ScalarModel, params, batch: data_lib.PreferenceBatch, adapters=None) -> tuple[Array, Array]:
+    """(chosen [B], rejected [B]) scores from one [2B, L] forward (adapters: LoRA on `params`, or None)."""
     b = batch.chosen_tokens.shape[0]
     tokens = jnp.concatenate([batch.chosen_tokens, batch.rejected_tokens], axis=0)
     mask = jnp.concatenate([batch.chosen_mask, batch.rejected_mask], axis=0)
-    scores = sequence_scores(model, params, tokens, mask)
+    scores = sequence_scores(model, params, tokens, mask, adapters)
     return scores[:b], scores[b:]
 
 
@@ -78,9 +83,13 @@ def _zero_score_bias(grads):
 
 
 def make_train_step(model: ScalarModel, tx):
-    def train_step(state: supervised.TrainState, batch: data_lib.PreferenceBatch):
-        def loss_fn(params):
-            chosen, rejected = pair_scores(model, params, batch)
+    """(state, base, batch) -> (state, metrics); the gradient is over state.params: the whole model,
+    or with LoRA the adapters and the head (`base`: the frozen transformer, None without LoRA)."""
+
+    def train_step(state: supervised.TrainState, base, batch: data_lib.PreferenceBatch):
+        def loss_fn(trainable):
+            params, adapters = supervised.join(trainable, base)
+            chosen, rejected = pair_scores(model, params, batch, adapters)
             return bradley_terry_loss(chosen, rejected)
 
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -95,8 +104,9 @@ def make_train_step(model: ScalarModel, tx):
 def make_eval_step(model: ScalarModel):
     """Sums over valid pairs (batches of an eval pass add up exactly)."""
 
-    def eval_step(params, batch: data_lib.PreferenceBatch, valid: Array):
-        chosen, rejected = pair_scores(model, params, batch)
+    def eval_step(trainable, base, batch: data_lib.PreferenceBatch, valid: Array):
+        params, adapters = supervised.join(trainable, base)
+        chosen, rejected = pair_scores(model, params, batch, adapters)
         margin = chosen - rejected
         w = valid.astype(jnp.float32)
         return {"loss": (jax.nn.softplus(-margin) * w).sum(), "correct": ((margin > 0) * w).sum(),
@@ -148,24 +158,29 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
                                                   kinds=("causal_lm", "reward"), compute=s.compute)
         self.model_config = cfg
         self.module = ScalarModel(cfg, head_init="reward")
-        abstract = boxed_params(self.module)
-        self.param_shardings = sharding.tree_shardings(abstract, self.mesh)
+        self.param_shardings = sharding.tree_shardings(boxed_params(self.module), self.mesh)
         params = self._initial_params(start_kind, head_key)
 
-        self._start_training(params, self.param_shardings, abstract, train_source, "preference")
+        self._start_training(self._trainable(params, self.param_shardings, heads=("score",)), train_source,
+                             "preference")
+        trained_sh = (self.state_shardings.params, self.base_shardings)  # (trainable, base) of every step
 
         data_sh = sharding.data_sharding(self.mesh)
         batch_sh = data_lib.PreferenceBatch(*([data_sh] * 6))
         replicated = sharding.replicated(self.mesh)
         self._train_step = sharding.on_mesh(jax.jit(
-            make_train_step(self.module, self.tx), in_shardings=(self.state_shardings, batch_sh),
-            out_shardings=(self.state_shardings, replicated), donate_argnums=(0,)), self.mesh)
+            make_train_step(self.module, self.tx), in_shardings=(self.state_shardings, self.base_shardings, batch_sh),
+            out_shardings=(self.state_shardings, replicated), donate_argnums=(0,)), self.mesh)  # never the base
         self._eval_step = sharding.on_mesh(jax.jit(
-            make_eval_step(self.module), in_shardings=(self.param_shardings, batch_sh, data_sh),
+            make_eval_step(self.module), in_shardings=(*trained_sh, batch_sh, data_sh),
             out_shardings=replicated), self.mesh)
-        self._score = sharding.on_mesh(jax.jit(
-            lambda p, t, m: sequence_scores(self.module, p, t, m),
-            in_shardings=(self.param_shardings, data_sh, data_sh), out_shardings=data_sh), self.mesh)
+
+        def scores(trainable, base, tokens, mask):
+            params, adapters = supervised.join(trainable, base)
+            return sequence_scores(self.module, params, tokens, mask, adapters)
+
+        self._score = sharding.on_mesh(jax.jit(scores, in_shardings=(*trained_sh, data_sh, data_sh),
+                                               out_shardings=data_sh), self.mesh)
         self.writer = metrics_lib.MetricWriter(workdir, resume_step=self.step)  # drops rows past the checkpoint
         self.normalization: dict[str, float] | None = None
 
@@ -189,7 +204,7 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
 
             score = jax.jit(head, out_shardings=head_sh)(head_key)
             return {"transformer": loaded.params["transformer"], "score": score}
-        params, _ = init_params(self.module, head_key, self.mesh)
+        params, _ = init_params(supervised.without_lora(self.module), head_key, self.mesh)
         return params
 
     # -- steps
@@ -205,7 +220,7 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
             if self.settings.train.eval_batches and i >= self.settings.train.eval_batches:
                 break
             batch = self.prompt_tokenizer.preferences(records.records, length=self.length)
-            out = jax.device_get(self._eval_step(self.state.params, *self._place((batch, records.valid))))
+            out = jax.device_get(self._eval_step(self.state.params, self.base, *self._place((batch, records.valid))))
             for k in totals:
                 totals[k] += float(out[k])
         n = max(totals["pairs"], 1.0)
@@ -224,7 +239,8 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
                 t = np.concatenate([t, np.repeat(t[-1:], fill, 0)])
                 m = np.concatenate([m, np.repeat(m[-1:], fill, 0)])
             # Global rows, identical on every process: put_batch / to_host, not the per-process path.
-            scores = np.asarray(sharding.to_host(self._score(self.state.params, *sharding.put_batch((t, m), self.mesh))))
+            scores = np.asarray(sharding.to_host(self._score(self.state.params, self.base,
+                                                             *sharding.put_batch((t, m), self.mesh))))
             out.append(scores[:b - fill])
         return np.concatenate(out) if out else np.zeros((0,), np.float32)
 
@@ -268,9 +284,14 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
             stop_token_ids=(int(self.tokenizer.eos_token_id),), temperature=float(n.temperature)),
             self.mesh, jax.tree.map(lambda x: x.sharding, loaded.params))
         data_sh = sharding.data_sharding(self.mesh)
+        def policy_sample_scores(trainable, base, prompt_tokens, prompt_mask, tokens, mask):
+            params, adapters = supervised.join(trainable, base)
+            return response_scores(self.module, params, prompt_tokens, prompt_mask, tokens, mask, adapters)
+
         score_fn = sharding.on_mesh(jax.jit(
-            lambda p, pt, pm, t, m: response_scores(self.module, p, pt, pm, t, m),
-            in_shardings=(self.param_shardings,) + (data_sh,) * 4, out_shardings=data_sh), self.mesh)
+            policy_sample_scores,
+            in_shardings=(self.state_shardings.params, self.base_shardings) + (data_sh,) * 4,
+            out_shardings=data_sh), self.mesh)
         scores = []
         for start in range(0, len(prompts), b):
             chunk = prompts[start:start + b]
@@ -278,7 +299,8 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
             batch = self.prompt_tokenizer.prompts(chunk, length=int(d.max_prompt_length))
             toks, mask = sharding.put_batch((batch.tokens, batch.mask), self.mesh)
             out = sampler(loaded.params, toks, mask, jax.random.fold_in(self._normalize_key, start))
-            s = sharding.to_host(score_fn(self.state.params, out.prompt_tokens, out.prompt_mask, out.tokens, out.mask))
+            s = sharding.to_host(score_fn(self.state.params, self.base, out.prompt_tokens, out.prompt_mask, out.tokens,
+                                          out.mask))
             scores.append(np.asarray(s)[:min(b, len(prompts) - start)])
         return np.concatenate(scores)
 
@@ -291,8 +313,9 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
                              f"reward model does not tell them apart, so there is no scale to normalise")
         gain, bias = 1.0 / std, -mean / std
         fold_bias = self.model_config.family == "gpt2"  # only GPT-2 exports can carry a score offset
+        # state.params has the head at "score" with or without LoRA ({"lora", "score"}): fold it there.
         params = fold_normalization(self.state.params, gain, bias if fold_bias else 0.0)
-        params = jax.device_put(params, self.param_shardings)
+        params = jax.device_put(params, self.state_shardings.params)
         self.state = self.state.replace(params=params)
         self.normalization = {"mean": mean, "std": std, "gain": gain, "bias": bias,
                               "bias_in_head": fold_bias, "ppo_reward_bias": 0.0 if fold_bias else bias,

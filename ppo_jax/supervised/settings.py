@@ -11,11 +11,14 @@ import dataclasses
 
 import ml_collections
 
-from ppo_jax.config import AdamWSettings, ComputeSettings, MeshSettings, RunSettings, check, config_dict
+from ppo_jax.config import AdamWSettings, ComputeSettings, LoraSettings, MeshSettings, RunSettings, check, config_dict
 from ppo_jax.models.config import ModelConfig
 from ppo_jax.supervised.dpo_loss import LOSS_TYPES
 
 NORMALIZE_SOURCES = ("none", "policy", "preferences")
+# train.lora_export: a LoRA run's export as full weights with the adapters folded in, or as a PEFT
+# adapter directory (causal LMs only: the reward model's new score head has no PEFT home we write).
+LORA_EXPORTS = ("merged", "adapter")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +30,13 @@ class ModelSettings:
                                       max_position_embeddings=128)  # architecture when model.path is "" (vocab_size >= the tokenizer's)
     param_dtype: str = ""  # override parameter dtype ("" = keep the checkpoint's / model's)
     dtype: str = ""  # override compute dtype ("" = keep)
+    # LoRA: model.lora.rank > 0 trains low-rank adapters (and the reward model's head) on a frozen base
+    # (model.path or the seed's init); model.lora.alpha, model.lora.targets as PPO's policy.lora.*
+    lora: LoraSettings = LoraSettings()
+
+    def validate(self, what: str) -> None:
+        """LoraConfig's own checks, the field named; the model family is checked with the model."""
+        self.lora.lora_config(f"{what}: model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +49,9 @@ class SupervisedTrainSettings:
     checkpoint_every: int = 0  # save a checkpoint every N steps; 0 = only at the end
     keep_checkpoints: int = 2  # checkpoints kept
     export: bool = True  # write a Hugging Face checkpoint to <workdir>/hf at the end
+    # with model.lora.rank > 0, what train.export writes: "merged" (full weights, adapters folded in) or
+    # "adapter" (a PEFT adapter directory for model.path; causal LMs only)
+    lora_export: str = "merged"
     progress: bool = True  # tqdm progress bar
 
     def validate(self, what: str) -> None:
@@ -48,6 +61,18 @@ class SupervisedTrainSettings:
             check(getattr(self, name) >= 0, f"{what}: train.{name} must be >= 0, got {getattr(self, name)}")
         check(self.log_every >= 1, f"{what}: train.log_every must be >= 1, got {self.log_every}")
         check(self.keep_checkpoints >= 1, f"{what}: train.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        check(self.lora_export in LORA_EXPORTS,
+              f"{what}: train.lora_export={self.lora_export!r}: use one of {', '.join(LORA_EXPORTS)}")
+
+
+def _validate_lora_export(model: ModelSettings, train: SupervisedTrainSettings, what: str) -> None:
+    """An adapter export needs adapters, and a base on disk for them to apply to."""
+    if train.lora_export != "adapter":
+        return
+    check(model.lora.rank > 0, f"{what}: train.lora_export='adapter' needs model.lora.rank > 0 (there are no "
+                               "adapters without LoRA); use merged")
+    check(bool(model.path), f"{what}: train.lora_export='adapter' needs model.path: the adapters apply to that "
+                            "base, and a fresh base (model.path \"\") is written nowhere; use merged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +170,9 @@ class SFTSettings(RunSettings):
 
     def validate(self) -> None:
         self.compute.validate("sft: compute")
+        self.model.validate("sft")
         self.train.validate("sft")
+        _validate_lora_export(self.model, self.train, "sft")
         self.optim.validate("sft: optim", {"lr": self.optim.lr})
         _validate_lengths(self.data, "sft")
 
@@ -166,7 +193,12 @@ class RewardModelSettings(RunSettings):
     def validate(self) -> None:
         what = "reward_model"
         self.compute.validate(f"{what}: compute")
+        self.model.validate(what)
         self.train.validate(what)
+        # A PEFT directory cannot carry our new score head (it would need modules_to_save): merged only.
+        check(self.train.lora_export == "merged",
+              f"{what}: train.lora_export={self.train.lora_export!r}: a reward model exports merged only (its "
+              "score head is trained from scratch and is not a LoRA adapter)")
         self.optim.validate(f"{what}: optim", {"lr": self.optim.lr})
         _validate_lengths(self.data, what)
         n = self.normalize
@@ -196,7 +228,9 @@ class DPOSettings(RunSettings):
     def validate(self) -> None:
         what = "dpo"
         self.compute.validate(f"{what}: compute")
+        self.model.validate(what)
         self.train.validate(what)
+        _validate_lora_export(self.model, self.train, what)
         self.optim.validate(f"{what}: optim", {"lr": self.optim.lr})
         self.loss.validate(what)
         _validate_lengths(self.data, what)

@@ -4,6 +4,10 @@ targets), on the mesh, with Orbax checkpoints, JSONL + TensorBoard metrics and a
     trainer = SFTTrainer(sft_config(), workdir, tokenizer=tok, train_records=[{"prompt", "response"}, ...])
     trainer.train()            # -> logged rows; <workdir>/hf is the fine-tuned model (GPT2LMHeadModel, ...)
 
+With model.lora.rank > 0 only LoRA adapters train, on the frozen base (model.path or the seed's init):
+the train state is the adapters and their optimizer state, checkpoints record the base's checksums,
+and <workdir>/hf is the merged model or, with train.lora_export="adapter", a PEFT adapter directory.
+
 Shapes: B examples, L = data.max_prompt_length + data.max_response_length (one static length, so one
 compiled step), V vocabulary. Sequences are prompt + response + EOS, left-padded (`ppo_jax.data`).
 """
@@ -22,21 +26,23 @@ from ppo_jax import data as data_lib
 from ppo_jax import metrics as metrics_lib
 from ppo_jax import sharding
 from ppo_jax.config import ConfigError
-from ppo_jax.models import CausalLM, boxed_params, positions_from_mask
+from ppo_jax.models import CausalLM, positions_from_mask
+from ppo_jax.models.forward import variables
 from ppo_jax.supervised import base as supervised
 from ppo_jax.supervised.settings import SFTSettings, sft_config  # noqa: F401  (sft_config: the defaults)
 
 Array = jax.Array
 
 
-def response_token_nll(model: CausalLM, params, tokens: Array, mask: Array, loss_mask: Array):
+def response_token_nll(model: CausalLM, params, tokens: Array, mask: Array, loss_mask: Array, adapters=None):
     """Per-token negative log-likelihood of the targets, and whether the argmax got them right.
 
     tokens, mask, loss_mask [B, L] (left-padded). Position t predicts token t + 1; a target counts
-    where loss_mask[t + 1] = 1 (response tokens and their EOS). Returns nll, correct, weight, each
-    [B, L - 1] float32, zero where weight is 0.
+    where loss_mask[t + 1] = 1 (response tokens and their EOS). adapters: LoRA adapters on `params`
+    (None: the model without). Returns nll, correct, weight, each [B, L - 1] float32, zero where
+    weight is 0.
     """
-    logits, _ = model.apply({"params": params}, tokens, positions_from_mask(mask), mask)
+    logits, _ = model.apply(variables(params, adapters), tokens, positions_from_mask(mask), mask)
     logits = logits[:, :-1]
     targets = tokens[:, 1:]
     weight = loss_mask[:, 1:].astype(jnp.float32)
@@ -46,17 +52,24 @@ def response_token_nll(model: CausalLM, params, tokens: Array, mask: Array, loss
     return -picked * weight, correct * weight, weight
 
 
-def sft_loss(model: CausalLM, params, batch: data_lib.SFTBatch) -> tuple[Array, dict[str, Array]]:
+def sft_loss(model: CausalLM, params, batch: data_lib.SFTBatch, adapters=None) -> tuple[Array, dict[str, Array]]:
     """Token-mean NLL over every response token of the batch (each token weighs the same)."""
-    nll, correct, weight = response_token_nll(model, params, batch.tokens, batch.mask, batch.loss_mask)
+    nll, correct, weight = response_token_nll(model, params, batch.tokens, batch.mask, batch.loss_mask, adapters)
     count = jnp.maximum(weight.sum(), 1.0)
     loss = nll.sum() / count
     return loss, {"train/loss": loss, "train/accuracy": correct.sum() / count, "train/tokens": weight.sum()}
 
 
 def make_train_step(model: CausalLM, tx):
-    def train_step(state: supervised.TrainState, batch: data_lib.SFTBatch):
-        (_, metrics), grads = jax.value_and_grad(lambda p: sft_loss(model, p, batch), has_aux=True)(state.params)
+    """(state, base, batch) -> (state, metrics). The gradient is over state.params only: the whole
+    model, or with LoRA the adapters (`base` is the frozen rest, None without LoRA)."""
+
+    def train_step(state: supervised.TrainState, base, batch: data_lib.SFTBatch):
+        def loss_fn(trainable):
+            params, adapters = supervised.join(trainable, base)
+            return sft_loss(model, params, batch, adapters)
+
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         metrics["train/grad_norm"] = optax.tree.norm(grads)
         return supervised.apply_gradients(tx, state, grads), metrics
 
@@ -66,8 +79,9 @@ def make_train_step(model: CausalLM, tx):
 def make_eval_step(model: CausalLM):
     """Sums (not means), so batches of an eval pass add up exactly: nll, correct, tokens."""
 
-    def eval_step(params, batch: data_lib.SFTBatch):
-        nll, correct, weight = response_token_nll(model, params, batch.tokens, batch.mask, batch.loss_mask)
+    def eval_step(trainable, base, batch: data_lib.SFTBatch):
+        params, adapters = supervised.join(trainable, base)
+        nll, correct, weight = response_token_nll(model, params, batch.tokens, batch.mask, batch.loss_mask, adapters)
         return {"nll": nll.sum(), "correct": correct.sum(), "tokens": weight.sum()}
 
     return eval_step
@@ -101,21 +115,21 @@ class SFTTrainer(supervised.SupervisedTrainer):
         # Model (validated before any compile).
         self.length = d.max_prompt_length + d.max_response_length
         cfg, _ = supervised.model_config(s.model, self.tokenizer, what="sft", length=self.length,
-                                         kinds=("causal_lm",), compute=s.compute)
+                                         kinds=("causal_lm",), compute=s.compute, lora_export=s.train.lora_export)
         self.model_config = cfg
         self.module = CausalLM(cfg)
         params, param_shardings = self._causal_lm_params()
 
         self.eval_source = eval_source
-        self._start_training(params, param_shardings, boxed_params(self.module), train_source, "sft")
+        self._start_training(self._trainable(params, param_shardings), train_source, "sft")
 
         batch_sh = data_lib.SFTBatch(*([sharding.data_sharding(self.mesh)] * 3))
         replicated = sharding.replicated(self.mesh)
         self._train_step = sharding.on_mesh(jax.jit(
-            make_train_step(self.module, self.tx), in_shardings=(self.state_shardings, batch_sh),
-            out_shardings=(self.state_shardings, replicated), donate_argnums=(0,)), self.mesh)
+            make_train_step(self.module, self.tx), in_shardings=(self.state_shardings, self.base_shardings, batch_sh),
+            out_shardings=(self.state_shardings, replicated), donate_argnums=(0,)), self.mesh)  # never the base
         self._eval_step = sharding.on_mesh(jax.jit(
-            make_eval_step(self.module), in_shardings=(self.state_shardings.params, batch_sh),
+            make_eval_step(self.module), in_shardings=(self.state_shardings.params, self.base_shardings, batch_sh),
             out_shardings=replicated), self.mesh)
         self.writer = metrics_lib.MetricWriter(workdir, resume_step=self.step)  # drops rows past the checkpoint
 
@@ -133,7 +147,7 @@ class SFTTrainer(supervised.SupervisedTrainer):
             batch = self.prompt_tokenizer.sft(records.records, length=self.length)
             # Filler rows of the last batch (valid=False) count for nothing.
             batch = batch.replace(loss_mask=batch.loss_mask * records.valid[:, None].astype(np.int32))
-            out = jax.device_get(self._eval_step(self.state.params, self._place(batch)))
+            out = jax.device_get(self._eval_step(self.state.params, self.base, self._place(batch)))
             for k in totals:
                 totals[k] += float(out[k])
         count = max(totals["tokens"], 1.0)
