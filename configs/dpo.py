@@ -5,6 +5,10 @@ your SFT model, which is also the frozen reference.
         --config.model.path=runs/sft/hf --config.data.train=prefs.jsonl --config.data.eval=prefs_val.jsonl
 
 IPO instead of DPO: --config.loss.type=ipo; conservative DPO: --config.loss.label_smoothing=0.1.
+LoRA (only low-rank adapters train; the frozen base with the adapters off is the reference, no copy):
+--config.model.lora.rank=8 --config.model.lora.targets=q,k,v,o (GPT-2: o,fc,proj for a PEFT export) and a
+larger --config.optim.lr; <workdir>/hf is then the merged model, or a PEFT adapter directory with
+--config.train.lora_export=adapter.
 Every field and its meaning: `ppo_jax.supervised.settings.DPOSettings`.
 """
 

@@ -4,6 +4,8 @@ starting from your SFT model (its transformer, a fresh scalar head).
     python -m ppo_jax.cli.reward_model --config=configs/reward_model.py --workdir=runs/rm \
         --config.model.path=runs/sft/hf --config.data.train=prefs.jsonl --config.data.eval=prefs_val.jsonl
 
+LoRA (adapters on the transformer + the new score head train, the SFT base stays frozen; the export is
+merged): --config.model.lora.rank=8 --config.model.lora.targets=q,k,v,o --config.optim.lr=1e-4
 Every field and its meaning: `ppo_jax.supervised.settings.RewardModelSettings`.
 """
 

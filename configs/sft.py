@@ -3,6 +3,9 @@
     python -m ppo_jax.cli.sft --config=configs/sft.py --workdir=runs/sft \
         --config.model.path=/path/to/hf_model --config.data.train=train.jsonl --config.data.eval=eval.jsonl
 
+LoRA (only low-rank adapters train, the base stays frozen): --config.model.lora.rank=8
+--config.model.lora.targets=q,k,v,o (GPT-2: o,fc,proj for a PEFT export) and a larger --config.optim.lr;
+<workdir>/hf is then the merged model, or a PEFT adapter directory with --config.train.lora_export=adapter.
 Every field and its meaning: `ppo_jax.supervised.settings.SFTSettings`.
 """
 

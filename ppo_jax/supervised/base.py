@@ -304,7 +304,9 @@ def summary_line(trainer, history: list[dict[str, float]]) -> str:
     prefixes = trainer.summary_prefixes
     logged = [row for row in history if any(k.startswith(prefixes) for k in row)]
     shown = {k: round(v, 4) for k, v in logged[-1].items() if k.startswith(prefixes)} if logged else {}
-    return f"done: {trainer.step} steps {shown}; Hugging Face export in {os.path.join(trainer.workdir, 'hf')}"
+    adapter = trainer.model_config.lora is not None and trainer.settings.train.lora_export == "adapter"
+    export = "PEFT adapter" if adapter else "Hugging Face export"
+    return f"done: {trainer.step} steps {shown}; {export} in {os.path.join(trainer.workdir, 'hf')}"
 
 
 # ----------------------------------------------------------------------------------------------

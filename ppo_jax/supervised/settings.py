@@ -2,7 +2,7 @@
 comment) and validation. `sft_config()` / `reward_model_config()` / `dpo_config()` are the ConfigDicts
 that files under `configs/` start from; the trainers convert one, once, with `SFTSettings.from_config`
 / `RewardModelSettings.from_config` / `DPOSettings.from_config`. Field names match the PPO settings'
-where the idea is the same.
+where the idea is the same (model.lora.* is PPO's policy.lora.*: `ppo_jax.config.LoraSettings`).
 """
 
 from __future__ import annotations
@@ -217,7 +217,8 @@ class DPOSettings(RunSettings):
     seed: int = 0  # seeds a fresh model's init and the data order
     mesh: MeshSettings = MeshSettings()
     compute: ComputeSettings = ComputeSettings()  # attention kernel, layer loop, remat
-    # model.path: the causal LM to start from (usually the SFT model); it is also the frozen reference
+    # model.path: the causal LM to start from (usually the SFT model); it is also the frozen reference (with
+    # model.lora: the frozen base, run with the adapters off)
     model: ModelSettings = ModelSettings()
     tokenizer_path: str = ""  # Hugging Face tokenizer directory; "" = model.path's (a tokenizer passed in code wins)
     data: PreferenceDataSettings = PreferenceDataSettings()
