@@ -441,8 +441,8 @@ class CheckpointManager:
         return record
 
     def _wait_frozen(self) -> None:
-        if self._frozen_checkpointer is None:
-            return
+        if self._frozen_checkpointer is None or not self._async:
+            return  # a synchronous Checkpointer has committed when `save` returned (and no wait method)
         try:
             self._frozen_checkpointer.wait_until_finished()
         except Exception as e:
