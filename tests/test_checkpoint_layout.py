@@ -175,6 +175,7 @@ def test_a_checkpoint_restores_in_the_other_layout(tmp_path, states, saved, targ
     assert_identical(again.state, states[target])
     out = capfd.readouterr().out
     assert f"holds its layers {saved}, this run's compute.layer_loop runs them {target}" in out
+    assert out.count("warning:") == 1  # said once per manager, however many trees it converts
 
 
 @pytest.mark.parametrize("saved,target", [(STACKED, PER_LAYER), (PER_LAYER, STACKED)])

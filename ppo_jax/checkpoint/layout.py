@@ -85,7 +85,8 @@ def relayout(tree, to: str, *, stack: Callable[[Sequence[Any]], Any],
     def convert(node):
         if not _is_layer_dict(node):
             return leaf(node)
-        rest = {k: jax.tree.map(leaf, v) for k, v in node.items() if not _key_layout(str(k))}
+        rest = {k: jax.tree.map(convert, v, is_leaf=_is_layer_dict) for k, v in node.items()
+                if not _key_layout(str(k))}
         if to == STACKED:
             layers = {_STACKED_KEY: jax.tree.map(lambda *xs: stack(xs), *_blocks(node))}
         else:

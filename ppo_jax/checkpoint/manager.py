@@ -104,19 +104,6 @@ def _read_target(stored_tree, abstract, what: str) -> tuple[Any, str | None]:
     return read_as, target_layout
 
 
-def _to_target_layout(tree, abstract, to: str | None, what: str):
-    """`tree` as read, converted to layer layout `to` onto the target's shardings (as is for None)."""
-    if to is None:
-        return tree
-    start = time.perf_counter()
-    shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract)
-    tree = layout.to_layout_arrays(tree, to, shardings, consume=True)
-    stored = next(other for other in layout.LAYOUTS if other != to)
-    metrics_lib.warn(f"{what} holds its layers {stored}, this run's compute.layer_loop runs them {to}: "
-                     f"converted after reading ({time.perf_counter() - start:.1f}s)")
-    return tree
-
-
 def _as_path(directory) -> epath.Path:
     text = os.fspath(directory)
     if "://" not in text:  # local path: Orbax wants it absolute
@@ -153,6 +140,7 @@ class CheckpointManager:
         self._pending_step: int | None = None
         self._frozen_checkpointer = None
         self._closed = False
+        self._said_relayout = False  # a tree was read in the other layer layout (warned once)
 
         policies = [policies_lib.LatestN(n=int(max_to_keep))]
         if best_metric is not None:
@@ -337,7 +325,22 @@ class CheckpointManager:
         state = restored[STATE_ITEM]
         if verified:
             self._check_checksums(what, state, restored[CHECKSUM_ITEM])
-        return _to_target_layout(state, abstract, relayout, what), dict(restored[EXTRA_ITEM] or {})
+        return self._in_target_layout(state, abstract, relayout, what), dict(restored[EXTRA_ITEM] or {})
+
+    def _in_target_layout(self, tree, abstract, to: str | None, what: str):
+        """`tree` as read, converted to layer layout `to` onto the target's shardings (as is for
+        None). Said once per manager: a resume converts its step and its frozen trees alike."""
+        if to is None:
+            return tree
+        start = time.perf_counter()
+        tree = layout.to_layout_arrays(tree, to, jax.tree.map(lambda leaf: leaf.sharding, abstract), consume=True)
+        if not self._said_relayout:
+            self._said_relayout = True
+            stored = next(other for other in layout.LAYOUTS if other != to)
+            metrics_lib.warn(f"{what} holds its layers {stored}, this run's compute.layer_loop runs them {to}: "
+                             f"converted after reading ({time.perf_counter() - start:.1f}s; so are other trees "
+                             "read from this directory)")
+        return tree
 
     def _no_checkpoint_error(self) -> CheckpointNotFoundError:
         partial = sorted(set(self._incomplete_at_open) | set(self._incomplete_saves()))
@@ -481,7 +484,7 @@ class CheckpointManager:
                              what, "it could not be read")
         if checksums is not None:
             self._check_checksums(what, tree, checksums)
-        return _to_target_layout(tree, abstract, relayout, what)
+        return self._in_target_layout(tree, abstract, relayout, what)
 
     def set_aside_frozen(self, name: str, suffix: str = CORRUPT_SUFFIX) -> epath.Path:
         """Renames frozen/<name> (damaged, or not the run's) so it is never read again; returns
