@@ -16,7 +16,6 @@ import pytest
 from conftest import make_test_mesh
 from flax import struct
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ppo_jax import checkpoint as ckpt
 from ppo_jax.checkpoint import layout, verify

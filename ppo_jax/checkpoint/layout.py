@@ -94,7 +94,8 @@ def relayout(tree, to: str, *, stack: Callable[[Sequence[Any]], Any],
             count = _layer_count(leaves)
             parts = [unstack(x, count) for x in leaves]
             layers = {f"layers_{i}": treedef.unflatten([p[i] for p in parts]) for i in range(count)}
-        return type(node)({**rest, **layers}) if not isinstance(node, dict) else {**rest, **layers}
+        merged = {**rest, **layers}
+        return merged if isinstance(node, dict) else type(node)(merged)  # e.g. a flax FrozenDict
 
     return jax.tree.map(convert, tree, is_leaf=_is_layer_dict)
 

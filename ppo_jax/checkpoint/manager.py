@@ -338,8 +338,8 @@ class CheckpointManager:
             self._said_relayout = True
             stored = next(other for other in layout.LAYOUTS if other != to)
             metrics_lib.warn(f"{what} holds its layers {stored}, this run's compute.layer_loop runs them {to}: "
-                             f"converted after reading ({time.perf_counter() - start:.1f}s; so are other trees "
-                             "read from this directory)")
+                             f"converted after reading ({time.perf_counter() - start:.1f}s; later trees read "
+                             "here are converted likewise, unannounced)")
         return tree
 
     def _no_checkpoint_error(self) -> CheckpointNotFoundError:

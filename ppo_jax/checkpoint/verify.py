@@ -51,7 +51,7 @@ def _as_words(x: jax.Array) -> jax.Array:
 
 def _position_sums(words: jax.Array, offset: int = 0) -> jax.Array:
     """words [R, n] -> [R] uint32: sum_j words[r, j] * w[offset + j] per row (mod 2^32)."""
-    position = lax.iota(jnp.uint32, words.shape[-1]) + jnp.uint32(offset)
+    position = lax.iota(jnp.uint32, words.shape[-1]) + jnp.uint32(offset % 2**32)  # positions wrap as uint32
     weight = (position * jnp.uint32(_GOLDEN)) | jnp.uint32(1)
     return jnp.sum(words * weight, axis=-1, dtype=jnp.uint32)
 
