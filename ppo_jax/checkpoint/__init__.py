@@ -1,7 +1,8 @@
 """Checkpoints: the only package that imports Orbax.
 
 Modules: `manager` (CheckpointManager), `trees` (paths, shapes, the restore-target check),
-`verify` (leaf checksums), `payloads` (the JSON items), `errors`.
+`verify` (leaf checksums), `layout` (stacked / per-layer layer layouts), `payloads` (the JSON
+items), `errors`.
 
 A run directory holds numbered step checkpoints and, under `frozen/`, trees saved once:
 
@@ -26,6 +27,12 @@ Restore targets are checked against the checkpoint's metadata before any array i
 checkpoint from a different model names the first differing path and both shapes. Restored arrays
 are checked against the checksums written at save time: a flipped byte reads back as a different
 number, not as an error. `restore_newest_valid` falls back past damaged steps and says why.
+
+Layer layouts: `compute.layer_loop` runs a model's layers stacked ([L, ...] leaves, the scan) or per
+layer (`layers_0 ...`), "auto" choosing per platform, so a checkpoint may hold the other layout than
+the run restoring it. A stored tree that differs from the target only in that is read in its own
+layout, verified, and converted onto the target's shardings (said once, as a `warning:` line);
+checksums compare across layouts without converting anything.
 """
 
 from ppo_jax.checkpoint.errors import (

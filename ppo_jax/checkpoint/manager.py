@@ -10,6 +10,7 @@ import numbers
 import os
 import re
 import sys
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,9 +20,10 @@ from etils import epath
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies_lib
 
-from ppo_jax.checkpoint import payloads, trees, verify
-from ppo_jax.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointNotFoundError,
-                                       CheckpointSaveError)
+from ppo_jax import metrics as metrics_lib
+from ppo_jax.checkpoint import layout, payloads, trees, verify
+from ppo_jax.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
+                                       CheckpointNotFoundError, CheckpointSaveError)
 
 STATE_ITEM = "state"
 EXTRA_ITEM = "extra"
@@ -81,6 +83,27 @@ def _quiet_abandoned_reads():
         sys.unraisablehook = previous
 
 
+def _read_target(stored_tree, abstract, what: str) -> tuple[Any, str | None]:
+    """(the target to read with, the layer layout to convert to after reading, or None).
+
+    A tree stored in the other layer layout (`compute.layer_loop` picks it per platform: a run
+    trained on a GPU, resumed on a CPU) is read in its own layout, onto the target's shardings
+    converted; any other difference raises CheckpointMismatchError (compared in the stored layout,
+    so the message names what really differs: a layer count, a shape)."""
+    stored_layout = layout.detect(stored_tree, is_leaf=trees.is_metadata_leaf)
+    target_layout = layout.detect(abstract)
+    if stored_layout is None or target_layout is None or stored_layout == target_layout:
+        trees.check_tree_matches(stored_tree, abstract, what=what)
+        return abstract, None
+    try:
+        read_as = layout.to_layout_abstract(abstract, stored_layout)
+    except ValueError as e:  # a target whose layers do not stack: not this checkpoint's tree either
+        raise CheckpointMismatchError(f"{what} stores the layers {stored_layout}; the restore target "
+                                      f"cannot be converted to that: {e}") from e
+    trees.check_tree_matches(stored_tree, read_as, what=f"{what} (layers {stored_layout})")
+    return read_as, target_layout
+
+
 def _as_path(directory) -> epath.Path:
     text = os.fspath(directory)
     if "://" not in text:  # local path: Orbax wants it absolute
@@ -117,6 +140,7 @@ class CheckpointManager:
         self._pending_step: int | None = None
         self._frozen_checkpointer = None
         self._closed = False
+        self._said_relayout = False  # a tree was read in the other layer layout (warned once)
 
         policies = [policies_lib.LatestN(n=int(max_to_keep))]
         if best_metric is not None:
@@ -289,10 +313,10 @@ class CheckpointManager:
             if (step_dir / STATE_ITEM).exists():
                 raise CheckpointCorruptError(f"{what} is damaged: its {STATE_ITEM}/_METADATA file is missing")
             raise CheckpointError(f"{what} has no '{STATE_ITEM}' item; it was not written by ppo_jax")
-        trees.check_tree_matches(getattr(stored, "tree", stored), abstract, what=what)
+        read_as, relayout = _read_target(getattr(stored, "tree", stored), abstract, what)
         # Checkpoints written before checksums existed restore unverified.
         verified = (step_dir / CHECKSUM_ITEM).exists()
-        items = {STATE_ITEM: ocp.args.StandardRestore(abstract), EXTRA_ITEM: ocp.args.JsonRestore()}
+        items = {STATE_ITEM: ocp.args.StandardRestore(read_as), EXTRA_ITEM: ocp.args.JsonRestore()}
         if verified:
             items[CHECKSUM_ITEM] = ocp.args.JsonRestore()
         with _quiet_abandoned_reads():
@@ -301,7 +325,22 @@ class CheckpointManager:
         state = restored[STATE_ITEM]
         if verified:
             self._check_checksums(what, state, restored[CHECKSUM_ITEM])
-        return state, dict(restored[EXTRA_ITEM] or {})
+        return self._in_target_layout(state, abstract, relayout, what), dict(restored[EXTRA_ITEM] or {})
+
+    def _in_target_layout(self, tree, abstract, to: str | None, what: str):
+        """`tree` as read, converted to layer layout `to` onto the target's shardings (as is for
+        None). Said once per manager: a resume converts its step and its frozen trees alike."""
+        if to is None:
+            return tree
+        start = time.perf_counter()
+        tree = layout.to_layout_arrays(tree, to, jax.tree.map(lambda leaf: leaf.sharding, abstract), consume=True)
+        if not self._said_relayout:
+            self._said_relayout = True
+            stored = next(other for other in layout.LAYOUTS if other != to)
+            metrics_lib.warn(f"{what} holds its layers {stored}, this run's compute.layer_loop runs them {to}: "
+                             f"converted after reading ({time.perf_counter() - start:.1f}s; later trees read "
+                             "here are converted likewise, unannounced)")
+        return tree
 
     def _no_checkpoint_error(self) -> CheckpointNotFoundError:
         partial = sorted(set(self._incomplete_at_open) | set(self._incomplete_saves()))
@@ -405,8 +444,8 @@ class CheckpointManager:
         return record
 
     def _wait_frozen(self) -> None:
-        if self._frozen_checkpointer is None:
-            return
+        if self._frozen_checkpointer is None or not self._async:
+            return  # a synchronous Checkpointer has committed when `save` returned (and no wait method)
         try:
             self._frozen_checkpointer.wait_until_finished()
         except Exception as e:
@@ -439,13 +478,13 @@ class CheckpointManager:
                 raise _read_error(what, "its metadata failed to load", e) from e
             if stored is None:
                 raise CheckpointCorruptError(f"{what} is damaged: its _METADATA file is missing")
-            trees.check_tree_matches(getattr(stored, "tree", stored), abstract, what=what)
+            read_as, relayout = _read_target(getattr(stored, "tree", stored), abstract, what)
             with _quiet_abandoned_reads():
-                tree = _read(lambda: checkpointer.restore(path, args=ocp.args.StandardRestore(abstract)),
+                tree = _read(lambda: checkpointer.restore(path, args=ocp.args.StandardRestore(read_as)),
                              what, "it could not be read")
         if checksums is not None:
             self._check_checksums(what, tree, checksums)
-        return tree
+        return self._in_target_layout(tree, abstract, relayout, what)
 
     def set_aside_frozen(self, name: str, suffix: str = CORRUPT_SUFFIX) -> epath.Path:
         """Renames frozen/<name> (damaged, or not the run's) so it is never read again; returns

@@ -21,7 +21,7 @@ def path_name(path: tuple[str, ...]) -> str:
     return ".".join(path) if path else "<root>"
 
 
-def _is_metadata_leaf(x) -> bool:
+def is_metadata_leaf(x) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
@@ -80,7 +80,7 @@ def check_tree_matches(stored_tree, abstract_state, *, what: str) -> None:
     restore target. Dtypes may differ (Orbax casts on restore) except that a typed PRNG key must
     be restored as a typed key of the same key shape.
     """
-    stored = dict(flatten_with_names(stored_tree, is_leaf=_is_metadata_leaf))
+    stored = dict(flatten_with_names(stored_tree, is_leaf=is_metadata_leaf))
     target = flatten_with_names(abstract_state)
     hint = ("the checkpoint was probably written for a different model or state layout; restore "
             "with the configuration it was saved with")

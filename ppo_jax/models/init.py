@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from ppo_jax import sharding
+from ppo_jax.checkpoint import layout
 from ppo_jax.models import lora
 from ppo_jax.models.transformer import positions_from_mask
 
@@ -44,5 +46,14 @@ def init_adapters(model, key, mesh, rules=None, seq_len: int = 8):
 
 def _sharded_collection(model, key, mesh, rules, seq_len: int, collection: str):
     inputs = _dummy_inputs(seq_len)
-    return sharding.sharded_init(lambda: model.init(key, *inputs)[collection], mesh,
-                                 rules or sharding.DEFAULT_RULES)
+    rules = rules or sharding.DEFAULT_RULES
+    if model.config.scan_layers:
+        return sharding.sharded_init(lambda: model.init(key, *inputs)[collection], mesh, rules)
+    # The same random values whichever layer loop runs: `nn.scan` splits the init key per layer
+    # differently from L separate blocks, so per-layer params are drawn as the scanned model draws
+    # them and sliced (inside the one init program). A run trained with one loop then resumes with
+    # the other on a random init (a LoRA base rebuilt from the seed, a reference) that verifies.
+    scanned = model.clone(config=model.config.replace(scan_layers=True))
+    shardings = sharding.tree_shardings(jax.eval_shape(lambda: model.init(key, *inputs)[collection]), mesh, rules)
+    init = lambda: layout.to_layout(nn.unbox(scanned.init(key, *inputs)[collection]), layout.PER_LAYER)  # noqa: E731
+    return jax.jit(init, out_shardings=shardings)(), shardings
