@@ -62,6 +62,9 @@ def export_checkpoint(checkpoint: str, out: str, *, step: int | None = None, whi
         elif which == "value":
             raise ValueError(f"the run in {workdir} has no value model (advantage estimator "
                              f"{settings.ppo.advantage_estimator!r})")
+        if which == "value" and value is not None and value.config.lora is not None:
+            raise ValueError(f"the run in {workdir} trained its value model as LoRA (value.lora.rank > 0): adapters + "
+                             "head on a shared frozen base; exporting it is not supported yet (the policy exports)")
         modules = build.Modules(policy=CausalLM(policy_cfg), value=value, reward=None)
         policy_tx, value_tx = build.make_optimizers(settings)
         mesh = mesh or sharding.make_mesh((1, -1, 1))

@@ -25,24 +25,47 @@ ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
 DECODE_LOOPS = {"auto": None, "scan": False, "unrolled": True}
 
 
+def lora_config_of(section: str, rank: int, alpha: float, targets: str) -> LoraConfig | None:
+    """The LoraConfig of a `<section>.lora` block, None when rank is 0; raises ConfigError naming the
+    bad field (`<section>.lora.rank must be >= 0`): LoraConfig's own checks with the full field name."""
+    if rank == 0:
+        return None
+    names = tuple(t.strip() for t in targets.split(",") if t.strip())
+    try:
+        return LoraConfig(rank=rank, alpha=alpha, targets=names)
+    except ValueError as err:
+        raise ConfigError(f"{section}.{err}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class PolicyLoraSettings:
     """LoRA on the policy: train low-rank adapters on a frozen base (the base, adapters off, is the
-    reference, so no reference copy exists)."""
+    reference, so no reference copy exists; with init_from the reference is the base + the imported
+    adapters, a frozen adapters-sized copy)."""
 
     rank: int = 0  # adapter rank; 0 = off (the whole policy is trained against a frozen reference copy)
     alpha: float = 16.0  # adapter scale = alpha / rank
     targets: str = "q,k,v,o"  # comma-separated projections to adapt: q,k,v,o,fc,proj (GPT-2) or q,k,v,o,gate,up,down (Llama family)
+    init_from: str = ""  # a PEFT LoRA adapter directory trained on this base: the adapters start from it and base + it is the reference; rank/alpha/targets come from its adapter_config.json (rank 0), or must agree with it
 
     def lora_config(self) -> LoraConfig | None:
-        """The model's LoraConfig, None when off; raises ConfigError naming the bad field."""
-        if self.rank == 0:
-            return None
-        targets = tuple(t.strip() for t in self.targets.split(",") if t.strip())
-        try:
-            return LoraConfig(rank=self.rank, alpha=self.alpha, targets=targets)
-        except ValueError as err:  # LoraConfig's own checks, with the field's full config name
-            raise ConfigError(f"policy.{err}") from None
+        """The model's LoraConfig, None when off (or taken from init_from: `build.policy_model_config`);
+        raises ConfigError naming the bad field."""
+        return lora_config_of("policy", self.rank, self.alpha, self.targets)
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueLoraSettings:
+    """LoRA on the value model: adapters + the scalar head are trained on a frozen base that already
+    exists in the run (the policy's base, the reference, or the reward model; never a copy)."""
+
+    rank: int = 0  # adapter rank; 0 = off (the whole value model is trained)
+    alpha: float = 16.0  # adapter scale = alpha / rank
+    targets: str = "q,k,v,o"  # comma-separated projections to adapt, as policy.lora.targets
+
+    def lora_config(self) -> LoraConfig | None:
+        """The value model's LoraConfig, None when off; raises ConfigError naming the bad field."""
+        return lora_config_of("value", self.rank, self.alpha, self.targets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +100,7 @@ class ValueSettings:
     """Where the value model starts."""
 
     init: str = "policy"  # value model from "policy" (zero-init head) or "reward" (the reward model, N+ style)
+    lora: ValueLoraSettings = ValueLoraSettings()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +246,10 @@ class Settings(RunSettings):
                   "ppo.kl_target and ppo.kl_horizon must be > 0 for the adaptive controller")
         self.optim.validate("optim", {"policy_lr": self.optim.policy_lr, "value_lr": self.optim.value_lr})
         check(self.value.init in ("policy", "reward"), f"value.init={self.value.init!r}: use policy or reward")
+        self.value.lora.lora_config()  # LoraConfig's checks, as policy.lora's
+        check(self.value.lora.rank == 0 or self.uses_critic,
+              f"value.lora.rank={self.value.lora.rank}, but ppo.advantage_estimator="
+              f"{p.advantage_estimator!r} trains no value model; set value.lora.rank=0")
         if self.value.init == "reward" and self.uses_critic:
             check(bool(self.reward.path), "value.init='reward' needs reward.path (a reward model to start the "
                   "value model from)")
