@@ -137,6 +137,15 @@ def test_resume_is_exact(value_run, tmp_path):
             assert history[-1][key] == value, key
 
 
+def test_export_writes_the_policy_and_refuses_a_lora_value_model(value_run, tmp_path):
+    trainer, _, _, workdir = value_run
+    adapter = export_checkpoint(str(workdir), str(tmp_path / "adapter"), lora_format="adapter")
+    _, loaded = hf.load_adapter(adapter, trainer.policy_config.replace(lora=None), make_test_mesh((1, 1, 1)))
+    assert leaves_equal(jax.device_get(loaded), jax.device_get(trainer.state.policy))
+    with pytest.raises(ValueError, match="trained its value model as LoRA"):
+        export_checkpoint(str(workdir), str(tmp_path / "value"), which="value")
+
+
 # ------------------------------------------------------------------ value LoRA on other bases (no training)
 
 
