@@ -16,10 +16,9 @@ import jax.numpy as jnp
 from ppo_jax import ppo, sampling, sharding
 from ppo_jax.checkpoint import CheckpointError, verify
 from ppo_jax.config import ConfigError, override_dtypes
-from ppo_jax.models import CausalLM, ModelConfig, ScalarModel, boxed_params, hf, init_adapters, init_params
+from ppo_jax.models import CausalLM, LoraConfig, ModelConfig, ScalarModel, boxed_params, hf, init_adapters, init_params
 from ppo_jax.optim import make_optimizer
 from ppo_jax.rl.experience import make_experience_fn
-from ppo_jax.models.config import LoraConfig
 from ppo_jax.rl.settings import DerivedSizes, PolicyLoraSettings, PPOHyper, Settings, sampling_config
 from ppo_jax.rl.state import Experience, FrozenParams, Rollout, TrainState
 from ppo_jax.rl.update import make_update_fn
@@ -131,8 +130,7 @@ def abstract_train_state(s: Settings, modules: Modules, policy_tx, value_tx, mes
     """
     lora = modules.policy.config.lora is not None
     policy = boxed_params(modules.policy, collection="lora" if lora else "params")
-    value = trainable_value(boxed_params(modules.value), boxed_params(modules.value, collection="lora")) \
-        if value_lora(modules) else boxed_params(modules.value) if modules.value is not None else None
+    value = boxed_value(modules)
     boxed = TrainState(
         step=jax.ShapeDtypeStruct((), jnp.int32), policy=policy,
         policy_opt=jax.eval_shape(policy_tx.init, policy),
@@ -149,10 +147,20 @@ def value_lora(modules: Modules) -> bool:
     return modules.value is not None and modules.value.config.lora is not None
 
 
-def trainable_value(params, adapters):
-    """A LoRA value model's trainable tree: its adapters and its scalar head (params["score"]); the
-    transformer under `params` is frozen and shared (`FrozenParams.value`). See `state.value_variables`."""
-    return {"lora": adapters, "score": params["score"]}
+def trainable_value(adapters, head):
+    """A LoRA value model's trainable tree: its adapters and its scalar head (the "score" params);
+    its transformer is frozen and shared (`FrozenParams.value`). See `state.value_variables`."""
+    return {"lora": adapters, "score": head}
+
+
+def boxed_value(modules: Modules):
+    """The abstract (boxed) trainable value tree: the whole model, or with value LoRA its adapters +
+    head; None for critic-free estimators."""
+    if modules.value is None:
+        return None
+    if not value_lora(modules):
+        return boxed_params(modules.value)
+    return trainable_value(boxed_params(modules.value, collection="lora"), boxed_params(modules.value)["score"])
 
 
 def shared_value_base(s: Settings, modules: Modules, frozen: FrozenParams):
@@ -232,7 +240,7 @@ def initial_params(s: Settings, modules: Modules, shardings: TrainState, mesh, k
         head = (reward_params["score"] if s.value.init == "reward"
                 else jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), nn.unbox(boxed_params(modules.value))["score"]))
         # A copy: the trainable state is donated, the reward model's head must survive it.
-        value = sharding.copy_tree(trainable_value({"score": head}, adapters), shardings.value)
+        value = sharding.copy_tree(trainable_value(adapters, head), shardings.value)
     elif modules.value is not None:
         if s.value.init == "reward":
             value = sharding.copy_tree(reward_params, shardings.value)
@@ -262,8 +270,8 @@ class Steps:
 
     sampler: rollout sampling; experience_jit(state, frozen, rollout) -> (Experience, metrics);
     update_jit(state, frozen.policy, frozen.value, experience) -> (state, metrics), the state donated
-    (the frozen LoRA bases, None without LoRA, never). trace_counts counts the traces of the two jitted steps (the sampler
-    counts its own).
+    (the frozen LoRA bases, None without LoRA, never). trace_counts counts the traces of the two
+    jitted steps (the sampler counts its own).
     """
 
     sampling_config: sampling.SamplingConfig

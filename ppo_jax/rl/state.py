@@ -33,7 +33,7 @@ class TrainState:
     step: Array  # [] int32, PPO iterations done
     policy: Params  # the policy's params; with LoRA, its adapters only
     policy_opt: Any
-    value: Params | None  # None for critic-free estimators (grpo, rloo, reinforce_pp)
+    value: Params | None  # None for critic-free estimators (grpo, rloo, reinforce_pp); with value LoRA {"lora", "score"}
     value_opt: Any
     kl: ppo.KLControllerState
     key: Array  # base PRNG key; per-iteration keys are fold_in(key, step)

@@ -134,14 +134,7 @@ class PPOTrainer:
                                            self.state_shardings, self.mesh)
         # A LoRA value base is a subtree of these trees (the same arrays): nothing is copied for it.
         self.frozen = build.frozen_params(s, self.modules, reference, reward_params, base)
-        if self.value_lora:  # identifies the value base in every checkpoint (the reward files' fingerprint does not)
-            if self.resumed_from is None:
-                self._value_base_record = verify.record(self.frozen.value)
-            else:
-                self._value_base_record = self._recorded.get("value_base")
-                build.check_rebuilt(self.frozen.value, self._value_base_record, self.checkpoints.directory,
-                                    "value base", "value base", f"value.init={s.value.init}",
-                                    "use the original policy, reward model and seed")
+        self._value_base_record = self._value_base_checksums() if self.value_lora else None
         self.frozen_shardings = build.frozen_shardings(s, self.modules, self.state_shardings, reward_params,
                                                        self.base_shardings)
         self.steps = build.build_steps(s, self.mesh, self.sizes, self.hp, self.modules, self.policy_tx,
@@ -207,6 +200,18 @@ class PPOTrainer:
             self.eval_prompts.restore(extra["eval_data"])
         return restored.state, reference, base, restored.step
 
+    def _value_base_checksums(self) -> dict:
+        """The LoRA value base's checksums, recorded in every checkpoint; on resume, those the
+        checkpoint recorded, after checking the base the run now holds against them (for
+        value.init="reward" the reward files' fingerprint reads no weights, so only this check sees a
+        reward model rewritten with other weights of the same shapes)."""
+        if self.resumed_from is None:
+            return verify.record(self.frozen.value)
+        recorded = self._recorded.get("value_base")
+        build.check_rebuilt(self.frozen.value, recorded, self.checkpoints.directory, "value base", "value base",
+                            f"value.init={self.settings.value.init}", "use the original policy, reward model and seed")
+        return recorded
+
     def _restore_reference(self, recorded: dict | None):
         """The frozen reference the restored steps were trained against (their checksums prove it).
 
@@ -259,8 +264,8 @@ class PPOTrainer:
         return source
 
     def save_checkpoint(self, force: bool = False) -> bool:
-        """Saves trainable state + data position (the reference once, in frozen/; a LoRA base never,
-        only its checksums)."""
+        """Saves trainable state + data position (the reference once, in frozen/; a LoRA base, imported
+        adapters and a LoRA value base never, only their checksums: they are rebuilt from their sources)."""
         step = int(self.state.step)
         if self.lora:
             frozen_checksums = {"policy_base": self._base_record}
