@@ -137,13 +137,22 @@ def test_resume_is_exact(value_run, tmp_path):
             assert history[-1][key] == value, key
 
 
-def test_export_writes_the_policy_and_refuses_a_lora_value_model(value_run, tmp_path):
+def test_export_writes_the_policy_adapter_and_the_merged_value_model(value_run, tmp_path):
     trainer, _, _, workdir = value_run
+    mesh = make_test_mesh((1, 1, 1))
     adapter = export_checkpoint(str(workdir), str(tmp_path / "adapter"), lora_format="adapter")
-    _, loaded = hf.load_adapter(adapter, trainer.policy_config.replace(lora=None), make_test_mesh((1, 1, 1)))
+    _, loaded = hf.load_adapter(adapter, trainer.policy_config.replace(lora=None), mesh)
     assert leaves_equal(jax.device_get(loaded), jax.device_get(trainer.state.policy))
-    with pytest.raises(ValueError, match="trained its value model as LoRA"):
-        export_checkpoint(str(workdir), str(tmp_path / "value"), which="value")
+    # The value model: adapters merged into a rebuilt, checksum-checked copy of the policy's base, + head.
+    value_dir = export_checkpoint(str(workdir), str(tmp_path / "value"), which="value")
+    exported = hf.load_model(value_dir, mesh, kind="reward")
+    tokens, _, mask = _tokens()
+    pt, pm, rt, rm = tokens[:, :8], mask[:, :8], tokens[:, 8:], np.ones_like(mask[:, 8:])
+    params, adapters = value_variables(trainer.state.value, trainer.frozen.value)
+    want = response_values(trainer.modules.value, params, pt, pm, rt, rm, adapters=adapters)
+    got = response_values(ScalarModel(exported.config, head_init="reward"), exported.params, pt, pm, rt, rm)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+    assert np.abs(np.asarray(want)).max() > 0
 
 
 # ------------------------------------------------------------------ value LoRA on other bases (no training)
@@ -186,10 +195,14 @@ def test_resume_refuses_another_value_base(reward_dir, tmp_path):
     trainer = trainer_for(tmp_path / "run", 2, **overrides)
     trainer.save_checkpoint(force=True)  # step 0 is enough: no compile
     trainer.close()
+    export_checkpoint(str(tmp_path / "run"), str(tmp_path / "value"), which="value")  # on the reward model's base
     params = jax.tree.map(lambda x: x + 0.5, jax.device_get(trainer.frozen.reward))
     hf.export_model(rm, trainer.reward_config, params, kind="reward", tokenizer=toy.tokenizer(32))
-    with pytest.raises(CheckpointError, match="were trained on another value base than the one value.init=reward"):
+    message = "were trained on another value base than the one value.init=reward"
+    with pytest.raises(CheckpointError, match=message):
         trainer_for(tmp_path / "run", 2, **overrides)
+    with pytest.raises(CheckpointError, match=message):  # nor exported merged into another base
+        export_checkpoint(str(tmp_path / "run"), str(tmp_path / "value2"), which="value")
 
 
 def test_value_lora_on_a_fully_trained_policy_shares_the_reference(tmp_path):
@@ -198,7 +211,12 @@ def test_value_lora_on_a_fully_trained_policy_shares_the_reference(tmp_path):
     assert trainer.frozen.value is trainer.frozen.reference["transformer"]
     # Never the trainable policy: it is donated to every update.
     assert buffers(trainer.frozen.value).isdisjoint(buffers(trainer.state.policy))
+    trainer.save_checkpoint(force=True)  # saves the reference (frozen/), which the value export reads back
     trainer.close()
+    out = export_checkpoint(str(tmp_path), str(tmp_path / "value"), which="value")
+    exported = hf.load_model(out, make_test_mesh((1, 1, 1)), kind="reward")
+    assert leaves_equal(jax.device_get(exported.params["transformer"]),  # B = 0: the merged base is the base
+                        jax.device_get(trainer.frozen.reference["transformer"]))
 
 
 INVALID = [
