@@ -87,6 +87,35 @@ def test_shape_arithmetic_agrees_with_memory_analysis(plans):
         assert experience.live_bytes - experience.argument_bytes >= sum(plan.optimizer.values())
 
 
+def test_value_lora_plans_adapters_and_head_on_the_shared_base(plans):
+    """value.lora: the value model is adapters + head (+ their Adam state) on the reference's frozen
+    transformer, which is held once: the trainable bytes drop by about the full value tree x 3."""
+    full = plans[(1, 1, 1)]
+    config = tiny_config()
+    config.value.lora.rank = 4
+    config.value.lora.targets = "q,v"
+    lora = plan_lib.plan_memory(config, make_test_mesh((1, 1, 1)), phases=("experience",))
+    assert lora.value_lora and not full.value_lora
+    assert "LoRA: adapters + head on its frozen base" in plan_lib.format_plan(lora)
+    for name in ("policy", "reference", "reward"):
+        assert lora.params[name] == full.params[name]
+    policy = model_config_from_dict(config.policy.model)
+    head = 4 * (policy.hidden_size + 1)
+    assert head < lora.params["value"] < full.params["value"] / 10
+    assert 0 <= lora.optimizer["value"] - 2 * lora.params["value"] <= SMALL_STATE_BYTES
+
+    def trainable(plan):
+        return plan.params["policy"] + plan.params["value"] + sum(plan.optimizer.values())
+
+    assert trainable(full) - trainable(lora) > 2.9 * (full.params["value"] - lora.params["value"])
+    # The experience step takes the shared base as its own argument (the compiler counts it again),
+    # but it is the reference's transformer: in memory once, so the plan's params count it once.
+    (experience,) = lora.phases
+    base = full.params["value"] - head
+    expected = sum(lora.params.values()) + lora.batch_arrays["rollout"] + base
+    assert 0 <= experience.argument_bytes - expected <= SMALL_STATE_BYTES
+
+
 def test_verdict_flips_at_the_peak(plans):
     plan = plans[(1, 8, 1)]
     (phase,) = plan.phases

@@ -31,8 +31,13 @@ def boxed_params(module, seq_len: int = 2, collection: str = "params") -> Any:
 def init_params(model, key, mesh, rules=None, seq_len: int = 8):
     """Randomly initialised params of `model` placed straight onto their mesh shardings.
 
-    Returns (params, shardings) as plain trees. `seq_len` only shapes the dummy init input.
+    Returns (params, shardings) as plain trees. `seq_len` only shapes the dummy init input. The
+    params are those of the same model without LoRA: the adapters' A draws from the "params" random
+    stream, so initialising with them would give a LoRA run another base than the same seed's
+    LoRA-free run (and its reference).
     """
+    if getattr(model.config, "lora", None) is not None:
+        model = model.clone(config=model.config.replace(lora=None))
     return _sharded_collection(model, key, mesh, rules, seq_len, "params")
 
 

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 from ppo_jax import ppo, sampling, sharding
 from ppo_jax.checkpoint import CheckpointError, verify
 from ppo_jax.config import ConfigError, override_dtypes
-from ppo_jax.models import CausalLM, ModelConfig, ScalarModel, boxed_params, hf, init_adapters, init_params
+from ppo_jax.models import CausalLM, LoraConfig, ModelConfig, ScalarModel, boxed_params, hf, init_adapters, init_params
 from ppo_jax.optim import make_optimizer
 from ppo_jax.rl.experience import make_experience_fn
-from ppo_jax.rl.settings import DerivedSizes, PPOHyper, Settings, sampling_config
+from ppo_jax.rl.settings import DerivedSizes, PolicyLoraSettings, PPOHyper, Settings, sampling_config
 from ppo_jax.rl.state import Experience, FrozenParams, Rollout, TrainState
 from ppo_jax.rl.update import make_update_fn
 
@@ -37,14 +37,45 @@ def run_keys(seed: int) -> RunKeys:
     return RunKeys(*jax.random.split(jax.random.key(seed), 3))
 
 
+def with_lora(cfg: ModelConfig, lora: LoraConfig | None, section: str) -> ModelConfig:
+    """`cfg` with `lora` as its adapters (None: off, whatever cfg said); a target the model family
+    lacks (gate on GPT-2) is a ConfigError naming `<section>.lora.targets`."""
+    try:
+        return dataclasses.replace(cfg, lora=lora)
+    except ValueError as err:
+        raise ConfigError(f"{section}.{err}") from None
+
+
+def imported_lora_config(settings: PolicyLoraSettings, base: ModelConfig) -> LoraConfig:
+    """The LoraConfig of the PEFT adapter directory `policy.lora.init_from` (its adapter_config.json
+    only; no tensor is read). rank/alpha/targets come from it; when policy.lora.rank is set too, all
+    three must agree with it, else a ConfigError names both values."""
+    where = f"policy.lora.init_from={settings.init_from!r}"
+    try:
+        imported = hf.adapter_lora_config(settings.init_from, base)
+    except hf.CheckpointError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    stated = settings.lora_config()
+    if stated is not None:
+        for field, ours, theirs, json_key in (("rank", stated.rank, imported.rank, "r"),
+                                              ("alpha", stated.alpha, imported.alpha, "lora_alpha"),
+                                              ("targets", sorted(stated.targets), sorted(imported.targets),
+                                               "target_modules")):
+            if ours != theirs:
+                raise ConfigError(
+                    f"policy.lora.{field}={ours} disagrees with the adapter of {where} ({json_key} in its "
+                    f"adapter_config.json gives {theirs}); set policy.lora.rank=0 to take the adapter's "
+                    "rank, alpha and targets, or state the same ones")
+    return imported
+
+
 def policy_model_config(s: Settings) -> ModelConfig:
     """The policy architecture, read without loading weights (config.json or policy.model), with
-    policy.lora's adapters (ModelConfig.lora; None when off, whatever the model config said)."""
+    policy.lora's adapters (ModelConfig.lora; None when off, whatever the model config said; those of
+    the adapter directory policy.lora.init_from when set)."""
     cfg = hf.load_config(s.policy.path)[0] if s.policy.path else s.policy.model
-    try:
-        cfg = dataclasses.replace(cfg, lora=s.policy.lora.lora_config())
-    except ValueError as err:  # the family lacks a target (gate on GPT-2)
-        raise ConfigError(f"policy.{err}") from None
+    lora = imported_lora_config(s.policy.lora, cfg) if s.policy.lora.init_from else s.policy.lora.lora_config()
+    cfg = with_lora(cfg, lora, "policy")
     return s.compute.apply(override_dtypes(cfg, s.policy.param_dtype, s.policy.dtype))
 
 
@@ -70,9 +101,9 @@ class Modules:
 
 def make_modules(s: Settings, policy_cfg: ModelConfig, reward_cfg: ModelConfig | None) -> Modules:
     value = None
-    if s.uses_critic:  # a full model even with a LoRA policy
-        value = (ScalarModel(reward_cfg, head_init="reward") if s.value.init == "reward"
-                 else ScalarModel(dataclasses.replace(policy_cfg, lora=None), head_init="zero"))
+    if s.uses_critic:  # value.lora's adapters (a full model when off, whatever the policy is)
+        cfg, head = (reward_cfg, "reward") if s.value.init == "reward" else (policy_cfg, "zero")
+        value = ScalarModel(with_lora(cfg, s.value.lora.lora_config(), "value"), head_init=head)
     reward = ScalarModel(reward_cfg, head_init="reward") if reward_cfg is not None else None
     return Modules(policy=CausalLM(policy_cfg), value=value, reward=reward)
 
@@ -99,7 +130,7 @@ def abstract_train_state(s: Settings, modules: Modules, policy_tx, value_tx, mes
     """
     lora = modules.policy.config.lora is not None
     policy = boxed_params(modules.policy, collection="lora" if lora else "params")
-    value = boxed_params(modules.value) if modules.value is not None else None
+    value = boxed_value(modules)
     boxed = TrainState(
         step=jax.ShapeDtypeStruct((), jnp.int32), policy=policy,
         policy_opt=jax.eval_shape(policy_tx.init, policy),
@@ -109,6 +140,41 @@ def abstract_train_state(s: Settings, modules: Modules, policy_tx, value_tx, mes
     abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                             nn.unbox(boxed), shardings)
     return abstract, shardings
+
+
+def value_lora(modules: Modules) -> bool:
+    """Whether the value model is LoRA (value.lora.rank > 0): adapters + head on a shared frozen base."""
+    return modules.value is not None and modules.value.config.lora is not None
+
+
+def trainable_value(adapters, head):
+    """A LoRA value model's trainable tree: its adapters and its scalar head (the "score" params);
+    its transformer is frozen and shared (`FrozenParams.value`). See `state.value_variables`."""
+    return {"lora": adapters, "score": head}
+
+
+def boxed_value(modules: Modules):
+    """The abstract (boxed) trainable value tree: the whole model, or with value LoRA its adapters +
+    head; None for critic-free estimators."""
+    if modules.value is None:
+        return None
+    if not value_lora(modules):
+        return boxed_params(modules.value)
+    return trainable_value(boxed_params(modules.value, collection="lora"), boxed_params(modules.value)["score"])
+
+
+def shared_value_base(s: Settings, modules: Modules, frozen: FrozenParams):
+    """The frozen transformer a LoRA value model's adapters apply to, as a subtree of a frozen tree
+    the run holds anyway (so it is in memory once): the reward model's with value.init="reward", else
+    the policy's base (LoRA policy) or the reference (full fine-tuning: the initial policy, never the
+    trainable, donated tree). None for a full value model. Works on arrays, shardings or abstract
+    trees alike; with value.init="policy" the CausalLM's "transformer" subtree is exactly a
+    ScalarModel's (the same Transformer module; the LM head sits outside it)."""
+    if not value_lora(modules):
+        return None
+    if s.value.init == "reward":
+        return frozen.reward["transformer"]
+    return (frozen.policy if frozen.policy is not None else frozen.reference)["transformer"]
 
 
 def base_shardings(modules: Modules, mesh):
@@ -132,17 +198,33 @@ def rebuild_lora_base(s: Settings, modules: Modules, mesh, init_key, recorded: d
     copy (it is policy.path or the seed's init, unchanged): rebuilt from that source and adopted only
     if the checksums match. recorded: `frozen_checksums["policy_base"]` of a checkpoint in `where`."""
     base = initial_policy(s, modules, base_shardings(modules, mesh), mesh, init_key)
-    if recorded is None or verify.mismatches(base, recorded):
-        source = f"policy.path={s.policy.path}" if s.policy.path else f"seed={s.seed}"
-        what = "record no LoRA base" if recorded is None else "were trained on another base policy"
-        raise CheckpointError(f"the checkpoints in {where} {what} than the one {source} gives now (checksums "
-                              "differ); use the original policy and seed, or a new workdir")
+    source = f"policy.path={s.policy.path}" if s.policy.path else f"seed={s.seed}"
+    check_rebuilt(base, recorded, where, "a LoRA base", "base policy", source, "use the original policy and seed")
     return base
 
 
-def initial_adapters(modules: Modules, mesh, key):
-    """Fresh LoRA adapters (B = 0, so the first policy is exactly the base). `key` is the run's init
-    key folded, so the adapters never share random bits with a random base init."""
+def check_rebuilt(tree, recorded: dict | None, where: str, missing: str, what: str, source: str, fix: str) -> None:
+    """Refuses a frozen tree rebuilt from its source (a LoRA base, imported adapters, a value base)
+    unless its checksums are those a checkpoint recorded (`verify.record`): the steps in `where` were
+    trained on exactly that tree, and resuming on another would silently change the run."""
+    if recorded is None or verify.mismatches(tree, recorded):
+        problem = f"record no {missing}" if recorded is None else f"were trained on another {what}"
+        raise CheckpointError(f"the checkpoints in {where} {problem} than the one {source} gives now (checksums "
+                              f"differ); {fix}, or a new workdir")
+
+
+def initial_adapters(s: Settings, modules: Modules, adapter_shardings, mesh, key):
+    """The LoRA policy's starting adapters: fresh (B = 0, so the first policy is exactly the base;
+    `key` is the run's init key folded, so they never share random bits with a random base init) or
+    those of the PEFT directory policy.lora.init_from (its config already checked by
+    `imported_lora_config`)."""
+    if s.policy.lora.init_from:
+        base_cfg = dataclasses.replace(modules.policy.config, lora=None)
+        cfg, adapters = hf.load_adapter(s.policy.lora.init_from, base_cfg, mesh)
+        if cfg.lora != modules.policy.config.lora:  # the file changed since the config was read
+            raise ConfigError(f"policy.lora.init_from={s.policy.lora.init_from!r} describes {cfg.lora}, not "
+                              f"{modules.policy.config.lora} as when the run was configured")
+        return jax.device_put(adapters, adapter_shardings)
     adapters, _ = init_adapters(modules.policy, jax.random.fold_in(key, 1), mesh)
     return adapters
 
@@ -153,7 +235,13 @@ def initial_params(s: Settings, modules: Modules, shardings: TrainState, mesh, k
     lora = modules.policy.config.lora is not None
     policy = initial_policy(s, modules, base_shardings(modules, mesh) if lora else shardings.policy, mesh, key)
     value = None
-    if modules.value is not None:
+    if value_lora(modules):  # adapters (B = 0) + head; the frozen transformer is shared, not copied
+        adapters, _ = init_adapters(modules.value, jax.random.fold_in(key, 2), mesh)
+        head = (reward_params["score"] if s.value.init == "reward"
+                else jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), nn.unbox(boxed_params(modules.value))["score"]))
+        # A copy: the trainable state is donated, the reward model's head must survive it.
+        value = sharding.copy_tree(trainable_value(adapters, head), shardings.value)
+    elif modules.value is not None:
         if s.value.init == "reward":
             value = sharding.copy_tree(reward_params, shardings.value)
         else:
@@ -181,9 +269,9 @@ class Steps:
     """The three compiled phases of a PPO iteration, with their shardings and donation.
 
     sampler: rollout sampling; experience_jit(state, frozen, rollout) -> (Experience, metrics);
-    update_jit(state, frozen.policy, experience) -> (state, metrics), the state donated (the LoRA base,
-    None without LoRA, never). trace_counts counts the traces of the two jitted steps (the sampler
-    counts its own).
+    update_jit(state, frozen.policy, frozen.value, experience) -> (state, metrics), the state donated
+    (the frozen LoRA bases, None without LoRA, never). trace_counts counts the traces of the two
+    jitted steps (the sampler counts its own).
     """
 
     sampling_config: sampling.SamplingConfig
@@ -222,15 +310,26 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
     experience_jit = jax.jit(traced("experience", experience),
                              in_shardings=(state_shardings, frozen_shardings, rollout_sh),
                              out_shardings=(exp_sh, replicated))
-    update_jit = jax.jit(traced("update", update), in_shardings=(state_shardings, frozen_shardings.policy, exp_sh),
+    update_jit = jax.jit(traced("update", update),
+                         in_shardings=(state_shardings, frozen_shardings.policy, frozen_shardings.value, exp_sh),
                          out_shardings=(state_shardings, replicated), donate_argnums=(0,))
     return Steps(sampler_settings, sampler, experience_jit, update_jit, trace_counts)
 
 
-def frozen_shardings(state_shardings: TrainState, reward_params, lora_base_shardings=None) -> FrozenParams:
+def frozen_params(s: Settings, modules: Modules, reference, reward, base) -> FrozenParams:
+    """The frozen trees of a run (arrays, shardings or abstract), the LoRA value base filled in as a
+    subtree of the others (`shared_value_base`)."""
+    frozen = FrozenParams(reference=reference, reward=reward, policy=base)
+    return frozen.replace(value=shared_value_base(s, modules, frozen))
+
+
+def frozen_shardings(s: Settings, modules: Modules, state_shardings: TrainState, reward_params,
+                     lora_base_shardings=None) -> FrozenParams:
     """The reference lives on the policy's shardings (with LoRA there is none: the base, on
-    `lora_base_shardings`, is the reference); the reward model keeps its own."""
-    return FrozenParams(
-        reference=state_shardings.policy if lora_base_shardings is None else None,
+    `lora_base_shardings`, is the reference; with imported adapters it is their copy, on the
+    adapters' shardings); the reward model keeps its own; a LoRA value base those of its tree."""
+    imported = bool(s.policy.lora.init_from)
+    return frozen_params(
+        s, modules, reference=state_shardings.policy if lora_base_shardings is None or imported else None,
         reward=jax.tree.map(lambda x: x.sharding, reward_params) if reward_params is not None else None,
-        policy=lora_base_shardings)
+        base=lora_base_shardings)

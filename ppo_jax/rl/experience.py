@@ -15,7 +15,8 @@ from ppo_jax import ppo
 from ppo_jax.models.forward import response_logits, response_scores, response_values, token_logprobs
 from ppo_jax.models.transformer import CausalLM, ScalarModel
 from ppo_jax.rl.settings import PPOHyper
-from ppo_jax.rl.state import Experience, FrozenParams, Rollout, TrainState, policy_variables, reference_params
+from ppo_jax.rl.state import (Experience, FrozenParams, Rollout, TrainState, policy_variables, reference_variables,
+                              value_variables)
 
 def microbatched(fn: Callable, num_chunks: int, *args):
     """Applies fn to `num_chunks` row slices with lax.map and stitches the results back.
@@ -50,15 +51,18 @@ def make_experience_fn(policy_model: CausalLM, value_model: ScalarModel | None,
                        reward_model: ScalarModel | None, hp: PPOHyper) -> Callable:
     """Pure experience function: (state, frozen, rollout) -> (Experience, metrics)."""
 
-    def forwards(policy, base, reference, value, reward, pt, pm, tokens, mask):
+    def forwards(policy, base, reference, value, value_base, reward, pt, pm, tokens, mask):
         params, adapters = policy_variables(policy, base)
         logits = response_logits(policy_model, params, pt, pm, tokens, mask, hp.temperature, adapters=adapters)
         old_logp = token_logprobs(logits, tokens, mask)
         entropy = ppo.entropy_from_logits(logits, mask)
-        ref_logits = response_logits(policy_model, reference, pt, pm, tokens, mask, hp.temperature)
+        ref_params, ref_adapters = reference
+        ref_logits = response_logits(policy_model, ref_params, pt, pm, tokens, mask, hp.temperature,
+                                     adapters=ref_adapters)
         ref_logp = token_logprobs(ref_logits, tokens, mask)
-        values = (response_values(value_model, value, pt, pm, tokens, mask) if value is not None
-                  else jnp.zeros(tokens.shape, jnp.float32))
+        value_params, value_adapters = value_variables(value, value_base)
+        values = (response_values(value_model, value_params, pt, pm, tokens, mask, adapters=value_adapters)
+                  if value is not None else jnp.zeros(tokens.shape, jnp.float32))
         scores = (response_scores(reward_model, reward, pt, pm, tokens, mask) if reward is not None
                   else jnp.zeros(tokens.shape[:1], jnp.float32))
         return old_logp, ref_logp, entropy, values, scores
@@ -66,8 +70,8 @@ def make_experience_fn(policy_model: CausalLM, value_model: ScalarModel | None,
     def experience(state: TrainState, frozen: FrozenParams, rollout: Rollout):
         mask = rollout.mask.astype(jnp.float32)
         old_logp, ref_logp, entropy, values, model_scores = microbatched(
-            lambda *a: forwards(state.policy, frozen.policy, reference_params(frozen), state.value, frozen.reward,
-                                *a),
+            lambda *a: forwards(state.policy, frozen.policy, reference_variables(frozen), state.value, frozen.value,
+                                frozen.reward, *a),
             hp.forward_microbatches,
             rollout.prompt_tokens, rollout.prompt_mask, rollout.tokens, rollout.mask)
         raw_scores = hp.model_weight * model_scores + rollout.host_scores
@@ -134,8 +138,9 @@ def make_scoring_fn(policy_model: CausalLM, reward_model: ScalarModel | None, hp
     experience step, for evaluation outside the training loop."""
 
     def score(frozen: FrozenParams, prompt_tokens, prompt_mask, tokens, mask):
-        ref_logits = response_logits(policy_model, reference_params(frozen), prompt_tokens, prompt_mask, tokens, mask,
-                                     hp.temperature)
+        ref_params, ref_adapters = reference_variables(frozen)
+        ref_logits = response_logits(policy_model, ref_params, prompt_tokens, prompt_mask, tokens, mask,
+                                     hp.temperature, adapters=ref_adapters)
         ref_logp = token_logprobs(ref_logits, tokens, mask)
         if reward_model is None:
             return ref_logp, jnp.zeros(tokens.shape[:1], jnp.float32)

@@ -1,7 +1,8 @@
 """Export a trained policy (or value model) from a PPO checkpoint as a Hugging Face directory.
 
 The output holds config.json, model.safetensors and the run's tokenizer; `transformers` loads it
-with `from_pretrained`. A LoRA policy (policy.lora.rank > 0) is written either merged (full weights,
+with `from_pretrained`. A LoRA value model (value.lora.rank > 0) is written merged: its adapters
+folded into its frozen base (rebuilt from its source and checksum-checked), with its head. A LoRA policy (policy.lora.rank > 0) is written either merged (full weights,
 adapters folded into the frozen base: the same kind of directory) or as a PEFT adapter directory
 (adapter_config.json + adapter_model.safetensors, for `peft.PeftModel.from_pretrained` on the base).
 The directory is written beside its destination and renamed at the end, so an interrupted export
@@ -21,6 +22,7 @@ from ppo_jax.config import from_config, model_config_from_dict
 from ppo_jax.models import CausalLM, ScalarModel, hf
 from ppo_jax.rl import build
 from ppo_jax.rl.settings import Settings
+from ppo_jax.rl.state import value_variables
 
 
 def checkpoint_dirs(path: str) -> tuple[str, str]:
@@ -71,6 +73,8 @@ def export_checkpoint(checkpoint: str, out: str, *, step: int | None = None, whi
         if which == "policy" and policy_cfg.lora is not None and lora_format == "merged":
             base = build.rebuild_lora_base(settings, modules, mesh, build.run_keys(settings.seed).init,
                                            extra.get("frozen_checksums", {}).get("policy_base"), ckpt_dir)
+        if which == "value" and build.value_lora(modules):
+            base = lora_value_base(settings, modules, extra, abstract, manager, mesh, ckpt_dir)
     finally:
         manager.close()
     params = state.policy if which == "policy" else state.value
@@ -88,4 +92,27 @@ def export_checkpoint(checkpoint: str, out: str, *, step: int | None = None, whi
                                    adapters=state.policy))
     if which == "policy":
         return str(hf.export_model(out, policy_cfg, state.policy, kind="causal_lm", tokenizer=tokenizer))
+    if build.value_lora(modules):  # state.value holds adapters + head: merged into the shared base's copy
+        params, adapters = value_variables(state.value, base)
+        return str(hf.export_model(out, value.config, params, kind="reward", tokenizer=tokenizer, adapters=adapters))
     return str(hf.export_model(out, value.config, state.value, kind="reward", tokenizer=tokenizer))
+
+
+def lora_value_base(settings: Settings, modules: build.Modules, extra: dict, abstract, manager: CheckpointManager,
+                    mesh, ckpt_dir: str):
+    """The frozen transformer a LoRA value model was trained on, rebuilt from its source (the reward
+    model, the policy's LoRA base, or the saved reference) and checked against the checkpoint's
+    `frozen_checksums["value_base"]`."""
+    recorded = extra.get("frozen_checksums", {})
+    if settings.value.init == "reward":
+        execution = build.reward_model_config(settings).execution()
+        tree = hf.load_model(settings.reward.path, mesh, kind="reward", execution=execution).params
+    elif modules.policy.config.lora is not None:
+        tree = build.rebuild_lora_base(settings, modules, mesh, build.run_keys(settings.seed).init,
+                                       recorded.get("policy_base"), ckpt_dir)
+    else:
+        tree = manager.restore_frozen("reference", abstract.policy, checksums=recorded.get("reference"))
+    base = tree["transformer"]
+    build.check_rebuilt(base, recorded.get("value_base"), ckpt_dir, "value base", "value base",
+                        f"value.init={settings.value.init}", "use the original policy, reward model and seed")
+    return base

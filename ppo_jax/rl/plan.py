@@ -47,7 +47,7 @@ from ppo_jax.config import ConfigError, from_config, model_config_dict
 from ppo_jax.models import KV_CACHE_AXES, ModelConfig, boxed_params, init_cache
 from ppo_jax.rl import build
 from ppo_jax.rl.settings import PPOHyper, Settings, derive_sizes, stop_token_ids
-from ppo_jax.rl.state import FrozenParams, Rollout, policy_variables
+from ppo_jax.rl.state import Rollout, policy_variables
 
 GB = 10**9
 GIB = 2**30
@@ -145,6 +145,7 @@ class MemoryPlan:
     reward_source: str  # where the reward architecture came from
     value_model: ModelSummary | None  # None for critic-free estimators
     value_init: str
+    value_lora: bool  # adapters + head on a frozen base shared with the policy / reference / reward model
     batch: dict[str, int]  # prompts, samples, rows, prompt/response length, minibatch sizes
     params: dict[str, int]  # policy, reference, reward, value -> per-device bytes
     optimizer: dict[str, int]  # policy, value -> per-device bytes of the optax states
@@ -285,15 +286,19 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES) -> MemoryPl
     policy_tx, value_tx = build.make_optimizers(s)
     state, state_shardings = build.abstract_train_state(s, modules, policy_tx, value_tx, mesh)
     reward = _abstract(boxed_params(modules.reward), mesh)
-    # With LoRA the trainable policy is its adapters, beside a frozen base that is also the reference.
+    # With LoRA the trainable policy is its adapters, beside a frozen base that is also the reference
+    # (with imported adapters the reference is base + a frozen copy of them). A LoRA value model's
+    # base is a subtree of these trees (FrozenParams.value), held once: counted under its owner only.
     base = _abstract(boxed_params(modules.policy), mesh) if policy_cfg.lora is not None else None
-    frozen = FrozenParams(reference=state.policy if base is None else None, reward=reward, policy=base)
+    reference = state.policy if base is None or s.policy.lora.init_from else None
+    frozen = build.frozen_params(s, modules, reference, reward, base)
     frozen_shardings = jax.tree.map(lambda s: s.sharding, frozen)
 
     policy_bytes = device_bytes(state.policy) + (device_bytes(base) if base is not None else 0)
     params = {"policy": policy_bytes,
-              "reference": device_bytes(frozen.reference) if base is None else 0,
+              "reference": device_bytes(frozen.reference) if frozen.reference is not None else 0,
               "reward": device_bytes(frozen.reward),
+              # With value LoRA: its adapters + head (the trainable tree), no base of its own.
               "value": device_bytes(state.value) if state.value is not None else 0}
     optimizer = {"policy": device_bytes(state.policy_opt),
                  "value": device_bytes(state.value_opt) if state.value_opt is not None else 0}
@@ -323,7 +328,7 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES) -> MemoryPl
     with sharding.mesh_context(mesh):
         experience_lowered = steps.experience_jit.lower(state, frozen, rollout)
         experience = experience_lowered.out_info[0]
-        update_lowered = steps.update_jit.lower(state, base, experience)
+        update_lowered = steps.update_jit.lower(state, base, frozen.value, experience)
 
     slots = s.data.prompt_length + s.rollout.response_length - 1
     cache = jax.eval_shape(lambda: init_cache(policy_cfg, rows, slots, steps.sampling_config.cache_dtype))
@@ -351,7 +356,7 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES) -> MemoryPl
         platform=platform, device_kind=mesh.devices.flat[0].device_kind, compiler_options=options,
         policy_model=_summary(policy_cfg), reward_model=_summary(reward_cfg), reward_source=reward_source,
         value_model=_summary(modules.value.config) if modules.value is not None else None,
-        value_init=s.value.init,
+        value_init=s.value.init, value_lora=build.value_lora(modules),
         batch={"prompts": s.rollout.batch_size, "samples_per_prompt": s.rollout.num_samples,
                "rows": sizes.rollout_rows, "prompt_length": s.data.prompt_length,
                "response_length": s.rollout.response_length,
@@ -374,6 +379,14 @@ def _model_line(label: str, m: ModelSummary) -> str:
             f"{m.dtype} compute{', remat' if m.remat else ''}")
 
 
+def _reference_note(policy_bytes: int, reference_bytes: int) -> str:
+    if reference_bytes == policy_bytes:
+        return "  (reference: same)"
+    if reference_bytes:  # policy.lora.init_from
+        return "  (LoRA: adapters on a frozen base; the base is the reference, with a frozen copy of the imported adapters)"
+    return "  (LoRA: adapters on a frozen base; the base is the reference)"
+
+
 def format_plan(plan: MemoryPlan, device_memory_bytes: float | None = None) -> str:
     """A human-readable table (GiB = 2^30 bytes per device)."""
     b = plan.batch
@@ -381,10 +394,11 @@ def format_plan(plan: MemoryPlan, device_memory_bytes: float | None = None) -> s
     lines = [
         f"Memory plan: mesh (data={d}, fsdp={f}, tensor={t}) = {plan.num_devices} devices; "
         f"compiled by XLA:{plan.platform.upper()} for {plan.device_kind}",
-        _model_line("policy", plan.policy_model) + ("  (reference: same)" if plan.params["reference"] else
-                                                     "  (LoRA: adapters on a frozen base; the base is the reference)"),
+        _model_line("policy", plan.policy_model) + _reference_note(plan.params["policy"], plan.params["reference"]),
         _model_line("reward", plan.reward_model) + f"  ({plan.reward_source})",
-        (_model_line("value", plan.value_model) + f"  (from the {plan.value_init})") if plan.value_model
+        (_model_line("value", plan.value_model) + f"  (from the {plan.value_init}"
+         + ("; LoRA: adapters + head on its frozen base, shared, not counted again)" if plan.value_lora else ")"))
+        if plan.value_model
         else "value   none (critic-free estimator)",
         f"batch   {b['prompts']} prompts x {b['samples_per_prompt']} samples = {b['rows']} rows, prompt "
         f"{b['prompt_length']} + response {b['response_length']} tokens; {b['epochs']} epochs of minibatches "

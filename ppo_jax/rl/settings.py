@@ -29,10 +29,25 @@ DECODE_LOOPS = {"auto": None, "scan": False, "unrolled": True}
 @dataclasses.dataclass(frozen=True)
 class PolicyLoraSettings(LoraSettings):
     """LoRA on the policy: train low-rank adapters on a frozen base (the base, adapters off, is the
-    reference, so no reference copy exists). rank 0 = off: the whole policy is trained against a
-    frozen reference copy. The fields: `ppo_jax.config.LoraSettings`."""
+    reference, so no reference copy exists; with init_from the reference is the base + the imported
+    adapters, a frozen adapters-sized copy). rank 0 = off: the whole policy is trained against a
+    frozen reference copy. The shared fields: `ppo_jax.config.LoraSettings`."""
+
+    init_from: str = ""  # a PEFT LoRA adapter directory trained on this base: the adapters start from it and base + it is the reference; rank/alpha/targets come from its adapter_config.json (rank 0), or must agree with it
 
     def lora_config(self, where: str = "policy") -> LoraConfig | None:
+        """The model's LoraConfig, None when off (or taken from init_from: `build.policy_model_config`);
+        raises ConfigError naming the bad field."""
+        return super().lora_config(where)
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueLoraSettings(LoraSettings):
+    """LoRA on the value model: adapters + the scalar head are trained on a frozen base that already
+    exists in the run (the policy's base, the reference, or the reward model; never a copy). rank 0 =
+    off: the whole value model is trained. The fields: `ppo_jax.config.LoraSettings`."""
+
+    def lora_config(self, where: str = "value") -> LoraConfig | None:
         return super().lora_config(where)
 
 
@@ -68,6 +83,7 @@ class ValueSettings:
     """Where the value model starts."""
 
     init: str = "policy"  # value model from "policy" (zero-init head) or "reward" (the reward model, N+ style)
+    lora: ValueLoraSettings = ValueLoraSettings()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +229,10 @@ class Settings(RunSettings):
                   "ppo.kl_target and ppo.kl_horizon must be > 0 for the adaptive controller")
         self.optim.validate("optim", {"policy_lr": self.optim.policy_lr, "value_lr": self.optim.value_lr})
         check(self.value.init in ("policy", "reward"), f"value.init={self.value.init!r}: use policy or reward")
+        self.value.lora.lora_config()  # LoraConfig's checks, as policy.lora's
+        check(self.value.lora.rank == 0 or self.uses_critic,
+              f"value.lora.rank={self.value.lora.rank}, but ppo.advantage_estimator="
+              f"{p.advantage_estimator!r} trains no value model; set value.lora.rank=0")
         if self.value.init == "reward" and self.uses_critic:
             check(bool(self.reward.path), "value.init='reward' needs reward.path (a reward model to start the "
                   "value model from)")

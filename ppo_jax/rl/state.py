@@ -5,7 +5,13 @@ donated to the update; frozen parameters (reference, reward, a LoRA policy's bas
 
 With LoRA (policy.lora.rank > 0) `TrainState.policy` holds only the adapters (the "lora" collection)
 and `FrozenParams.policy` the base they apply to; the reference is that same base with the adapters
-off, so `FrozenParams.reference` is None and no copy of the policy exists.
+off, so `FrozenParams.reference` is None and no copy of the policy exists. With policy.lora.init_from
+the reference is that base + the imported adapters: `FrozenParams.reference` is then an adapters-only
+tree (the frozen starting adapters).
+
+With value LoRA (value.lora.rank > 0) `TrainState.value` holds {"lora": adapters, "score": head} and
+`FrozenParams.value` the transformer they apply to: a subtree of a frozen tree the run holds anyway
+(the policy's base, the reference, or the reward model), the very same arrays, never a copy.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ class TrainState:
     step: Array  # [] int32, PPO iterations done
     policy: Params  # the policy's params; with LoRA, its adapters only
     policy_opt: Any
-    value: Params | None  # None for critic-free estimators (grpo, rloo, reinforce_pp)
+    value: Params | None  # None for critic-free estimators (grpo, rloo, reinforce_pp); with value LoRA {"lora", "score"}
     value_opt: Any
     kl: ppo.KLControllerState
     key: Array  # base PRNG key; per-iteration keys are fold_in(key, step)
@@ -40,6 +46,9 @@ class FrozenParams:
     reference: Params | None  # the initial policy's copy; None with LoRA (the base is the reference)
     reward: Params | None  # None when only Python reward functions score
     policy: Params | None = None  # a LoRA policy's frozen base; None for full fine-tuning
+    # A LoRA value model's frozen transformer: the same arrays as policy["transformer"],
+    # reference["transformer"] or reward["transformer"] (held once); None for a full value model.
+    value: Params | None = None
 
 
 def policy_variables(trainable: Params, base: Params | None) -> tuple[Params, Params | None]:
@@ -48,9 +57,22 @@ def policy_variables(trainable: Params, base: Params | None) -> tuple[Params, Pa
     return (trainable, None) if base is None else (base, trainable)
 
 
-def reference_params(frozen: FrozenParams) -> Params:
-    """The reference's params: its own copy, or with LoRA the base (applied without adapters)."""
-    return frozen.reference if frozen.reference is not None else frozen.policy
+def reference_variables(frozen: FrozenParams) -> tuple[Params, Params | None]:
+    """(params, adapters) of the reference forward: (its own copy, None) for full fine-tuning; with
+    LoRA (the base, None), the base with adapters off; with imported adapters (policy.lora.init_from)
+    (the base, the frozen copy of the imported adapters)."""
+    if frozen.policy is None:
+        return frozen.reference, None
+    return frozen.policy, frozen.reference
+
+
+def value_variables(trainable: Params | None, base: Params | None) -> tuple[Params | None, Params | None]:
+    """(params, adapters) of a value forward: (trainable, None) for a full value model; with value
+    LoRA, trainable = {"lora": adapters, "score": head} on the frozen transformer `base`, so
+    ({"transformer": base, "score": head}, adapters)."""
+    if base is None:
+        return trainable, None
+    return {"transformer": base, "score": trainable["score"]}, trainable["lora"]
 
 
 @flax.struct.dataclass

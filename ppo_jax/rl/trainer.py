@@ -31,7 +31,7 @@ from ppo_jax.models import hf
 from ppo_jax.rl import build
 from ppo_jax.rl.experience import make_scoring_fn
 from ppo_jax.rl.settings import PPOHyper, Settings, derive_sizes, stop_token_ids
-from ppo_jax.rl.state import FrozenParams, Rollout, policy_variables
+from ppo_jax.rl.state import Rollout, policy_variables
 
 Array = jax.Array
 SAMPLES_FILE = "samples.jsonl"
@@ -93,8 +93,11 @@ class PPOTrainer:
         self.policy_tx, self.value_tx = build.make_optimizers(s)
         self.abstract_state, self.state_shardings = build.abstract_train_state(
             s, self.modules, self.policy_tx, self.value_tx, self.mesh)
-        # LoRA: the trainable policy is the adapters; the base is frozen and is also the reference.
+        # LoRA: the trainable policy is the adapters; the base is frozen and is also the reference
+        # (with imported adapters, policy.lora.init_from: the base + a frozen copy of them).
         self.lora = self.policy_config.lora is not None
+        self.imported = bool(s.policy.lora.init_from)
+        self.value_lora = build.value_lora(self.modules)  # adapters + head on a shared frozen transformer
         self.base_shardings = build.base_shardings(self.modules, self.mesh) if self.lora else None
 
         # -- Weights: the frozen reward model, then a checkpoint to resume or fresh trainable state.
@@ -108,6 +111,7 @@ class PPOTrainer:
         self.resumed_from: int | None = None
         self._init_key = init_key  # rebuilds the reference (or the LoRA base) from its source
         base = None
+        self._recorded: dict = {}  # the frozen checksums of the checkpoint resumed from
         if self.checkpoints is not None and self.checkpoints.all_steps():
             self.state, reference, base, self.resumed_from = self._restore()
         else:
@@ -117,16 +121,22 @@ class PPOTrainer:
                 self.checkpoints = self._checkpoint_manager(checkpoint_dir)
             if self.lora:  # no reference copy: the base with the adapters off is the reference
                 base, reference = policy, None
-                policy = build.initial_adapters(self.modules, self.mesh, init_key)
+                policy = build.initial_adapters(s, self.modules, self.state_shardings.policy, self.mesh, init_key)
                 self._base_record = verify.record(base)  # identifies the base in every checkpoint
+                if self.imported:  # the reference is base + the imported adapters: a frozen copy (undonated)
+                    reference = sharding.copy_tree(policy, self.state_shardings.policy)
+                    self._imported_record = verify.record(reference)
             else:
                 reference = sharding.copy_tree(policy, self.state_shardings.policy)
                 self._reference_record: dict | None = None  # its checksums, from the first save (or the check below)
                 self._reference_saved = self._adopt_saved_reference(reference)
             self.state = build.fresh_state(s, policy, value, state_key, self.policy_tx, self.value_tx,
                                            self.state_shardings, self.mesh)
-        self.frozen = FrozenParams(reference=reference, reward=reward_params, policy=base)
-        self.frozen_shardings = build.frozen_shardings(self.state_shardings, reward_params, self.base_shardings)
+        # A LoRA value base is a subtree of these trees (the same arrays): nothing is copied for it.
+        self.frozen = build.frozen_params(s, self.modules, reference, reward_params, base)
+        self._value_base_record = self._value_base_checksums() if self.value_lora else None
+        self.frozen_shardings = build.frozen_shardings(s, self.modules, self.state_shardings, reward_params,
+                                                       self.base_shardings)
         self.steps = build.build_steps(s, self.mesh, self.sizes, self.hp, self.modules, self.policy_tx,
                                        self.value_tx, self.state_shardings, self.frozen_shardings, self.stop_ids,
                                        int(self.tokenizer.pad_token_id))
@@ -170,17 +180,37 @@ class PPOTrainer:
                 f"the checkpoint in {self.workdir} was trained against reward {extra.get('reward_source')} "
                 f"but the config now names {self._reward_source()}; resume with the original reward or use a "
                 "new workdir")
-        recorded = extra.get("frozen_checksums", {})
+        recorded = self._recorded = extra.get("frozen_checksums", {})
         if self.lora:
             self._base_record = recorded.get("policy_base")
             reference, base = None, build.rebuild_lora_base(self.settings, self.modules, self.mesh, self._init_key,
                                                             self._base_record, self.checkpoints.directory)
+            if self.imported:  # the reference adapters: re-read from policy.lora.init_from and checked
+                self._imported_record = recorded.get("policy_init_adapters")
+                reference = build.initial_adapters(self.settings, self.modules, self.state_shardings.policy,
+                                                   self.mesh, self._init_key)
+                build.check_rebuilt(reference, self._imported_record, self.checkpoints.directory,
+                                    "imported adapters", "set of imported adapters",
+                                    f"policy.lora.init_from={self.settings.policy.lora.init_from}",
+                                    "use the original adapter directory")
         else:
             reference, base = self._restore_reference(recorded.get("reference")), None
         self.prompts.restore(extra["data"])
         if self.eval_prompts is not None and extra.get("eval_data"):
             self.eval_prompts.restore(extra["eval_data"])
         return restored.state, reference, base, restored.step
+
+    def _value_base_checksums(self) -> dict:
+        """The LoRA value base's checksums, recorded in every checkpoint; on resume, those the
+        checkpoint recorded, after checking the base the run now holds against them (for
+        value.init="reward" the reward files' fingerprint reads no weights, so only this check sees a
+        reward model rewritten with other weights of the same shapes)."""
+        if self.resumed_from is None:
+            return verify.record(self.frozen.value)
+        recorded = self._recorded.get("value_base")
+        build.check_rebuilt(self.frozen.value, recorded, self.checkpoints.directory, "value base", "value base",
+                            f"value.init={self.settings.value.init}", "use the original policy, reward model and seed")
+        return recorded
 
     def _restore_reference(self, recorded: dict | None):
         """The frozen reference the restored steps were trained against (their checksums prove it).
@@ -234,16 +264,20 @@ class PPOTrainer:
         return source
 
     def save_checkpoint(self, force: bool = False) -> bool:
-        """Saves trainable state + data position (the reference once, in frozen/; a LoRA base never,
-        only its checksums)."""
+        """Saves trainable state + data position (the reference once, in frozen/; a LoRA base, imported
+        adapters and a LoRA value base never, only their checksums: they are rebuilt from their sources)."""
         step = int(self.state.step)
         if self.lora:
             frozen_checksums = {"policy_base": self._base_record}
+            if self.imported:
+                frozen_checksums["policy_init_adapters"] = self._imported_record
         else:
             if not self._reference_saved:
                 self._reference_record = self.checkpoints.save_frozen("reference", self.frozen.reference)
                 self._reference_saved = True
             frozen_checksums = {"reference": self._reference_record}
+        if self.value_lora:
+            frozen_checksums["value_base"] = self._value_base_record
         extra = {
             "data": self.prompts.state(),
             "eval_data": self.eval_prompts.state() if self.eval_prompts is not None else None,
@@ -290,7 +324,7 @@ class PPOTrainer:
 
     def _update(self, state, exp):
         with sharding.mesh_context(self.mesh):
-            return self.steps.update_jit(state, self.frozen.policy, exp)
+            return self.steps.update_jit(state, self.frozen.policy, self.frozen.value, exp)
 
     # ------------------------------------------------------------------ the loop
 

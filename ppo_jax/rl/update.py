@@ -17,7 +17,7 @@ from ppo_jax import ppo
 from ppo_jax.models.forward import response_logits, response_values, token_logprobs
 from ppo_jax.models.transformer import CausalLM, ScalarModel
 from ppo_jax.rl.settings import PPOHyper
-from ppo_jax.rl.state import Experience, TrainState, policy_variables
+from ppo_jax.rl.state import Experience, TrainState, policy_variables, value_variables
 
 Array = jax.Array
 
@@ -49,8 +49,9 @@ UPDATE_METRIC_NAMES = {
 def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
                    policy_tx: optax.GradientTransformation, value_tx: optax.GradientTransformation | None,
                    hp: PPOHyper, rows: int, batch_sharding: NamedSharding) -> Callable:
-    """Pure update: (state, base, experience) -> (state, metrics); base is a LoRA policy's frozen
-    base (`FrozenParams.policy`, never donated), None for full fine-tuning.
+    """Pure update: (state, base, value_base, experience) -> (state, metrics); base is a LoRA policy's
+    frozen base (`FrozenParams.policy`), None for full fine-tuning; value_base a LoRA value model's
+    frozen transformer (`FrozenParams.value`), None for a full value model. Neither is donated.
 
     `lax.scan` over epochs x shuffled minibatches; inside each minibatch a scan over microbatches
     accumulates gradients. Each microbatch loss is its token sum divided by the token count of the
@@ -59,7 +60,7 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
     mini_rows = rows // hp.num_minibatches
     micro_rows = mini_rows // hp.num_microbatches
 
-    def loss_fn(policy, value, base, kl_coef, mb: Experience, num_tokens):
+    def loss_fn(policy, value, base, value_base, kl_coef, mb: Experience, num_tokens):
         """Microbatch loss: every term is a token sum over the microbatch / minibatch tokens.
 
         Metrics are `SumCount`/`Moments` (pooled exactly across microbatches) or token-normalised
@@ -82,8 +83,9 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
             loss = loss + kl_coef * kl_loss
             metrics.update(kl_metrics)
         if value is not None:
-            values = response_values(value_model, value, mb.prompt_tokens, mb.prompt_mask, mb.tokens,
-                                     mb.mask)
+            value_params, value_adapters = value_variables(value, value_base)  # gradients: adapters + head
+            values = response_values(value_model, value_params, mb.prompt_tokens, mb.prompt_mask, mb.tokens,
+                                     mb.mask, adapters=value_adapters)
             v_loss, v_metrics = ppo.value_loss(values, mb.values, mb.returns, mask,
                                                clip_range=hp.value_clip, num_tokens=num_tokens)
             loss = loss + hp.vf_coef * v_loss
@@ -92,7 +94,7 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
 
-    def minibatch_step(state: TrainState, base, exp: Experience, exp_finite, idx):
+    def minibatch_step(state: TrainState, base, value_base, exp: Experience, exp_finite, idx):
         """idx [num_microbatches, micro_rows] -> one optimizer step on the policy (and value).
 
         A non-finite experience or gradient skips the step: parameters and optimizer state stay
@@ -106,11 +108,11 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
             return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, batch_sharding), picked)
 
         def micro_step(acc, micro_idx):
-            (_, metrics), grads = grad_fn(state.policy, state.value, base, state.kl.coef, rows(micro_idx),
-                                          num_tokens)
+            (_, metrics), grads = grad_fn(state.policy, state.value, base, value_base, state.kl.coef,
+                                          rows(micro_idx), num_tokens)
             return jax.tree.map(jnp.add, acc, (grads, metrics)), None
 
-        shapes = jax.eval_shape(lambda: grad_fn(state.policy, state.value, base, state.kl.coef,
+        shapes = jax.eval_shape(lambda: grad_fn(state.policy, state.value, base, value_base, state.kl.coef,
                                                 rows(idx[0]), num_tokens))
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[1], shapes[0][1]))
         (grads, metrics), _ = jax.lax.scan(micro_step, zeros, idx)
@@ -136,16 +138,17 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
         metrics["skipped"] = 1.0 - ok.astype(jnp.float32)
         return state, metrics
 
-    def epoch_step(base, exp, exp_finite, state, epoch_key):
+    def epoch_step(base, value_base, exp, exp_finite, state, epoch_key):
         perm = jax.random.permutation(epoch_key, rows)
         idx = perm.reshape(hp.num_minibatches, hp.num_microbatches, micro_rows)
-        return jax.lax.scan(lambda s, i: minibatch_step(s, base, exp, exp_finite, i), state, idx)
+        return jax.lax.scan(lambda s, i: minibatch_step(s, base, value_base, exp, exp_finite, i), state, idx)
 
-    def update(state: TrainState, base, exp: Experience):
+    def update(state: TrainState, base, value_base, exp: Experience):
         iteration_key = jax.random.fold_in(state.key, state.step)
         epoch_keys = jax.random.split(jax.random.fold_in(iteration_key, 1), hp.epochs)
         exp_finite = all_finite(exp)
-        state, metrics = jax.lax.scan(lambda s, k: epoch_step(base, exp, exp_finite, s, k), state, epoch_keys)
+        state, metrics = jax.lax.scan(lambda s, k: epoch_step(base, value_base, exp, exp_finite, s, k), state,
+                                      epoch_keys)
         # metrics: [epochs, minibatches] each. Averages under TRL's names, plus the very first
         # minibatch, where the policy has not moved yet (its ratio must be exactly 1, DESIGN.md §5).
         out = {name: metrics[key].mean() for key, name in UPDATE_METRIC_NAMES.items() if key in metrics}

@@ -122,13 +122,6 @@ def lora_adapters(module, params, shardings, mesh, key, heads: tuple[str, ...] =
                      base=base, base_shardings=base_sh)
 
 
-def without_lora(module):
-    """`module` without adapters. A fresh base is initialised with it: the adapters' A draws from the
-    "params" random stream, so a module with LoRA would init its base params differently from the
-    same seed's LoRA-free model."""
-    return module.clone(config=module.config.replace(lora=None))
-
-
 def join(trainable, base) -> tuple[Any, Any]:
     """(params, adapters) a model applies (`ppo_jax.models.forward.variables`): `trainable` itself
     and None without LoRA (`base` None); with LoRA the base with the trained heads, and the adapters."""
@@ -415,7 +408,7 @@ class SupervisedTrainer:
             loaded = hf.load_model(m.path, self.mesh, kind="causal_lm", param_dtype=m.param_dtype or None,
                                    dtype=m.dtype or None, execution=self.model_config.execution())
             return loaded.params, jax.tree.map(lambda x: x.sharding, loaded.params)
-        return init_params(without_lora(self.module), jax.random.key(self.settings.seed), self.mesh)
+        return init_params(self.module, jax.random.key(self.settings.seed), self.mesh)
 
     @property
     def params(self):

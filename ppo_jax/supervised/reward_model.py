@@ -204,7 +204,7 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
 
             score = jax.jit(head, out_shardings=head_sh)(head_key)
             return {"transformer": loaded.params["transformer"], "score": score}
-        params, _ = init_params(supervised.without_lora(self.module), head_key, self.mesh)
+        params, _ = init_params(self.module, head_key, self.mesh)
         return params
 
     # -- steps

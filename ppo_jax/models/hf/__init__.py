@@ -30,13 +30,13 @@ from ppo_jax.models.hf.errors import CheckpointError
 from ppo_jax.models.hf.export import export_model
 from ppo_jax.models.hf.layouts import TensorMap, abstract_params, make_model, tensor_maps
 from ppo_jax.models.hf.load import LoadedModel, load_config, load_model
-from ppo_jax.models.hf.peft import export_adapter, load_adapter
+from ppo_jax.models.hf.peft import adapter_lora_config, export_adapter, load_adapter
 from ppo_jax.models.hf.safetensors_io import fingerprint
 from ppo_jax.models.hf.tokenizers import load_tokenizer, save_tokenizer
 
 __all__ = [
     "ARCHITECTURES", "CheckpointError", "LoadedModel", "TensorMap", "abstract_params",
-    "checkpoint_kind", "config_from_hf", "config_to_hf", "export_adapter", "export_model", "fingerprint",
+    "adapter_lora_config", "checkpoint_kind", "config_from_hf", "config_to_hf", "export_adapter", "export_model", "fingerprint",
     "load_adapter",
     "load_config", "load_model", "load_tokenizer", "make_model", "save_tokenizer", "tensor_maps",
 ]
