@@ -117,13 +117,7 @@ def test_resume_is_exact(lora_run, tmp_path):
     resumed = trainer_for(tmp_path, 3)
     assert resumed.resumed_from == 2
     history = resumed.train()
-    for a, b in zip(jax.tree.leaves(jax.device_get(trainer3.state)), jax.tree.leaves(jax.device_get(resumed.state))):
-        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-            a, b = jax.random.key_data(a), jax.random.key_data(b)
-        np.testing.assert_array_equal(a, b)
-    for key, value in history3[-1].items():
-        if not key.startswith(("time/", "perf/")):
-            assert history[-1][key] == value, key
+    assert_same_run(trainer3, history3, resumed, history)
 
 
 def _tokens():
@@ -226,3 +220,15 @@ def test_sharded_meshes_give_the_same_metrics(lora_run, mesh_shape, tmp_path):
         for key, value in want.items():
             if not key.startswith(("time/", "perf/")):  # the tolerances of tests/test_trainer.py
                 np.testing.assert_allclose(got[key], value, rtol=2e-3, atol=2e-4, err_msg=key)
+
+
+def assert_same_run(expected, expected_history, got, got_history):
+    """Two PPO trainers ended in the same state bit for bit (keys by their data) with the same last
+    metrics (timings aside)."""
+    for a, b in zip(jax.tree.leaves(jax.device_get(expected.state)), jax.tree.leaves(jax.device_get(got.state))):
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(a, b)
+    for key, value in expected_history[-1].items():
+        if not key.startswith(("time/", "perf/")):
+            assert got_history[-1][key] == value, key

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import make_test_mesh
+from tiny_configs import apply_overrides
 
 from ppo_jax.checkpoint import CheckpointError, CheckpointManager
 from ppo_jax.config import ConfigError
@@ -83,13 +84,7 @@ def tiny(defaults, model_path="", lora=LORA, **overrides):
     c.train.export = False
     c.optim.lr = 1e-2  # large enough that one step moves every adapter visibly
     c.optim.warmup_steps = 0
-    for key, value in overrides.items():
-        *sections, field = key.split(".")
-        target = c
-        for section in sections:
-            target = target[section]
-        target[field] = value
-    return c
+    return apply_overrides(c, overrides)
 
 
 def make(trainer_type, config, workdir, **kw):

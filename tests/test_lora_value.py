@@ -13,13 +13,12 @@ slice): the point is which trees change and which are shared, not the loop.
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import peft
 import pytest
 import transformers
 from conftest import make_test_mesh
-from test_lora_ppo import _tokens, _torch_logits
+from test_lora_ppo import _tokens, _torch_logits, assert_same_run
 from tiny_configs import tiny_config
 
 from ppo_jax.checkpoint import CheckpointError
@@ -128,13 +127,7 @@ def test_resume_is_exact(value_run, tmp_path):
     assert resumed.resumed_from == 2
     assert resumed.frozen.value is resumed.frozen.policy["transformer"]
     history = resumed.train()
-    for a, b in zip(jax.tree.leaves(jax.device_get(trainer3.state)), jax.tree.leaves(jax.device_get(resumed.state))):
-        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-            a, b = jax.random.key_data(a), jax.random.key_data(b)
-        np.testing.assert_array_equal(a, b)
-    for key, value in history3[-1].items():
-        if not key.startswith(("time/", "perf/")):
-            assert history[-1][key] == value, key
+    assert_same_run(trainer3, history3, resumed, history)
 
 
 def test_export_writes_the_policy_adapter_and_the_merged_value_model(value_run, tmp_path):

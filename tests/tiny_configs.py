@@ -22,8 +22,13 @@ def tiny_config(**overrides):
     c.ppo.num_microbatches = 2
     c.train.progress = False
     c.train.sample_every = 0
+    return apply_overrides(c, overrides)
+
+
+def apply_overrides(c, overrides):
+    """`c` with {"section.field": value} (or {"seed": value}) set; returns `c`."""
     for key, value in overrides.items():
-        *sections, field = key.split(".")  # "seed" or "section.field"
+        *sections, field = key.split(".")
         target = c
         for section in sections:
             target = target[section]
