@@ -290,14 +290,17 @@ class LoraSettings:
             raise ConfigError(f"{where}.{err}") from None
 
     def apply(self, cfg: ModelConfig, where: str) -> ModelConfig:
-        """`cfg` with these adapters (ModelConfig.lora; None when off, whatever `cfg` said); a target the
-        model family lacks (gate on GPT-2) is refused naming the field."""
-        try:
-            return cfg.replace(lora=self.lora_config(where))
-        except ValueError as err:
-            if isinstance(err, ConfigError):
-                raise
-            raise ConfigError(f"{where}.{err}") from None
+        """`cfg` with these adapters (`with_lora`)."""
+        return with_lora(cfg, self.lora_config(where), where)
+
+
+def with_lora(cfg: ModelConfig, lora: LoraConfig | None, where: str) -> ModelConfig:
+    """`cfg` with `lora` as its adapters (None: off, whatever `cfg` said); a target the model family
+    lacks (gate on GPT-2) is a ConfigError naming `<where>.lora.targets`."""
+    try:
+        return cfg.replace(lora=lora)
+    except ValueError as err:
+        raise ConfigError(f"{where}.{err}") from None
 
 
 # The "auto" compilation cache: per user, like pip's and Hugging Face's caches.

@@ -28,6 +28,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ppo_jax.checkpoint import layout, trees
+from ppo_jax.checkpoint.errors import CheckpointError
 
 VERSION = 1
 _GOLDEN = 0x9E3779B1  # 2^32 / golden ratio: spreads neighbouring positions over the whole word
@@ -120,6 +121,16 @@ def mismatches(tree, recorded: dict) -> list[str]:
     expected = recorded["leaves"]
     in_layout = layout.detect_names(expected)
     return [name for name, value in checksums(tree, in_layout).items() if expected.get(name) != value]
+
+
+def check_rebuilt(tree, recorded: dict | None, where: str, missing: str, what: str, source: str, fix: str) -> None:
+    """Refuses a frozen tree rebuilt from its source (a LoRA base, imported adapters, a value base)
+    unless its checksums are those a checkpoint recorded (`record`): the steps in `where` were
+    trained on exactly that tree, and resuming on another would silently change the run."""
+    if recorded is None or mismatches(tree, recorded):
+        problem = f"record no {missing}" if recorded is None else f"were trained on another {what}"
+        raise CheckpointError(f"the checkpoints in {where} {problem} than the one {source} gives now (checksums "
+                              f"differ); {fix}, or a new workdir")
 
 
 def damage_line(err: BaseException) -> str | None:

@@ -47,6 +47,17 @@ def _delta(a: jax.Array, b: jax.Array, lead: int) -> jax.Array:
     return fn(a, b)
 
 
+def trained_variables(trainable: Any, frozen: Any | None) -> tuple[Any, Any]:
+    """(params, adapters) a model applies when `trainable` is what an optimizer trains:
+    the whole params and None when nothing is frozen (`frozen` None); else `trainable` =
+    {COLLECTION: adapters, **heads} (heads: new top-level params that must train, e.g. a scalar
+    head) on the frozen params `frozen`, giving ({**frozen, **heads}, adapters)."""
+    if frozen is None:
+        return trainable, None
+    heads = {k: v for k, v in trainable.items() if k != COLLECTION}
+    return {**frozen, **heads}, trainable[COLLECTION]
+
+
 def merge_lora(params: Any, adapters: Any, config: LoraConfig) -> Any:
     """Base params with every adapter folded into its kernel: W + scale * A @ B, in W's dtype
     (the product in float32). The result computes what `{"params": params, "lora": adapters}`

@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from ppo_jax import ppo, sampling, sharding
-from ppo_jax.checkpoint import CheckpointError, verify
-from ppo_jax.config import ConfigError, override_dtypes
+from ppo_jax.checkpoint import verify
+from ppo_jax.config import ConfigError, override_dtypes, with_lora
+from ppo_jax.models import lora as lora_lib
 from ppo_jax.models import CausalLM, LoraConfig, ModelConfig, ScalarModel, boxed_params, hf, init_adapters, init_params
 from ppo_jax.optim import make_optimizer
 from ppo_jax.rl.experience import make_experience_fn
@@ -35,15 +36,6 @@ class RunKeys:
 
 def run_keys(seed: int) -> RunKeys:
     return RunKeys(*jax.random.split(jax.random.key(seed), 3))
-
-
-def with_lora(cfg: ModelConfig, lora: LoraConfig | None, section: str) -> ModelConfig:
-    """`cfg` with `lora` as its adapters (None: off, whatever cfg said); a target the model family
-    lacks (gate on GPT-2) is a ConfigError naming `<section>.lora.targets`."""
-    try:
-        return dataclasses.replace(cfg, lora=lora)
-    except ValueError as err:
-        raise ConfigError(f"{section}.{err}") from None
 
 
 def imported_lora_config(settings: PolicyLoraSettings, base: ModelConfig) -> LoraConfig:
@@ -103,7 +95,7 @@ def make_modules(s: Settings, policy_cfg: ModelConfig, reward_cfg: ModelConfig |
     value = None
     if s.uses_critic:  # value.lora's adapters (a full model when off, whatever the policy is)
         cfg, head = (reward_cfg, "reward") if s.value.init == "reward" else (policy_cfg, "zero")
-        value = ScalarModel(with_lora(cfg, s.value.lora.lora_config(), "value"), head_init=head)
+        value = ScalarModel(s.value.lora.apply(cfg, "value"), head_init=head)
     reward = ScalarModel(reward_cfg, head_init="reward") if reward_cfg is not None else None
     return Modules(policy=CausalLM(policy_cfg), value=value, reward=reward)
 
@@ -150,7 +142,7 @@ def value_lora(modules: Modules) -> bool:
 def trainable_value(adapters, head):
     """A LoRA value model's trainable tree: its adapters and its scalar head (the "score" params);
     its transformer is frozen and shared (`FrozenParams.value`). See `state.value_variables`."""
-    return {"lora": adapters, "score": head}
+    return {lora_lib.COLLECTION: adapters, "score": head}
 
 
 def boxed_value(modules: Modules):
@@ -199,18 +191,8 @@ def rebuild_lora_base(s: Settings, modules: Modules, mesh, init_key, recorded: d
     if the checksums match. recorded: `frozen_checksums["policy_base"]` of a checkpoint in `where`."""
     base = initial_policy(s, modules, base_shardings(modules, mesh), mesh, init_key)
     source = f"policy.path={s.policy.path}" if s.policy.path else f"seed={s.seed}"
-    check_rebuilt(base, recorded, where, "a LoRA base", "base policy", source, "use the original policy and seed")
+    verify.check_rebuilt(base, recorded, where, "a LoRA base", "base policy", source, "use the original policy and seed")
     return base
-
-
-def check_rebuilt(tree, recorded: dict | None, where: str, missing: str, what: str, source: str, fix: str) -> None:
-    """Refuses a frozen tree rebuilt from its source (a LoRA base, imported adapters, a value base)
-    unless its checksums are those a checkpoint recorded (`verify.record`): the steps in `where` were
-    trained on exactly that tree, and resuming on another would silently change the run."""
-    if recorded is None or verify.mismatches(tree, recorded):
-        problem = f"record no {missing}" if recorded is None else f"were trained on another {what}"
-        raise CheckpointError(f"the checkpoints in {where} {problem} than the one {source} gives now (checksums "
-                              f"differ); {fix}, or a new workdir")
 
 
 def initial_adapters(s: Settings, modules: Modules, adapter_shardings, mesh, key):

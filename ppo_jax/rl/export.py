@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ppo_jax import sharding
-from ppo_jax.checkpoint import CheckpointManager
+from ppo_jax.checkpoint import CheckpointManager, verify
 from ppo_jax.config import from_config, model_config_from_dict
 from ppo_jax.models import CausalLM, ScalarModel, hf
 from ppo_jax.rl import build
@@ -113,6 +113,6 @@ def lora_value_base(settings: Settings, modules: build.Modules, extra: dict, abs
     else:
         tree = manager.restore_frozen("reference", abstract.policy, checksums=recorded.get("reference"))
     base = tree["transformer"]
-    build.check_rebuilt(base, recorded.get("value_base"), ckpt_dir, "value base", "value base",
+    verify.check_rebuilt(base, recorded.get("value_base"), ckpt_dir, "value base", "value base",
                         f"value.init={settings.value.init}", "use the original policy, reward model and seed")
     return base

@@ -22,6 +22,7 @@ import flax.struct
 import jax
 
 from ppo_jax import ppo
+from ppo_jax.models.lora import trained_variables
 
 Array = jax.Array
 Params = Any
@@ -70,9 +71,7 @@ def value_variables(trainable: Params | None, base: Params | None) -> tuple[Para
     """(params, adapters) of a value forward: (trainable, None) for a full value model; with value
     LoRA, trainable = {"lora": adapters, "score": head} on the frozen transformer `base`, so
     ({"transformer": base, "score": head}, adapters)."""
-    if base is None:
-        return trainable, None
-    return {"transformer": base, "score": trainable["score"]}, trainable["lora"]
+    return trained_variables(trainable, None if base is None else {"transformer": base})
 
 
 @flax.struct.dataclass

@@ -189,7 +189,7 @@ class PPOTrainer:
                 self._imported_record = recorded.get("policy_init_adapters")
                 reference = build.initial_adapters(self.settings, self.modules, self.state_shardings.policy,
                                                    self.mesh, self._init_key)
-                build.check_rebuilt(reference, self._imported_record, self.checkpoints.directory,
+                verify.check_rebuilt(reference, self._imported_record, self.checkpoints.directory,
                                     "imported adapters", "set of imported adapters",
                                     f"policy.lora.init_from={self.settings.policy.lora.init_from}",
                                     "use the original adapter directory")
@@ -208,7 +208,7 @@ class PPOTrainer:
         if self.resumed_from is None:
             return verify.record(self.frozen.value)
         recorded = self._recorded.get("value_base")
-        build.check_rebuilt(self.frozen.value, recorded, self.checkpoints.directory, "value base", "value base",
+        verify.check_rebuilt(self.frozen.value, recorded, self.checkpoints.directory, "value base", "value base",
                             f"value.init={self.settings.value.init}", "use the original policy, reward model and seed")
         return recorded
 

@@ -24,11 +24,12 @@ from tqdm.auto import tqdm
 from ppo_jax import data as data_lib
 from ppo_jax import metrics as metrics_lib
 from ppo_jax import sharding
-from ppo_jax.checkpoint import CheckpointError, CheckpointManager, verify
+from ppo_jax.checkpoint import CheckpointManager, verify
 from ppo_jax.config import ComputeSettings, ConfigError, check, check_positions, override_dtypes
 from ppo_jax.models import ModelConfig, boxed_params, hf, init_adapters, init_params
 from ppo_jax.models.hf.layouts import lora_tensor_maps
 from ppo_jax.models.lora import COLLECTION as LORA
+from ppo_jax.models.lora import trained_variables
 from ppo_jax.optim import make_optimizer
 from ppo_jax.supervised.settings import ModelSettings
 
@@ -92,7 +93,7 @@ class Trainable:
     Without LoRA: `params` is the whole model, `base` None. With LoRA: `params` is
     {"lora": adapters, **heads} (heads: new top-level params that must train, the reward model's
     "score") and `base` the model's params less those heads, frozen: never donated, no optimizer state.
-    `join(params, base)` gives back what the model applies.
+    `models.lora.trained_variables(params, base)` gives back what the model applies.
     """
 
     params: Any
@@ -120,15 +121,6 @@ def lora_adapters(module, params, shardings, mesh, key, heads: tuple[str, ...] =
     return Trainable(params={LORA: adapters, **head}, shardings={LORA: adapter_shardings, **head_sh},
                      boxed={LORA: boxed_params(module, collection=LORA), **split(boxed)[1]},
                      base=base, base_shardings=base_sh)
-
-
-def join(trainable, base) -> tuple[Any, Any]:
-    """(params, adapters) a model applies (`ppo_jax.models.forward.variables`): `trainable` itself
-    and None without LoRA (`base` None); with LoRA the base with the trained heads, and the adapters."""
-    if base is None:
-        return trainable, None
-    heads = {k: v for k, v in trainable.items() if k != LORA}
-    return {**base, **heads}, trainable[LORA]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -385,13 +377,10 @@ class SupervisedTrainer:
     def _check_base(self, recorded: dict | None) -> None:
         """A LoRA checkpoint holds adapters, not the base they were trained on, only its checksums:
         resuming them on another base (a changed model.path or seed) would silently train another model."""
-        if recorded is None or verify.mismatches(self.base, recorded):
-            m = self.settings.model
-            source = f"model.path={m.path}" if m.path else f"seed={self.settings.seed}"
-            what = "record no LoRA base" if recorded is None else "were trained on another base model"
-            raise CheckpointError(f"{self.name}: the checkpoints in {self.checkpoints.directory} {what} than the "
-                                  f"one {source} gives now (checksums differ); use the original model.path and "
-                                  "seed, or a new workdir")
+        m = self.settings.model
+        source = f"model.path={m.path}" if m.path else f"seed={self.settings.seed}"
+        verify.check_rebuilt(self.base, recorded, f"{self.checkpoints.directory} ({self.name})", "LoRA base",
+                             "base model", source, "use the original model.path and seed")
         self._base_record = recorded
 
     def _load_tokenizer(self):
@@ -416,8 +405,8 @@ class SupervisedTrainer:
         return self.state.params
 
     def model_variables(self) -> tuple[Any, Any]:
-        """(params, adapters) of the current model (`join`; adapters None without LoRA)."""
-        return join(self.state.params, self.base)
+        """(params, adapters) of the current model (`trained_variables`; adapters None without LoRA)."""
+        return trained_variables(self.state.params, self.base)
 
     @property
     def step(self) -> int:

@@ -37,6 +37,7 @@ from ppo_jax.checkpoint import verify
 from ppo_jax.config import ConfigError
 from ppo_jax.models import CausalLM
 from ppo_jax.ppo.stats import finalize_metrics
+from ppo_jax.models.lora import trained_variables
 from ppo_jax.supervised import base as supervised
 from ppo_jax.supervised.dpo_loss import Pair, dpo_loss
 from ppo_jax.supervised.settings import DPOLossSettings, DPOSettings, dpo_config  # noqa: F401  (dpo_config: the defaults)
@@ -95,7 +96,7 @@ def make_train_step(model: CausalLM, tx, hp: DPOLossSettings, num_microbatches: 
 
         def loss_fn(trainable, microbatch):
             fn = make_loss_fn(model, hp, microbatch, num_pairs=num_pairs, num_tokens=num_tokens)
-            return fn(*supervised.join(trainable, base))
+            return fn(*trained_variables(trainable, base))
 
         loss, metrics, grads = supervised.accumulate_gradients(
             loss_fn, state.params, supervised.split_microbatches(batch, num_microbatches), batch_sharding)
@@ -112,7 +113,7 @@ def make_eval_step(model: CausalLM, hp: DPOLossSettings):
     adds them)."""
 
     def eval_step(trainable, base, batch: DPOBatch, valid: Array):
-        _, metrics = make_loss_fn(model, hp, batch, weight=valid)(*supervised.join(trainable, base))
+        _, metrics = make_loss_fn(model, hp, batch, weight=valid)(*trained_variables(trainable, base))
         return metrics
 
     return eval_step

@@ -41,6 +41,7 @@ from ppo_jax import sampling, sharding
 from ppo_jax.config import ConfigError
 from ppo_jax.models import CausalLM, ScalarModel, boxed_params, hf, init_params
 from ppo_jax.models.forward import response_scores, sequence_scores
+from ppo_jax.models.lora import trained_variables
 from ppo_jax.supervised import base as supervised
 from ppo_jax.supervised.settings import RewardModelSettings, reward_model_config  # noqa: F401  (the defaults)
 
@@ -88,7 +89,7 @@ def make_train_step(model: ScalarModel, tx):
 
     def train_step(state: supervised.TrainState, base, batch: data_lib.PreferenceBatch):
         def loss_fn(trainable):
-            params, adapters = supervised.join(trainable, base)
+            params, adapters = trained_variables(trainable, base)
             chosen, rejected = pair_scores(model, params, batch, adapters)
             return bradley_terry_loss(chosen, rejected)
 
@@ -105,7 +106,7 @@ def make_eval_step(model: ScalarModel):
     """Sums over valid pairs (batches of an eval pass add up exactly)."""
 
     def eval_step(trainable, base, batch: data_lib.PreferenceBatch, valid: Array):
-        params, adapters = supervised.join(trainable, base)
+        params, adapters = trained_variables(trainable, base)
         chosen, rejected = pair_scores(model, params, batch, adapters)
         margin = chosen - rejected
         w = valid.astype(jnp.float32)
@@ -176,7 +177,7 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
             out_shardings=replicated), self.mesh)
 
         def scores(trainable, base, tokens, mask):
-            params, adapters = supervised.join(trainable, base)
+            params, adapters = trained_variables(trainable, base)
             return sequence_scores(self.module, params, tokens, mask, adapters)
 
         self._score = sharding.on_mesh(jax.jit(scores, in_shardings=(*trained_sh, data_sh, data_sh),
@@ -285,7 +286,7 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
             self.mesh, jax.tree.map(lambda x: x.sharding, loaded.params))
         data_sh = sharding.data_sharding(self.mesh)
         def policy_sample_scores(trainable, base, prompt_tokens, prompt_mask, tokens, mask):
-            params, adapters = supervised.join(trainable, base)
+            params, adapters = trained_variables(trainable, base)
             return response_scores(self.module, params, prompt_tokens, prompt_mask, tokens, mask, adapters)
 
         score_fn = sharding.on_mesh(jax.jit(

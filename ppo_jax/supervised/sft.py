@@ -28,6 +28,7 @@ from ppo_jax import sharding
 from ppo_jax.config import ConfigError
 from ppo_jax.models import CausalLM, positions_from_mask
 from ppo_jax.models.forward import variables
+from ppo_jax.models.lora import trained_variables
 from ppo_jax.supervised import base as supervised
 from ppo_jax.supervised.settings import SFTSettings, sft_config  # noqa: F401  (sft_config: the defaults)
 
@@ -66,7 +67,7 @@ def make_train_step(model: CausalLM, tx):
 
     def train_step(state: supervised.TrainState, base, batch: data_lib.SFTBatch):
         def loss_fn(trainable):
-            params, adapters = supervised.join(trainable, base)
+            params, adapters = trained_variables(trainable, base)
             return sft_loss(model, params, batch, adapters)
 
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -80,7 +81,7 @@ def make_eval_step(model: CausalLM):
     """Sums (not means), so batches of an eval pass add up exactly: nll, correct, tokens."""
 
     def eval_step(trainable, base, batch: data_lib.SFTBatch):
-        params, adapters = supervised.join(trainable, base)
+        params, adapters = trained_variables(trainable, base)
         nll, correct, weight = response_token_nll(model, params, batch.tokens, batch.mask, batch.loss_mask, adapters)
         return {"nll": nll.sum(), "correct": correct.sum(), "tokens": weight.sum()}
 
