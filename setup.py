@@ -5,6 +5,8 @@ setup(
     version="0.1.0",
     description="RLHF with PPO for language models in JAX/Flax: SFT, reward models, PPO on a sharded mesh.",
     packages=find_packages(include=["ppo_jax", "ppo_jax.*"]),
+    # The GPU descriptions the planner compiles for (ppo_jax.accelerators).
+    package_data={"ppo_jax.accelerators": ["*.textproto"]},
     python_requires=">=3.11",
     install_requires=[
         "jax>=0.7",

@@ -200,7 +200,9 @@ class ComputeSettings:
 
     "auto" picks what was measured fastest on the platform the run is on (docs/gpu_probe.md): on a GPU,
     cuDNN flash attention (when computing in bf16/fp16) and unscanned per-layer params; elsewhere the
-    einsum attention and the scanned layers, whose compile is the fastest.
+    einsum attention and the scanned layers, whose compile is the fastest. The platform is this
+    process's backend, or the one a plan compiles for (`platform=`: the planner compiles GPU programs
+    on a CPU host, and they must be the programs a GPU run would build).
     """
 
     attention: str = "auto"  # "auto", "einsum" (reference, any platform), "cudnn" (GPU, bf16/fp16) or "xla"
@@ -216,9 +218,10 @@ class ComputeSettings:
         check(self.remat in ("keep", "none") + REMAT_POLICIES,
               f"{prefix}.remat={self.remat!r}: use keep, none, {', '.join(REMAT_POLICIES)}")
 
-    def execution(self, cfg: ModelConfig) -> dict[str, Any]:
-        """The ModelConfig execution fields this section sets for the model `cfg`, "auto" resolved."""
-        on_gpu = jax.default_backend() == "gpu"
+    def execution(self, cfg: ModelConfig, platform: str | None = None) -> dict[str, Any]:
+        """The ModelConfig execution fields this section sets for the model `cfg`, "auto" resolved for
+        `platform` ("cpu", "gpu", "tpu"; None: this process's backend)."""
+        on_gpu = (platform or jax.default_backend()) == "gpu"
         attention = self.attention
         if attention == "auto":
             # cuDNN's fused call cannot soft-cap scores (Gemma 2): such models run the einsum kernel.
@@ -232,14 +235,15 @@ class ComputeSettings:
             out.update(remat=True, remat_policy=self.remat)
         return out
 
-    def apply(self, cfg: ModelConfig) -> ModelConfig:
-        """`cfg` as this run executes it (checked: cuDNN attention needs a GPU and a bf16/fp16 compute
-        dtype). Reads the platform, so it runs after `jax.distributed.initialize`, never in validate()."""
-        check(self.attention != "cudnn" or jax.default_backend() == "gpu",
-              f"compute.attention='cudnn' needs a GPU, but this run's platform is {jax.default_backend()}; "
-              "use auto or einsum")
+    def apply(self, cfg: ModelConfig, platform: str | None = None) -> ModelConfig:
+        """`cfg` as a run on `platform` (None: this process's backend) executes it (checked: cuDNN
+        attention needs a GPU and a bf16/fp16 compute dtype). Reads the backend, so it runs after
+        `jax.distributed.initialize`, never in validate()."""
+        platform = platform or jax.default_backend()
+        check(self.attention != "cudnn" or platform == "gpu",
+              f"compute.attention='cudnn' needs a GPU, but this run's platform is {platform}; use auto or einsum")
         try:
-            return cfg.replace(**self.execution(cfg))
+            return cfg.replace(**self.execution(cfg, platform))
         except ValueError as err:
             raise ConfigError(str(err).replace("model.attention", "compute.attention")) from None
 

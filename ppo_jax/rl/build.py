@@ -61,17 +61,18 @@ def imported_lora_config(settings: PolicyLoraSettings, base: ModelConfig) -> Lor
     return imported
 
 
-def policy_model_config(s: Settings) -> ModelConfig:
+def policy_model_config(s: Settings, platform: str | None = None) -> ModelConfig:
     """The policy architecture, read without loading weights (config.json or policy.model), with
     policy.lora's adapters (ModelConfig.lora; None when off, whatever the model config said; those of
-    the adapter directory policy.lora.init_from when set)."""
+    the adapter directory policy.lora.init_from when set), executed as on `platform` (None: this
+    process's backend; the planner names the one it compiles for)."""
     cfg = hf.load_config(s.policy.path)[0] if s.policy.path else s.policy.model
     lora = imported_lora_config(s.policy.lora, cfg) if s.policy.lora.init_from else s.policy.lora.lora_config()
     cfg = with_lora(cfg, lora, "policy")
-    return s.compute.apply(override_dtypes(cfg, s.policy.param_dtype, s.policy.dtype))
+    return s.compute.apply(override_dtypes(cfg, s.policy.param_dtype, s.policy.dtype), platform)
 
 
-def reward_model_config(s: Settings) -> ModelConfig | None:
+def reward_model_config(s: Settings, platform: str | None = None) -> ModelConfig | None:
     if not s.reward.path:
         return None
     cfg, kind = hf.load_config(s.reward.path)
@@ -79,7 +80,7 @@ def reward_model_config(s: Settings) -> ModelConfig | None:
         raise ConfigError(
             f"reward.path={s.reward.path!r} holds a {kind} checkpoint; the reward model must be a "
             "sequence classifier with one label (ForSequenceClassification, num_labels=1)")
-    return s.compute.apply(cfg)
+    return s.compute.apply(cfg, platform)
 
 
 @dataclasses.dataclass(frozen=True)

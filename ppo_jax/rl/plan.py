@@ -46,6 +46,7 @@ from ppo_jax import sharding
 from ppo_jax.config import ConfigError, from_config, model_config_dict
 from ppo_jax.models import KV_CACHE_AXES, ModelConfig, boxed_params, init_cache
 from ppo_jax.rl import build
+from ppo_jax.rl import settings as settings_lib
 from ppo_jax.rl.settings import PPOHyper, Settings, derive_sizes, stop_token_ids
 from ppo_jax.rl.state import Rollout, policy_variables
 
@@ -219,16 +220,17 @@ def _abstract(boxed: Any, mesh) -> Any:
 # Configuration.
 
 
-def planned_reward_config(s: Settings, policy_cfg: ModelConfig) -> tuple[ModelConfig, str]:
+def planned_reward_config(s: Settings, policy_cfg: ModelConfig, platform: str | None = None
+                          ) -> tuple[ModelConfig, str]:
     """The reward model architecture to plan with, and where it came from.
 
     `plan.reward_model` (a model section, as policy.model) if the settings have one; else the
     config.json of reward.path (no weights read); else the policy's architecture.
     """
     if s.plan.reward_model is not None:
-        return s.plan.reward_model, "plan.reward_model"
+        return s.compute.apply(s.plan.reward_model, platform), "plan.reward_model"
     if s.reward.path:
-        return build.reward_model_config(s), f"reward.path={s.reward.path}"
+        return build.reward_model_config(s, platform), f"reward.path={s.reward.path}"
     return policy_cfg, "same as the policy"
 
 
@@ -276,8 +278,11 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES) -> MemoryPl
         raise ConfigError(f"phases {list(phases)}: name one or more of {', '.join(PHASES)}")
     s = planned_settings(config)
     mesh = mesh if mesh is not None else sharding.make_mesh(s.mesh.shape)
-    policy_cfg = build.policy_model_config(s)
-    reward_cfg, reward_source = planned_reward_config(s, policy_cfg)
+    # "auto" execution choices (attention kernel, layer loop, decode loop) resolve for the devices
+    # compiled for, not this host: a GPU plan made on a CPU machine compiles a GPU run's programs.
+    platform = mesh.devices.flat[0].platform
+    policy_cfg = build.policy_model_config(s, platform)
+    reward_cfg, reward_source = planned_reward_config(s, policy_cfg, platform)
     sizes = derive_sizes(s, batch_divisor=sharding.batch_divisor(mesh),
                          max_positions=policy_cfg.max_position_embeddings, vocab_size=policy_cfg.vocab_size)
     hp = PPOHyper.from_settings(s, sizes)
@@ -305,10 +310,14 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES) -> MemoryPl
 
     stop_ids = stop_token_ids(s.rollout, policy_cfg.eos_token_id) or (0,)
     pad_id = policy_cfg.pad_token_id if policy_cfg.pad_token_id is not None else 0
-    # The scanned decode of accelerator runs, even when planning on a CPU host (the CPU default
-    # unrolls it, with a copy of the layer weights an accelerator run does not make).
+    # The decode loop a run on the planned platform picks (rollout.decode); a CPU plan stands in for a
+    # TPU's and gets its scanned decode (the CPU default unrolls it, with a copy of the layer weights
+    # an accelerator run does not make).
+    unroll = settings_lib.DECODE_LOOPS[s.rollout.decode]
+    if unroll is None:
+        unroll = platform == "gpu"
     steps = build.build_steps(s, mesh, sizes, hp, modules, policy_tx, value_tx, state_shardings,
-                                    frozen_shardings, stop_ids, pad_id, unroll_layers=False)
+                              frozen_shardings, stop_ids, pad_id, unroll_layers=unroll)
 
     # Sampler: prompts [B, Lq] in, SampleOutput with R = B * n rows out.
     batch_sh = sharding.data_sharding(mesh)
@@ -348,7 +357,6 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES) -> MemoryPl
         "experience": (experience_lowered, resident + held + batch_arrays["rollout"]),
         "update": (update_lowered, resident + held + batch_arrays["rollout"] + batch_arrays["experience"]),
     }
-    platform = mesh.devices.flat[0].platform
     options = dict(CPU_COMPILER_OPTIONS) if platform == "cpu" else {}
     compiled = tuple(_compile(name, *programs[name], options) for name in PHASES if name in phases)
     return MemoryPlan(
