@@ -102,6 +102,10 @@ def planning_devices(platform: str, count: int, *, tpu_topology: str = "", gpu: 
         raise ConfigError("--tpu_topology needs --platform=tpu")
     if gpu and platform != "gpu":
         raise ConfigError("--gpu needs --platform=gpu")
+    if tpu_topology or gpu:
+        # JAX_PLATFORMS=cpu before any backend starts: the CUDA plugin then registers its compile-only
+        # devices without a driver, and neither it nor libtpu looks for an accelerator to attach to.
+        cpu_devices(1)
     if tpu_topology:
         devices = tpu_devices(tpu_topology)
         if len(devices) != count:
@@ -109,7 +113,6 @@ def planning_devices(platform: str, count: int, *, tpu_topology: str = "", gpu: 
                               "devices; set --config.mesh.shape to cover the slice")
         return devices
     if gpu:
-        cpu_devices(1)  # JAX_PLATFORMS=cpu before any backend starts: the CUDA plugin then needs no driver
         return gpu_devices(gpu, count)
     if platform == "cpu":
         devices = cpu_devices(count)

@@ -7,6 +7,7 @@ they all see the same programs and the same state layout.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import flax.linen as nn
@@ -285,6 +286,7 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
     trace_counts = {"experience": 0, "update": 0}
 
     def traced(name, fn):
+        @functools.wraps(fn)  # the program keeps the step's name (jit_update, jit_experience) in HLO dumps
         def counted(*args):
             trace_counts[name] += 1  # runs once per trace, never per call
             return fn(*args)

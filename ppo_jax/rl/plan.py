@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -43,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppo_jax import sharding
+from ppo_jax.accelerators.hlo import ProgramStructure
 from ppo_jax.config import ConfigError, from_config, model_config_dict
 from ppo_jax.models import KV_CACHE_AXES, ModelConfig, boxed_params, init_cache
 from ppo_jax.rl import build
@@ -117,6 +119,7 @@ class PhaseMemory:
     temp_bytes: int
     live_bytes: int
     compile_seconds: float
+    structure: ProgramStructure  # kernels, transposes, copies and loops of the optimised program
 
     @property
     def peak_bytes(self) -> int:
@@ -246,17 +249,19 @@ def planned_settings(config) -> Settings:
     return s
 
 
-def _compile(name: str, lowered, live: int, compiler_options: dict[str, Any]) -> PhaseMemory:
+def _compile(name: str, lowered, live: int, compiler_options: dict[str, Any], inspect=None) -> PhaseMemory:
     start = time.perf_counter()
     compiled = lowered.compile(compiler_options=compiler_options or None)
     seconds = time.perf_counter() - start
+    if inspect is not None:
+        inspect(name, compiled)
     m = compiled.memory_analysis()
     if m is None:
         raise RuntimeError(f"the {jax.default_backend()} compiler gives no memory analysis for {name}")
     return PhaseMemory(name=name, argument_bytes=int(m.argument_size_in_bytes),
                        output_bytes=int(m.output_size_in_bytes), alias_bytes=int(m.alias_size_in_bytes),
                        temp_bytes=int(m.temp_size_in_bytes), live_bytes=int(live),
-                       compile_seconds=round(seconds, 2))
+                       compile_seconds=round(seconds, 2), structure=ProgramStructure.from_hlo(compiled.as_text()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,11 +271,13 @@ def _compile(name: str, lowered, live: int, compiler_options: dict[str, Any]) ->
 PHASES = ("sampler", "experience", "update")
 
 
-def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES) -> MemoryPlan:
+def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
+                inspect: Callable[[str, Any], None] | None = None) -> MemoryPlan:
     """Plans a PPO run of `config` (a ConfigDict or Settings) on `mesh` (default: mesh.shape over this
     process's devices).
 
-    `phases`: the programs to compile (all three by default; the peak is over these). Raises
+    `phases`: the programs to compile (all three by default; the peak is over these). `inspect`, if
+    given, sees each (phase name, compiled program) before it is dropped (tests read its HLO). Raises
     ConfigError for a config that cannot run, before anything is compiled.
     """
     unknown = sorted(set(phases) - set(PHASES))
@@ -358,7 +365,7 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES) -> MemoryPl
         "update": (update_lowered, resident + held + batch_arrays["rollout"] + batch_arrays["experience"]),
     }
     options = dict(CPU_COMPILER_OPTIONS) if platform == "cpu" else {}
-    compiled = tuple(_compile(name, *programs[name], options) for name in PHASES if name in phases)
+    compiled = tuple(_compile(name, *programs[name], options, inspect) for name in PHASES if name in phases)
     return MemoryPlan(
         mesh_shape=tuple(int(mesh.shape[a]) for a in sharding.MESH_AXES),
         platform=platform, device_kind=mesh.devices.flat[0].device_kind, compiler_options=options,
@@ -432,6 +439,10 @@ def format_plan(plan: MemoryPlan, device_memory_bytes: float | None = None) -> s
     for p in plan.phases:
         lines.append(f"  {p.name:<11}{_gib(p.live_bytes)} {_gib(p.output_bytes)} {_gib(p.alias_bytes)} "
                      f"{_gib(p.temp_bytes)} {_gib(p.peak_bytes)}   {_gib(p.argument_bytes)} {p.compile_seconds:9.1f}")
+    lines += ["", "Programs (optimised HLO)   fused attention calls  transposes    copies  while loops"]
+    for p in plan.phases:
+        st = p.structure
+        lines.append(f"  {p.name:<11}{st.fused_attention_calls:>28} {st.transposes:>11} {st.copies:>9} {st.while_loops:>12}")
     peak = plan.peak_phase
     lines.append("")
     if len(plan.phases) < len(PHASES):
@@ -446,6 +457,9 @@ def format_plan(plan: MemoryPlan, device_memory_bytes: float | None = None) -> s
         lines.append(f"{summary}; device memory {device_memory_bytes / GIB:.3f} GiB "
                      f"({device_memory_bytes / GB:.2f} GB): {verdict} "
                      f"({'spare' if spare >= 0 else 'short by'} {abs(spare) / GIB:.3f} GiB)")
+    if plan.platform == "gpu" and plan.device_kind.startswith("NVIDIA"):
+        lines.append("Temps are XLA:GPU's own buffer assignment: what a GPU run of these programs allocates (compiled "
+                     "without a GPU, GEMM tiles are untuned: speed is not planned).")
     if plan.platform == "cpu":
         lines.append("Temps are XLA:CPU's estimate of an accelerator's (see ppo_jax/plan.py); parameter, optimizer, "
                      "KV-cache and batch bytes are exact.")

@@ -123,9 +123,6 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
             metrics["grad_norm/value"] = optax.tree.norm(value_grads)
         ok = exp_finite & all_finite(grads)
 
-        # A cond, not where(ok, new, old) over the state: with where, XLA keeps the old and the new
-        # state apart (measured with ppo_jax.plan on a 2x6M-param config: update temp 162 MB with
-        # where, 139 MB with cond or with no guard at all).
         def apply(state):
             updates, policy_opt = policy_tx.update(policy_grads, state.policy_opt, state.policy)
             state = state.replace(policy=optax.apply_updates(state.policy, updates), policy_opt=policy_opt)
@@ -134,7 +131,14 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
                 state = state.replace(value=optax.apply_updates(state.value, updates), value_opt=value_opt)
             return state
 
-        state = jax.lax.cond(ok, apply, lambda s: s, old_state)
+        # where(ok, new, old) leaf by leaf, not lax.cond(ok, apply, identity): XLA fuses the select into
+        # the optimizer's elementwise update, written in place into the donated state. A cond's
+        # branches each write a separate output, and its identity branch copies every leaf: one more
+        # whole train state in the temps (ppo-jax-plan, TinyLlama shape on one H100, 32-row
+        # minibatches: fp32-master update peak 63.6 -> 39.8 GiB, bf16 36.5 -> 28.6 GiB; XLA:TPU v5e
+        # 13% lower; XLA:CPU within 4%).
+        new_state = apply(old_state)
+        state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_state, old_state)
         metrics["skipped"] = 1.0 - ok.astype(jnp.float32)
         return state, metrics
 

@@ -1,0 +1,173 @@
+"""The accelerator programs, compiled for GPUs and TPUs this machine does not have (ppo_jax.accelerators).
+
+What XLA:GPU compiles for an H100 is what an H100 runs: its kernels, loops, copies and buffer
+assignment. So these tests check, on a CPU-only machine, what only a real accelerator would otherwise
+show: the experience and update programs call cuDNN flash attention, the per-layer loop stacks no
+layers, the update's temps hold no second copy of the train state, and the same programs compile
+for TPU slices. Every figure is the compiler's own (`memory_analysis()`, the optimised HLO).
+
+They need the `cuda12` extra (the CUDA plugin) and libtpu, which .ci/run installs; each skips, saying
+so, where its plugin is absent.
+"""
+
+import importlib.util
+
+import pytest
+
+from ppo_jax import accelerators, sharding
+from ppo_jax.accelerators.hlo import ProgramStructure, result_shapes
+from ppo_jax.config import ConfigError, model_config_dict
+from ppo_jax.rl import plan as plan_lib
+from ppo_jax.rl.settings import ppo_config
+
+needs_cuda = pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
+                                reason="the CUDA plugin is not installed (pip install -e '.[cuda12]')")
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu is not installed (pip install libtpu)")
+
+LAYERS = 3  # no other dimension of the model or batch is 3: a leading [3, ...] axis is a layer stack
+HIDDEN, MLP = 128, 384
+
+
+def tiny_config(**compute):
+    """A bf16 Llama-shaped PPO run whose trainable state outweighs its activations (few, short rows),
+    so a second copy of the state in the update's temps cannot hide among them."""
+    config = ppo_config()
+    config.mesh.shape = (1, 1, 1)
+    config.policy.model = model_config_dict(
+        arch="llama", vocab_size=512, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=4, num_kv_heads=2,
+        intermediate_size=MLP, max_position_embeddings=64, tie_word_embeddings=False,
+        param_dtype="bfloat16", dtype="bfloat16")
+    config.reward.functions = "toy_target_count"
+    config.data.prompt_length = 16
+    config.rollout.batch_size = 4
+    config.rollout.response_length = 16
+    config.ppo.epochs = 1
+    config.ppo.num_minibatches = 1
+    for field, value in compute.items():
+        setattr(config.compute, field, value)
+    return config
+
+
+def compile_plan(config, devices, phases=("experience", "update")):
+    """(plan, {phase: optimised HLO text}) of `config` on `devices`."""
+    texts = {}
+    mesh = sharding.make_mesh(tuple(config.mesh.shape), devices)
+    plan = plan_lib.plan_memory(config, mesh, phases, inspect=lambda name, c: texts.update({name: c.as_text()}))
+    return plan, texts
+
+
+def trainable_bytes(plan):
+    """Per-device bytes of the donated train state: policy and value params + their optimizer states."""
+    return plan.params["policy"] + plan.params["value"] + sum(plan.optimizer.values())
+
+
+def layer_stacks(text):
+    """Array results in `text` with a leading layer axis ([LAYERS, ...], rank >= 2), by shape."""
+    return {shape: n for shape, n in result_shapes(text).items() if len(shape[1]) >= 2 and shape[1][0] == LAYERS}
+
+
+@pytest.fixture(scope="module")
+def h100():
+    return accelerators.gpu_devices("h100", 1)
+
+
+@pytest.fixture(scope="module")
+def gpu_auto(h100):
+    """The programs `auto` builds for a GPU: per-layer loop, cuDNN attention."""
+    return compile_plan(tiny_config(), h100)
+
+
+@needs_cuda
+def test_gpu_targets_are_the_vendors_devices(h100):
+    assert h100[0].platform == "gpu" and h100[0].device_kind == "NVIDIA H100 80GB HBM3"
+    assert accelerators.gpu_devices("a100", 2)[1].device_kind == "NVIDIA A100-SXM4-80GB"
+    # The cuDNN version XLA is told is the installed wheel's: it decides which fused kernels exist.
+    assert "dnn_version_info { major: 9" in accelerators.gpu_target_config("h200")
+    with pytest.raises(ConfigError, match="h100, h200, a100"):
+        accelerators.gpu_target_config("v100")
+
+
+@needs_cuda
+def test_gpu_auto_resolves_for_the_planned_platform_not_the_host(gpu_auto):
+    plan, _ = gpu_auto
+    assert plan.platform == "gpu" and plan.device_kind.startswith("NVIDIA H100")
+    # The planner's report names the device and reads the compiled programs.
+    report = plan_lib.format_plan(plan, 80e9)
+    assert "XLA:GPU for NVIDIA H100" in report and "fused attention calls" in report
+
+
+@needs_cuda
+def test_gpu_experience_and_update_call_cudnn_flash_attention(gpu_auto):
+    plan, texts = gpu_auto
+    for phase in plan.phases:
+        # Experience: policy, reference, value and reward forwards, one call per layer each; the update
+        # adds the backward kernels.
+        assert phase.structure.fused_attention_calls >= 4 * LAYERS, phase
+        assert "__cudnn$fmha" in texts[phase.name]
+
+
+@needs_cuda
+def test_gpu_per_layer_loop_stacks_no_layers(gpu_auto):
+    _, texts = gpu_auto
+    for name, text in texts.items():
+        assert layer_stacks(text) == {}, name
+
+
+@needs_cuda
+def test_gpu_update_temps_hold_no_second_copy_of_the_train_state(gpu_auto):
+    plan, texts = gpu_auto
+    update = next(p for p in plan.phases if p.name == "update")
+    state = trainable_bytes(plan)
+    # Gradients (one params-sized buffer) and activations live in the temps; a copy of params + Adam
+    # moments would not fit under the state's own size.
+    assert update.temp_bytes < state, (update.temp_bytes, state)
+    # Nor is any MLP weight or moment copied (a lax.cond over the state copies every leaf).
+    copies = result_shapes(texts["update"], "copy")
+    assert not [shape for shape in copies if shape[1] in ((HIDDEN, MLP), (MLP, HIDDEN))], copies
+    assert update.alias_bytes >= state  # and the state itself is updated in place (donated)
+
+
+@needs_libtpu
+def test_the_same_programs_compile_for_a_tpu_chip():
+    plan, texts = compile_plan(tiny_config(), accelerators.tpu_devices("v5e:1x1"))
+    assert plan.platform == "tpu" and plan.device_kind.startswith("TPU v5")
+    update = next(p for p in plan.phases if p.name == "update")
+    assert update.temp_bytes < trainable_bytes(plan) <= update.alias_bytes
+    assert ProgramStructure.from_hlo(texts["experience"]).while_loops >= 1  # scanned layers (auto on TPU)
+
+
+@needs_libtpu
+def test_the_update_compiles_for_an_fsdp_sharded_tpu_slice():
+    config = tiny_config()
+    config.mesh.shape = (1, 4, 1)  # v5p-8: 4 chips
+    plan, _ = compile_plan(config, accelerators.tpu_devices("v5p:2x2x1"), phases=("update",))
+    assert plan.device_kind.startswith("TPU v5") and plan.num_devices == 4
+    assert plan.phases[0].alias_bytes >= trainable_bytes(plan)  # each chip's shard updated in place
+
+
+def test_structure_counts_read_the_hlo():
+    text = """
+ENTRY %main (p: f32[3,4]) -> f32[4,3] {
+  %p = f32[3,4]{1,0} parameter(0)
+  %copy.1 = f32[3,4]{1,0} copy(%p)
+  %transpose.2 = f32[4,3]{0,1} transpose(%copy.1), dimensions={1,0}
+  %cc = (bf16[2,8,4,16]{3,2,1,0}, u8[0]{0}) custom-call(%p), custom_call_target="__cudnn$fmhaSoftmax"
+  %w = (s32[], f32[3,4]{1,0}) while(%t), condition=%c, body=%b
+  ROOT %r = f32[4,3]{1,0} copy(%transpose.2)
+}"""
+    assert ProgramStructure.from_hlo(text) == ProgramStructure(fused_attention_calls=1, transposes=1, copies=2,
+                                                               while_loops=1)
+    assert result_shapes(text, "copy") == {("f32", (3, 4)): 1, ("f32", (4, 3)): 1}
+    assert result_shapes(text)["bf16", (2, 8, 4, 16)] == 1
+    # A scanned layer loop's stacked weights ([L, D, F]) are what layer_stacks finds.
+    stacked = text.replace("%p = f32[3,4]{1,0} parameter(0)", f"%p = bf16[{LAYERS},{HIDDEN},{MLP}]{{2,1,0}} parameter(0)")
+    assert layer_stacks(stacked) == {("bf16", (LAYERS, HIDDEN, MLP)): 1}
+    assert layer_stacks(text) == {("f32", (3, 4)): 2}  # (LAYERS = 3: the test HLO's [3, 4] is a stack too)
+
+
+def test_planning_devices_refuse_mismatched_flags():
+    with pytest.raises(ConfigError, match="--gpu needs --platform=gpu"):
+        accelerators.planning_devices("cpu", 1, gpu="h100")
+    with pytest.raises(ConfigError, match="--tpu_topology needs --platform=tpu"):
+        accelerators.planning_devices("gpu", 1, tpu_topology="v5e:1x1")
