@@ -207,7 +207,7 @@ class ComputeSettings:
 
     attention: str = "auto"  # "auto", "einsum" (reference, any platform), "cudnn" (GPU, bf16/fp16) or "xla"
     layer_loop: str = "auto"  # "auto", "scan" (stacked [L, ...] params) or "unrolled" (per-layer params)
-    remat: str = "keep"  # "keep" the model's own setting, "none", "full" (save nothing) or "dots" (keep matmuls)
+    remat: str = "auto"  # "auto" (on a GPU "full" unless the model sets remat, else "keep"), "keep" the model's own setting, "none", "full" (save nothing) or "dots" (keep matmuls)
     compilation_cache: str = "auto"  # jax's persistent compilation cache: "auto" (jax's own setting if one is made, else ~/.cache/ppo_jax/xla, at most 4 GiB), a directory, or "" (off)
 
     def validate(self, prefix: str = "compute") -> None:
@@ -215,8 +215,8 @@ class ComputeSettings:
               f"{prefix}.attention={self.attention!r}: use auto, {', '.join(ATTENTION_KINDS)}")
         check(self.layer_loop in ("auto", "scan", "unrolled"),
               f"{prefix}.layer_loop={self.layer_loop!r}: use auto, scan or unrolled")
-        check(self.remat in ("keep", "none") + REMAT_POLICIES,
-              f"{prefix}.remat={self.remat!r}: use keep, none, {', '.join(REMAT_POLICIES)}")
+        check(self.remat in ("auto", "keep", "none") + REMAT_POLICIES,
+              f"{prefix}.remat={self.remat!r}: use auto, keep, none, {', '.join(REMAT_POLICIES)}")
 
     def execution(self, cfg: ModelConfig, platform: str | None = None) -> dict[str, Any]:
         """The ModelConfig execution fields this section sets for the model `cfg`, "auto" resolved for
@@ -229,10 +229,16 @@ class ComputeSettings:
             attention = "cudnn" if on_gpu and fusable else "einsum"
         loop = self.layer_loop if self.layer_loop != "auto" else ("unrolled" if on_gpu else "scan")
         out = dict(attention=attention, scan_layers=loop == "scan")
-        if self.remat == "none":
+        remat = self.remat
+        if remat == "auto":
+            # On a GPU the update is not bound by matmul FLOPs, so recomputing each layer's activations
+            # costs no time and frees most of the update's memory (H100, TinyLlama shape, 16-row
+            # minibatches: 0.82 s at 19.3 GiB with remat, 0.83 s at 47 GiB without; docs/benchmarks.md).
+            remat = "full" if on_gpu and not cfg.remat else "keep"
+        if remat == "none":
             out["remat"] = False
-        elif self.remat != "keep":
-            out.update(remat=True, remat_policy=self.remat)
+        elif remat != "keep":
+            out.update(remat=True, remat_policy=remat)
         return out
 
     def apply(self, cfg: ModelConfig, platform: str | None = None) -> ModelConfig:

@@ -188,9 +188,12 @@ def test_auto_resolves_to_the_reference_kernels_off_gpu():
     assert ComputeSettings().apply(MISTRAL.replace(remat=True)).remat  # "keep"
 
 
-def test_auto_on_a_gpu_takes_cudnn_and_the_unrolled_loop_except_for_soft_capped_attention(monkeypatch):
+def test_auto_on_a_gpu_takes_cudnn_remat_and_the_unrolled_loop_except_for_soft_capped_attention(monkeypatch):
     monkeypatch.setattr("ppo_jax.config.jax.default_backend", lambda: "gpu")
-    assert ComputeSettings().execution(MISTRAL.replace(dtype="bfloat16")) == {"attention": "cudnn", "scan_layers": False}
+    assert ComputeSettings().execution(MISTRAL.replace(dtype="bfloat16")) == {
+        "attention": "cudnn", "scan_layers": False, "remat": True, "remat_policy": "full"}
+    assert "remat" not in ComputeSettings().execution(MISTRAL.replace(remat=True, remat_policy="dots"))  # the model's own
+    assert "remat" not in ComputeSettings(remat="keep").execution(MISTRAL)
     assert ComputeSettings().execution(MISTRAL)["attention"] == "einsum"  # float32: no flash attention
     assert ComputeSettings().execution(MIXED.replace(dtype="bfloat16"))["attention"] == "einsum"  # Gemma 2 soft-caps
     assert ComputeSettings().execution(FUSED.replace(dtype="bfloat16"))["attention"] == "cudnn"

@@ -134,9 +134,9 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
         # where(ok, new, old) leaf by leaf, not lax.cond(ok, apply, identity): XLA fuses the select into
         # the optimizer's elementwise update, written in place into the donated state. A cond's
         # branches each write a separate output, and its identity branch copies every leaf: one more
-        # whole train state in the temps (ppo-jax-plan, TinyLlama shape on one H100, 32-row
-        # minibatches: fp32-master update peak 63.6 -> 39.8 GiB, bf16 36.5 -> 28.6 GiB; XLA:TPU v5e
-        # 13% lower; XLA:CPU within 4%).
+        # whole train state in the temps (ppo-jax-plan, XLA:GPU for one H100, TinyLlama shape, 32-row
+        # minibatches, fp32 master weights: update temps 31.8 -> 24.0 GiB; a small model's temps on
+        # XLA:TPU 13% lower, on XLA:CPU within 4%).
         new_state = apply(old_state)
         state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_state, old_state)
         metrics["skipped"] = 1.0 - ok.astype(jnp.float32)
