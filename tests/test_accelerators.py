@@ -18,6 +18,7 @@ from ppo_jax import accelerators, sharding
 from ppo_jax.accelerators.hlo import ProgramStructure, result_shapes
 from ppo_jax.config import ConfigError, model_config_dict
 from ppo_jax.rl import plan as plan_lib
+from ppo_jax.rl.plan_report import format_plan
 from ppo_jax.rl.settings import ppo_config
 
 needs_cuda = pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
@@ -93,7 +94,7 @@ def test_gpu_auto_resolves_for_the_planned_platform_not_the_host(gpu_auto):
     plan, _ = gpu_auto
     assert plan.platform == "gpu" and plan.device_kind.startswith("NVIDIA H100")
     # The planner's report names the device and reads the compiled programs.
-    report = plan_lib.format_plan(plan, 80e9)
+    report = format_plan(plan, 80e9)
     assert "XLA:GPU for NVIDIA H100" in report and "fused attention calls" in report
 
 

@@ -20,6 +20,7 @@ from ppo_jax.config import ConfigError
 from ppo_jax.models import CausalLM, hf
 from ppo_jax.models.forward import response_logits, token_logprobs
 from ppo_jax.rl import plan as plan_lib
+from ppo_jax.rl.plan_report import format_plan
 from ppo_jax.rl.export import export_checkpoint
 from ppo_jax.rl.trainer import PPOTrainer
 
@@ -94,7 +95,7 @@ def test_planner_counts_no_reference_and_adapter_optimizer_state():
     assert lora.params["reference"] == 0 and full.params["reference"] == full.params["policy"]
     assert lora.params["policy"] > full.params["policy"]  # the base plus the adapters
     assert 0 < lora.optimizer["policy"] < full.optimizer["policy"] / 4
-    assert "the base is the reference" in plan_lib.format_plan(lora)
+    assert "the base is the reference" in format_plan(lora)
 
 
 def test_reference_logprobs_are_the_initial_base_without_adapters(lora_run):

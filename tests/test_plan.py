@@ -19,6 +19,7 @@ from conftest import make_test_mesh
 
 from ppo_jax.cli import plan as plan_cli
 from ppo_jax.rl import plan as plan_lib
+from ppo_jax.rl.plan_report import format_plan
 from ppo_jax.config import ConfigError, model_config_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +97,7 @@ def test_value_lora_plans_adapters_and_head_on_the_shared_base(plans):
     config.value.lora.targets = "q,v"
     lora = plan_lib.plan_memory(config, make_test_mesh((1, 1, 1)), phases=("experience",))
     assert lora.value_lora and not full.value_lora
-    assert "LoRA: adapters + head on its frozen base" in plan_lib.format_plan(lora)
+    assert "LoRA: adapters + head on its frozen base" in format_plan(lora)
     for name in ("policy", "reference", "reward"):
         assert lora.params[name] == full.params[name]
     policy = model_config_from_dict(config.policy.model)
@@ -122,8 +123,8 @@ def test_verdict_flips_at_the_peak(plans):
     assert plan.peak_bytes == phase.live_bytes + phase.output_bytes - phase.alias_bytes + phase.temp_bytes
     assert plan.fits(plan.peak_bytes)
     assert not plan.fits(plan.peak_bytes - 1)
-    assert ": FITS (spare 0.000 GiB)" in plan_lib.format_plan(plan, plan.peak_bytes)
-    assert ": DOES NOT FIT (short by 0.000 GiB)" in plan_lib.format_plan(plan, plan.peak_bytes - 1)
+    assert ": FITS (spare 0.000 GiB)" in format_plan(plan, plan.peak_bytes)
+    assert ": DOES NOT FIT (short by 0.000 GiB)" in format_plan(plan, plan.peak_bytes - 1)
     assert plan.to_dict(plan.peak_bytes - 1)["fits"] is False
 
 

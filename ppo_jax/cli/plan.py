@@ -20,7 +20,8 @@ from ppo_jax import sharding
 from ppo_jax.accelerators import GPU_KINDS, planning_devices
 from ppo_jax.cli.common import config_command
 from ppo_jax.config import ConfigError
-from ppo_jax.rl.plan import GB, GIB, PHASES, format_plan, plan_memory
+from ppo_jax.rl.plan import GB, GIB, PHASES, plan_memory
+from ppo_jax.rl.plan_report import format_plan
 from ppo_jax.rl.settings import Settings
 
 

@@ -1,0 +1,87 @@
+"""The memory planner's report: a plan (`ppo_jax.rl.plan.MemoryPlan`) as the table `ppo-jax-plan` prints
+(GiB = 2^30 bytes per device)."""
+
+from __future__ import annotations
+
+from ppo_jax.rl.plan import GB, GIB, PHASES, MemoryPlan, ModelSummary
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:10.3f}"
+
+
+def _model_line(label: str, m: ModelSummary) -> str:
+    return (f"{label:<8}{m.arch} {m.num_params / 1e9:.2f}B params, {m.param_dtype} params, "
+            f"{m.dtype} compute{', remat' if m.remat else ''}")
+
+
+def _reference_note(policy_bytes: int, reference_bytes: int) -> str:
+    if reference_bytes == policy_bytes:
+        return "  (reference: same)"
+    if reference_bytes:  # policy.lora.init_from
+        return "  (LoRA: adapters on a frozen base; the base is the reference, with a frozen copy of the imported adapters)"
+    return "  (LoRA: adapters on a frozen base; the base is the reference)"
+
+
+def format_plan(plan: MemoryPlan, device_memory_bytes: float | None = None) -> str:
+    """A human-readable table (GiB = 2^30 bytes per device)."""
+    b = plan.batch
+    d, f, t = plan.mesh_shape
+    lines = [
+        f"Memory plan: mesh (data={d}, fsdp={f}, tensor={t}) = {plan.num_devices} devices; "
+        f"compiled by XLA:{plan.platform.upper()} for {plan.device_kind}",
+        _model_line("policy", plan.policy_model) + _reference_note(plan.params["policy"], plan.params["reference"]),
+        _model_line("reward", plan.reward_model) + f"  ({plan.reward_source})",
+        (_model_line("value", plan.value_model) + f"  (from the {plan.value_init}"
+         + ("; LoRA: adapters + head on its frozen base, shared, not counted again)" if plan.value_lora else ")"))
+        if plan.value_model
+        else "value   none (critic-free estimator)",
+        f"batch   {b['prompts']} prompts x {b['samples_per_prompt']} samples = {b['rows']} rows, prompt "
+        f"{b['prompt_length']} + response {b['response_length']} tokens; {b['epochs']} epochs of minibatches "
+        f"of {b['minibatch_rows']} rows, microbatches of {b['microbatch_rows']}, forward chunks of "
+        f"{b['forward_rows']}",
+        "",
+        "Per device (GiB)                       bytes are exact shape arithmetic on the shardings",
+    ]
+    for name in ("policy", "reference", "reward", "value"):
+        lines.append(f"  params     {name:<12}{_gib(plan.params[name])}")
+    for name in ("policy", "value"):
+        lines.append(f"  optimizer  {name:<12}{_gib(plan.optimizer[name])}")
+    lines += [
+        f"  total      params+opt  {_gib(plan.resident_bytes)}",
+        f"  KV cache   (sampler)   {_gib(plan.kv_cache_bytes)}   part of the sampler's temps",
+        f"  batch      rollout     {_gib(plan.batch_arrays['rollout'])}",
+        f"  batch      experience  {_gib(plan.batch_arrays['experience'])}",
+        "",
+        "Phases (GiB per device)                live: shape arithmetic; the rest: compiled.memory_analysis()",
+        f"  {'phase':<11}{'live':>10} {'outputs':>10} {'aliased':>10} {'temps':>10} {'peak':>10}   "
+        f"{'(arguments':>10}  compile s)",
+    ]
+    for p in plan.phases:
+        lines.append(f"  {p.name:<11}{_gib(p.live_bytes)} {_gib(p.output_bytes)} {_gib(p.alias_bytes)} "
+                     f"{_gib(p.temp_bytes)} {_gib(p.peak_bytes)}   {_gib(p.argument_bytes)} {p.compile_seconds:9.1f}")
+    lines += ["", "Programs (optimised HLO)   fused attention calls  transposes    copies  while loops"]
+    for p in plan.phases:
+        st = p.structure
+        lines.append(f"  {p.name:<11}{st.fused_attention_calls:>28} {st.transposes:>11} {st.copies:>9} {st.while_loops:>12}")
+    peak = plan.peak_phase
+    lines.append("")
+    if len(plan.phases) < len(PHASES):
+        lines.append(f"Only {', '.join(p.name for p in plan.phases)} compiled (--phases): the peak is over those.")
+    summary = (f"Peak {plan.peak_bytes / GIB:.3f} GiB ({plan.peak_bytes / GB:.2f} GB) per device, "
+               f"in the {peak.name} phase")
+    if device_memory_bytes is None:
+        lines.append(summary + "; pass --device_memory_gb or --device_memory_gib for a verdict.")
+    else:
+        verdict = "FITS" if plan.fits(device_memory_bytes) else "DOES NOT FIT"
+        spare = device_memory_bytes - plan.peak_bytes
+        lines.append(f"{summary}; device memory {device_memory_bytes / GIB:.3f} GiB "
+                     f"({device_memory_bytes / GB:.2f} GB): {verdict} "
+                     f"({'spare' if spare >= 0 else 'short by'} {abs(spare) / GIB:.3f} GiB)")
+    if plan.platform == "gpu" and plan.device_kind.startswith("NVIDIA"):
+        lines.append("Temps are XLA:GPU's own buffer assignment: what a GPU run of these programs allocates (compiled "
+                     "without a GPU, GEMM tiles are untuned: speed is not planned).")
+    if plan.platform == "cpu":
+        lines.append("Temps are XLA:CPU's estimate of an accelerator's (see ppo_jax/rl/plan.py); parameter, optimizer, "
+                     "KV-cache and batch bytes are exact.")
+    return "\n".join(lines)
