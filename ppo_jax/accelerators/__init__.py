@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.resources
 import importlib.util
+import os
 import re
 
 import jax
@@ -73,6 +74,10 @@ def gpu_devices(kind: str, count: int) -> list:
 
 def tpu_devices(topology: str) -> list:
     """The compile-only chips of a TPU slice, e.g. "v5p:2x4x4" (32 chips) or "v5e:2x2"."""
+    # libtpu locks /tmp/libtpu_lockfile for the life of the first process that loads it, meant for the
+    # one process that drives a TPU; compiling for a slice drives none, so plans (and test workers)
+    # may run side by side.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         return list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
     except (RuntimeError, NotImplementedError) as e:
