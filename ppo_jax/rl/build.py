@@ -136,6 +136,29 @@ def abstract_train_state(s: Settings, modules: Modules, policy_tx, value_tx, mes
     return abstract, shardings
 
 
+def as_reference(s: Settings, tree):
+    """`tree` (the policy's params, as arrays or ShapeDtypeStructs) in the dtype the frozen reference
+    is held in (`policy.reference_dtype`; unchanged when ""). Only floating-point leaves change."""
+    if not s.policy.reference_dtype:
+        return tree
+    dtype = jnp.dtype(s.policy.reference_dtype)
+
+    def cast(x):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+        return x.astype(dtype)
+
+    return jax.tree.map(cast, tree)
+
+
+def reference_copy(s: Settings, policy, shardings):
+    """The frozen reference: a real copy of the initial policy (not an alias: the policy is donated to
+    the update) on `shardings`, in the reference dtype."""
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, as_reference(s, t)), out_shardings=shardings)(policy)
+
+
 def value_lora(modules: Modules) -> bool:
     """Whether the value model is LoRA (value.lora.rank > 0): adapters + head on a shared frozen base."""
     return modules.value is not None and modules.value.config.lora is not None

@@ -111,7 +111,8 @@ def lora_value_base(settings: Settings, modules: build.Modules, extra: dict, abs
         tree = build.rebuild_lora_base(settings, modules, mesh, build.run_keys(settings.seed).init,
                                        recorded.get("policy_base"), ckpt_dir)
     else:
-        tree = manager.restore_frozen("reference", abstract.policy, checksums=recorded.get("reference"))
+        tree = manager.restore_frozen("reference", build.as_reference(settings, abstract.policy),
+                                      checksums=recorded.get("reference"))
     base = tree["transformer"]
     verify.check_rebuilt(base, recorded.get("value_base"), ckpt_dir, "value base", "value base",
                         f"value.init={settings.value.init}", "use the original policy, reward model and seed")

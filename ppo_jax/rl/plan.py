@@ -149,6 +149,7 @@ class MemoryPlan:
     reward_source: str  # where the reward architecture came from
     value_model: ModelSummary | None  # None for critic-free estimators
     value_init: str
+    reference: str  # how the reference is held: "copy" (of the policy), "<dtype> copy", "lora base", "lora base + imported"
     value_lora: bool  # adapters + head on a frozen base shared with the policy / reference / reward model
     batch: dict[str, int]  # prompts, samples, rows, prompt/response length, minibatch sizes
     params: dict[str, int]  # policy, reference, reward, value -> per-device bytes
@@ -234,6 +235,9 @@ def planned_reward_config(s: Settings, policy_cfg: ModelConfig, platform: str | 
         return s.compute.apply(s.plan.reward_model, platform), "plan.reward_model"
     if s.reward.path:
         return build.reward_model_config(s, platform), f"reward.path={s.reward.path}"
+    if s.policy.reference_dtype:  # a frozen tree, held like the reference
+        return (policy_cfg.replace(param_dtype=s.policy.reference_dtype),
+                f"the policy's architecture, {s.policy.reference_dtype} like the reference")
     return policy_cfg, "same as the policy"
 
 
@@ -302,7 +306,8 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
     # (with imported adapters the reference is base + a frozen copy of them). A LoRA value model's
     # base is a subtree of these trees (FrozenParams.value), held once: counted under its owner only.
     base = _abstract(boxed_params(modules.policy), mesh) if policy_cfg.lora is not None else None
-    reference = state.policy if base is None or s.policy.lora.init_from else None
+    reference = (build.as_reference(s, state.policy) if base is None
+                 else state.policy if s.policy.lora.init_from else None)
     frozen = build.frozen_params(s, modules, reference, reward, base)
     frozen_shardings = jax.tree.map(lambda s: s.sharding, frozen)
 
@@ -372,6 +377,8 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
         policy_model=_summary(policy_cfg), reward_model=_summary(reward_cfg), reward_source=reward_source,
         value_model=_summary(modules.value.config) if modules.value is not None else None,
         value_init=s.value.init, value_lora=build.value_lora(modules),
+        reference=("lora base + imported" if s.policy.lora.init_from else "lora base" if base is not None
+                   else f"{s.policy.reference_dtype} copy" if s.policy.reference_dtype else "copy"),
         batch={"prompts": s.rollout.batch_size, "samples_per_prompt": s.rollout.num_samples,
                "rows": sizes.rollout_rows, "prompt_length": s.data.prompt_length,
                "response_length": s.rollout.response_length,

@@ -15,12 +15,12 @@ def _model_line(label: str, m: ModelSummary) -> str:
             f"{m.dtype} compute{', remat' if m.remat else ''}")
 
 
-def _reference_note(policy_bytes: int, reference_bytes: int) -> str:
-    if reference_bytes == policy_bytes:
-        return "  (reference: same)"
-    if reference_bytes:  # policy.lora.init_from
-        return "  (LoRA: adapters on a frozen base; the base is the reference, with a frozen copy of the imported adapters)"
-    return "  (LoRA: adapters on a frozen base; the base is the reference)"
+def _reference_note(reference: str) -> str:
+    return {"copy": "  (reference: same)",
+            "lora base": "  (LoRA: adapters on a frozen base; the base is the reference)",
+            "lora base + imported": "  (LoRA: adapters on a frozen base; the base is the reference, with a frozen "
+                                    "copy of the imported adapters)",
+            }.get(reference, f"  (reference: a {reference})")
 
 
 def format_plan(plan: MemoryPlan, device_memory_bytes: float | None = None) -> str:
@@ -30,7 +30,7 @@ def format_plan(plan: MemoryPlan, device_memory_bytes: float | None = None) -> s
     lines = [
         f"Memory plan: mesh (data={d}, fsdp={f}, tensor={t}) = {plan.num_devices} devices; "
         f"compiled by XLA:{plan.platform.upper()} for {plan.device_kind}",
-        _model_line("policy", plan.policy_model) + _reference_note(plan.params["policy"], plan.params["reference"]),
+        _model_line("policy", plan.policy_model) + _reference_note(plan.reference),
         _model_line("reward", plan.reward_model) + f"  ({plan.reward_source})",
         (_model_line("value", plan.value_model) + f"  (from the {plan.value_init}"
          + ("; LoRA: adapters + head on its frozen base, shared, not counted again)" if plan.value_lora else ")"))

@@ -24,6 +24,7 @@ from ppo_jax.sampling import SamplingConfig
 ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
 # rollout.decode -> SamplingConfig.unroll_layers (None: decided by the backend).
 DECODE_LOOPS = {"auto": None, "scan": False, "unrolled": True}
+REFERENCE_DTYPES = ("", "bfloat16", "float16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,7 @@ class PolicySettings:
                                      max_position_embeddings=128)  # architecture when policy.path is ""
     param_dtype: str = ""  # override parameter dtype ("" = keep the checkpoint's / model's)
     dtype: str = ""  # override compute dtype ("" = keep)
+    reference_dtype: str = ""  # dtype the frozen reference copy is held in ("" = the policy's; "bfloat16" beside fp32 master weights halves it; its matmuls already run in the compute dtype)
     lora: PolicyLoraSettings = PolicyLoraSettings()
 
 
@@ -205,6 +207,11 @@ class Settings(RunSettings):
         check(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
         self.compute.validate()
         self.policy.lora.lora_config()  # LoraConfig's checks (the model family is checked with the model)
+        check(self.policy.reference_dtype in REFERENCE_DTYPES,
+              f"policy.reference_dtype={self.policy.reference_dtype!r}: use one of {REFERENCE_DTYPES} (\"\" = the policy's)")
+        check(not self.policy.reference_dtype or self.policy.lora.rank == 0 and not self.policy.lora.init_from,
+              f"policy.reference_dtype={self.policy.reference_dtype!r} with a LoRA policy: the frozen base is the "
+              "reference, held in the policy's dtype (policy.param_dtype); set policy.reference_dtype=\"\"")
         check(r.decode in DECODE_LOOPS, f"rollout.decode={r.decode!r}: use one of {sorted(DECODE_LOOPS)}")
         stop_token_ids(r, None)  # parses
         check(p.advantage_estimator in ESTIMATORS,

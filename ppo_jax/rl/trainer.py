@@ -93,6 +93,7 @@ class PPOTrainer:
         self.policy_tx, self.value_tx = build.make_optimizers(s)
         self.abstract_state, self.state_shardings = build.abstract_train_state(
             s, self.modules, self.policy_tx, self.value_tx, self.mesh)
+        self.abstract_reference = build.as_reference(s, self.abstract_state.policy)  # a restore's target
         # LoRA: the trainable policy is the adapters; the base is frozen and is also the reference
         # (with imported adapters, policy.lora.init_from: the base + a frozen copy of them).
         self.lora = self.policy_config.lora is not None
@@ -127,7 +128,7 @@ class PPOTrainer:
                     reference = sharding.copy_tree(policy, self.state_shardings.policy)
                     self._imported_record = verify.record(reference)
             else:
-                reference = sharding.copy_tree(policy, self.state_shardings.policy)
+                reference = build.reference_copy(s, policy, self.state_shardings.policy)
                 self._reference_record: dict | None = None  # its checksums, from the first save (or the check below)
                 self._reference_saved = self._adopt_saved_reference(reference)
             self.state = build.fresh_state(s, policy, value, state_key, self.policy_tx, self.value_tx,
@@ -221,14 +222,14 @@ class PPOTrainer:
         """
         self._reference_saved = True
         try:
-            reference = self.checkpoints.restore_frozen("reference", self.abstract_state.policy, checksums=recorded)
+            reference = self.checkpoints.restore_frozen("reference", self.abstract_reference, checksums=recorded)
             self._reference_record = recorded or verify.record(reference)  # older runs recorded none
             return reference
         except CheckpointError as err:  # missing, damaged, or another model's (shapes differ)
             problem = str(err)
         source = f"policy.path={self.settings.policy.path}" if self.settings.policy.path else "the seed"
-        rebuilt = build.initial_policy(self.settings, self.modules, self.state_shardings.policy, self.mesh,
-                                       self._init_key)
+        rebuilt = build.as_reference(self.settings, build.initial_policy(
+            self.settings, self.modules, self.state_shardings.policy, self.mesh, self._init_key))
         if recorded is None or verify.mismatches(rebuilt, recorded):
             raise CheckpointCorruptError(
                 f"{problem}; rebuilding the reference policy from {source} does not give the tree the "
@@ -247,7 +248,7 @@ class PPOTrainer:
             return False
         self._reference_record = verify.record(reference)
         try:
-            self.checkpoints.restore_frozen("reference", self.abstract_state.policy, checksums=self._reference_record)
+            self.checkpoints.restore_frozen("reference", self.abstract_reference, checksums=self._reference_record)
             return True
         except CheckpointError:  # another model's, another seed's, or damaged
             moved = self.checkpoints.set_aside_frozen("reference", ".stale")
