@@ -164,9 +164,13 @@ def test_unscanned_params_have_no_layer_axis_and_decode_with_a_cache(scanned):
     positions = positions_from_mask(mask)
     step = jax.jit(lambda p, t, pos, c: model.apply({"params": p}, t, pos, mask, c))
     cache = init_cache(config, B, T)
+    # A prefill of 5 tokens and a chunk of 3 at a cache offset (both on the fused kernel), then
+    # one-token decode steps (einsum).
     logits, cache = step(unscanned, tokens[:, :5], positions[:, :5], cache)
     outputs = [logits]
-    for t in range(5, T):
+    logits, cache = step(unscanned, tokens[:, 5:8], positions[:, 5:8], cache)
+    outputs.append(logits)
+    for t in range(8, T):
         logits, cache = step(unscanned, tokens[:, t:t + 1], positions[:, t:t + 1], cache)
         outputs.append(logits)
     got = np.concatenate([np.asarray(o) for o in outputs], axis=1)

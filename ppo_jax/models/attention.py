@@ -3,8 +3,8 @@
 Two kernels compute the same function:
 
 - `einsum_attention`, the reference: float32 scores, grouped-query attention by reshaping the query
-  heads, reading keys and values in the KV cache's [B, K, S, Dh] layout. Used on every platform with
-  a cache (prefill and decode read the cache where it lies), and everywhere with `attention="einsum"`.
+  heads, reading keys and values in the KV cache's [B, K, S, Dh] layout. Used for one-token decode
+  steps on every platform (they read the cache where it lies), and everywhere with `attention="einsum"`.
 - `fused_attention`: `jax.nn.dot_product_attention` on keys and values as the projections produce them
   ([B, T, K, Dh], no cache), with `implementation="cudnn"` (flash attention: measured 3.5-4x faster
   than the einsum for the forward + backward of a 22-layer 1B model on an H100, docs/gpu_probe.md) or
@@ -13,7 +13,9 @@ Two kernels compute the same function:
   and `is_causal` lets cuDNN skip the blocks above the diagonal. The K/V heads go in unrepeated (cuDNN
   does grouped-query attention itself; repeating them is slower and less accurate). It has no
   soft-capping, so a model with `attn_logit_softcap` (Gemma 2) runs the einsum kernel whatever
-  `ModelConfig.attention` says.
+  `ModelConfig.attention` says. With a KV cache, a call of T > 1 tokens (the sampler's prefill, a
+  chunk of one) runs it too, on all S cache slots with the [B, T, S] mask and no `is_causal` (its
+  queries may sit at a cache offset).
 
 Padding rows see no key at all; both kernels give them a finite output (never NaN), which the losses
 mask out.
@@ -70,14 +72,16 @@ def einsum_attention(q: Array, k: Array, v: Array, mask: Array, scale: float | N
 
 
 def fused_attention(q: Array, k: Array, v: Array, mask: Array, implementation: str,
-                    scale: float | None = None) -> Array:
-    """Self-attention of T tokens through `jax.nn.dot_product_attention` (no cache).
+                    scale: float | None = None, is_causal: bool = True) -> Array:
+    """Attention of T queries on S keys through `jax.nn.dot_product_attention`.
 
-    q [B, T, H, Dh], k/v [B, T, K, Dh] (projection layout), mask [B, T, T] (causal, padding and window
+    q [B, T, H, Dh], k/v [B, S, K, Dh] (projection layout), mask [B, T, S] (causal, padding and window
     already in it) -> [B, T, H, Dh]; implementation "cudnn" or "xla"; scale: the scores' factor
-    (None: 1/sqrt(Dh)). It has no soft-capping: such models stay on `einsum_attention`.
+    (None: 1/sqrt(Dh)). is_causal: query t is slot t (self-attention without a cache, T == S), so
+    the kernel may skip the blocks above the diagonal; off for queries written at a cache offset,
+    where the mask alone says what each sees. No soft-capping: such models stay on `einsum_attention`.
     """
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, is_causal=True,
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, is_causal=is_causal,
                                        implementation=implementation)
     return out.astype(q.dtype)
 
@@ -116,7 +120,14 @@ class Attention(nn.Module):
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, Dh]
             if cache_kv is not None:
                 cache_kv, (k, v) = _write_cache(cache_kv, k, v, layer, cache_index)
-            out = einsum_attention(q, k, v.astype(q.dtype), mask, scale, cfg.attn_logit_softcap)
+            if fused and q.shape[1] > 1:
+                # A prefill (or a chunk of one): T queries against the cache's S slots on the fused
+                # kernel, the cache read in the projection layout. A one-token decode step stays on
+                # the einsum, which reads the cache where it lies.
+                kv = tuple(x.transpose(0, 2, 1, 3).astype(q.dtype) for x in (k, v))  # [B, S, K, Dh]
+                out = fused_attention(q, *kv, mask, cfg.attention, scale, is_causal=False)
+            else:
+                out = einsum_attention(q, k, v.astype(q.dtype), mask, scale, cfg.attn_logit_softcap)
         out = DenseGeneral((h, dh), (d,), ("heads", "head_dim", "embed"), gpt2 or cfg.attention_out_bias,
                            name="o", lora=cfg.lora_for("o"), **common)(out)
         return out, cache_kv
