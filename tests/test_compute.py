@@ -4,6 +4,8 @@ reference, per-layer (unscanned) params against the scanned stack, remat policie
 here its plumbing (layouts, mask form, GQA, padding rows) runs through the same call with
 implementation="xla"."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -12,10 +14,12 @@ import pytest
 from conftest import make_test_mesh
 from tiny_configs import tiny_config
 
-from ppo_jax.config import ComputeSettings, ConfigError
+from ppo_jax.config import ComputeSettings, ConfigError, from_config
 from ppo_jax.models import CausalLM, ModelConfig, init_cache, positions_from_mask
 from ppo_jax.models.attention import attention_mask, einsum_attention, fused_attention
 from ppo_jax.models.transformer import split_layer_params
+from ppo_jax.rl import build
+from ppo_jax.rl.settings import Settings
 from ppo_jax.rl.trainer import PPOTrainer
 
 B, T, H, K, DH = 4, 9, 4, 2, 8
@@ -198,9 +202,22 @@ def test_auto_on_a_gpu_takes_cudnn_remat_and_the_unrolled_loop_except_for_soft_c
         "attention": "cudnn", "scan_layers": False, "remat": True, "remat_policy": "full"}
     assert "remat" not in ComputeSettings().execution(MISTRAL.replace(remat=True, remat_policy="dots"))  # the model's own
     assert "remat" not in ComputeSettings(remat="keep").execution(MISTRAL)
+    # FSDP-sharded layers stay scanned on a GPU: unrolled, XLA:GPU gathers every layer's weights at once.
+    assert ComputeSettings().execution(MISTRAL, fsdp=8)["scan_layers"]
+    assert not ComputeSettings().execution(MISTRAL, fsdp=1)["scan_layers"]
     assert ComputeSettings().execution(MISTRAL)["attention"] == "einsum"  # float32: no flash attention
     assert ComputeSettings().execution(MIXED.replace(dtype="bfloat16"))["attention"] == "einsum"  # Gemma 2 soft-caps
     assert ComputeSettings().execution(FUSED.replace(dtype="bfloat16"))["attention"] == "cudnn"
+
+
+def test_auto_resolves_for_the_mesh_it_runs_on():
+    s = from_config(Settings, tiny_config())
+    cpu = make_test_mesh((1, 8, 1))
+    assert build.mesh_platform(cpu) == ("cpu", 8) and build.mesh_platform(None) == (None, 1)
+    assert build.decode_unrolled(s, cpu) is True  # CPU: per-layer decode (measured 2x faster here)
+    assert build.decode_unrolled(s, None) is None  # no mesh: the sampler decides
+    scan = s.replace(rollout=dataclasses.replace(s.rollout, decode="scan"))
+    assert build.decode_unrolled(scan, cpu) is False
 
 
 @pytest.mark.parametrize("settings, message", [

@@ -21,7 +21,7 @@ from ppo_jax.models import lora as lora_lib
 from ppo_jax.models import CausalLM, LoraConfig, ModelConfig, ScalarModel, boxed_params, hf, init_adapters, init_params
 from ppo_jax.optim import make_optimizer
 from ppo_jax.rl.experience import make_experience_fn
-from ppo_jax.rl.settings import DerivedSizes, PolicyLoraSettings, PPOHyper, Settings, sampling_config
+from ppo_jax.rl.settings import DECODE_LOOPS, DerivedSizes, PolicyLoraSettings, PPOHyper, Settings, sampling_config
 from ppo_jax.rl.state import Experience, FrozenParams, Rollout, TrainState
 from ppo_jax.rl.update import make_update_fn
 
@@ -62,18 +62,36 @@ def imported_lora_config(settings: PolicyLoraSettings, base: ModelConfig) -> Lor
     return imported
 
 
-def policy_model_config(s: Settings, platform: str | None = None) -> ModelConfig:
+def mesh_platform(mesh) -> tuple[str | None, int]:
+    """(platform of the mesh's devices, size of its fsdp axis); (None, 1) without a mesh: what "auto"
+    execution choices resolve for (`ComputeSettings.execution`)."""
+    if mesh is None:
+        return None, 1
+    return mesh.devices.flat[0].platform, int(mesh.shape["fsdp"])
+
+
+def decode_unrolled(s: Settings, mesh) -> bool | None:
+    """rollout.decode resolved for `mesh`: "auto" decodes per-layer copies except on a TPU and except
+    where FSDP shards a GPU run's (scanned) layers; None leaves it to the sampler (no mesh)."""
+    explicit = DECODE_LOOPS[s.rollout.decode]
+    if explicit is not None or mesh is None:
+        return explicit
+    platform, fsdp = mesh_platform(mesh)
+    return platform != "tpu" and not (platform == "gpu" and fsdp > 1)
+
+
+def policy_model_config(s: Settings, mesh=None) -> ModelConfig:
     """The policy architecture, read without loading weights (config.json or policy.model), with
     policy.lora's adapters (ModelConfig.lora; None when off, whatever the model config said; those of
-    the adapter directory policy.lora.init_from when set), executed as on `platform` (None: this
-    process's backend; the planner names the one it compiles for)."""
+    the adapter directory policy.lora.init_from when set), executed as on `mesh` (its platform and
+    fsdp size; None: this process's backend, no fsdp; the planner's mesh may be compile-only GPUs)."""
     cfg = hf.load_config(s.policy.path)[0] if s.policy.path else s.policy.model
     lora = imported_lora_config(s.policy.lora, cfg) if s.policy.lora.init_from else s.policy.lora.lora_config()
     cfg = with_lora(cfg, lora, "policy")
-    return s.compute.apply(override_dtypes(cfg, s.policy.param_dtype, s.policy.dtype), platform)
+    return s.compute.apply(override_dtypes(cfg, s.policy.param_dtype, s.policy.dtype), *mesh_platform(mesh))
 
 
-def reward_model_config(s: Settings, platform: str | None = None) -> ModelConfig | None:
+def reward_model_config(s: Settings, mesh=None) -> ModelConfig | None:
     if not s.reward.path:
         return None
     cfg, kind = hf.load_config(s.reward.path)
@@ -81,7 +99,7 @@ def reward_model_config(s: Settings, platform: str | None = None) -> ModelConfig
         raise ConfigError(
             f"reward.path={s.reward.path!r} holds a {kind} checkpoint; the reward model must be a "
             "sequence classifier with one label (ForSequenceClassification, num_labels=1)")
-    return s.compute.apply(cfg, platform)
+    return s.compute.apply(cfg, *mesh_platform(mesh))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,6 +314,7 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
     overrides rollout.decode (see `settings.sampling_config`)."""
     batch = sharding.data_sharding(mesh)
     replicated = sharding.replicated(mesh)
+    unroll_layers = decode_unrolled(s, mesh) if unroll_layers is None else unroll_layers
     sampler_settings = sampling_config(s, stop_ids, pad_id, unroll_layers)
     if frozen_shardings.policy is None:
         sampler = sampling.make_sampler(modules.policy, sampler_settings, mesh, state_shardings.policy)

@@ -48,7 +48,6 @@ from ppo_jax.accelerators.hlo import ProgramStructure
 from ppo_jax.config import ConfigError, from_config, model_config_dict
 from ppo_jax.models import KV_CACHE_AXES, ModelConfig, boxed_params, init_cache
 from ppo_jax.rl import build
-from ppo_jax.rl import settings as settings_lib
 from ppo_jax.rl.settings import PPOHyper, Settings, derive_sizes, stop_token_ids
 from ppo_jax.rl.state import Rollout, policy_variables
 
@@ -224,17 +223,16 @@ def _abstract(boxed: Any, mesh) -> Any:
 # Configuration.
 
 
-def planned_reward_config(s: Settings, policy_cfg: ModelConfig, platform: str | None = None
-                          ) -> tuple[ModelConfig, str]:
+def planned_reward_config(s: Settings, policy_cfg: ModelConfig, mesh=None) -> tuple[ModelConfig, str]:
     """The reward model architecture to plan with, and where it came from.
 
     `plan.reward_model` (a model section, as policy.model) if the settings have one; else the
     config.json of reward.path (no weights read); else the policy's architecture.
     """
     if s.plan.reward_model is not None:
-        return s.compute.apply(s.plan.reward_model, platform), "plan.reward_model"
+        return s.compute.apply(s.plan.reward_model, *build.mesh_platform(mesh)), "plan.reward_model"
     if s.reward.path:
-        return build.reward_model_config(s, platform), f"reward.path={s.reward.path}"
+        return build.reward_model_config(s, mesh), f"reward.path={s.reward.path}"
     if s.policy.reference_dtype:  # a frozen tree, held like the reference
         return (policy_cfg.replace(param_dtype=s.policy.reference_dtype),
                 f"the policy's architecture, {s.policy.reference_dtype} like the reference")
@@ -292,8 +290,8 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
     # "auto" execution choices (attention kernel, layer loop, decode loop) resolve for the devices
     # compiled for, not this host: a GPU plan made on a CPU machine compiles a GPU run's programs.
     platform = mesh.devices.flat[0].platform
-    policy_cfg = build.policy_model_config(s, platform)
-    reward_cfg, reward_source = planned_reward_config(s, policy_cfg, platform)
+    policy_cfg = build.policy_model_config(s, mesh)
+    reward_cfg, reward_source = planned_reward_config(s, policy_cfg, mesh)
     sizes = derive_sizes(s, batch_divisor=sharding.batch_divisor(mesh),
                          max_positions=policy_cfg.max_position_embeddings, vocab_size=policy_cfg.vocab_size)
     hp = PPOHyper.from_settings(s, sizes)
@@ -322,12 +320,10 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
 
     stop_ids = stop_token_ids(s.rollout, policy_cfg.eos_token_id) or (0,)
     pad_id = policy_cfg.pad_token_id if policy_cfg.pad_token_id is not None else 0
-    # The decode loop a run on the planned platform picks (rollout.decode); a CPU plan stands in for a
+    # The decode loop a run on the planned mesh picks (rollout.decode); a CPU plan stands in for a
     # TPU's and gets its scanned decode (the CPU default unrolls it, with a copy of the layer weights
     # an accelerator run does not make).
-    unroll = settings_lib.DECODE_LOOPS[s.rollout.decode]
-    if unroll is None:
-        unroll = platform == "gpu"
+    unroll = False if platform == "cpu" and s.rollout.decode == "auto" else None
     steps = build.build_steps(s, mesh, sizes, hp, modules, policy_tx, value_tx, state_shardings,
                               frozen_shardings, stop_ids, pad_id, unroll_layers=unroll)
 

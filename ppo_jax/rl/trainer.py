@@ -68,8 +68,8 @@ class PPOTrainer:
         init_key, self._sample_key, state_key = keys.init, keys.sample, keys.state
 
         # -- Everything that can be checked is checked before any weights load or anything compiles.
-        self.policy_config = build.policy_model_config(s)
-        self.reward_config = build.reward_model_config(s)
+        self.policy_config = build.policy_model_config(s, self.mesh)
+        self.reward_config = build.reward_model_config(s, self.mesh)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.reward_functions = (list(reward_functions) if reward_functions is not None else
                                  rewards.parse(s.reward.functions, s.reward.function_weights))
