@@ -199,14 +199,15 @@ class ComputeSettings:
     """How every model of the run executes (kernels, layer loop, remat): never what it computes.
 
     "auto" picks what was measured fastest on the platform the run is on (docs/gpu_probe.md): on a GPU,
-    cuDNN flash attention (when computing in bf16/fp16) and unscanned per-layer params; elsewhere the
-    einsum attention and the scanned layers, whose compile is the fastest. The platform is this
+    cuDNN flash attention (when computing in bf16/fp16), full remat and unscanned per-layer params
+    (scanned when FSDP shards them); elsewhere the einsum attention and the scanned layers, whose
+    compile is the fastest. The platform is this
     process's backend, or the one a plan compiles for (`platform=`: the planner compiles GPU programs
     on a CPU host, and they must be the programs a GPU run would build).
     """
 
     attention: str = "auto"  # "auto", "einsum" (reference, any platform), "cudnn" (GPU, bf16/fp16) or "xla"
-    layer_loop: str = "auto"  # "auto", "scan" (stacked [L, ...] params) or "unrolled" (per-layer params)
+    layer_loop: str = "auto"  # "auto" (unrolled on a GPU whose layers FSDP does not shard, else scan), "scan" (stacked [L, ...] params) or "unrolled" (per-layer params)
     remat: str = "auto"  # "auto" (on a GPU "full" unless the model sets remat, else "keep"), "keep" the model's own setting, "none", "full" (save nothing) or "dots" (keep matmuls)
     compilation_cache: str = "auto"  # jax's persistent compilation cache: "auto" (jax's own setting if one is made, else ~/.cache/ppo_jax/xla, at most 4 GiB), a directory, or "" (off)
 
