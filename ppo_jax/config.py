@@ -199,13 +199,14 @@ class ComputeSettings:
     """How every model of the run executes (kernels, layer loop, remat): never what it computes.
 
     "auto" picks what was measured fastest on the platform the run is on (docs/gpu_probe.md): on a GPU,
-    cuDNN flash attention (when computing in bf16/fp16) and unscanned per-layer params; elsewhere the
-    einsum attention and the scanned layers, whose compile is the fastest. The platform is this
+    cuDNN flash attention (when computing in bf16/fp16) and unscanned per-layer params; on a TPU,
+    splash attention (the fused kernel, DESIGN.md §8; not yet timed on a TPU) and scanned layers;
+    elsewhere the einsum attention and the scanned layers, whose compile is the fastest. The platform is this
     process's backend, or the one a plan compiles for (`platform=`: the planner compiles GPU programs
     on a CPU host, and they must be the programs a GPU run would build).
     """
 
-    attention: str = "auto"  # "auto", "einsum" (reference, any platform), "cudnn" (GPU, bf16/fp16) or "xla"
+    attention: str = "auto"  # "auto", "einsum" (reference, any platform), "cudnn" (GPU, bf16/fp16), "xla" or "splash" (TPU)
     layer_loop: str = "auto"  # "auto", "scan" (stacked [L, ...] params) or "unrolled" (per-layer params)
     remat: str = "keep"  # "keep" the model's own setting, "none", "full" (save nothing) or "dots" (keep matmuls)
     compilation_cache: str = "auto"  # jax's persistent compilation cache: "auto" (jax's own setting if one is made, else ~/.cache/ppo_jax/xla, at most 4 GiB), a directory, or "" (off)
@@ -221,12 +222,14 @@ class ComputeSettings:
     def execution(self, cfg: ModelConfig, platform: str | None = None) -> dict[str, Any]:
         """The ModelConfig execution fields this section sets for the model `cfg`, "auto" resolved for
         `platform` ("cpu", "gpu", "tpu"; None: this process's backend)."""
-        on_gpu = (platform or jax.default_backend()) == "gpu"
+        platform = platform or jax.default_backend()
+        on_gpu = platform == "gpu"
         attention = self.attention
         if attention == "auto":
             # cuDNN's fused call cannot soft-cap scores (Gemma 2): such models run the einsum kernel.
+            # Splash can, in any dtype.
             fusable = cfg.jnp_dtype in (jnp.bfloat16, jnp.float16) and cfg.attn_logit_softcap is None
-            attention = "cudnn" if on_gpu and fusable else "einsum"
+            attention = "splash" if platform == "tpu" else "cudnn" if on_gpu and fusable else "einsum"
         loop = self.layer_loop if self.layer_loop != "auto" else ("unrolled" if on_gpu else "scan")
         out = dict(attention=attention, scan_layers=loop == "scan")
         if self.remat == "none":
@@ -240,8 +243,10 @@ class ComputeSettings:
         attention needs a GPU and a bf16/fp16 compute dtype). Reads the backend, so it runs after
         `jax.distributed.initialize`, never in validate()."""
         platform = platform or jax.default_backend()
-        check(self.attention != "cudnn" or platform == "gpu",
-              f"compute.attention='cudnn' needs a GPU, but this run's platform is {platform}; use auto or einsum")
+        for kind, needs in (("cudnn", "gpu"), ("splash", "tpu")):
+            check(self.attention != kind or platform == needs,
+                  f"compute.attention={kind!r} needs a {needs.upper()}, but this run's platform is {platform}; "
+                  "use auto or einsum")
         try:
             return cfg.replace(**self.execution(cfg, platform))
         except ValueError as err:
