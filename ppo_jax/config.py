@@ -200,13 +200,14 @@ class ComputeSettings:
 
     "auto" picks what was measured fastest on the platform the run is on (docs/gpu_probe.md): on a GPU,
     cuDNN flash attention (when computing in bf16/fp16), full remat and unscanned per-layer params
-    (scanned when FSDP shards them); elsewhere the einsum attention and the scanned layers, whose
-    compile is the fastest. The platform is this
+    (scanned when FSDP shards them); on a TPU, splash attention (the fused kernel, DESIGN.md §8; not
+    yet timed on a TPU) and scanned layers; elsewhere the einsum attention and the scanned layers,
+    whose compile is the fastest. The platform is this
     process's backend, or the one a plan compiles for (`platform=`: the planner compiles GPU programs
     on a CPU host, and they must be the programs a GPU run would build).
     """
 
-    attention: str = "auto"  # "auto", "einsum" (reference, any platform), "cudnn" (GPU, bf16/fp16) or "xla"
+    attention: str = "auto"  # "auto", "einsum" (reference, any platform), "cudnn" (GPU, bf16/fp16), "xla" or "splash" (TPU)
     layer_loop: str = "auto"  # "auto" (unrolled on a GPU whose layers FSDP does not shard, else scan), "scan" (stacked [L, ...] params) or "unrolled" (per-layer params)
     remat: str = "auto"  # "auto" (on a GPU "full" unless the model sets remat, else "keep"), "keep" the model's own setting, "none", "full" (save nothing) or "dots" (keep matmuls)
     compilation_cache: str = "auto"  # jax's persistent compilation cache: "auto" (jax's own setting if one is made, else ~/.cache/ppo_jax/xla, at most 4 GiB), a directory, or "" (off)
@@ -223,12 +224,14 @@ class ComputeSettings:
         """The ModelConfig execution fields this section sets for the model `cfg`, "auto" resolved for
         `platform` ("cpu", "gpu", "tpu"; None: this process's backend) and a mesh whose fsdp axis has
         `fsdp` devices."""
-        on_gpu = (platform or jax.default_backend()) == "gpu"
+        platform = platform or jax.default_backend()
+        on_gpu = platform == "gpu"
         attention = self.attention
         if attention == "auto":
             # cuDNN's fused call cannot soft-cap scores (Gemma 2): such models run the einsum kernel.
+            # Splash can, in any dtype.
             fusable = cfg.jnp_dtype in (jnp.bfloat16, jnp.float16) and cfg.attn_logit_softcap is None
-            attention = "cudnn" if on_gpu and fusable else "einsum"
+            attention = "splash" if platform == "tpu" else "cudnn" if on_gpu and fusable else "einsum"
         # Per-layer params on one GPU (or replicated weights); scanned layers when FSDP shards them:
         # unrolled, XLA:GPU gathers every layer's weights up front (Llama-3-70B + 8B on 8 H200s,
         # compile-only: sampler peak 144.8 GiB unrolled, 86.1 scanned; docs/benchmarks.md).
@@ -251,8 +254,10 @@ class ComputeSettings:
         attention needs a GPU and a bf16/fp16 compute dtype). Reads the backend, so it runs after
         `jax.distributed.initialize`, never in validate()."""
         platform = platform or jax.default_backend()
-        check(self.attention != "cudnn" or platform == "gpu",
-              f"compute.attention='cudnn' needs a GPU, but this run's platform is {platform}; use auto or einsum")
+        for kind, needs in (("cudnn", "gpu"), ("splash", "tpu")):
+            check(self.attention != kind or platform == needs,
+                  f"compute.attention={kind!r} needs a {needs.upper()}, but this run's platform is {platform}; "
+                  "use auto or einsum")
         try:
             return cfg.replace(**self.execution(cfg, platform, fsdp))
         except ValueError as err:

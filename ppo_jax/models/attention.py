@@ -1,6 +1,7 @@
-"""Attention: the mask, the reference einsum kernel, the fused (cuDNN flash) call, and the layer.
+"""Attention: the mask, the reference einsum kernel, the fused kernels (cuDNN flash, TPU splash), and
+the layer.
 
-Two kernels compute the same function:
+Three kernels compute the same function:
 
 - `einsum_attention`, the reference: float32 scores, grouped-query attention by reshaping the query
   heads, reading keys and values in the KV cache's [B, K, S, Dh] layout. Used for one-token decode
@@ -17,18 +18,30 @@ Two kernels compute the same function:
   chunk of one) runs it too, on all S cache slots with the [B, T, S] mask and no `is_causal` (its
   queries may sit at a cache offset).
 
-Padding rows see no key at all; both kernels give them a finite output (never NaN), which the losses
-mask out.
+- `splash_attention`: Pallas splash attention, the TPU's fused kernel (flash attention with block
+  sparsity: blocks above the diagonal or outside the window are skipped, never read). Splash masks
+  are static, so the per-row padding travels as segment ids (padding slots one segment, real tokens
+  another) beside a static causal or local (sliding-window) mask; `attn_logits_soft_cap` covers
+  Gemma 2 and the query is pre-scaled for `query_pre_attn_scalar`. No cache: the sampler's cached
+  prefill and decode run the einsum kernel.
+
+Padding rows see no real key; every kernel gives them a finite output (never NaN), which the losses
+mask out (einsum and cuDNN: all keys masked; splash: the padding slots up to their own).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+from collections.abc import Iterator
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
+from ppo_jax import sharding
 from ppo_jax.models.config import ModelConfig
 from ppo_jax.models.layers import DenseGeneral, norm, softcap
 from ppo_jax.models.rope import apply_rope
@@ -86,16 +99,128 @@ def fused_attention(q: Array, k: Array, v: Array, mask: Array, implementation: s
     return out.astype(q.dtype)
 
 
+# Splash tiles: the kernel needs the sequence length a multiple of its blocks, and its key blocks a
+# multiple of the TPU's 128 lanes. The largest of these that divides the (padded) length is used.
+SPLASH_BLOCKS = (512, 256, 128)
+_splash_interpret = False  # tests only: run the Pallas kernel in interpret mode (on CPU), see `splash_interpret`
+
+
+@contextlib.contextmanager
+def splash_interpret() -> Iterator[None]:
+    """Tests only: models traced inside this context run splash attention in Pallas interpret mode,
+    which runs on CPU. Not a user setting: off TPU `compute.attention='splash'` is refused."""
+    global _splash_interpret
+    previous, _splash_interpret = _splash_interpret, True
+    try:
+        yield
+    finally:
+        _splash_interpret = previous
+
+
+def splash_attention(q: Array, k: Array, v: Array, kv_mask: Array, sliding: bool | Array = False,
+                     window: int | None = None, scale: float | None = None, cap: float | None = None,
+                     interpret: bool = False) -> Array:
+    """Self-attention of T tokens through Pallas splash attention (TPU; no cache).
+
+    q [B, T, H, Dh], k/v [B, T, K, Dh] (projection layout; K divides H, the K/V heads are not
+    repeated: the kernel maps each query head to its group), kv_mask [B, T] (real tokens; any padding
+    pattern, left-padded in practice) -> [B, T, H, Dh].
+
+    The mask is what `attention_mask` builds: causal by slot, key padding, and with `sliding` (a
+    Python bool, or a [] bool array in a scanned body of mixed layers) the window
+    `query_slot - key_slot < window`. Padding is dynamic, the kernel's masks static: real tokens are
+    one segment and padding another, so a real query sees exactly the real keys of the einsum mask,
+    and a padding query sees the padding slots up to its own (finite output, ignored downstream).
+    scale: the scores' factor (None: 1/sqrt(Dh)), applied to q in its dtype; cap: soft-capping of the
+    scaled scores (None: off). interpret: Pallas interpret mode (tests on CPU).
+
+    T not a multiple of 128 (the smallest block) is padded at the end up to one, as padding tokens,
+    and sliced off again: correct for any T, at the cost of up to 127 wasted rows and columns.
+    Mosaic lowers the kernel's dots at the process's default matmul precision: in bfloat16 it refuses
+    `jax_default_matmul_precision="highest"` (float32 precision on bf16 operands).
+    """
+    b, t, h, dh = q.shape
+    padded = -(-t // SPLASH_BLOCKS[-1]) * SPLASH_BLOCKS[-1]
+    q = q * (1 / math.sqrt(dh) if scale is None else scale)
+
+    def heads_major(x):  # [B, T, N, Dh] -> [B, N, padded, Dh], the kernel's layout
+        return jnp.pad(x, ((0, 0), (0, padded - t), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+
+    segments = jnp.pad(kv_mask.astype(jnp.int32), ((0, 0), (0, padded - t)))
+    run = functools.partial(_splash_local, functools.partial(_splash_kernel, window=window, cap=cap,
+                                                             interpret=interpret))
+    args = (heads_major(q), heads_major(k.astype(q.dtype)), heads_major(v.astype(q.dtype)), segments)
+    if isinstance(sliding, bool):  # chosen while tracing: no argument to pass through shard_map
+        run = functools.partial(run, sliding=sliding)
+    else:
+        args += (jnp.asarray(sliding),)
+    specs = _splash_specs(b, h, k.shape[2])
+    if specs is not None:  # a Pallas call is one opaque custom call: XLA cannot partition it itself
+        heads, rows = specs
+        in_specs = (heads, heads, heads, rows, jax.sharding.PartitionSpec())[:len(args)]
+        run = jax.shard_map(run, in_specs=in_specs, out_specs=heads, check_vma=False)
+    return run(*args).transpose(0, 2, 1, 3)[:, :t]
+
+
+def _splash_local(kernel_of, q: Array, k: Array, v: Array, segments: Array, sliding: bool | Array) -> Array:
+    """One device's splash call: q [B, H, T, Dh], k/v [B, K, T, Dh], segments [B, T] -> [B, H, T, Dh].
+    A traced `sliding` (one scanned body for mixed sliding and full layers) chooses between the two
+    static kernels with `lax.cond`, so each layer runs only its own."""
+    heads, length = q.shape[1], q.shape[2]
+
+    def attend(local: bool) -> Array:
+        kernel = kernel_of(heads, length, local)
+        return jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(s, s)))(
+            q, k, v, segments)
+
+    if isinstance(sliding, bool):
+        return attend(sliding)
+    return jax.lax.cond(sliding, lambda: attend(True), lambda: attend(False))
+
+
+def _splash_kernel(heads: int, length: int, local: bool, *, window: int | None, cap: float | None,
+                   interpret: bool):
+    """The splash kernel for `heads` query heads over `length` slots (a multiple of 128): causal, or
+    with `local` and a window, causal within `window` slots. Built while tracing (its block tables
+    become constants of the traced program, so it cannot be cached across traces); building it
+    analyses the static mask block by block, cheap next to a compile."""
+    shape = (length, length)
+    mask = (splash.LocalMask(shape, (window - 1, 0), 0) if local and window is not None
+            else splash.CausalMask(shape))
+    block = next(size for size in SPLASH_BLOCKS if length % size == 0)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                              block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
+    return splash.make_splash_mha(splash.MultiHeadMask((mask,) * heads), block_sizes=sizes, head_shards=1,
+                                  q_seq_shards=1, attn_logits_soft_cap=cap, interpret=interpret)
+
+
+def _splash_specs(batch: int, heads: int, kv_heads: int):
+    """(spec of [B, N, T, Dh], spec of [B, T]) for splash's `shard_map` on the context mesh, or None
+    outside a mesh. Rows split like the batch; heads like the query heads when the K/V heads split
+    the same way (each device then holds whole groups), else they stay whole on every device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or math.prod(mesh.shape.values()) == 1:
+        return None
+    rules = nn.get_logical_axis_rules() or sharding.DEFAULT_RULES
+    rows = sharding.logical_to_spec(("batch",), (batch,), mesh, rules)
+    q_heads = sharding.logical_to_spec(("heads",), (heads,), mesh, rules)
+    kv_split = sharding.logical_to_spec(("kv_heads",), (kv_heads,), mesh, rules)
+    row = rows[0] if len(rows) else None
+    head = q_heads[0] if len(q_heads) and q_heads == kv_split else None
+    return jax.sharding.PartitionSpec(row, head), jax.sharding.PartitionSpec(row)
+
+
 class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask, cache_kv, layer, cache_index):
+    def __call__(self, x, cos, sin, mask, cache_kv, layer, cache_index, sliding=False):
         """x [B, T, D] -> ([B, T, D], cache_kv with this layer's new slots written, or None).
 
         cache_kv: None, the whole cache's (k, v) [L, B, K, S, Dh] with `layer` ([] int32) this layer's
         index into it, or (layer None) this layer's own (k, v) [B, K, S, Dh]; cache_index: [] int32,
-        the slot of the first of the T new tokens.
+        the slot of the first of the T new tokens; sliding: whether this is a sliding-window layer
+        (a bool, or a [] bool array in a scanned body; only splash reads it, the mask already says so).
         """
         cfg = self.config
         d, h, kh, dh = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
@@ -113,8 +238,15 @@ class Attention(nn.Module):
         if not gpt2:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
-        fused = cfg.attention != "einsum" and cfg.attn_logit_softcap is None  # see config.ATTENTION_KINDS
-        if cache_kv is None and fused:
+        # cuDNN's call cannot soft-cap (see config.ATTENTION_KINDS); splash can.
+        fused = cfg.attention in ("cudnn", "xla") and cfg.attn_logit_softcap is None
+        if cache_kv is None and cfg.attention == "splash":
+            # Without a cache query slot t is key slot t, and a token sees itself iff it is real:
+            # the mask's diagonal is the key padding [B, T]. Layers all alike choose statically.
+            local = sliding if cfg.sliding_layers is not None else cfg.sliding_window is not None
+            out = splash_attention(q, k, v, jnp.diagonal(mask, axis1=1, axis2=2), local, cfg.sliding_window,
+                                   scale, cfg.attn_logit_softcap, interpret=_splash_interpret)
+        elif cache_kv is None and fused:
             out = fused_attention(q, k, v, mask, cfg.attention, scale)
         else:
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, Dh]

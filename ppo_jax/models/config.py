@@ -20,8 +20,9 @@ ARCH_TO_FAMILY = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2":
 # "cudnn" and "xla" call jax.nn.dot_product_attention with that implementation (cuDNN flash attention
 # on GPU; "xla" exists to check the fused call's plumbing against the reference on CPU). That call
 # cannot soft-cap scores: a model with `attn_logit_softcap` (Gemma 2) runs the einsum kernel whatever
-# `attention` says.
-ATTENTION_KINDS = ("einsum", "cudnn", "xla")
+# `attention` says. "splash" is Pallas splash attention, the TPU's fused kernel (soft-capping
+# included). Every kind applies without a cache only: cached prefill and decode run the einsum.
+ATTENTION_KINDS = ("einsum", "cudnn", "xla", "splash")
 # `remat_policy`: which activations the backward pass keeps when remat is on.
 REMAT_POLICIES = ("full", "dots")
 # Fields that choose how the model executes, never what it computes (free to change on load).
@@ -155,7 +156,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype of matmuls and activations
     # Execution: how the layers run, not what they compute (every choice gives the same function).
-    attention: str = "einsum"  # "einsum" (reference, any platform), "cudnn" (flash attention, GPU, bf16/fp16), "xla"
+    attention: str = "einsum"  # "einsum" (reference, any platform), "cudnn" (flash attention, GPU, bf16/fp16), "xla", "splash" (TPU)
     scan_layers: bool = True  # True: one layer body scanned over stacked [L, ...] params; False: per-layer params
     remat: bool = False  # rematerialise each layer in the backward pass
     remat_policy: str = "full"  # with remat: "full" (save nothing) or "dots" (keep matmul outputs without batch dims)

@@ -90,7 +90,7 @@ class Block(nn.Module):
         else:
             (cos, sin), mask = _for_layer(sliding, (ropes[0], masks[0]), (ropes[1], masks[1]))
         attn_out, cache_kv = Attention(self.config, name="attn")(
-            norm(self.config, "ln_1")(x), cos, sin, mask, cache_kv, layer, cache_index)
+            norm(self.config, "ln_1")(x), cos, sin, mask, cache_kv, layer, cache_index, sliding)
         if self.config.post_norms:
             attn_out = norm(self.config, "post_attn_norm")(attn_out)
         x = x + attn_out
