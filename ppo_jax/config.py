@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from ppo_jax.models.config import ATTENTION_KINDS, REMAT_POLICIES, LoraConfig, ModelConfig
+from ppo_jax.models.config import ATTENTION_KINDS, REMAT_POLICIES, LoraConfig, ModelConfig, cudnn_head_dim
 
 
 class ConfigError(ValueError):
@@ -230,7 +230,8 @@ class ComputeSettings:
         if attention == "auto":
             # cuDNN's fused call cannot soft-cap scores (Gemma 2): such models run the einsum kernel.
             # Splash can, in any dtype.
-            fusable = cfg.jnp_dtype in (jnp.bfloat16, jnp.float16) and cfg.attn_logit_softcap is None
+            fusable = (cfg.jnp_dtype in (jnp.bfloat16, jnp.float16) and cfg.attn_logit_softcap is None
+                       and cudnn_head_dim(cfg.dim_per_head))
             attention = "splash" if platform == "tpu" else "cudnn" if on_gpu and fusable else "einsum"
         # Per-layer params on one GPU (or replicated weights); scanned layers when FSDP shards them:
         # unrolled, XLA:GPU gathers every layer's weights up front (Llama-3-70B + 8B on 8 H200s,

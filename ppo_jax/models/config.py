@@ -23,6 +23,12 @@ ARCH_TO_FAMILY = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2":
 # `attention` says. "splash" is Pallas splash attention, the TPU's fused kernel (soft-capping
 # included). Every kind applies without a cache only: cached prefill and decode run the einsum.
 ATTENTION_KINDS = ("einsum", "cudnn", "xla", "splash")
+
+
+def cudnn_head_dim(dim: int) -> bool:
+    """Whether cuDNN's flash attention takes heads of `dim` features (at most 128, a multiple of 8;
+    Gemma's 256 is refused: found by compiling Gemma-3-4B for H200s without one)."""
+    return dim <= 128 and dim % 8 == 0
 # `remat_policy`: which activations the backward pass keeps when remat is on.
 REMAT_POLICIES = ("full", "dots")
 # Fields that choose how the model executes, never what it computes (free to change on load).
@@ -195,6 +201,9 @@ class ModelConfig:
         if self.attention == "cudnn" and to_dtype(self.dtype) not in (jnp.bfloat16, jnp.float16):
             raise ValueError(f"model.attention='cudnn' (flash attention) computes in bfloat16 or float16, "
                              f"but model.dtype={self.dtype!r}; set dtype=bfloat16 or attention='einsum'")
+        if self.attention == "cudnn" and not cudnn_head_dim(self.dim_per_head):
+            raise ValueError(f"model.attention='cudnn': cuDNN flash attention takes heads of at most 128 features, a "
+                             f"multiple of 8, but this model's are {self.dim_per_head}; use attention='einsum'")
         if self.sliding_layers is not None:
             # A tuple whatever a config file gave (a list): the config must stay hashable.
             object.__setattr__(self, "sliding_layers", tuple(bool(s) for s in self.sliding_layers))
