@@ -303,7 +303,9 @@ def test_resume_skips_a_damaged_newest_step_and_says_so(tmp_path, capsys):
     resumed = PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
     out = capsys.readouterr().out
     assert resumed.resumed_from == 1
-    assert "warning: checkpoint step 2 in" in out and "differ from the checksums" in out and "2.corrupt" in out \
+    # Which check catches the zeroed bytes depends on where they land in the compressed file (its
+    # layout varies run to run): the checksums, or the decoder while reading. Either says "is damaged".
+    assert "warning: checkpoint step 2 in" in out and " is damaged: " in out and "2.corrupt" in out \
         and "resuming from step 1" in out
     assert len(resumed.train()) == 1  # step 2 again
     resumed.close()
