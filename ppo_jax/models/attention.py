@@ -49,18 +49,27 @@ from ppo_jax.models.rope import apply_rope
 Array = jax.Array
 
 
-def attention_mask(kv_mask: Array, query_slots: Array, sliding_window: int | None) -> Array:
+def attention_mask(kv_mask: Array, query_slots: Array, sliding_window: int | None,
+                   segment_ids: Array | None = None) -> Array:
     """[B, T, S] bool: key slot s is visible from query slot t.
 
     kv_mask [B, S]: real (non-padding, already written) key slots; query_slots [T]: the slot of each
-    query. Causality is by slot; within a left-padded row slot differences equal position
-    differences, so the sliding window is by slot too.
+    query. Causality is by slot; within a left-padded row, or within one sequence of a packed row,
+    slot differences equal position differences, so the sliding window is by slot too.
+    segment_ids [B, T] (self-attention only, T == S): a packed row's sequence of each slot (0 on
+    padding); a real query then sees only the keys of its own sequence. A padding query keeps the
+    unpacked rule (every earlier real key): its output is ignored either way, and a 0/1 segment row
+    gives exactly the unpacked mask.
     """
     key_slots = jnp.arange(kv_mask.shape[-1])
     visible = key_slots[None, :] <= query_slots[:, None]
     if sliding_window is not None:
         visible &= query_slots[:, None] - key_slots[None, :] < sliding_window
-    return visible[None, :, :] & kv_mask[:, None, :].astype(bool)
+    visible = visible[None, :, :] & kv_mask[:, None, :].astype(bool)
+    if segment_ids is not None:
+        query = segment_ids[:, :, None]
+        visible &= (query == segment_ids[:, None, :]) | (query == 0)
+    return visible
 
 
 def einsum_attention(q: Array, k: Array, v: Array, mask: Array, scale: float | None = None,
@@ -124,7 +133,8 @@ def splash_attention(q: Array, k: Array, v: Array, kv_mask: Array, sliding: bool
 
     q [B, T, H, Dh], k/v [B, T, K, Dh] (projection layout; K divides H, the K/V heads are not
     repeated: the kernel maps each query head to its group), kv_mask [B, T] (real tokens; any padding
-    pattern, left-padded in practice) -> [B, T, H, Dh].
+    pattern, left-padded in practice; or a packed row's sequence ids, 0 = padding, when each sequence
+    sees only itself) -> [B, T, H, Dh].
 
     The mask is what `attention_mask` builds: causal by slot, key padding, and with `sliding` (a
     Python bool, or a [] bool array in a scanned body of mixed layers) the window
@@ -214,13 +224,15 @@ class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask, cache_kv, layer, cache_index, sliding=False):
+    def __call__(self, x, cos, sin, mask, cache_kv, layer, cache_index, sliding=False, segment_ids=None):
         """x [B, T, D] -> ([B, T, D], cache_kv with this layer's new slots written, or None).
 
         cache_kv: None, the whole cache's (k, v) [L, B, K, S, Dh] with `layer` ([] int32) this layer's
         index into it, or (layer None) this layer's own (k, v) [B, K, S, Dh]; cache_index: [] int32,
         the slot of the first of the T new tokens; sliding: whether this is a sliding-window layer
-        (a bool, or a [] bool array in a scanned body; only splash reads it, the mask already says so).
+        (a bool, or a [] bool array in a scanned body; only splash reads it, the mask already says so);
+        segment_ids: [B, T] a packed row's sequence ids (0 = padding), None unpacked; the mask already
+        holds them, only splash (whose masks are static) reads them.
         """
         cfg = self.config
         d, h, kh, dh = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
@@ -242,9 +254,11 @@ class Attention(nn.Module):
         fused = cfg.attention in ("cudnn", "xla") and cfg.attn_logit_softcap is None
         if cache_kv is None and cfg.attention == "splash":
             # Without a cache query slot t is key slot t, and a token sees itself iff it is real:
-            # the mask's diagonal is the key padding [B, T]. Layers all alike choose statically.
+            # the mask's diagonal is the key padding [B, T] (a packed row passes its sequence ids).
+            # Layers all alike choose statically.
             local = sliding if cfg.sliding_layers is not None else cfg.sliding_window is not None
-            out = splash_attention(q, k, v, jnp.diagonal(mask, axis1=1, axis2=2), local, cfg.sliding_window,
+            segments = jnp.diagonal(mask, axis1=1, axis2=2) if segment_ids is None else segment_ids
+            out = splash_attention(q, k, v, segments, local, cfg.sliding_window,
                                    scale, cfg.attn_logit_softcap, interpret=_splash_interpret)
         elif cache_kv is None and fused:
             out = fused_attention(q, k, v, mask, cfg.attention, scale)

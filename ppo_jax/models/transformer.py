@@ -78,19 +78,19 @@ class Block(nn.Module):
 
     ropes: ((cos, sin), (cos, sin)) and masks: ([B, T, S], [B, T, S]), each a pair (every layer of
     a model whose layers are alike, or a mixed model's full-attention layers; its sliding-window
-    layers)."""
+    layers); segment_ids [B, T]: a packed row's sequence ids, or None."""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, carry, layer, sliding, ropes, masks, cache_index):
+    def __call__(self, carry, layer, sliding, ropes, masks, cache_index, segment_ids=None):
         x, cache_kv = carry
         if self.config.sliding_layers is None:
             (cos, sin), mask = ropes[0], masks[0]
         else:
             (cos, sin), mask = _for_layer(sliding, (ropes[0], masks[0]), (ropes[1], masks[1]))
         attn_out, cache_kv = Attention(self.config, name="attn")(
-            norm(self.config, "ln_1")(x), cos, sin, mask, cache_kv, layer, cache_index, sliding)
+            norm(self.config, "ln_1")(x), cos, sin, mask, cache_kv, layer, cache_index, sliding, segment_ids)
         if self.config.post_norms:
             attn_out = norm(self.config, "post_attn_norm")(attn_out)
         x = x + attn_out
@@ -143,7 +143,7 @@ class Transformer(nn.Module):
                 block,
                 variable_axes={"params": 0, lora.COLLECTION: 0},
                 split_rngs={"params": True},
-                in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast),
+                in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )(cfg)
@@ -152,19 +152,27 @@ class Transformer(nn.Module):
         self.ln_f = norm(cfg, "ln_f")
 
     def __call__(self, tokens: Array, positions: Array, kv_mask: Array,
-                 cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
-        """tokens, positions [B, T]; kv_mask [B, S] -> hidden [B, T, D], cache (advanced by T)."""
+                 cache: KVCache | None = None, segment_ids: Array | None = None
+                 ) -> tuple[Array, KVCache | None]:
+        """tokens, positions [B, T]; kv_mask [B, S] -> hidden [B, T, D], cache (advanced by T).
+
+        segment_ids [B, T] (no cache): packed rows, several sequences per row (`models/packing.py`):
+        each slot's sequence id, 0 on padding; a token attends only within its own sequence, and
+        `positions` restart at 0 for each sequence."""
+        if segment_ids is not None and cache is not None:
+            raise ValueError("segment_ids (packed rows) are for cache-free forwards only")
         cache_index = cache.index if cache is not None else jnp.zeros((), jnp.int32)
-        x, ropes, masks = self._block_inputs(tokens, positions, kv_mask, cache_index)
+        x, ropes, masks = self._block_inputs(tokens, positions, kv_mask, cache_index, segment_ids)
         cache_kv = (cache.k, cache.v) if cache is not None else None
         cfg = self.config
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         if cfg.scan_layers:
             sliding = jnp.asarray(cfg.layer_sliding)
-            (x, cache_kv), _ = self.layers((x, cache_kv), layer_ids, sliding, ropes, masks, cache_index)
+            (x, cache_kv), _ = self.layers((x, cache_kv), layer_ids, sliding, ropes, masks, cache_index,
+                                           segment_ids)
         else:
             for layer, local, block in zip(layer_ids, cfg.layer_sliding, self.layers):
-                (x, cache_kv), _ = block((x, cache_kv), layer, local, ropes, masks, cache_index)
+                (x, cache_kv), _ = block((x, cache_kv), layer, local, ropes, masks, cache_index, segment_ids)
         if cache is not None:
             cache = KVCache(k=cache_kv[0], v=cache_kv[1], index=cache.index + tokens.shape[1])
         return self.ln_f(x), cache
@@ -197,11 +205,12 @@ class Transformer(nn.Module):
             new_caches.append(KVCache(k=k, v=v, index=cache.index + tokens.shape[1]))
         return self.ln_f(x), tuple(new_caches)
 
-    def _block_inputs(self, tokens, positions, kv_mask, cache_index):
+    def _block_inputs(self, tokens, positions, kv_mask, cache_index, segment_ids=None):
         """Embedded tokens x [B, T, D] and the pairs `Block` takes: rope tables ((cos, sin), ...)
         [B, T, Dh] each (scalars for GPT-2) and attention masks [B, T, S] of T new tokens written
-        from slot `cache_index` on. The second of each pair is for the sliding-window layers of a
-        model that mixes them with full-attention ones (the first again otherwise)."""
+        from slot `cache_index` on (packed rows: within each sequence of `segment_ids`). The second
+        of each pair is for the sliding-window layers of a model that mixes them with
+        full-attention ones (the first again otherwise)."""
         cfg = self.config
         x = _lookup(self.embed, tokens)
         if cfg.scale_embeddings:  # sqrt(D) rounded to the compute dtype first, as Gemma does
@@ -215,10 +224,10 @@ class Transformer(nn.Module):
             rope = rope_tables(cfg, positions)
         query_slots = cache_index + jnp.arange(tokens.shape[1])
         if cfg.sliding_layers is None:
-            mask = attention_mask(kv_mask, query_slots, cfg.sliding_window)
+            mask = attention_mask(kv_mask, query_slots, cfg.sliding_window, segment_ids)
             return x, (rope, rope), (mask, mask)
-        masks = (attention_mask(kv_mask, query_slots, None),
-                 attention_mask(kv_mask, query_slots, cfg.sliding_window))
+        masks = (attention_mask(kv_mask, query_slots, None, segment_ids),
+                 attention_mask(kv_mask, query_slots, cfg.sliding_window, segment_ids))
         local_rope = rope if cfg.rope_local_theta is None else rope_tables(cfg, positions, local=True)
         return x, (rope, local_rope), masks
 
@@ -243,9 +252,10 @@ class CausalLM(nn.Module):
         hidden, cache = self.transformer(tokens, positions, kv_mask, cache)
         return self.project(hidden), cache
 
-    def hidden(self, tokens, positions, kv_mask):
-        """Final hidden states [B, T, D] without the output projection (slice before projecting)."""
-        return self.transformer(tokens, positions, kv_mask)[0]
+    def hidden(self, tokens, positions, kv_mask, segment_ids=None):
+        """Final hidden states [B, T, D] without the output projection (slice before projecting);
+        segment_ids: packed rows (`Transformer.__call__`)."""
+        return self.transformer(tokens, positions, kv_mask, segment_ids=segment_ids)[0]
 
     def project(self, hidden: Array) -> Array:
         """[..., D] -> [..., V] float32, soft-capped when the config says (Gemma 2). Flattened to
@@ -271,9 +281,9 @@ class ScalarModel(nn.Module):
     head_init: str = "reward"
 
     @nn.compact
-    def __call__(self, tokens, positions, kv_mask, cache=None):
+    def __call__(self, tokens, positions, kv_mask, cache=None, segment_ids=None):
         cfg = self.config
-        hidden, cache = Transformer(cfg, name="transformer")(tokens, positions, kv_mask, cache)
+        hidden, cache = Transformer(cfg, name="transformer")(tokens, positions, kv_mask, cache, segment_ids)
         if self.head_init == "zero":
             init = nn.initializers.zeros
         elif self.head_init == "reward":

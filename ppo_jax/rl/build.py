@@ -321,7 +321,7 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
     else:  # LoRA: the rollout decodes the frozen base with the trainable adapters (no merged copy)
         sampler = sampling.make_sampler(modules.policy, sampler_settings, mesh, frozen_shardings.policy,
                                         adapter_shardings=state_shardings.policy)
-    experience = make_experience_fn(modules.policy, modules.value, modules.reward, hp)
+    experience = make_experience_fn(modules.policy, modules.value, modules.reward, hp, batch)
     update = make_update_fn(modules.policy, modules.value, policy_tx, value_tx, hp, sizes.rollout_rows, batch)
     rollout_sh = jax.tree.map(lambda _: batch, Rollout(*([0] * len(dataclasses.fields(Rollout)))))
     exp_sh = jax.tree.map(lambda _: batch, Experience(*([0] * len(dataclasses.fields(Experience)))))

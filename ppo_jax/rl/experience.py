@@ -11,7 +11,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import NamedSharding
+
 from ppo_jax import ppo
+from ppo_jax.models import packing
 from ppo_jax.models.forward import response_logits, response_scores, response_values, token_logprobs
 from ppo_jax.models.transformer import CausalLM, ScalarModel
 from ppo_jax.rl.settings import PPOHyper
@@ -48,8 +51,15 @@ def explained_variance(values, returns, mask):
 
 
 def make_experience_fn(policy_model: CausalLM, value_model: ScalarModel | None,
-                       reward_model: ScalarModel | None, hp: PPOHyper) -> Callable:
-    """Pure experience function: (state, frozen, rollout) -> (Experience, metrics)."""
+                       reward_model: ScalarModel | None, hp: PPOHyper,
+                       batch_sharding: NamedSharding | None = None) -> Callable:
+    """Pure experience function: (state, frozen, rollout) -> (Experience, metrics).
+
+    With `hp.packed` the forwards run on packed rows (`models/packing.py`), only on the microbatches
+    that hold tokens, and their outputs are read back into the padded [B, Lr] layout the rest of the
+    step works in. batch_sharding: how a packed microbatch's rows split over the mesh (None: no
+    constraint, e.g. one device).
+    """
 
     def forwards(policy, base, reference, value, value_base, reward, pt, pm, tokens, mask):
         params, adapters = policy_variables(policy, base)
@@ -67,13 +77,49 @@ def make_experience_fn(policy_model: CausalLM, value_model: ScalarModel | None,
                   else jnp.zeros(tokens.shape[:1], jnp.float32))
         return old_logp, ref_logp, entropy, values, scores
 
+    def packed_forwards(policy, base, reference, value, value_base, reward, rows: packing.PackedRows):
+        """`forwards` on one packed microbatch [M, T]: per-slot outputs (slot t predicts t + 1) and
+        the reward model's per-slot scores, read at the right slots by the caller."""
+        if batch_sharding is not None:
+            rows = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, batch_sharding), rows)
+        params, adapters = policy_variables(policy, base)
+        logits = packing.next_token_logits(policy_model, params, rows, hp.temperature, adapters)
+        logp = packing.next_token_logprobs(logits, rows.tokens)
+        entropy = ppo.entropy_from_logits(logits)
+        ref_params, ref_adapters = reference
+        ref_logp = packing.next_token_logprobs(
+            packing.next_token_logits(policy_model, ref_params, rows, hp.temperature, ref_adapters), rows.tokens)
+        value_params, value_adapters = value_variables(value, value_base)
+        values = (packing.scalar_outputs(value_model, value_params, rows, value_adapters)
+                  if value is not None else jnp.zeros(rows.tokens.shape, jnp.float32))
+        rewards = (packing.scalar_outputs(reward_model, reward, rows) if reward is not None
+                   else jnp.zeros(rows.tokens.shape, jnp.float32))
+        return logp, ref_logp, entropy, values, rewards
+
+    def run_forwards(state: TrainState, frozen: FrozenParams, rollout: Rollout):
+        """(old_logp, ref_logp, entropy, values) [B, Lr], model scores [B], token efficiency []."""
+        models = (state.policy, frozen.policy, reference_variables(frozen), state.value, frozen.value,
+                  frozen.reward)
+        if not hp.packed:
+            outputs = microbatched(lambda *a: forwards(*models, *a), hp.forward_microbatches,
+                                   rollout.prompt_tokens, rollout.prompt_mask, rollout.tokens, rollout.mask)
+            seq_mask = jnp.concatenate([rollout.prompt_mask, rollout.mask], axis=1)
+            return outputs, seq_mask.sum() / seq_mask.size
+        seq = jnp.concatenate([rollout.prompt_tokens, rollout.tokens], axis=1)
+        seq_mask = jnp.concatenate([rollout.prompt_mask, rollout.mask], axis=1)
+        rows = seq.shape[0]
+        layout = packing.plan(seq_mask, hp.packed_shape(rows))
+        packed = packing.pack_rows(seq, layout)
+        logp, ref_logp, entropy, values, rewards = packing.map_used(
+            lambda rows: packed_forwards(*models, rows), layout.microbatches_used, packed)
+        slots = packing.prediction_slots(layout, rollout.prompt_tokens.shape[1], rollout.mask)
+        per_token = tuple(packing.gather(x, slots) for x in (logp, ref_logp, entropy, values))
+        scores = packing.gather(rewards, packing.last_slots(layout, seq_mask))[:, 0]
+        return per_token + (scores,), layout.token_efficiency
+
     def experience(state: TrainState, frozen: FrozenParams, rollout: Rollout):
         mask = rollout.mask.astype(jnp.float32)
-        old_logp, ref_logp, entropy, values, model_scores = microbatched(
-            lambda *a: forwards(state.policy, frozen.policy, reference_variables(frozen), state.value, frozen.value,
-                                frozen.reward, *a),
-            hp.forward_microbatches,
-            rollout.prompt_tokens, rollout.prompt_mask, rollout.tokens, rollout.mask)
+        (old_logp, ref_logp, entropy, values, model_scores), token_efficiency = run_forwards(state, frozen, rollout)
         raw_scores = hp.model_weight * model_scores + rollout.host_scores
         scores = ppo.process_scores(
             raw_scores, rollout.stopped, missing_stop=hp.missing_stop,
@@ -112,6 +158,7 @@ def make_experience_fn(policy_model: CausalLM, value_model: ScalarModel | None,
             "val/eos_rate": rollout.stopped.mean(),
             "response/length_mean": lengths.mean(),
             "response/length_max": lengths.max(),
+            "perf/experience_token_efficiency": token_efficiency,
             "policy/rollout_logprob_diff_max": jnp.abs(old_logp - rollout.sampler_logprobs * mask).max(),
             "policy/rollout_logprob_diff_mean": ppo.masked_mean(jnp.abs(old_logp - rollout.sampler_logprobs), mask),
             "advantages/mean": ppo.masked_mean(advantages, mask),

@@ -25,6 +25,7 @@ ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
 # rollout.decode -> SamplingConfig.unroll_layers (None: decided by the backend).
 DECODE_LOOPS = {"auto": None, "scan": False, "unrolled": True}
 REFERENCE_DTYPES = ("", "bfloat16", "float16", "float32")
+PACKING = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +113,9 @@ class PPOLossSettings:
     advantage_estimator: str = "gae"  # "gae", "grpo", "rloo" or "reinforce_pp"
     epochs: int = 4  # PPO epochs over each rollout batch
     num_minibatches: int = 1  # optimizer steps per epoch
-    num_microbatches: int = 1  # gradient-accumulation slices per minibatch
+    num_microbatches: int = 1  # gradient-accumulation slices per minibatch (padded rows; packed: see max_tokens_per_microbatch)
+    packing: str = "auto"  # "on": experience forwards and update on packed rows, only the real tokens computed (models/packing.py); "off": padded rows; "auto": on
+    max_tokens_per_microbatch: int = 0  # packed: token slots per update microbatch and per experience forward chunk, a multiple of data.prompt_length + rollout.response_length (one row); 0 = a quarter of a padded microbatch's
     clip_eps: float = 0.2  # policy ratio clip (lower side, and upper side unless clip_eps_high is set)
     clip_eps_high: float = 0.0  # upper ratio clip for asymmetric clipping; 0 = same as clip_eps
     dual_clip: float = 0.0  # dual-clip constant c > 1 for negative advantages; 0 = off
@@ -222,6 +225,10 @@ class Settings(RunSettings):
         check(p.epochs >= 1, f"ppo.epochs must be >= 1, got {p.epochs}")
         check(p.num_minibatches >= 1, f"ppo.num_minibatches must be >= 1, got {p.num_minibatches}")
         check(p.num_microbatches >= 1, f"ppo.num_microbatches must be >= 1, got {p.num_microbatches}")
+        check(p.packing in PACKING, f"ppo.packing={p.packing!r}: use one of {', '.join(PACKING)}")
+        check(p.max_tokens_per_microbatch >= 0,
+              f"ppo.max_tokens_per_microbatch must be >= 0 (0 = a quarter of a padded microbatch), got "
+              f"{p.max_tokens_per_microbatch}")
         check(p.clip_eps > 0, f"ppo.clip_eps must be > 0, got {p.clip_eps}")
         check(p.clip_eps_high >= 0, f"ppo.clip_eps_high must be >= 0 (0 = same as clip_eps), got {p.clip_eps_high}")
         check(p.dual_clip == 0 or p.dual_clip > 1, f"ppo.dual_clip must be 0 (off) or > 1, got {p.dual_clip}")
@@ -278,6 +285,8 @@ class DerivedSizes:
     minibatch_rows: int
     microbatch_rows: int
     forward_rows: int
+    packed_rows: int = 0  # packed rows per microbatch (M); 0 = packing off
+    packed_length: int = 0  # slots per packed row (T = the padded row length)
 
 
 def derive_sizes(s: Settings, *, batch_divisor: int = 1, max_positions: int | None = None,
@@ -309,7 +318,24 @@ def derive_sizes(s: Settings, *, batch_divisor: int = 1, max_positions: int | No
     if vocab_size is not None:
         for t in stop_token_ids(r, None):
             check(0 <= t < vocab_size, f"rollout.stop_token_ids: {t} is outside the vocabulary (size {vocab_size})")
-    return DerivedSizes(rollout_rows=rows, minibatch_rows=mini, microbatch_rows=micro, forward_rows=fwd)
+    packed_rows, length = 0, s.data.prompt_length + r.response_length
+    if p.packing != "off":
+        packed_rows = packed_rows_per_microbatch(p.max_tokens_per_microbatch, length, micro, batch_divisor)
+    return DerivedSizes(rollout_rows=rows, minibatch_rows=mini, microbatch_rows=micro, forward_rows=fwd,
+                        packed_rows=packed_rows, packed_length=length if packed_rows else 0)
+
+
+def packed_rows_per_microbatch(max_tokens: int, row_length: int, microbatch_rows: int, batch_divisor: int) -> int:
+    """Packed rows per microbatch (M): ppo.max_tokens_per_microbatch // one row's slots, or (0) a quarter
+    of a padded microbatch's rows; rounded down to a multiple of the data-parallel devices (each
+    holds the same number of packed rows). Raises ConfigError for a budget below one row per device."""
+    if max_tokens == 0:
+        return max(batch_divisor, microbatch_rows // 4 // batch_divisor * batch_divisor)
+    check(max_tokens >= row_length * batch_divisor,
+          f"ppo.max_tokens_per_microbatch={max_tokens} is smaller than one packed row per data-parallel device: "
+          f"a row holds data.prompt_length + rollout.response_length = {row_length} tokens and {batch_divisor} "
+          f"device(s) split each microbatch, so use at least {row_length * batch_divisor}")
+    return max_tokens // row_length // batch_divisor * batch_divisor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,6 +367,16 @@ class PPOHyper:
     value_clip: float
     vf_coef: float
     ent_coef: float
+    packed_rows: int = 0  # packed rows per microbatch (M); 0 = padded rows
+    packed_length: int = 0  # slots per packed row (T)
+
+    @property
+    def packed(self) -> bool:
+        return self.packed_rows > 0
+
+    def packed_shape(self, rows: int) -> tuple[int, int, int]:
+        """(K, M, T) of `rows` padded rows packed: enough packed rows for the worst case (one each)."""
+        return (-(-rows // self.packed_rows), self.packed_rows, self.packed_length)
 
     @classmethod
     def from_settings(cls, s: "Settings", sizes: DerivedSizes) -> "PPOHyper":
@@ -354,7 +390,8 @@ class PPOHyper:
             num_minibatches=p.num_minibatches, num_microbatches=p.num_microbatches,
             forward_microbatches=sizes.rollout_rows // sizes.forward_rows, clip_eps=p.clip_eps,
             clip_eps_high=p.clip_eps_high or None, dual_clip=p.dual_clip or None, value_clip=p.value_clip,
-            vf_coef=p.vf_coef, ent_coef=p.ent_coef)
+            vf_coef=p.vf_coef, ent_coef=p.ent_coef, packed_rows=sizes.packed_rows,
+            packed_length=sizes.packed_length)
 
     @property
     def uses_critic(self) -> bool:

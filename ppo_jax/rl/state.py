@@ -23,6 +23,7 @@ import jax
 
 from ppo_jax import ppo
 from ppo_jax.models.lora import trained_variables
+from ppo_jax.models.packing import PackedRows
 
 Array = jax.Array
 Params = Any
@@ -102,3 +103,17 @@ class Experience:
     returns: Array  # [B, Lr]
     scores: Array  # [B]
 
+
+
+@flax.struct.dataclass
+class PackedExperience:
+    """A minibatch of `Experience` on packed rows (`models/packing.py`): [..., M, T] arrays whose
+    per-token fields sit at the slot that predicts the token (0 elsewhere, mask 0 there)."""
+
+    rows: PackedRows  # the model inputs: tokens, positions, segment ids
+    mask: Array  # 1 at the prediction slot of each real response token
+    old_logprobs: Array
+    ref_logprobs: Array
+    values: Array
+    advantages: Array
+    returns: Array

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ppo_jax import ppo
+from ppo_jax.models import packing
 from ppo_jax.models.forward import response_logits, response_values, token_logprobs
 from ppo_jax.models.transformer import CausalLM, ScalarModel
 from ppo_jax.rl.settings import PPOHyper
-from ppo_jax.rl.state import Experience, TrainState, policy_variables, value_variables
+from ppo_jax.rl.state import Experience, PackedExperience, TrainState, policy_variables, value_variables
 
 Array = jax.Array
 
@@ -60,17 +63,14 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
     mini_rows = rows // hp.num_minibatches
     micro_rows = mini_rows // hp.num_microbatches
 
-    def loss_fn(policy, value, base, value_base, kl_coef, mb: Experience, num_tokens):
-        """Microbatch loss: every term is a token sum over the microbatch / minibatch tokens.
+    def ppo_terms(logits, logp, values, mb, mask, kl_coef, num_tokens):
+        """The microbatch loss from the models' outputs and the experience fields of `mb` (an
+        `Experience` [b, Lr] or a `PackedExperience` [M, T]: every term is a token sum, so the layout
+        does not matter) / the minibatch's token count.
 
         Metrics are `SumCount`/`Moments` (pooled exactly across microbatches) or token-normalised
         scalars (which add up to the minibatch mean).
         """
-        mask = mb.mask.astype(jnp.float32)
-        params, adapters = policy_variables(policy, base)  # gradients reach the trainable tree only
-        logits = response_logits(policy_model, params, mb.prompt_tokens, mb.prompt_mask, mb.tokens,
-                                 mb.mask, hp.temperature, adapters=adapters)
-        logp = token_logprobs(logits, mb.tokens, mb.mask)
         pg_loss, metrics = ppo.policy_loss(
             logp, mb.old_logprobs, mb.advantages, mask, clip_eps=hp.clip_eps,
             clip_eps_high=hp.clip_eps_high, dual_clip=hp.dual_clip, num_tokens=num_tokens)
@@ -82,17 +82,83 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
                                               num_tokens=num_tokens)
             loss = loss + kl_coef * kl_loss
             metrics.update(kl_metrics)
-        if value is not None:
-            value_params, value_adapters = value_variables(value, value_base)  # gradients: adapters + head
-            values = response_values(value_model, value_params, mb.prompt_tokens, mb.prompt_mask, mb.tokens,
-                                     mb.mask, adapters=value_adapters)
+        if values is not None:
             v_loss, v_metrics = ppo.value_loss(values, mb.values, mb.returns, mask,
                                                clip_range=hp.value_clip, num_tokens=num_tokens)
             loss = loss + hp.vf_coef * v_loss
             metrics.update(v_metrics)
         return loss, metrics
 
-    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+    def loss_fn(policy, value, base, value_base, kl_coef, mb: Experience, num_tokens):
+        """Microbatch loss on padded rows [b, Lq + Lr]."""
+        mask = mb.mask.astype(jnp.float32)
+        params, adapters = policy_variables(policy, base)  # gradients reach the trainable tree only
+        logits = response_logits(policy_model, params, mb.prompt_tokens, mb.prompt_mask, mb.tokens,
+                                 mb.mask, hp.temperature, adapters=adapters)
+        logp = token_logprobs(logits, mb.tokens, mb.mask)
+        values = None
+        if value is not None:
+            value_params, value_adapters = value_variables(value, value_base)  # gradients: adapters + head
+            values = response_values(value_model, value_params, mb.prompt_tokens, mb.prompt_mask, mb.tokens,
+                                     mb.mask, adapters=value_adapters)
+        return ppo_terms(logits, logp, values, mb, mask, kl_coef, num_tokens)
+
+    def packed_loss_fn(policy, value, base, value_base, kl_coef, mb: PackedExperience, num_tokens):
+        """Microbatch loss on packed rows [M, T]: the same token sums, over the prediction slots."""
+        params, adapters = policy_variables(policy, base)
+        logits = packing.next_token_logits(policy_model, params, mb.rows, hp.temperature, adapters)
+        logp = packing.next_token_logprobs(logits, mb.rows.tokens) * mb.mask
+        values = None
+        if value is not None:
+            value_params, value_adapters = value_variables(value, value_base)
+            values = packing.scalar_outputs(value_model, value_params, mb.rows, value_adapters) * mb.mask
+        return ppo_terms(logits, logp, values, mb, mb.mask, kl_coef, num_tokens)
+
+    grad_fn = jax.value_and_grad(packed_loss_fn if hp.packed else loss_fn, argnums=(0, 1), has_aux=True)
+    packed_sharding = (None if batch_sharding is None else
+                       NamedSharding(batch_sharding.mesh, PartitionSpec(None, *batch_sharding.spec)))
+
+    def constrain(tree, where):
+        return tree if where is None else jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, where), tree)
+
+    def packed_minibatch(exp: Experience, idx):
+        """The minibatch rows `idx` [R] packed: (PackedExperience [K, M, T], Packing)."""
+        picked = jax.tree.map(lambda x: x[idx], exp)
+        seq = jnp.concatenate([picked.prompt_tokens, picked.tokens], axis=1)
+        seq_mask = jnp.concatenate([picked.prompt_mask, picked.mask], axis=1)
+        layout = packing.plan(seq_mask, hp.packed_shape(idx.shape[0]))
+        slots = packing.prediction_slots(layout, picked.prompt_tokens.shape[1], picked.mask)
+        at_slots = functools.partial(packing.scatter, slots=slots, packing=layout)
+        packed = PackedExperience(
+            rows=packing.pack_rows(seq, layout), mask=at_slots(picked.mask.astype(jnp.float32)),
+            old_logprobs=at_slots(picked.old_logprobs), ref_logprobs=at_slots(picked.ref_logprobs),
+            values=at_slots(picked.values), advantages=at_slots(picked.advantages),
+            returns=at_slots(picked.returns))
+        return constrain(packed, packed_sharding), layout
+
+    def accumulate(state, base, value_base, items, fetch, num_tokens, used=None):
+        """Summed (grads, metrics) over microbatches: a `lax.scan` over `items` [K, ...], microbatch k
+        being fetch(items[k]); with `used`, only the first `used` are computed (packed: the others
+        hold no token)."""
+        def grads_of(item):
+            mb = constrain(fetch(item), batch_sharding)
+            (_, metrics), grads = grad_fn(state.policy, state.value, base, value_base, state.kl.coef, mb,
+                                          num_tokens)
+            return grads, metrics
+
+        shapes = jax.eval_shape(grads_of, jax.tree.map(lambda x: x[0], items))
+
+        def zeros(*_):
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+        def micro_step(acc, indexed):
+            index, item = indexed
+            out = grads_of(item) if used is None else jax.lax.cond(index < used, grads_of, zeros, item)
+            return jax.tree.map(jnp.add, acc, out), None
+
+        count = jax.tree.leaves(items)[0].shape[0]
+        acc, _ = jax.lax.scan(micro_step, zeros(), (jnp.arange(count), items))
+        return acc
 
     def minibatch_step(state: TrainState, base, value_base, exp: Experience, exp_finite, idx):
         """idx [num_microbatches, micro_rows] -> one optimizer step on the policy (and value).
@@ -102,20 +168,16 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
         """
         old_state = state
         num_tokens = jnp.maximum(exp.mask[idx.reshape(-1)].sum().astype(jnp.float32), 1.0)
-
-        def rows(micro_idx):
-            picked = jax.tree.map(lambda x: x[micro_idx], exp)
-            return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, batch_sharding), picked)
-
-        def micro_step(acc, micro_idx):
-            (_, metrics), grads = grad_fn(state.policy, state.value, base, value_base, state.kl.coef,
-                                          rows(micro_idx), num_tokens)
-            return jax.tree.map(jnp.add, acc, (grads, metrics)), None
-
-        shapes = jax.eval_shape(lambda: grad_fn(state.policy, state.value, base, value_base, state.kl.coef,
-                                                rows(idx[0]), num_tokens))
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[1], shapes[0][1]))
-        (grads, metrics), _ = jax.lax.scan(micro_step, zeros, idx)
+        if hp.packed:
+            packed, layout = packed_minibatch(exp, idx.reshape(-1))
+            grads, metrics = accumulate(state, base, value_base, packed, lambda mb: mb, num_tokens,
+                                        layout.microbatches_used)
+            token_efficiency = layout.token_efficiency
+        else:
+            grads, metrics = accumulate(state, base, value_base, idx,
+                                        lambda micro_idx: jax.tree.map(lambda x: x[micro_idx], exp), num_tokens)
+            token_efficiency = (jnp.concatenate([exp.prompt_mask, exp.mask], axis=1)[idx.reshape(-1)].sum()
+                                / (idx.size * (exp.prompt_mask.shape[1] + exp.mask.shape[1])))
         metrics = ppo.finalize_metrics(metrics)
         policy_grads, value_grads = grads
         metrics["grad_norm/policy"] = optax.tree.norm(policy_grads)
@@ -140,6 +202,7 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
         new_state = apply(old_state)
         state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_state, old_state)
         metrics["skipped"] = 1.0 - ok.astype(jnp.float32)
+        metrics["token_efficiency"] = token_efficiency.astype(jnp.float32)
         return state, metrics
 
     def epoch_step(base, value_base, exp, exp_finite, state, epoch_key):
@@ -164,6 +227,7 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
         kl = jax.tree.map(lambda new, old: jnp.where(exp_finite, new, old), kl, state.kl)
         state = state.replace(kl=kl, step=state.step + 1)
         out["nonfinite/skipped_minibatches"] = metrics["skipped"].sum()
+        out["perf/token_efficiency"] = metrics["token_efficiency"].mean()
         # Finite gradients can still produce non-finite parameters (an infinite learning rate, an
         # overflowing update): one fused reduction over the new trainable state says so, and the
         # trainer then refuses to save, evaluate or export it.
