@@ -272,8 +272,9 @@ def test_budget_sizes_the_packed_microbatches():
     hp = PPOHyper.from_settings(s, sizes)
     assert hp.packed_shape(16) == (4, 5, 16)  # 16 rows of a minibatch: worst case one per packed row
     assert _sizes(batch_divisor=2, **{"ppo.packing": "on", "ppo.max_tokens_per_microbatch": 16 * 5})[0].packed_rows == 4
-    default, _ = _sizes(**{"ppo.packing": "on"})  # a quarter of a padded microbatch of 8 rows
+    default, _ = _sizes(**{"ppo.packing": "on", "ppo.num_microbatches": 1})  # an eighth of 16 padded rows
     assert default.packed_rows == 2
+    assert _sizes(batch_divisor=4, **{"ppo.packing": "on"})[0].packed_rows == 4  # at least one per device
     assert _sizes(**{"ppo.packing": "off"})[0].packed_rows == 0
 
 

@@ -114,8 +114,8 @@ class PPOLossSettings:
     epochs: int = 4  # PPO epochs over each rollout batch
     num_minibatches: int = 1  # optimizer steps per epoch
     num_microbatches: int = 1  # gradient-accumulation slices per minibatch (padded rows; packed: see max_tokens_per_microbatch)
-    packing: str = "auto"  # "on": experience forwards and update on packed rows, only the real tokens computed (models/packing.py); "off": padded rows; "auto": on
-    max_tokens_per_microbatch: int = 0  # packed: token slots per update microbatch and per experience forward chunk, a multiple of data.prompt_length + rollout.response_length (one row); 0 = a quarter of a padded microbatch's
+    packing: str = "auto"  # "on": experience forwards and update on packed rows, only the real tokens computed (models/packing.py); "off": padded rows; "auto": on (measured faster on CPU whenever the rows hold padding, docs/benchmarks.md; GPU and TPU unmeasured). rollout.forward_microbatch applies to padded rows only
+    max_tokens_per_microbatch: int = 0  # packed: token slots per update microbatch and per experience forward chunk, a multiple of data.prompt_length + rollout.response_length (one row); 0 = an eighth of a padded microbatch's (bench/bench_packing.py: 0.90 token efficiency, 1.57x on CPU at uniform lengths)
     clip_eps: float = 0.2  # policy ratio clip (lower side, and upper side unless clip_eps_high is set)
     clip_eps_high: float = 0.0  # upper ratio clip for asymmetric clipping; 0 = same as clip_eps
     dual_clip: float = 0.0  # dual-clip constant c > 1 for negative advantages; 0 = off
@@ -227,7 +227,7 @@ class Settings(RunSettings):
         check(p.num_microbatches >= 1, f"ppo.num_microbatches must be >= 1, got {p.num_microbatches}")
         check(p.packing in PACKING, f"ppo.packing={p.packing!r}: use one of {', '.join(PACKING)}")
         check(p.max_tokens_per_microbatch >= 0,
-              f"ppo.max_tokens_per_microbatch must be >= 0 (0 = a quarter of a padded microbatch), got "
+              f"ppo.max_tokens_per_microbatch must be >= 0 (0 = an eighth of a padded microbatch), got "
               f"{p.max_tokens_per_microbatch}")
         check(p.clip_eps > 0, f"ppo.clip_eps must be > 0, got {p.clip_eps}")
         check(p.clip_eps_high >= 0, f"ppo.clip_eps_high must be >= 0 (0 = same as clip_eps), got {p.clip_eps_high}")
@@ -326,11 +326,16 @@ def derive_sizes(s: Settings, *, batch_divisor: int = 1, max_positions: int | No
 
 
 def packed_rows_per_microbatch(max_tokens: int, row_length: int, microbatch_rows: int, batch_divisor: int) -> int:
-    """Packed rows per microbatch (M): ppo.max_tokens_per_microbatch // one row's slots, or (0) a quarter
+    """Packed rows per microbatch (M): ppo.max_tokens_per_microbatch // one row's slots, or (0) an eighth
     of a padded microbatch's rows; rounded down to a multiple of the data-parallel devices (each
-    holds the same number of packed rows). Raises ConfigError for a budget below one row per device."""
+    holds the same number of packed rows). Raises ConfigError for a budget below one row per device.
+
+    The default's granularity: a packed minibatch computes whole microbatches, so on average half of
+    its last one is empty. An eighth reached 0.90 token efficiency and 1.57x (experience + update)
+    on CPU at uniform response lengths, where a quarter reached 0.75 and 1.45x; with no padding at
+    all it costs 14% (smaller matmuls), a quarter 3% (docs/benchmarks.md, "Packing")."""
     if max_tokens == 0:
-        return max(batch_divisor, microbatch_rows // 4 // batch_divisor * batch_divisor)
+        return max(batch_divisor, microbatch_rows // 8 // batch_divisor * batch_divisor)
     check(max_tokens >= row_length * batch_divisor,
           f"ppo.max_tokens_per_microbatch={max_tokens} is smaller than one packed row per data-parallel device: "
           f"a row holds data.prompt_length + rollout.response_length = {row_length} tokens and {batch_divisor} "
