@@ -160,16 +160,25 @@ def scalar_outputs(model: ScalarModel, params, rows: PackedRows, adapters=None) 
 
 
 def map_used(fn: Callable[..., Any], microbatches_used: Array, *packed: Any) -> Any:
-    """`lax.map` of fn over the K microbatches of the [K, M, ...] leaves of `packed`, computing only the
-    first `microbatches_used` (the others return zeros): the work follows the real tokens."""
-    shapes = jax.eval_shape(fn, *jax.tree.map(lambda x: x[0], packed))
+    """fn over the K microbatches of the [K, M, ...] leaves of `packed`, stacked to [K, ...], computing
+    only the first `microbatches_used` (the others stay zeros): the work follows the real tokens.
 
-    def zeros(*_):
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-    def step(args):
-        index, chunk = args
-        return jax.lax.cond(index < microbatches_used, fn, zeros, *chunk)
-
+    A `fori_loop` with a traced trip count (a while loop) writing each result in place, not a
+    `lax.map` of `lax.cond`s: a conditional's branches write separate buffers, and XLA:GPU then
+    copied and transposed the weights each step (ppo-jax-plan, TinyLlama shape on an H100).
+    """
+    first = jax.tree.map(lambda x: x[0], packed)
+    shapes = jax.eval_shape(fn, *first)
     num_microbatches = jax.tree.leaves(packed)[0].shape[0]
-    return jax.lax.map(step, (jnp.arange(num_microbatches), packed))
+
+    def step(k, out):
+        chunk = microbatch(packed, k)
+        return jax.tree.map(lambda o, r: jax.lax.dynamic_update_index_in_dim(o, r, k, 0), out, fn(*chunk))
+
+    out = jax.tree.map(lambda s: jnp.zeros((num_microbatches,) + s.shape, s.dtype), shapes)
+    return jax.lax.fori_loop(0, microbatches_used, step, out)
+
+
+def microbatch(packed: Any, index: Array) -> Any:
+    """Microbatch `index` ([] int32) of the [K, ...] leaves of `packed`."""
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, index, keepdims=False), packed)

@@ -137,9 +137,11 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
         return constrain(packed, packed_sharding), layout
 
     def accumulate(state, base, value_base, items, fetch, num_tokens, used=None):
-        """Summed (grads, metrics) over microbatches: a `lax.scan` over `items` [K, ...], microbatch k
-        being fetch(items[k]); with `used`, only the first `used` are computed (packed: the others
-        hold no token)."""
+        """Summed (grads, metrics) over microbatches, microbatch k being fetch(items[k]) for the
+        [K, ...] leaves of `items`: a `lax.scan` over all K, or with `used` (packed: the others hold
+        no token) a `fori_loop` over the first `used` only (a while loop with the accumulator
+        updated in place; a `lax.cond` per microbatch made XLA:GPU copy and transpose the weights
+        in every step, and hold a second gradient tree)."""
         def grads_of(item):
             mb = constrain(fetch(item), batch_sharding)
             (_, metrics), grads = grad_fn(state.policy, state.value, base, value_base, state.kl.coef, mb,
@@ -147,17 +149,15 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
             return grads, metrics
 
         shapes = jax.eval_shape(grads_of, jax.tree.map(lambda x: x[0], items))
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        if used is not None:
+            return jax.lax.fori_loop(
+                0, used, lambda k, acc: jax.tree.map(jnp.add, acc, grads_of(packing.microbatch(items, k))), zeros)
 
-        def zeros(*_):
-            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        def micro_step(acc, item):
+            return jax.tree.map(jnp.add, acc, grads_of(item)), None
 
-        def micro_step(acc, indexed):
-            index, item = indexed
-            out = grads_of(item) if used is None else jax.lax.cond(index < used, grads_of, zeros, item)
-            return jax.tree.map(jnp.add, acc, out), None
-
-        count = jax.tree.leaves(items)[0].shape[0]
-        acc, _ = jax.lax.scan(micro_step, zeros(), (jnp.arange(count), items))
+        acc, _ = jax.lax.scan(micro_step, zeros, items)
         return acc
 
     def minibatch_step(state: TrainState, base, value_base, exp: Experience, exp_finite, idx):
