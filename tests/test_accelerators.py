@@ -11,6 +11,7 @@ so, where its plugin is absent.
 """
 
 import importlib.util
+import re
 
 import jax
 import pytest
@@ -127,9 +128,11 @@ def test_gpu_update_temps_hold_no_second_copy_of_the_train_state(gpu_auto):
     # Gradients (one params-sized buffer) and activations live in the temps; a copy of params + Adam
     # moments would not fit under the state's own size.
     assert update.temp_bytes < state, (update.temp_bytes, state)
-    # Nor is any MLP weight or moment copied (a lax.cond over the state copies every leaf).
-    copies = result_shapes(texts["update"], "copy")
-    assert not [shape for shape in copies if shape[1] in ((HIDDEN, MLP), (MLP, HIDDEN))], copies
+    # Nor is any MLP weight or moment copied (a lax.cond over the state copies every leaf). Copies of
+    # a broadcast are not: they zero-fill the packed update's gradient accumulator (its while loop
+    # carries one buffer per leaf).
+    mlp = re.compile(rf"= bf16\[({HIDDEN},{MLP}|{MLP},{HIDDEN})\]\S* copy\(%(?!broadcast)")
+    assert not mlp.findall(texts["update"]), result_shapes(texts["update"], "copy")
     assert update.alias_bytes >= state  # and the state itself is updated in place (donated)
 
 
