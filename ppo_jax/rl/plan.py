@@ -379,6 +379,6 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
                "rows": sizes.rollout_rows, "prompt_length": s.data.prompt_length,
                "response_length": s.rollout.response_length,
                "minibatch_rows": sizes.minibatch_rows, "microbatch_rows": sizes.microbatch_rows,
-               "forward_rows": sizes.forward_rows, "epochs": s.ppo.epochs},
+               "forward_rows": sizes.forward_rows, "epochs": s.ppo.epochs, "packed_rows": sizes.packed_rows},
         params=params, optimizer=optimizer, kv_cache_bytes=kv_cache_bytes, batch_arrays=batch_arrays,
         phases=compiled)

@@ -38,8 +38,10 @@ def format_plan(plan: MemoryPlan, device_memory_bytes: float | None = None) -> s
         else "value   none (critic-free estimator)",
         f"batch   {b['prompts']} prompts x {b['samples_per_prompt']} samples = {b['rows']} rows, prompt "
         f"{b['prompt_length']} + response {b['response_length']} tokens; {b['epochs']} epochs of minibatches "
-        f"of {b['minibatch_rows']} rows, microbatches of {b['microbatch_rows']}, forward chunks of "
-        f"{b['forward_rows']}",
+        f"of {b['minibatch_rows']} rows, " + (
+            f"packed: microbatches and forward chunks of {b['packed_rows']} packed rows (only those holding "
+            "tokens computed; memory is planned for the worst case)" if b.get("packed_rows") else
+            f"microbatches of {b['microbatch_rows']}, forward chunks of {b['forward_rows']}"),
         "",
         "Per device (GiB)                       bytes are exact shape arithmetic on the shardings",
     ]
