@@ -42,6 +42,20 @@ def microbatched(fn: Callable, num_chunks: int, *args):
     return jax.tree.map(merge, out)
 
 
+def packed_outputs(forward: Callable, hp: PPOHyper, prompt_tokens, prompt_mask, tokens, mask):
+    """Runs `forward` on the padded rows packed (`models/packing.py`), only on the microbatches
+    holding tokens. forward(PackedRows [M, T]) -> (per-slot outputs..., per-slot scores), each
+    [M, T]; returns (the per-slot outputs read at each response token's prediction slot, each
+    [B, Lr], 0 on padding), the scores read at each row's last real token [B], and the Packing."""
+    seq = jnp.concatenate([prompt_tokens, tokens], axis=1)
+    seq_mask = jnp.concatenate([prompt_mask, mask], axis=1)
+    layout = packing.plan(seq_mask, hp.packed_shape(seq.shape[0]))
+    *per_slot, slot_scores = packing.map_used(forward, layout.microbatches_used, packing.pack_rows(seq, layout))
+    slots = packing.prediction_slots(layout, prompt_tokens.shape[1], mask)
+    scores = packing.gather(slot_scores, packing.last_slots(layout, seq_mask))[:, 0]
+    return tuple(packing.gather(x, slots) for x in per_slot), scores, layout
+
+
 # ----------------------------------------------------------------------------------------------
 # Experience.
 
@@ -105,17 +119,10 @@ def make_experience_fn(policy_model: CausalLM, value_model: ScalarModel | None,
                                    rollout.prompt_tokens, rollout.prompt_mask, rollout.tokens, rollout.mask)
             seq_mask = jnp.concatenate([rollout.prompt_mask, rollout.mask], axis=1)
             return outputs, seq_mask.sum() / seq_mask.size
-        seq = jnp.concatenate([rollout.prompt_tokens, rollout.tokens], axis=1)
-        seq_mask = jnp.concatenate([rollout.prompt_mask, rollout.mask], axis=1)
-        rows = seq.shape[0]
-        layout = packing.plan(seq_mask, hp.packed_shape(rows))
-        packed = packing.pack_rows(seq, layout)
-        logp, ref_logp, entropy, values, rewards = packing.map_used(
-            lambda rows: packed_forwards(*models, rows), layout.microbatches_used, packed)
-        slots = packing.prediction_slots(layout, rollout.prompt_tokens.shape[1], rollout.mask)
-        per_token = tuple(packing.gather(x, slots) for x in (logp, ref_logp, entropy, values))
-        scores = packing.gather(rewards, packing.last_slots(layout, seq_mask))[:, 0]
-        return per_token + (scores,), layout.token_efficiency
+        (logp, ref_logp, entropy, values), scores, layout = packed_outputs(
+            lambda rows: packed_forwards(*models, rows), hp, rollout.prompt_tokens, rollout.prompt_mask,
+            rollout.tokens, rollout.mask)
+        return (logp, ref_logp, entropy, values, scores), layout.token_efficiency
 
     def experience(state: TrainState, frozen: FrozenParams, rollout: Rollout):
         mask = rollout.mask.astype(jnp.float32)
@@ -182,9 +189,24 @@ def make_scoring_fn(policy_model: CausalLM, reward_model: ScalarModel | None, hp
     """Pure scoring of given responses by the frozen models: (frozen, rollout-like arrays) ->
     (reference log-probs [B, Lr] under the rollout temperature, reward-model scores [B] with the
     configured gain and bias, 0 without a reward model). The reference and reward forwards of the
-    experience step, for evaluation outside the training loop."""
+    experience step (packed when it is), for evaluation outside the training loop."""
+
+    def packed_score(frozen: FrozenParams, prompt_tokens, prompt_mask, tokens, mask):
+        """`score` on packed rows, as the packed experience step computes them."""
+        ref_params, ref_adapters = reference_variables(frozen)
+
+        def forward(rows: packing.PackedRows):
+            logits = packing.next_token_logits(policy_model, ref_params, rows, hp.temperature, ref_adapters)
+            rewards = (packing.scalar_outputs(reward_model, frozen.reward, rows) if reward_model is not None
+                       else jnp.zeros(rows.tokens.shape, jnp.float32))
+            return packing.next_token_logprobs(logits, rows.tokens), rewards
+
+        (ref_logp,), scores, _ = packed_outputs(forward, hp, prompt_tokens, prompt_mask, tokens, mask)
+        return ref_logp, scores * hp.score_gain + hp.score_bias if reward_model is not None else scores
 
     def score(frozen: FrozenParams, prompt_tokens, prompt_mask, tokens, mask):
+        if hp.packed:
+            return packed_score(frozen, prompt_tokens, prompt_mask, tokens, mask)
         ref_params, ref_adapters = reference_variables(frozen)
         ref_logits = response_logits(policy_model, ref_params, prompt_tokens, prompt_mask, tokens, mask,
                                      hp.temperature, adapters=ref_adapters)
