@@ -59,6 +59,10 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
     `lax.scan` over epochs x shuffled minibatches; inside each minibatch a scan over microbatches
     accumulates gradients. Each microbatch loss is its token sum divided by the token count of the
     whole minibatch, so accumulated gradients and metrics equal the full-minibatch ones.
+
+    With `hp.packed` each minibatch's rows are packed in the step (`models/packing.py`) into
+    microbatches of `hp.packed_rows` packed rows, and only those holding tokens run: the same token
+    sums over the same tokens, so gradients and metrics equal the padded path's to fp32 round-off.
     """
     mini_rows = rows // hp.num_minibatches
     micro_rows = mini_rows // hp.num_microbatches
