@@ -40,7 +40,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_ppo import Hyper, Shapes, build_assets, versions  # noqa: E402
+from bench_ppo import Hyper, Shapes, add_shape_arguments, build_assets, versions  # noqa: E402
 
 DISTRIBUTIONS = ("full", "uniform", "stopped")
 
@@ -140,15 +140,7 @@ class Side:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--prompt", type=int, default=32)
-    p.add_argument("--response", type=int, default=64)
-    p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--minibatches", type=int, default=1)
+    add_shape_arguments(p)
     p.add_argument("--budgets", default="0",
                    help="comma-separated ppo.max_tokens_per_microbatch values to time packed (0 = the default)")
     p.add_argument("--distributions", default=",".join(DISTRIBUTIONS))
@@ -156,8 +148,7 @@ def main(argv=None) -> dict:
     p.add_argument("--iterations", type=int, default=3, help="timed calls per side, distribution and round")
     p.add_argument("--json", default="", help="also write the results to this JSON file")
     args = p.parse_args(argv)
-    shapes = Shapes(args.layers, args.hidden, args.heads, args.vocab, args.batch, args.prompt, args.response,
-                    args.epochs, args.minibatches)
+    shapes = Shapes.from_args(args)
     kinds = [k for k in args.distributions.split(",") if k]
     for k in kinds:
         if k not in DISTRIBUTIONS:

@@ -66,6 +66,24 @@ class Shapes:
     epochs: int
     minibatches: int
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "Shapes":
+        """The shapes given by the `add_shape_arguments` flags."""
+        return cls(*(getattr(args, f.name) for f in dataclasses.fields(cls)))
+
+
+def add_shape_arguments(p: argparse.ArgumentParser) -> None:
+    """The model and batch flags of the PPO benchmarks (defaults: the bench_ppo shapes)."""
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--response", type=int, default=64)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--minibatches", type=int, default=1)
+
 
 @dataclasses.dataclass(frozen=True)
 class Hyper:
@@ -379,15 +397,7 @@ def versions() -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--prompt", type=int, default=32)
-    p.add_argument("--response", type=int, default=64)
-    p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--minibatches", type=int, default=1)
+    add_shape_arguments(p)
     p.add_argument("--rounds", type=int, default=3, help="alternating TRL / ppo_jax blocks")
     p.add_argument("--iterations", type=int, default=3, help="PPO iterations per side per round")
     p.add_argument("--torch-omp-wait-policy", default="PASSIVE",
@@ -395,8 +405,7 @@ def main(argv=None) -> dict:
     p.add_argument("--torch-threads", type=int, default=0, help="torch.set_num_threads; 0 = torch's default")
     p.add_argument("--json", default="", help="also write the results to this JSON file")
     args = p.parse_args(argv)
-    shapes = Shapes(args.layers, args.hidden, args.heads, args.vocab, args.batch, args.prompt,
-                    args.response, args.epochs, args.minibatches)
+    shapes = Shapes.from_args(args)
     hp = Hyper()
     set_omp_wait_policy(args.torch_omp_wait_policy)
     if args.torch_threads:
