@@ -63,6 +63,13 @@ class Packing:
         return self.lengths.sum().astype(jnp.float32) / computed
 
 
+def padded_token_efficiency(*masks: Array) -> Array:
+    """[] float32: real tokens / slots of padded rows, given the masks of their parts (the prompt's
+    [B, Lq] and the response's [B, Lr]): what the padded forwards compute, to compare with
+    `Packing.token_efficiency`."""
+    return sum(m.sum() for m in masks).astype(jnp.float32) / sum(m.size for m in masks)
+
+
 @flax.struct.dataclass
 class PackedRows:
     """Model inputs of packed rows, each [..., M, T] (int32)."""

@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding
 
 from ppo_jax import ppo
 from ppo_jax.models import packing
-from ppo_jax.models.forward import response_logits, response_scores, response_values, token_logprobs
+from ppo_jax.models.forward import (response_logits, response_scores, response_values, sequence_inputs,
+                                    token_logprobs)
 from ppo_jax.models.transformer import CausalLM, ScalarModel
 from ppo_jax.rl.settings import PPOHyper
 from ppo_jax.rl.state import (Experience, FrozenParams, Rollout, TrainState, policy_variables, reference_variables,
@@ -47,8 +48,7 @@ def packed_outputs(forward: Callable, hp: PPOHyper, prompt_tokens, prompt_mask, 
     holding tokens. forward(PackedRows [M, T]) -> (per-slot outputs..., per-slot scores), each
     [M, T]; returns (the per-slot outputs read at each response token's prediction slot, each
     [B, Lr], 0 on padding), the scores read at each row's last real token [B], and the Packing."""
-    seq = jnp.concatenate([prompt_tokens, tokens], axis=1)
-    seq_mask = jnp.concatenate([prompt_mask, mask], axis=1)
+    seq, _, seq_mask = sequence_inputs(prompt_tokens, prompt_mask, tokens, mask)
     layout = packing.plan(seq_mask, hp.packed_shape(seq.shape[0]))
     *per_slot, slot_scores = packing.map_used(forward, layout.microbatches_used, packing.pack_rows(seq, layout))
     slots = packing.prediction_slots(layout, prompt_tokens.shape[1], mask)
@@ -117,8 +117,7 @@ def make_experience_fn(policy_model: CausalLM, value_model: ScalarModel | None,
         if not hp.packed:
             outputs = microbatched(lambda *a: forwards(*models, *a), hp.forward_microbatches,
                                    rollout.prompt_tokens, rollout.prompt_mask, rollout.tokens, rollout.mask)
-            seq_mask = jnp.concatenate([rollout.prompt_mask, rollout.mask], axis=1)
-            return outputs, seq_mask.sum() / seq_mask.size
+            return outputs, packing.padded_token_efficiency(rollout.prompt_mask, rollout.mask)
         (logp, ref_logp, entropy, values), scores, layout = packed_outputs(
             lambda rows: packed_forwards(*models, rows), hp, rollout.prompt_tokens, rollout.prompt_mask,
             rollout.tokens, rollout.mask)

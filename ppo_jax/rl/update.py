@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ppo_jax import ppo
 from ppo_jax.models import packing
-from ppo_jax.models.forward import response_logits, response_values, token_logprobs
+from ppo_jax.models.forward import response_logits, response_values, sequence_inputs, token_logprobs
 from ppo_jax.models.transformer import CausalLM, ScalarModel
 from ppo_jax.rl.settings import PPOHyper
 from ppo_jax.rl.state import Experience, PackedExperience, TrainState, policy_variables, value_variables
@@ -128,8 +128,7 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
     def packed_minibatch(exp: Experience, idx):
         """The minibatch rows `idx` [R] packed: (PackedExperience [K, M, T], Packing)."""
         picked = jax.tree.map(lambda x: x[idx], exp)
-        seq = jnp.concatenate([picked.prompt_tokens, picked.tokens], axis=1)
-        seq_mask = jnp.concatenate([picked.prompt_mask, picked.mask], axis=1)
+        seq, _, seq_mask = sequence_inputs(picked.prompt_tokens, picked.prompt_mask, picked.tokens, picked.mask)
         layout = packing.plan(seq_mask, hp.packed_shape(idx.shape[0]))
         slots = packing.prediction_slots(layout, picked.prompt_tokens.shape[1], picked.mask)
         at_slots = functools.partial(packing.scatter, slots=slots, packing=layout)
@@ -180,8 +179,8 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
         else:
             grads, metrics = accumulate(state, base, value_base, idx,
                                         lambda micro_idx: jax.tree.map(lambda x: x[micro_idx], exp), num_tokens)
-            token_efficiency = (jnp.concatenate([exp.prompt_mask, exp.mask], axis=1)[idx.reshape(-1)].sum()
-                                / (idx.size * (exp.prompt_mask.shape[1] + exp.mask.shape[1])))
+            picked = idx.reshape(-1)
+            token_efficiency = packing.padded_token_efficiency(exp.prompt_mask[picked], exp.mask[picked])
         metrics = ppo.finalize_metrics(metrics)
         policy_grads, value_grads = grads
         metrics["grad_norm/policy"] = optax.tree.norm(policy_grads)
