@@ -11,6 +11,7 @@ the section's `validate()`, with a message that names the field and the fix.
 from __future__ import annotations
 
 import dataclasses
+import os
 import math
 import os
 import sys
@@ -33,6 +34,22 @@ class ConfigError(ValueError):
 def check(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
+
+
+HF_MODEL_DIR = "a Hugging Face model directory (config.json and *.safetensors)"
+HF_REWARD_DIR = ("a Hugging Face ForSequenceClassification directory (config.json and *.safetensors), "
+                 "e.g. a reward-model run's <workdir>/hf")
+HF_TOKENIZER_DIR = "a Hugging Face tokenizer directory (tokenizer.json or the files of save_pretrained)"
+PEFT_ADAPTER_DIR = "a PEFT LoRA adapter directory (adapter_config.json and adapter_model.safetensors)"
+
+
+def check_directory(path: str, field: str, holds: str) -> None:
+    """A path field ("" = unset) names an existing directory, or one line naming the field and what it
+    should hold, before anything is built."""
+    if not path:
+        return
+    check(os.path.exists(path), f"{field}={path!r} does not exist: it should be {holds}")
+    check(os.path.isdir(path), f"{field}={path!r} is a file, not a directory: it should be {holds}")
 
 
 # ----------------------------------------------------------------------------------------------

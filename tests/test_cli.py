@@ -74,6 +74,87 @@ def test_a_misspelled_override_is_named_with_a_suggestion(override, message):
     preflight.check_overrides(["--config.train.iterations=3", "--config.policy.model.num_layers", "4"], config)
 
 
+@pytest.mark.parametrize("schema,example", [
+    (SFTSettings, "configs/sft.py"), (RewardModelSettings, "configs/reward_model.py"), (DPOSettings, "configs/dpo.py"),
+])
+def test_help_without_a_config_suggests_the_trainers_own_and_lists_its_defaults(capsys, schema, example):
+    with pytest.raises(SystemExit) as exit_info:
+        common.preflight(["prog", "--help"], what="x", schema=schema, default_config=None, takes_workdir=True,
+                         example_config=example)
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert f"--config=FILE is required, e.g. --config={example}" in out and "ppo_toy" not in out
+    defaults = [name for name, _, _ in preflight._rows(config_dict(schema()), schema, "")]
+    assert all(f"--config.{name}=" in out for name in defaults) and "with its value in the defaults" in out
+    with pytest.raises(ConfigError, match=f"e.g. {example}"):
+        preflight.load_config("nope.py", example=example)
+
+
+def test_plan_help_names_the_planner():
+    """Its --help says what it is and lists its own flags with or without a config (the subprocess test
+    above runs the real entry point; this one is the text)."""
+    out = subprocess.run([sys.executable, "-m", "ppo_jax.cli.plan", "--help"], capture_output=True, text=True,
+                         timeout=300).stdout
+    assert out.startswith("--config=FILE is required, e.g. --config=configs/plan_tinyllama.py")
+    assert "PPO memory plan" in out and "PPO run" not in out and "--tpu_topology" in out
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--config.rollout.batch_size=abc", "--config.rollout.batch_size=abc: rollout.batch_size takes a whole number (now 32)"),
+    ("--config.ppo.clip_eps=x", "ppo.clip_eps takes a number (now 0.2)"),
+    ("--config.train.progress=maybe", "train.progress takes true or false (now True)"),
+    ("--config.mesh.shape=(1,", "mesh.shape takes a tuple"),
+])
+def test_a_value_of_the_wrong_type_is_named(override, message):
+    config = preflight.load_config(TOY)
+    with pytest.raises(ConfigError) as info:
+        preflight.check_overrides([override], config)
+    assert message in str(info.value)
+    with pytest.raises(ConfigError, match="rollout.batch_size takes a whole number"):
+        preflight.check_overrides(["--config.rollout.batch_size", "1.5"], config)
+    # Values of the right type, a bool flag without a value, a field of an unset section: accepted.
+    preflight.check_overrides(["--config.rollout.batch_size=8", "--config.ppo.clip_eps=1e-1", "--config.train.progress",
+                               "--config.mesh.shape=(2,-1,1)", "--config.train.progress=false"], config)
+
+
+def test_a_wrong_type_from_the_command_line_is_one_line_exit_2(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "ppo_jax.cli.train", f"--config={TOY}", f"--workdir={tmp_path}/run",
+                          "--config.rollout.batch_size=abc"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr == ("error: --config.rollout.batch_size=abc: rollout.batch_size takes "
+                                                  "a whole number (now 32)\n"), out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_misplaced_field_suggests_its_full_path():
+    config = preflight.load_config(f"{REPO}/ppo_jax/demo/default_config.py")
+    with pytest.raises(ConfigError, match=r"did you mean --config\.ppo\.ppo\.kl_coef\?"):
+        preflight.check_overrides(["--config.ppo.kl_coef=0.1"], config)
+
+
+@pytest.mark.parametrize("schema,field,message", [
+    (Settings, "policy.path", "policy.path='{p}' does not exist: it should be a Hugging Face model directory"),
+    (Settings, "reward.path", "reward.path='{p}' does not exist: it should be a Hugging Face ForSequenceClassification"),
+    (Settings, "policy.lora.init_from", "policy.lora.init_from='{p}' does not exist: it should be a PEFT LoRA adapter"),
+    (SFTSettings, "model.path", "sft: model.path='{p}' does not exist: it should be a Hugging Face model directory"),
+    (RewardModelSettings, "tokenizer_path", "reward_model: tokenizer_path='{p}' does not exist: it should be a "
+                                            "Hugging Face tokenizer directory"),
+    (DPOSettings, "model.path", "dpo: model.path='{p}' does not exist"),
+])
+def test_a_missing_model_path_names_its_field(tmp_path, schema, field, message):
+    config = config_dict(schema())
+    missing = str(tmp_path / "nowhere")
+    *sections, name = field.split(".")
+    section = config
+    for part in sections:
+        section = section[part]
+    section[name] = missing
+    if schema is Settings:
+        config.reward.functions = "toy_target_count"
+    with pytest.raises(ConfigError) as info:
+        schema.from_config(config)
+    assert message.format(p=missing) in str(info.value)
+
+
 def test_a_missing_config_file_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"config file '.*nope.py' does not exist"):
         preflight.load_config(str(tmp_path / "nope.py"))
@@ -86,6 +167,7 @@ def test_a_missing_config_file_is_one_line(tmp_path):
 @pytest.mark.parametrize("command,args,expect", [
     ("ppo_jax.cli.train", ["--help"], "--config=FILE is required"),
     ("ppo_jax.cli.plan", [f"--config={REPO}/configs/plan_tiny.py", "--help"], "--device_memory_gb"),
+    ("ppo_jax.cli.plan", ["--help"], "--device_memory_gb"),
     ("ppo_jax.cli.export", ["--help"], "--checkpoint: PPO workdir"),
     ("ppo_jax.demo.kl_sweep", ["--help"], "--kl_coefs"),
     ("ppo_jax.cli.dpo", [f"--config={REPO}/configs/dpo.py", "--help"], "--config.loss.label_smoothing=0.0"),

@@ -15,7 +15,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from ppo_jax.cli import preflight as preflight_lib
-from ppo_jax.config import ConfigError
+from ppo_jax.config import ConfigError, config_dict
 from ppo_jax.checkpoint import CheckpointError
 
 # What a user can fix from the message alone: no traceback for these.
@@ -49,44 +49,59 @@ def wants_help(argv: Sequence[str]) -> bool:
 
 
 def preflight(argv: Sequence[str], *, what: str, schema: type | None, default_config: str | None,
-              takes_workdir: bool) -> None:
-    """--help (config tree, exit 0), a missing config file and misspelled overrides (one line, exit 2),
-    before absl parses anything."""
+              takes_workdir: bool, example_config: str = "configs/ppo_toy.py", title: str | None = None) -> None:
+    """--help (config tree, exit 0), a missing config file, misspelled overrides and values of the wrong
+    type (one line, exit 2), before absl parses anything. Without a config file --help lists the
+    schema's defaults (the fields are the same; the values are the file's to choose)."""
     args = list(argv[1:])
     spec = preflight_lib.flag_value(args, "config") or default_config
     help_asked = wants_help(argv)
-    if spec is None:
-        if help_asked:
-            print(f"{what} run: --config=FILE is required (e.g. configs/ppo_toy.py); "
-                  f"`--config=FILE --help` lists every field of FILE with its value and meaning.")
-            sys.exit(0)
+    title = title or f"{what} run"
+    if spec is None and not help_asked:
         return  # absl says --config is required
     try:
-        config = preflight_lib.load_config(spec)
+        config = (preflight_lib.load_config(spec, example=example_config) if spec is not None
+                  else config_dict(schema()) if schema is not None else None)
         if not help_asked:
             preflight_lib.check_overrides(args, config)
     except ConfigError as e:
         fail(str(e))
-    if help_asked:
-        print(preflight_lib.help_text(config, schema, what=what, config_spec=spec, takes_workdir=takes_workdir))
-        extra = [f for module, defined in flags.FLAGS.flags_by_module_dict().items()  # the command's own (plan's)
-                 if not any(lib in module for lib in ("absl", "ml_collections", "orbax"))
-                 for f in defined if f.name not in ("config", "workdir", "verbose")]
-        if extra:
-            print("\nOther flags:\n" + "\n".join(f"  --{f.name}: {f.help} (default: {f.default!r})" for f in extra))
-        sys.exit(0)
+    if not help_asked:
+        return
+    if spec is None:
+        print(f"--config=FILE is required, e.g. --config={example_config}; `--config=FILE --help` lists FILE's values.")
+        if config is not None:
+            print(preflight_lib.help_text(config, schema, what=what, title=title, takes_workdir=takes_workdir,
+                                          config_spec=None))
+    else:
+        print(preflight_lib.help_text(config, schema, what=what, title=title, config_spec=spec,
+                                      takes_workdir=takes_workdir))
+    own = own_flags()
+    if own:
+        print("\nOther flags:\n" + "\n".join(f"  --{f.name}: {f.help} (default: {f.default!r})" for f in own))
+    sys.exit(0)
+
+
+def own_flags() -> list[flags.Flag]:
+    """The flags a command defines itself (plan's --platform, ...), not absl's or the shared ones."""
+    return [f for module, defined in flags.FLAGS.flags_by_module_dict().items()
+            if not any(lib in module for lib in ("absl", "ml_collections", "orbax"))
+            for f in defined if f.name not in ("config", "workdir", "verbose")]
 
 
 def config_command(run: Callable[[Any, str | None], str | None], *, what: str, schema: type | None = None,
-                   default_config: str | None = None, workdir: str | None | bool = None, argv=None) -> None:
+                   default_config: str | None = None, workdir: str | None | bool = None,
+                   example_config: str = "configs/ppo_toy.py", title: str | None = None, argv=None) -> None:
     """Runs `run(config, workdir)` as a command line program and prints the line it returns.
 
-    schema: the settings dataclass the config is read into (its field comments are the --help text).
-    default_config: config file used without --config (None: --config is required). workdir: the
-    default workdir (None: --workdir is required; False: the command takes no workdir).
+    what: the kind of config ("PPO", "SFT", ...). schema: the settings dataclass the config is read into
+    (its field comments are the --help text). default_config: config file used without --config (None:
+    --config is required; example_config is the one its messages suggest). workdir: the default workdir
+    (None: --workdir is required; False: the command takes no workdir). title: what --help calls the
+    command (default "<what> run").
     """
     preflight(sys.argv if argv is None else argv, what=what, schema=schema, default_config=default_config,
-              takes_workdir=workdir is not False)
+              takes_workdir=workdir is not False, example_config=example_config, title=title)
     config_flag = config_flags.DEFINE_config_file(
         "config", default_config, f"{what} config file (a Python file with get_config())", lock_config=True)
     workdir_flag = None

@@ -16,7 +16,7 @@ def dpo(config, workdir: str) -> str:
 
 
 def main(argv=None) -> None:
-    config_command(dpo, schema=DPOSettings, what="DPO", argv=argv)
+    config_command(dpo, schema=DPOSettings, what="DPO", example_config="configs/dpo.py", argv=argv)
 
 
 if __name__ == "__main__":

@@ -78,7 +78,8 @@ def main(argv=None) -> None:
             return json.dumps(dict(result.to_dict(memory), planning_seconds=round(seconds, 1)), indent=2)
         return f"{format_plan(result, memory)}\nPlanned in {seconds:.1f} s."
 
-    config_command(plan, schema=Settings, what="PPO", workdir=False, argv=argv)
+    config_command(plan, schema=Settings, what="PPO", workdir=False, example_config="configs/plan_tinyllama.py",
+                   title="PPO memory plan (ppo-jax-plan: compiles the phase programs, allocates nothing)", argv=argv)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ def reward_model(config, workdir: str) -> str:
 
 
 def main(argv=None) -> None:
-    config_command(reward_model, schema=RewardModelSettings, what="reward-model", argv=argv)
+    config_command(reward_model, schema=RewardModelSettings, what="reward-model",
+                   example_config="configs/reward_model.py", argv=argv)
 
 
 if __name__ == "__main__":

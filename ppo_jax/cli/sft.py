@@ -15,7 +15,7 @@ def sft(config, workdir: str) -> str:
 
 
 def main(argv=None) -> None:
-    config_command(sft, schema=SFTSettings, what="SFT", argv=argv)
+    config_command(sft, schema=SFTSettings, what="SFT", example_config="configs/sft.py", argv=argv)
 
 
 if __name__ == "__main__":

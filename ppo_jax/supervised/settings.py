@@ -11,7 +11,8 @@ import dataclasses
 
 import ml_collections
 
-from ppo_jax.config import AdamWSettings, ComputeSettings, LoraSettings, MeshSettings, RunSettings, check, config_dict
+from ppo_jax.config import (HF_MODEL_DIR, HF_TOKENIZER_DIR, AdamWSettings, ComputeSettings, LoraSettings, MeshSettings,
+                            RunSettings, check, check_directory, config_dict)
 from ppo_jax.models.config import ModelConfig
 from ppo_jax.supervised.dpo_loss import LOSS_TYPES
 
@@ -34,8 +35,11 @@ class ModelSettings:
     # (model.path or the seed's init); model.lora.alpha, model.lora.targets as PPO's policy.lora.*
     lora: LoraSettings = LoraSettings()
 
-    def validate(self, what: str) -> None:
-        """LoraConfig's own checks, the field named; the model family is checked with the model."""
+    def validate(self, what: str, tokenizer_path: str = "") -> None:
+        """model.path and tokenizer_path exist; LoraConfig's own checks, the field named (the model
+        family is checked with the model)."""
+        check_directory(self.path, f"{what}: model.path", HF_MODEL_DIR)
+        check_directory(tokenizer_path, f"{what}: tokenizer_path", HF_TOKENIZER_DIR)
         self.lora.lora_config(f"{what}: model")
 
 
@@ -170,7 +174,7 @@ class SFTSettings(RunSettings):
 
     def validate(self) -> None:
         self.compute.validate("sft: compute")
-        self.model.validate("sft")
+        self.model.validate("sft", self.tokenizer_path)
         self.train.validate("sft")
         _validate_lora_export(self.model, self.train, "sft")
         self.optim.validate("sft: optim", {"lr": self.optim.lr})
@@ -193,7 +197,7 @@ class RewardModelSettings(RunSettings):
     def validate(self) -> None:
         what = "reward_model"
         self.compute.validate(f"{what}: compute")
-        self.model.validate(what)
+        self.model.validate(what, self.tokenizer_path)
         self.train.validate(what)
         # A PEFT directory cannot carry our new score head (it would need modules_to_save): merged only.
         check(self.train.lora_export == "merged",
@@ -206,6 +210,7 @@ class RewardModelSettings(RunSettings):
         if n.source != "none":
             check(n.num_prompts >= 2, f"{what}: normalize.num_prompts must be >= 2, got {n.num_prompts}")
         if n.source == "policy":
+            check_directory(n.policy_path, f"{what}: normalize.policy_path", HF_MODEL_DIR)
             check(bool(n.policy_path or self.model.path),
                   f"{what}: normalize.source='policy' needs normalize.policy_path (or model.path): the policy "
                   "whose samples should score mean 0")
@@ -229,7 +234,7 @@ class DPOSettings(RunSettings):
     def validate(self) -> None:
         what = "dpo"
         self.compute.validate(f"{what}: compute")
-        self.model.validate(what)
+        self.model.validate(what, self.tokenizer_path)
         self.train.validate(what)
         _validate_lora_export(self.model, self.train, what)
         self.optim.validate(f"{what}: optim", {"lr": self.optim.lr})
