@@ -21,7 +21,8 @@ from tiny_configs import tiny_config
 from ppo_jax import rewards as reward_fns
 from ppo_jax.checkpoint import CheckpointCorruptError
 from ppo_jax.rl.export import export_checkpoint
-from ppo_jax.rl.trainer import NonFiniteError, PPOTrainer, RunFailedError
+from ppo_jax.rl.errors import PREEMPTION_NOTICE, NonFiniteError, RunFailedError, RunStopped
+from ppo_jax.rl.trainer import PPOTrainer
 
 ITERATIONS = 4
 
@@ -362,26 +363,34 @@ def test_a_frozen_reference_is_tied_to_its_run(tmp_path, capsys):
         PPOTrainer(tiny_config(**{"train.iterations": 3, "seed": 7}), str(tmp_path), mesh=mesh)
 
 
-def test_cli_sigterm_saves_and_says_how_to_resume(tmp_path):
+def test_cli_ctrl_c_saves_says_how_to_resume_and_exits_130(tmp_path):
+    """SIGINT (Ctrl-C) with the progress bar on: the message on its own line, the checkpoint of the
+    last logged step, and status 130 so a wrapper tells it from a finished run (SIGTERM: 143)."""
     workdir = tmp_path / "run"
     cmd = [sys.executable, "-m", "ppo_jax.cli.train", f"--config={REPO}/configs/ppo_toy.py",
-           f"--workdir={workdir}", "--config.train.iterations=1000", "--config.train.progress=False",
+           f"--workdir={workdir}", "--config.train.iterations=1000", "--config.train.progress=True",
            "--config.rollout.batch_size=8", "--config.rollout.response_length=4",
            "--config.data.prompt_length=8", "--config.ppo.epochs=1"]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     metrics = workdir / "metrics.jsonl"
     deadline = time.time() + 300
     while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
         assert time.time() < deadline, "the run never logged a step"
         time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr[-3000:]
-    assert "Stopped by SIGTERM" in stdout and "Run the same command again to resume" in stdout
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 130, output[-3000:]
+    stopped = [line for line in output.split("\n") if "Stopped by SIGINT" in line]
+    assert len(stopped) == 1 and stopped[0].startswith("Stopped by SIGINT after iteration "), output[-3000:]
+    assert "Run the same command again to resume" in stopped[0]
     steps = sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())
     assert steps and steps[-1] == json.loads(metrics.read_text().splitlines()[-1])["step"]
+
+
+def test_stop_exit_statuses():
+    assert [RunStopped(r).exit_status for r in ("SIGINT", "SIGTERM", PREEMPTION_NOTICE)] == [130, 143, 143]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -561,6 +561,18 @@ def test_resume_loop_missing_transient_error_and_relaunch(scripted_gcloud):
                      ("tpu-vm", "describe"), ("ssh", "status"), ("tpu-vm", "delete")]
 
 
+def test_resume_loop_relaunches_a_training_stopped_by_sigterm(scripted_gcloud):
+    """The trainer exits 143 after saving when SIGTERM or a preemption notice stops it while the VM
+    stays READY (a maintenance event): relaunch, it resumes. 130 (Ctrl-C) is a person's stop."""
+    result, steps = scripted_gcloud(["READY", "READY"], ["exit:143", "exit:0"])
+    assert result.returncode == 0, result.stderr
+    assert steps == [("tpu-vm", "describe"), ("ssh", "status"), ("ssh", "launch"),
+                     ("tpu-vm", "describe"), ("ssh", "status")]
+    assert "training was stopped by SIGTERM or a preemption notice (exit status 143)" in result.stderr
+    result, steps = scripted_gcloud(["READY"], ["exit:130"])
+    assert result.returncode == 1 and "training exited with status 130 on worker 0" in result.stderr
+
+
 def test_resume_loop_gives_up_after_max_restarts(scripted_gcloud):
     result, steps = scripted_gcloud(["TERMINATED", "PREEMPTED"], [], "--max-restarts=1")
     assert result.returncode == 1

@@ -17,7 +17,9 @@ Every --poll-seconds, read the TPU's state with
 and act on it:
   READY                        ask worker 0 how the training is doing: still
                                running -> nothing; ended with status 0 -> done
-                               (exit 0); ended with another status -> stop
+                               (exit 0); ended with 143 (stopped by SIGTERM or a
+                               preemption notice, after a save) -> relaunch;
+                               ended with another status (130: Ctrl-C) -> stop
                                (exit 1) or relaunch (--on-failure=relaunch);
                                not running at all -> relaunch (launch.sh --replace)
   PREEMPTED, TERMINATED, gone  delete.sh, create.sh, setup.sh, launch.sh
@@ -225,6 +227,7 @@ check_training() {
       note "training finished (exit status 0 on worker 0)"
       if ((DELETE_WHEN_DONE)); then "${DELETE[@]}"; fi
       exit 0 ;;
+    exit:143) relaunch "training was stopped by SIGTERM or a preemption notice (exit status 143) after saving" ;;
     exit:*)
       [[ $ON_FAILURE == relaunch ]] ||
         fail "training exited with status ${status#exit:} on worker 0; see $(quote_cmd "$SCRIPT_DIR/logs.sh" --name="$TPU_NAME" --zone="$TPU_ZONE" --worker=all --no-follow)"

@@ -17,6 +17,7 @@ from ml_collections import config_flags
 from ppo_jax.cli import preflight as preflight_lib
 from ppo_jax.config import ConfigError, config_dict
 from ppo_jax.checkpoint import CheckpointError
+from ppo_jax.rl.errors import RunStopped
 
 # What a user can fix from the message alone: no traceback for these.
 USER_ERRORS = (ConfigError, CheckpointError, ValueError, KeyError, FileNotFoundError, FileExistsError)
@@ -118,6 +119,8 @@ def config_command(run: Callable[[Any, str | None], str | None], *, what: str, s
             message = run(config_flag.value, workdir_flag.value if workdir_flag is not None else None)
         except USER_ERRORS as e:
             fail(str(e))
+        except RunStopped as stopped:  # saved and said so: exit 130 (SIGINT) or 143 (SIGTERM, preemption)
+            sys.exit(stopped.exit_status)
         if message:
             print(message)
 

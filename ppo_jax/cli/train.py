@@ -6,7 +6,8 @@ from __future__ import annotations
 from ppo_jax import distributed
 from ppo_jax.cli.common import config_command, fail
 from ppo_jax.rl.settings import Settings
-from ppo_jax.rl.trainer import NonFiniteError, PPOTrainer, RunFailedError
+from ppo_jax.rl.errors import NonFiniteError, RunFailedError, RunStopped
+from ppo_jax.rl.trainer import PPOTrainer
 
 
 def train(config, workdir: str) -> str:
@@ -23,8 +24,8 @@ def train(config, workdir: str) -> str:
         return (f"already complete: checkpoint step {trainer.checkpoints.latest_step()} of "
                 f"train.iterations={settings.train.iterations} in {trainer.checkpoints.directory}; "
                 "raise train.iterations to continue it")
-    if trainer.stopped_by:
-        return ""  # the trainer said where it stopped and how to resume
+    if trainer.stopped_by:  # it said where it stopped and how to resume; the status says it stopped early
+        raise RunStopped(trainer.stopped_by)
     first, last = history[0], history[-1]
     return (f"done: {len(history)} iterations, score {first['objective/scores']:.4f} -> "
             f"{last['objective/scores']:.4f}, KL {last['objective/kl']:.4f}; metrics in {trainer.writer.path}")

@@ -25,6 +25,7 @@ from ppo_jax.demo.responses import ResponseSampler
 from ppo_jax.demo.settings import DemoSettings
 from ppo_jax.models import hf
 from ppo_jax.rl.state import policy_variables
+from ppo_jax.rl.errors import RunStopped
 from ppo_jax.rl.trainer import PPOTrainer
 from ppo_jax.supervised.dpo import DPOTrainer
 from ppo_jax.supervised.reward_model import RewardModelTrainer
@@ -154,6 +155,8 @@ def train_ppo(settings: DemoSettings, sft_dir: str, rm_dir: str, workdir: str, m
         trainer.train(on_iteration=on_iteration)
     finally:
         trainer.close()
+    if trainer.stopped_by:  # saved; the same command resumes it (no export, no figures of a partial run)
+        raise RunStopped(trainer.stopped_by)
     history = trainer.history
     hf_dir = os.path.join(out, "hf")
     params, adapters = policy_variables(trainer.state.policy, trainer.frozen.policy)  # LoRA: merged on export

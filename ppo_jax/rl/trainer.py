@@ -28,6 +28,7 @@ from ppo_jax.data import toy
 from ppo_jax.data.prompt_stream import PromptStream
 from ppo_jax.models import hf
 from ppo_jax.rl import build
+from ppo_jax.rl.errors import PREEMPTION_NOTICE, NonFiniteError, RunFailedError
 from ppo_jax.rl.experience import make_scoring_fn
 from ppo_jax.rl.settings import PPOHyper, Settings, derive_sizes, stop_token_ids
 from ppo_jax.rl.state import Rollout, policy_variables
@@ -36,15 +37,6 @@ from ppo_jax.rl.trainer_checkpoints import TrainerCheckpoints
 Array = jax.Array
 SAMPLES_FILE = "samples.jsonl"
 NONFINITE_SAMPLES_FILE = "nonfinite_samples.jsonl"
-
-
-class NonFiniteError(RuntimeError):
-    """Too many consecutive updates were skipped for non-finite losses, gradients or rewards."""
-
-
-class RunFailedError(RuntimeError):
-    """An exception stopped the loop; the last good state was saved first (the cause is chained
-    and its traceback written to `<workdir>/error.log`)."""
 
 
 class PPOTrainer(TrainerCheckpoints):
@@ -419,8 +411,10 @@ class PPOTrainer(TrainerCheckpoints):
                         f"in {self.checkpoints.directory} holds the parameters from before them")
                 if stop:
                     self.checkpoints.wait()
-                    reason = self._stop_signal or "a TPU preemption notice"
+                    reason = self._stop_signal or PREEMPTION_NOTICE
                     self.stopped_by = reason
+                    if progress is not None:  # the message on its own line, not after the bar's
+                        progress.close()
                     print(f"Stopped by {reason} after iteration {step}; checkpoint step "
                           f"{self.checkpoints.latest_step()} saved in {self.checkpoints.directory}. "
                           "Run the same command again to resume exactly where it stopped.", flush=True)
