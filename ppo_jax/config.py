@@ -11,7 +11,6 @@ the section's `validate()`, with a message that names the field and the fix.
 from __future__ import annotations
 
 import dataclasses
-import os
 import math
 import os
 import sys
@@ -136,10 +135,21 @@ class RunSettings:
         `validate`."""
         settings = from_config(cls, config)
         settings.validate(**checks)
+        settings.check_paths()
         return settings
 
     def validate(self, **checks) -> None:
         raise NotImplementedError
+
+    def path_fields(self) -> tuple[tuple[str, str, str], ...]:
+        """(path, its field's name, what it should hold) of every directory the run reads."""
+        return ()
+
+    def check_paths(self) -> None:
+        """Every path field names an existing directory (separate from `validate`: the demo validates
+        its stages before the directories they read are written)."""
+        for path, field, holds in self.path_fields():
+            check_directory(path, field, holds)
 
 
 def to_dict(section: Any) -> dict[str, Any]:

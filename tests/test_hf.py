@@ -740,3 +740,30 @@ class TestBadCheckpoints:
 def test_tokenizer_directory_missing(tmp_path):
     with pytest.raises(CheckpointError, match="tokenizer directory .* does not exist"):
         hf.load_tokenizer(tmp_path / "nowhere")
+
+
+def test_a_word_level_tokenizer_beside_a_bpe_family_config_loads_and_exports_as_saved(tmp_path, capsys):
+    """transformers 5's AutoTokenizer picks Qwen2Tokenizer from config.json, which rebuilds a BPE model
+    from the vocabulary: a word-level tokenizer.json then encodes its words to nothing (issue 33).
+    hf.load_tokenizer loads tokenizer.json as saved, and what it saves reloads the same."""
+    import transformers
+
+    from ppo_jax.data import build_word_tokenizer
+
+    tok = build_word_tokenizer(["w1", "w2", "user"], extra_special_tokens=["<|im_start|>"],
+                               chat_template="{% for m in messages %}<|im_start|> {{ m['content'] }} {% endfor %}")
+    source = tmp_path / "model"
+    transformers.Qwen2Config(vocab_size=len(tok)).save_pretrained(source)
+    tok.save_pretrained(source)
+    expected = tok("w1 w2 user")["input_ids"]
+    loaded = hf.load_tokenizer(source)
+    assert loaded("w1 w2 user")["input_ids"] == expected == [5, 6, 7]
+    assert loaded.chat_template == tok.chat_template and loaded.pad_token_id == tok.pad_token_id
+    auto = transformers.AutoTokenizer.from_pretrained(source)
+    if type(auto.backend_tokenizer.model).__name__ != "WordLevel":  # the transformers behaviour worked around
+        assert "using tokenizer.json as saved" in capsys.readouterr().err
+    export = tmp_path / "export"
+    hf.save_tokenizer(loaded, str(export))
+    assert json.loads((export / "tokenizer.json").read_text())["model"]["type"] == "WordLevel"
+    transformers.Qwen2Config(vocab_size=len(tok)).save_pretrained(export)
+    assert hf.load_tokenizer(export)("w1 w2 user")["input_ids"] == expected

@@ -15,6 +15,7 @@ from ppo_jax.data import toy
 from ppo_jax.data.prompt_stream import PromptDataSettings, PromptStream
 from ppo_jax.rl import settings as rl_settings
 from ppo_jax.rl.trainer import PPOTrainer
+from ppo_jax.supervised.sft import SFTTrainer
 
 BOM = b"\xef\xbb\xbf"
 
@@ -185,3 +186,58 @@ def test_path_comments_name_hugging_face_directories_only(section):
                 if line.strip().startswith("path: str"))
     comment = line.split("#", 1)[1]
     assert "Hugging Face" in comment and "not a ppo_jax checkpoint" in comment
+
+
+# ---------------------------------------------------------------------------------------------
+# (f) prompts the tokenizer reads as nothing (issue 33): an error naming the record, for every
+# trainer and data source, before anything compiles; a tokenizer losing words: one warning line.
+
+
+def test_a_prompt_of_unknown_words_names_the_line(tmp_path):
+    path = write(tmp_path / "p.jsonl", '{"prompt": "w1 w2"}\n{"prompt": "hello there"}\n')
+    with pytest.raises(ValueError, match=rf"^{path}:2: prompt 'hello there' tokenizes to only special tokens "
+                                         r"\['<unk>', '<unk>'\]: the tokenizer \(.*\) does not know its words"):
+        stream(path)
+
+
+def test_a_chat_prompt_whose_content_is_lost_is_refused_although_the_template_gives_tokens():
+    """The template's markers are tokens, so the encoded prompt is not empty: the content is checked."""
+    template = "{% for m in messages %}<|im_start|> {{ m['content'] }} <|im_end|> {% endfor %}<|im_start|>"
+    tok = data.build_word_tokenizer(toy.words(32), extra_special_tokens=["<|im_start|>", "<|im_end|>"],
+                                    chat_template=template)
+    d = PromptDataSettings(prompt_length=8, chat_template=True)
+    prompts = [[{"role": "user", "content": "w1"}], [{"role": "user", "content": "zz"}]]
+    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt .*tokenizes to only special tokens \['<unk>'\]"):
+        PromptStream(d, tok, batch_size=2, seed=0, prompts=prompts)
+
+
+def test_a_tokenizer_that_loses_some_words_gets_one_warning_line(capsys):
+    stream(prompts=["w1 hello w2", "w3 w4"])
+    out = capsys.readouterr().out
+    assert out.count("warning:") == 1 and "loses words of prompt 'w1 hello w2'" in out and "'hello'" in out
+    stream(prompts=["w1 w2", "w3 w4"])
+    assert "warning:" not in capsys.readouterr().out
+
+
+def test_the_content_check_runs_in_every_trainer_before_anything_compiles(tmp_path):
+    from test_dpo import tiny_config as dpo_config
+    from test_sft import records, tokenizer
+    from test_sft import tiny_config as sft_config
+
+    from ppo_jax.supervised.dpo import DPOTrainer
+    from ppo_jax.supervised.reward_model import RewardModelTrainer
+    from ppo_jax.supervised.settings import reward_model_config
+
+    sft_records = records(4) + [{"prompt": "bonjour", "response": "w1"}]
+    with pytest.raises(ValueError, match=r"sft train data\[4\]: prompt 'bonjour' tokenizes to only special"):
+        SFTTrainer(sft_config(), str(tmp_path / "sft"), tokenizer=tokenizer(), train_records=sft_records)
+    pairs = [{"prompt": "w1 w2", "chosen": "w3", "rejected": "w4"}, {"prompt": "salut", "chosen": "w3", "rejected": "w4"}]
+    with pytest.raises(ValueError, match=r"dpo eval data\[1\]: prompt 'salut'"):
+        DPOTrainer(dpo_config(), str(tmp_path / "dpo"), tokenizer=tokenizer(), train_records=pairs[:1],
+                   eval_records=pairs)
+    with pytest.raises(ValueError, match=r"reward_model train data\[1\]: prompt 'salut'"):
+        RewardModelTrainer(reward_model_config(), str(tmp_path / "rm"), tokenizer=tokenizer(), train_records=pairs)
+    assert not any((tmp_path / name).exists() for name in ("sft", "dpo", "rm"))
+    # The PPO trainer too (its prompts go through the PromptStream above).
+    path = write(tmp_path / "p.jsonl", '{"prompt": "w1"}\n{"prompt": "hola"}\n')
+    expect_trainer_error(tiny_config(**{"data.prompts": path}), tmp_path, r"p.jsonl:2: prompt 'hola' tokenizes")

@@ -5,7 +5,8 @@ and each process reads its own disjoint rows of every global batch.
 
 Bad prompts fail when the stream is built, before the trainer writes anything, naming the record
 (file:line, or the index of a prompt given in code) and the config field that fixes it: a missing
-data.field, an empty prompt, and with data.truncation=error a prompt longer than data.prompt_length.
+data.field, an empty prompt, a prompt whose words the tokenizer does not know (`prompt_checks`), and
+with data.truncation=error a prompt longer than data.prompt_length.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from ppo_jax.config import ConfigError
-from ppo_jax.data import loader as loader_lib, sources, tokenization, toy
+from ppo_jax import metrics as metrics_lib
+from ppo_jax.data import loader as loader_lib, prompt_checks, sources, tokenization, toy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +80,9 @@ class PromptStream:
         self.tokenizer = tokenization.PromptTokenizer(
             tokenizer, max_prompt_length=d.prompt_length, truncation=d.truncation,
             chat_template=d.chat_template or None)
+        # Prompts the tokenizer reads as nothing (or only its specials): refused now, not trained on.
+        prompt_checks.check_source(self.tokenizer.tokenizer, source, texts,
+                                   warn=metrics_lib.warn if split == "train" else None)
         if d.truncation == "error":
             _check_lengths(source, texts, self.tokenizer)
         self.loader = loader_lib.PromptLoader(

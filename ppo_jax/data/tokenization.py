@@ -135,7 +135,13 @@ def _field(record: Mapping[str, Any], name: str, where: str) -> Any:
 
 
 def load_tokenizer(name_or_path: str):
-    """`AutoTokenizer.from_pretrained` (a local directory, or a hub name where a cache/network has it)."""
+    """A local directory's tokenizer as saved (`models.hf.load_tokenizer`), else
+    `AutoTokenizer.from_pretrained` (a hub name where a cache or the network has it)."""
+    import os
+
+    if os.path.isdir(name_or_path):
+        from ppo_jax.models.hf.tokenizers import load_tokenizer as load_saved
+        return load_saved(name_or_path)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(name_or_path)
 

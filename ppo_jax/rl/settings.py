@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import ml_collections
 
-from ppo_jax.config import (HF_MODEL_DIR, HF_REWARD_DIR, PEFT_ADAPTER_DIR, check_directory,
+from ppo_jax.config import (HF_MODEL_DIR, HF_REWARD_DIR, PEFT_ADAPTER_DIR,
                             AdamWSettings, ComputeSettings, ConfigError, LoraSettings, MeshSettings, RunSettings, check,
                             check_positions, config_dict)
 from ppo_jax.data.prompt_stream import PromptDataSettings
@@ -193,15 +193,17 @@ class Settings(RunSettings):
     def uses_critic(self) -> bool:
         return self.ppo.advantage_estimator == "gae"
 
+    def path_fields(self) -> tuple[tuple[str, str, str], ...]:
+        return ((self.policy.path, "policy.path", HF_MODEL_DIR),
+                (self.policy.lora.init_from, "policy.lora.init_from", PEFT_ADAPTER_DIR),
+                (self.reward.path, "reward.path", HF_REWARD_DIR))
+
     def validate(self, *, reward_in_code: bool = False) -> None:
         """Every value that needs no mesh, model or tokenizer; the rest is in `derive_sizes`.
 
         reward_in_code: reward functions are passed in code, so a config without any reward is fine.
         """
         r, p, t = self.rollout, self.ppo, self.train
-        check_directory(self.policy.path, "policy.path", HF_MODEL_DIR)
-        check_directory(self.policy.lora.init_from, "policy.lora.init_from", PEFT_ADAPTER_DIR)
-        check_directory(self.reward.path, "reward.path", HF_REWARD_DIR)
         check(r.batch_size > 0, f"rollout.batch_size must be positive, got {r.batch_size}")
         check(r.num_samples >= 1, f"rollout.num_samples must be >= 1, got {r.num_samples}")
         check(r.response_length > 0, f"rollout.response_length must be positive, got {r.response_length}")

@@ -1,7 +1,7 @@
-"""What the SFT, reward-model and DPO trainers share: the model's config checks, the train state
-(the whole model, or with LoRA the adapters and any new head on a frozen base), gradient accumulation
-over microbatches, checkpoint resume, the training loop (metrics, evaluation, checkpoints, progress
-bar) and the export.
+"""What the SFT, reward-model and DPO trainers share: the model's config checks, what is trained (the
+whole model, or with LoRA the adapters and any new head on a frozen base; the train state and gradient
+accumulation are in `train_state`), the start-up checks of the data, checkpoint resume, the training
+loop (metrics, evaluation, checkpoints, progress bar) and the export.
 
 The PPO trainer has its own loop (rollouts are not minibatches of a dataset); these three are plain
 supervised learning over a `ppo_jax.data` loader.
@@ -14,14 +14,12 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import flax.struct
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from tqdm.auto import tqdm
 
 from ppo_jax import data as data_lib
+from ppo_jax.data import prompt_checks
 from ppo_jax import metrics as metrics_lib
 from ppo_jax import sharding
 from ppo_jax.checkpoint import CheckpointManager, verify
@@ -32,6 +30,9 @@ from ppo_jax.models.lora import COLLECTION as LORA
 from ppo_jax.models.lora import trained_variables
 from ppo_jax.optim import make_optimizer
 from ppo_jax.supervised.settings import ModelSettings
+from ppo_jax.supervised.train_state import (  # noqa: F401 (the trainers' names for them: supervised.X)
+    TrainState, abstract_state, accumulate_gradients, apply_gradients, check_batch_size, init_train_state,
+    split_microbatches)
 
 Array = jax.Array
 # frozen_checksums[BASE_KEY] in a LoRA run's checkpoints: its frozen base's checksums (PPO's is "policy_base").
@@ -124,94 +125,6 @@ def lora_adapters(module, params, shardings, mesh, key, heads: tuple[str, ...] =
 
 
 # ----------------------------------------------------------------------------------------------
-# Train state.
-
-
-@flax.struct.dataclass
-class TrainState:
-    """Everything an optimizer step changes; donated to the step."""
-
-    step: Array  # [] int32, optimizer steps done
-    params: Any
-    opt_state: Any
-
-
-def init_train_state(params, param_shardings, boxed_abstract, tx: optax.GradientTransformation,
-                     mesh) -> tuple[TrainState, TrainState]:
-    """(state, shardings): optimizer state sharded like the params it mirrors.
-
-    boxed_abstract: the model's abstract params with logical axis names (`hf.abstract_params`), so
-    Adam's moments get the same shardings as the params.
-    """
-    opt_shardings = sharding.tree_shardings(jax.eval_shape(tx.init, boxed_abstract), mesh)
-    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
-    replicated = sharding.replicated(mesh)
-    shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
-    state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated), params=params,
-                       opt_state=opt_state)
-    return state, shardings
-
-
-def apply_gradients(tx, state: TrainState, grads) -> TrainState:
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    return TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                      opt_state=opt_state)
-
-
-def abstract_state(state: TrainState, shardings: TrainState):
-    """Restore target: shapes, dtypes and shardings of `state`."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
-
-
-# ----------------------------------------------------------------------------------------------
-# Batches.
-
-
-def check_batch_size(batch_size: int, mesh, what: str) -> None:
-    divisor = sharding.batch_divisor(mesh)
-    if batch_size % divisor:
-        raise ConfigError(
-            f"{what}: train.batch_size={batch_size} does not split over the {divisor} data-parallel "
-            f"devices (mesh data x fsdp = {dict(mesh.shape)}); use a multiple of {divisor}")
-
-
-def split_microbatches(tree, num_microbatches: int):
-    """Leaves [B, ...] -> [num_microbatches, B / num_microbatches, ...].
-
-    Rows are dealt round-robin (microbatch i = rows i, i + n, ...), so with a batch-sharded input
-    every microbatch still spans all data-parallel devices instead of landing on a few of them.
-    """
-
-    def split(x):
-        x = x.reshape((x.shape[0] // num_microbatches, num_microbatches) + x.shape[1:])
-        return jnp.swapaxes(x, 0, 1)
-
-    return jax.tree.map(split, tree)
-
-
-def accumulate_gradients(loss_fn: Callable, params, microbatches, batch_sharding):
-    """(loss, metrics, grads), each summed over the microbatches with one `lax.scan`.
-
-    loss_fn(params, microbatch) -> (loss [], metrics): every loss term and metric must be a sum over
-    the microbatch divided by a whole-batch count (or a `SumCount`), so that the sums are exactly the
-    full-batch loss, gradient and metrics however the rows fall into microbatches.
-    microbatches: leaves [n, b, ...] (`split_microbatches`).
-    """
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-
-    def step(acc, microbatch):
-        microbatch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, batch_sharding), microbatch)
-        (loss, metrics), grads = grad_fn(params, microbatch)
-        return jax.tree.map(jnp.add, acc, (loss, metrics, grads)), None
-
-    first = jax.tree.map(lambda x: x[0], microbatches)
-    (loss_shape, metric_shapes), grad_shapes = jax.eval_shape(grad_fn, params, first)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss_shape, metric_shapes, grad_shapes))
-    totals, _ = jax.lax.scan(step, zeros, microbatches)
-    return totals
-
-
-# ----------------------------------------------------------------------------------------------
 # The loop.
 
 
@@ -288,10 +201,11 @@ def summary_line(trainer, history: list[dict[str, float]]) -> str:
     its export is."""
     prefixes = trainer.summary_prefixes
     logged = [row for row in history if any(k.startswith(prefixes) for k in row)]
-    shown = {k: round(v, 4) for k, v in logged[-1].items() if k.startswith(prefixes)} if logged else {}
+    shown = [f"{k} {v:.4f}" for k, v in logged[-1].items() if k.startswith(prefixes)] if logged else []
     adapter = trainer.model_config.lora is not None and trainer.settings.train.lora_export == "adapter"
     export = "PEFT adapter" if adapter else "Hugging Face export"
-    return f"done: {trainer.step} steps {shown}; {export} in {os.path.join(trainer.workdir, 'hf')}"
+    metrics = f" ({', '.join(shown)})" if shown else ""
+    return f"done: {trainer.step} steps{metrics}; {export} in {os.path.join(trainer.workdir, 'hf')}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -382,6 +296,13 @@ class SupervisedTrainer:
         verify.check_rebuilt(self.base, recorded, f"{self.checkpoints.directory} ({self.name})", "LoRA base",
                              "base model", source, "use the original model.path and seed")
         self._base_record = recorded
+
+    def _check_prompts(self, train_source, eval_source) -> None:
+        """Every prompt has tokens of its own under the run's tokenizer, before anything compiles
+        (`data.prompt_checks`; a tokenizer that loses the first prompts' words gets one warning)."""
+        prompt_checks.check_source(self.tokenizer, train_source, warn=metrics_lib.warn)
+        if eval_source is not None:
+            prompt_checks.check_source(self.tokenizer, eval_source)
 
     def _load_tokenizer(self):
         path = self.settings.tokenizer_path or self.settings.model.path

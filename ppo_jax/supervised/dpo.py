@@ -152,6 +152,7 @@ class DPOTrainer(supervised.SupervisedTrainer):
                               "or pass train_records")
         self.eval_source = supervised.data_source(d.eval, eval_records, fields, "dpo eval data")
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
+        self._check_prompts(train_source, self.eval_source)
 
         self.length = d.max_prompt_length + d.max_response_length
         cfg, _ = supervised.model_config(s.model, self.tokenizer, what="dpo", length=self.length,

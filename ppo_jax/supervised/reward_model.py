@@ -152,6 +152,7 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
         self.train_source = train_source
         self.eval_source = supervised.data_source(d.eval, eval_records, fields, "reward_model eval data")
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
+        self._check_prompts(train_source, self.eval_source)
 
         head_key, self._normalize_key = jax.random.split(jax.random.key(s.seed))
         self.length = d.max_prompt_length + d.max_response_length

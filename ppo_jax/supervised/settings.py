@@ -12,7 +12,7 @@ import dataclasses
 import ml_collections
 
 from ppo_jax.config import (HF_MODEL_DIR, HF_TOKENIZER_DIR, AdamWSettings, ComputeSettings, LoraSettings, MeshSettings,
-                            RunSettings, check, check_directory, config_dict)
+                            RunSettings, check, config_dict)
 from ppo_jax.models.config import ModelConfig
 from ppo_jax.supervised.dpo_loss import LOSS_TYPES
 
@@ -35,11 +35,8 @@ class ModelSettings:
     # (model.path or the seed's init); model.lora.alpha, model.lora.targets as PPO's policy.lora.*
     lora: LoraSettings = LoraSettings()
 
-    def validate(self, what: str, tokenizer_path: str = "") -> None:
-        """model.path and tokenizer_path exist; LoraConfig's own checks, the field named (the model
-        family is checked with the model)."""
-        check_directory(self.path, f"{what}: model.path", HF_MODEL_DIR)
-        check_directory(tokenizer_path, f"{what}: tokenizer_path", HF_TOKENIZER_DIR)
+    def validate(self, what: str) -> None:
+        """LoraConfig's own checks, the field named; the model family is checked with the model."""
         self.lora.lora_config(f"{what}: model")
 
 
@@ -172,9 +169,14 @@ class SFTSettings(RunSettings):
     train: SupervisedTrainSettings = SupervisedTrainSettings(steps=1000)
     optim: SupervisedOptimSettings = SupervisedOptimSettings(lr=1e-3)
 
+    def path_fields(self) -> tuple[tuple[str, str, str], ...]:
+        what = "sft"
+        return ((self.model.path, f"{what}: model.path", HF_MODEL_DIR),
+                (self.tokenizer_path, f"{what}: tokenizer_path", HF_TOKENIZER_DIR),)
+
     def validate(self) -> None:
         self.compute.validate("sft: compute")
-        self.model.validate("sft", self.tokenizer_path)
+        self.model.validate("sft")
         self.train.validate("sft")
         _validate_lora_export(self.model, self.train, "sft")
         self.optim.validate("sft: optim", {"lr": self.optim.lr})
@@ -194,10 +196,16 @@ class RewardModelSettings(RunSettings):
     train: SupervisedTrainSettings = SupervisedTrainSettings(steps=500)
     optim: SupervisedOptimSettings = SupervisedOptimSettings(lr=3e-4)
 
+    def path_fields(self) -> tuple[tuple[str, str, str], ...]:
+        what = "reward_model"
+        return ((self.model.path, f"{what}: model.path", HF_MODEL_DIR),
+                (self.tokenizer_path, f"{what}: tokenizer_path", HF_TOKENIZER_DIR),
+                (self.normalize.policy_path, f"{what}: normalize.policy_path", HF_MODEL_DIR),)
+
     def validate(self) -> None:
         what = "reward_model"
         self.compute.validate(f"{what}: compute")
-        self.model.validate(what, self.tokenizer_path)
+        self.model.validate(what)
         self.train.validate(what)
         # A PEFT directory cannot carry our new score head (it would need modules_to_save): merged only.
         check(self.train.lora_export == "merged",
@@ -210,7 +218,6 @@ class RewardModelSettings(RunSettings):
         if n.source != "none":
             check(n.num_prompts >= 2, f"{what}: normalize.num_prompts must be >= 2, got {n.num_prompts}")
         if n.source == "policy":
-            check_directory(n.policy_path, f"{what}: normalize.policy_path", HF_MODEL_DIR)
             check(bool(n.policy_path or self.model.path),
                   f"{what}: normalize.source='policy' needs normalize.policy_path (or model.path): the policy "
                   "whose samples should score mean 0")
@@ -231,10 +238,15 @@ class DPOSettings(RunSettings):
     train: DPOTrainSettings = DPOTrainSettings(steps=500)
     optim: SupervisedOptimSettings = SupervisedOptimSettings(lr=1e-4)
 
+    def path_fields(self) -> tuple[tuple[str, str, str], ...]:
+        what = "dpo"
+        return ((self.model.path, f"{what}: model.path", HF_MODEL_DIR),
+                (self.tokenizer_path, f"{what}: tokenizer_path", HF_TOKENIZER_DIR),)
+
     def validate(self) -> None:
         what = "dpo"
         self.compute.validate(f"{what}: compute")
-        self.model.validate(what, self.tokenizer_path)
+        self.model.validate(what)
         self.train.validate(what)
         _validate_lora_export(self.model, self.train, what)
         self.optim.validate(f"{what}: optim", {"lr": self.optim.lr})

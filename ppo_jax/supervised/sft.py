@@ -112,6 +112,7 @@ class SFTTrainer(supervised.SupervisedTrainer):
             raise ConfigError("sft: no training data; set data.train (a JSONL file) or pass train_records")
         eval_source = supervised.data_source(d.eval, eval_records, fields, "sft eval data")
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
+        self._check_prompts(train_source, eval_source)
 
         # Model (validated before any compile).
         self.length = d.max_prompt_length + d.max_response_length
