@@ -480,6 +480,50 @@ def test_every_step_damaged_is_one_clear_error(tmp_path):
             manager.restore_newest_valid(abstract_state=abstract_on(state, state_shardings(state, mesh)))
 
 
+def _warnings(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("warning:")]
+
+
+@pytest.mark.parametrize("junk", ["stray_file", "empty"])
+def test_a_step_directory_holding_no_checkpoint_is_set_aside_with_one_warning(tmp_path, junk, capsys):
+    """`99/x` (or an empty `99/`): named like a step, nothing Orbax wrote. It used to stop every
+    resume ("its metadata failed to load"); now it is renamed like a damaged step and resume goes on."""
+    mesh = make_test_mesh((1, 1, 1))
+    directory = _two_steps(tmp_path, mesh)
+    (directory / "99").mkdir()
+    if junk == "stray_file":
+        (directory / "99" / "x").write_text("not a checkpoint")
+    state = make_state(mesh, seed=2)
+    target = abstract_on(state, state_shardings(state, mesh))
+    capsys.readouterr()
+    with ckpt.CheckpointManager(directory) as manager:
+        assert manager.all_steps() == [1, 2] and manager.latest_step() == 2
+        restored = manager.restore_newest_valid(abstract_state=target)
+        assert restored.step == 2 and restored.skipped == ()
+        assert_trees_identical(restored.state, state)
+    [warning] = _warnings(capsys.readouterr().out)
+    assert f"{directory / '99'} is named like a checkpoint step but holds none" in warning
+    assert "no _CHECKPOINT_METADATA file, no state/ directory" in warning
+    assert f"moved to {directory / '99.corrupt'}" in warning
+    assert not (directory / "99").exists()  # kept, renamed: nothing a user put there is deleted
+    assert sorted(p.name for p in (directory / "99.corrupt").iterdir()) == (["x"] if junk == "stray_file" else [])
+    with ckpt.CheckpointManager(directory) as manager:  # said once: the next open finds nothing to say
+        assert manager.all_steps() == [1, 2]
+    assert _warnings(capsys.readouterr().out) == []
+
+
+def test_only_step_directories_holding_no_checkpoint_means_no_checkpoint(tmp_path, capsys):
+    """With no real step beside it, the stray directory leaves nothing to resume: trainers start
+    fresh (they resume only when `all_steps()` is not empty)."""
+    directory = tmp_path / "run"
+    (directory / "7").mkdir(parents=True)
+    (directory / "7" / "notes.txt").write_text("mine")
+    with ckpt.CheckpointManager(directory) as manager:
+        assert manager.all_steps() == [] and manager.latest_step() is None
+    assert len(_warnings(capsys.readouterr().out)) == 1
+    assert (directory / "7.corrupt" / "notes.txt").read_text() == "mine"
+
+
 def test_checksums_are_the_same_on_every_mesh_and_see_one_changed_word():
     state = make_state(make_test_mesh((1, 1, 1)))
     sums = verify.checksums(state)
@@ -670,6 +714,8 @@ def test_two_processes_save_collectively_and_restore_anywhere(tmp_path):
     script = tmp_path / "process.py"
     script.write_text(_PROCESS)
     directory = tmp_path / "run"
+    (directory / "99").mkdir(parents=True)  # holds no checkpoint: set aside by process 0 alone
+    (directory / "99" / "x").write_text("not a checkpoint")
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT))
     env.pop("XLA_FLAGS", None)  # jax_num_cpu_devices=2 in the children instead
     logs = [tmp_path / f"process{i}.log" for i in range(2)]
@@ -690,6 +736,8 @@ def test_two_processes_save_collectively_and_restore_anywhere(tmp_path):
     for i, (child, log) in enumerate(zip(children, logs)):
         text = log.read_text()
         assert child.returncode == 0 and f"process {i} ok" in text, text[-3000:]
+    assert sum(len(_warnings(log.read_text())) for log in logs) == 1
+    assert (directory / "99.corrupt" / "x").is_file() and not (directory / "99").exists()
     # Both processes wrote their own part of the array data.
     written = {p.name for p in (directory / "5" / "state").iterdir()}
     assert {"ocdbt.process_0", "ocdbt.process_1"} <= written, written

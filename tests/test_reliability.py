@@ -300,17 +300,21 @@ def test_resume_skips_a_damaged_newest_step_and_says_so(tmp_path, capsys):
     config = tiny_config(**{"train.iterations": 2, "train.checkpoint_every": 1})
     PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 1, 1))).train()
     _flip_bytes_in_largest_array_file(tmp_path / "checkpoints" / "2" / "state")
+    (tmp_path / "checkpoints" / "99").mkdir()  # named like a step, holds no checkpoint: set aside too
+    (tmp_path / "checkpoints" / "99" / "x").write_text("not a checkpoint")
     capsys.readouterr()
     resumed = PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
     out = capsys.readouterr().out
     assert resumed.resumed_from == 1
+    [junk] = [line for line in out.splitlines() if line.startswith("warning: ") and "/99 " in line]
+    assert "holds none (no _CHECKPOINT_METADATA file, no state/ directory; it holds x)" in junk
     # Which check catches the zeroed bytes depends on where they land in the compressed file (its
     # layout varies run to run): the checksums, or the decoder while reading. Either says "is damaged".
     assert "warning: checkpoint step 2 in" in out and " is damaged: " in out and "2.corrupt" in out \
         and "resuming from step 1" in out
     assert len(resumed.train()) == 1  # step 2 again
     resumed.close()
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2", "2.corrupt", "frozen"]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2", "2.corrupt", "99.corrupt", "frozen"]
     assert [r["step"] for r in map(json.loads, open(tmp_path / "metrics.jsonl"))] == [1, 2]
 
 

@@ -1,6 +1,7 @@
 """Checkpoints: the only package that imports Orbax.
 
-Modules: `manager` (CheckpointManager), `trees` (paths, shapes, the restore-target check),
+Modules: `manager` (CheckpointManager), `reading` (a read's failure as one line, the read target),
+`aside` (renaming what must not be read again), `trees` (paths, shapes, the restore-target check),
 `verify` (leaf checksums), `layout` (stacked / per-layer layer layouts), `payloads` (the JSON
 items), `errors`.
 
@@ -12,6 +13,7 @@ A run directory holds numbered step checkpoints and, under `frozen/`, trees save
       12/checksums/...    JSON: one checksum per state leaf, compared after every restore
       12/metrics/...      JSON metrics, written only when a best metric is tracked
       11.corrupt/         a step found damaged on restore (renamed, never deleted)
+      99.corrupt/         a directory named like a step that held no checkpoint (renamed on open)
       frozen/reference/   trees saved once (reference / reward params)
 
 What Orbax gives us and we rely on (each one is exercised in tests/test_checkpoint.py):

@@ -2,33 +2,26 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import math
 import numbers
 import os
 import re
-import sys
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies_lib
 
-from ppo_jax import metrics as metrics_lib
-from ppo_jax.checkpoint import layout, payloads, trees, verify
-from ppo_jax.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
-                                       CheckpointNotFoundError, CheckpointSaveError)
+from ppo_jax.checkpoint import aside, payloads, reading, trees, verify
+from ppo_jax.checkpoint.aside import CORRUPT_SUFFIX
+from ppo_jax.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointNotFoundError,
+                                       CheckpointSaveError)
 
 STATE_ITEM = "state"
 EXTRA_ITEM = "extra"
 CHECKSUM_ITEM = "checksums"
-CORRUPT_SUFFIX = ".corrupt"  # damaged steps and frozen trees are renamed, never deleted
 FROZEN_SUBDIR = "frozen"
 _FROZEN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _TMP_MARKER = ".orbax-checkpoint-tmp"
@@ -44,66 +37,6 @@ class RestoredStep:
     skipped: tuple[str, ...]  # one line per newer step found damaged (renamed <step>.corrupt), ready to print
 
 
-def _first_line(err: BaseException) -> str:
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return lines[0][:300] if lines else type(err).__name__
-
-
-def _read_error(what: str, doing: str, err: BaseException) -> CheckpointError:
-    damage = verify.damage_line(err)
-    if damage is not None:
-        return CheckpointCorruptError(f"{what} is damaged: {damage}")
-    return CheckpointError(f"{what}: {doing}: {type(err).__name__}: {_first_line(err)}")
-
-
-def _read(read: Callable[[], Any], what: str, doing: str) -> Any:
-    """read(), with a failure turned into CheckpointCorruptError (bytes damaged; the message holds
-    the line that says so, and the TensorStore chain is dropped: it is hundreds of lines of spec)
-    or CheckpointError (anything else, chained)."""
-    try:
-        return read()
-    except Exception as e:
-        error = _read_error(what, doing, e)
-        if not isinstance(error, CheckpointCorruptError):
-            raise error from e
-    raise error
-
-
-@contextlib.contextmanager
-def _quiet_abandoned_reads():
-    """When one array fails to read, Orbax abandons the reads of the others, and Python prints each
-    abandoned coroutine's exception ("Exception ignored in ...", a TensorStore spec each) when it is
-    collected. The first failure is reported as one line instead; collect the rest here, silently."""
-    previous = sys.unraisablehook
-    sys.unraisablehook = lambda unraisable: None
-    try:
-        yield
-    finally:
-        gc.collect()
-        sys.unraisablehook = previous
-
-
-def _read_target(stored_tree, abstract, what: str) -> tuple[Any, str | None]:
-    """(the target to read with, the layer layout to convert to after reading, or None).
-
-    A tree stored in the other layer layout (`compute.layer_loop` picks it per platform: a run
-    trained on a GPU, resumed on a CPU) is read in its own layout, onto the target's shardings
-    converted; any other difference raises CheckpointMismatchError (compared in the stored layout,
-    so the message names what really differs: a layer count, a shape)."""
-    stored_layout = layout.detect(stored_tree, is_leaf=trees.is_metadata_leaf)
-    target_layout = layout.detect(abstract)
-    if stored_layout is None or target_layout is None or stored_layout == target_layout:
-        trees.check_tree_matches(stored_tree, abstract, what=what)
-        return abstract, None
-    try:
-        read_as = layout.to_layout_abstract(abstract, stored_layout)
-    except ValueError as e:  # a target whose layers do not stack: not this checkpoint's tree either
-        raise CheckpointMismatchError(f"{what} stores the layers {stored_layout}; the restore target "
-                                      f"cannot be converted to that: {e}") from e
-    trees.check_tree_matches(stored_tree, read_as, what=f"{what} (layers {stored_layout})")
-    return read_as, target_layout
-
-
 def _as_path(directory) -> epath.Path:
     text = os.fspath(directory)
     if "://" not in text:  # local path: Orbax wants it absolute
@@ -116,7 +49,8 @@ class CheckpointManager:
 
     Keeps the newest `max_to_keep` steps and, when `best_metric` is set, also the best step by
     `metrics[best_metric]` (`best_mode` "max" or "min"; a NaN metric ranks worst). Saves happen
-    only at steps that are multiples of `save_interval_steps` (or with `force=True`).
+    only at steps that are multiples of `save_interval_steps` (or with `force=True`). Opening sets
+    aside (`aside`) each directory named like a step that holds no checkpoint, with a `warning:` line.
     Every process of a multi-process run must make the same calls.
     """
 
@@ -181,6 +115,9 @@ class CheckpointManager:
             raise CheckpointSaveError(
                 f"cannot create or open the checkpoint directory {self._directory}: {e}; choose "
                 "a writable directory (e.g. the run's workdir on a disk with free space)") from e
+        # A stray `99/` would be the newest step, the first every resume tries, and unreadable.
+        if aside.set_aside_steps_without_checkpoint(self._directory, self._manager.all_steps(), STATE_ITEM):
+            self._manager.reload()
 
     # ------------------------------------------------------------------ queries
 
@@ -308,38 +245,29 @@ class CheckpointManager:
         try:
             stored = self._manager.item_metadata(step)[STATE_ITEM]
         except Exception as e:
-            raise _read_error(what, "its metadata failed to load", e) from e
+            raise reading.read_error(what, "its metadata failed to load", e) from e
         if stored is None:
             if (step_dir / STATE_ITEM).exists():
                 raise CheckpointCorruptError(f"{what} is damaged: its {STATE_ITEM}/_METADATA file is missing")
             raise CheckpointError(f"{what} has no '{STATE_ITEM}' item; it was not written by ppo_jax")
-        read_as, relayout = _read_target(getattr(stored, "tree", stored), abstract, what)
+        read_as, relayout = reading.read_target(getattr(stored, "tree", stored), abstract, what)
         # Checkpoints written before checksums existed restore unverified.
         verified = (step_dir / CHECKSUM_ITEM).exists()
         items = {STATE_ITEM: ocp.args.StandardRestore(read_as), EXTRA_ITEM: ocp.args.JsonRestore()}
         if verified:
             items[CHECKSUM_ITEM] = ocp.args.JsonRestore()
-        with _quiet_abandoned_reads():
-            restored = _read(lambda: self._manager.restore(step, args=ocp.args.Composite(**items)),
-                             what, "it could not be read")
+        with reading.quiet_abandoned_reads():
+            restored = reading.read(lambda: self._manager.restore(step, args=ocp.args.Composite(**items)),
+                                    what, "it could not be read")
         state = restored[STATE_ITEM]
         if verified:
-            self._check_checksums(what, state, restored[CHECKSUM_ITEM])
+            verify.check_restored(what, state, restored[CHECKSUM_ITEM])
         return self._in_target_layout(state, abstract, relayout, what), dict(restored[EXTRA_ITEM] or {})
 
     def _in_target_layout(self, tree, abstract, to: str | None, what: str):
-        """`tree` as read, converted to layer layout `to` onto the target's shardings (as is for
-        None). Said once per manager: a resume converts its step and its frozen trees alike."""
-        if to is None:
-            return tree
-        start = time.perf_counter()
-        tree = layout.to_layout_arrays(tree, to, jax.tree.map(lambda leaf: leaf.sharding, abstract), consume=True)
-        if not self._said_relayout:
-            self._said_relayout = True
-            stored = next(other for other in layout.LAYOUTS if other != to)
-            metrics_lib.warn(f"{what} holds its layers {stored}, this run's compute.layer_loop runs them {to}: "
-                             f"converted after reading ({time.perf_counter() - start:.1f}s; later trees read "
-                             "here are converted likewise, unannounced)")
+        """Said once per manager: a resume converts its step and its frozen trees alike."""
+        tree = reading.to_target_layout(tree, abstract, to, what, say=not self._said_relayout)
+        self._said_relayout |= to is not None
         return tree
 
     def _no_checkpoint_error(self) -> CheckpointNotFoundError:
@@ -347,14 +275,6 @@ class CheckpointManager:
         note = (f" (incomplete saves, ignored: {', '.join(partial)})" if partial else "")
         return CheckpointNotFoundError(
             f"no complete checkpoint in {self._directory}{note}; check the path, or start without restoring")
-
-    @staticmethod
-    def _check_checksums(what: str, tree, recorded) -> None:
-        bad = verify.mismatches(tree, dict(recorded or {}))
-        if bad:
-            raise CheckpointCorruptError(
-                f"{what} is damaged: {len(bad)} array(s) differ from the checksums written when it was "
-                f"saved (first: `{bad[0]}`); a file was changed after the save")
 
     def restore_newest_valid(self, *, abstract_state) -> RestoredStep:
         """The newest step that reads and verifies (as `restore`). Each newer step found damaged is
@@ -378,17 +298,9 @@ class CheckpointManager:
 
     def _set_aside(self, path: epath.Path, suffix: str = CORRUPT_SUFFIX) -> epath.Path:
         """Renames a step or frozen tree so nothing reads it again, without deleting it."""
-        target = path.parent / (path.name + suffix)
-        n = 1
-        while target.exists():
-            n += 1
-            target = path.parent / f"{path.name}{suffix}.{n}"
-        if jax.process_index() == 0:
-            path.rename(target)
-        if jax.process_count() > 1:
-            multihost_utils.sync_global_devices(f"ppo_jax set aside {path.name}")
+        moved = aside.set_aside(path, suffix)
         self._manager.reload()
-        return target
+        return moved
 
     def read_extra(self, step: int | None = None) -> tuple[int, dict]:
         """(step, extra JSON) of `step` (default: the latest) without reading any array."""
@@ -475,15 +387,15 @@ class CheckpointManager:
             try:
                 stored = checkpointer.metadata(path).item_metadata
             except Exception as e:
-                raise _read_error(what, "its metadata failed to load", e) from e
+                raise reading.read_error(what, "its metadata failed to load", e) from e
             if stored is None:
                 raise CheckpointCorruptError(f"{what} is damaged: its _METADATA file is missing")
-            read_as, relayout = _read_target(getattr(stored, "tree", stored), abstract, what)
-            with _quiet_abandoned_reads():
-                tree = _read(lambda: checkpointer.restore(path, args=ocp.args.StandardRestore(read_as)),
-                             what, "it could not be read")
+            read_as, relayout = reading.read_target(getattr(stored, "tree", stored), abstract, what)
+            with reading.quiet_abandoned_reads():
+                tree = reading.read(lambda: checkpointer.restore(path, args=ocp.args.StandardRestore(read_as)),
+                                    what, "it could not be read")
         if checksums is not None:
-            self._check_checksums(what, tree, checksums)
+            verify.check_restored(what, tree, checksums)
         return self._in_target_layout(tree, abstract, relayout, what)
 
     def set_aside_frozen(self, name: str, suffix: str = CORRUPT_SUFFIX) -> epath.Path:

@@ -28,7 +28,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ppo_jax.checkpoint import layout, trees
-from ppo_jax.checkpoint.errors import CheckpointError
+from ppo_jax.checkpoint.errors import CheckpointCorruptError, CheckpointError
 
 VERSION = 1
 _GOLDEN = 0x9E3779B1  # 2^32 / golden ratio: spreads neighbouring positions over the whole word
@@ -121,6 +121,15 @@ def mismatches(tree, recorded: dict) -> list[str]:
     expected = recorded["leaves"]
     in_layout = layout.detect_names(expected)
     return [name for name, value in checksums(tree, in_layout).items() if expected.get(name) != value]
+
+
+def check_restored(what: str, tree, recorded) -> None:
+    """Refuses a tree just read (`what`, for the message) unless it matches its `record`."""
+    bad = mismatches(tree, dict(recorded or {}))
+    if bad:
+        raise CheckpointCorruptError(
+            f"{what} is damaged: {len(bad)} array(s) differ from the checksums written when it was "
+            f"saved (first: `{bad[0]}`); a file was changed after the save")
 
 
 def check_rebuilt(tree, recorded: dict | None, where: str, missing: str, what: str, source: str, fix: str) -> None:
