@@ -362,7 +362,16 @@ def override_dtypes(cfg: ModelConfig, param_dtype: str, dtype: str) -> ModelConf
     return cfg.replace(**kw) if kw else cfg
 
 
-def check_positions(total: int, max_positions: int, what: str) -> None:
-    """Every family has a position limit (learned table or the RoPE range the model was trained on)."""
-    check(total <= max_positions,
-          f"{what} = {total} exceeds the model's max_position_embeddings={max_positions}; shorten one of them")
+def check_positions(lengths: Mapping[str, int], max_positions: int, where: str = "") -> None:
+    """Every family has a position limit (learned table or the RoPE range the model was trained on).
+    lengths: {dotted field: value} of the lengths a sequence adds up; the error gives flags that fit,
+    each length cut in proportion (at least 1)."""
+    total = sum(lengths.values())
+    if total <= max_positions:
+        return
+    fitted = {name: max(1, value * max_positions // total) for name, value in lengths.items()}
+    last = list(lengths)[-1]
+    fitted[last] = max(1, max_positions - sum(v for k, v in fitted.items() if k != last))
+    flags = " ".join(f"--config.{name}={value}" for name, value in fitted.items())
+    raise ConfigError(f"{where}{' + '.join(lengths)} = {total} exceeds the model's max_position_embeddings="
+                      f"{max_positions}; shorten them to fit, e.g. {flags}")

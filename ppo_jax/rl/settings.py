@@ -319,8 +319,8 @@ def derive_sizes(s: Settings, *, batch_divisor: int = 1, max_positions: int | No
           f"rollout.forward_microbatch={r.forward_microbatch} must divide {rows} rows and be a multiple of "
           f"{batch_divisor}")
     if max_positions is not None:
-        check_positions(s.data.prompt_length + r.response_length, max_positions,
-                        "data.prompt_length + rollout.response_length")
+        check_positions({"data.prompt_length": s.data.prompt_length, "rollout.response_length": r.response_length},
+                        max_positions)
     if vocab_size is not None:
         for t in stop_token_ids(r, None):
             check(0 <= t < vocab_size, f"rollout.stop_token_ids: {t} is outside the vocabulary (size {vocab_size})")

@@ -43,11 +43,12 @@ BASE_KEY = "model_base"
 # The model.
 
 
-def model_config(section: ModelSettings, tokenizer, *, what: str, length: int, kinds: tuple[str, ...],
+def model_config(section: ModelSettings, tokenizer, *, what: str, data, kinds: tuple[str, ...],
                  compute: ComputeSettings, lora_export: str = "merged") -> tuple[ModelConfig, str | None]:
     """(the model's ModelConfig, the kind of checkpoint at model.path or None for a fresh model).
 
-    A fresh model takes the tokenizer's special ids; any model must fit `length` positions and hold the
+    A fresh model takes the tokenizer's special ids; any model must fit the data section's
+    max_prompt_length + max_response_length positions and hold the
     tokenizer's vocabulary; model.lora's adapters become ModelConfig.lora (None when off, whatever the
     checkpoint's config said). Checked before anything loads or compiles.
     """
@@ -62,7 +63,8 @@ def model_config(section: ModelSettings, tokenizer, *, what: str, length: int, k
     cfg = section.lora.apply(compute.apply(override_dtypes(cfg, section.param_dtype, section.dtype)),
                              f"{what}: model")
     check_tokenizer(tokenizer, cfg.vocab_size, what)
-    check_positions(length, cfg.max_position_embeddings, f"{what}: data.max_prompt_length + data.max_response_length")
+    check_positions({"data.max_prompt_length": data.max_prompt_length,
+                     "data.max_response_length": data.max_response_length}, cfg.max_position_embeddings, f"{what}: ")
     if cfg.lora is not None and lora_export == "adapter":
         try:  # the PEFT names of every adapter: refused by name when a target is a window of a fused tensor
             lora_tensor_maps(cfg)

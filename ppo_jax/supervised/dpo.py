@@ -155,7 +155,7 @@ class DPOTrainer(supervised.SupervisedTrainer):
         self._check_prompts(train_source, self.eval_source)
 
         self.length = d.max_prompt_length + d.max_response_length
-        cfg, _ = supervised.model_config(s.model, self.tokenizer, what="dpo", length=self.length,
+        cfg, _ = supervised.model_config(s.model, self.tokenizer, what="dpo", data=d,
                                          kinds=("causal_lm",), compute=s.compute, lora_export=s.train.lora_export)
         self.model_config = cfg
         self.module = CausalLM(cfg)

@@ -116,7 +116,7 @@ class SFTTrainer(supervised.SupervisedTrainer):
 
         # Model (validated before any compile).
         self.length = d.max_prompt_length + d.max_response_length
-        cfg, _ = supervised.model_config(s.model, self.tokenizer, what="sft", length=self.length,
+        cfg, _ = supervised.model_config(s.model, self.tokenizer, what="sft", data=d,
                                          kinds=("causal_lm",), compute=s.compute, lora_export=s.train.lora_export)
         self.model_config = cfg
         self.module = CausalLM(cfg)
