@@ -1,4 +1,4 @@
-"""Memory plan of PPO on the GPU probe's shape (docs/gpu_probe.md, ../shared/gpu_profile.md): a
+"""Memory plan of PPO on the GPU probe's shape (docs/gpu_probe.md, docs/gpu_profile.md): a
 TinyLlama-1.1B-shaped policy, reward and value model (22 layers, d 2048, 32 query / 4 KV heads, MLP
 5632, vocab 32000), bf16 params and compute, 64 prompts x (128 prompt + 128 response) tokens, one
 epoch of 32-row minibatches, on one GPU:
