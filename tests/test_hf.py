@@ -278,8 +278,17 @@ def _chunk_logits(module, tokens, positions, kv_mask, cache, layer_params):
     return module.project(hidden), cache
 
 
-@pytest.mark.parametrize("case", CAUSAL_CASES, indirect=True)
-@pytest.mark.parametrize("unrolled", [False, True], ids=["stacked", "unrolled"])
+# The unrolled (per-layer) decode differs from the stacked one in how each layer picks its params, its
+# window and its rope base: checked on the families that exercise each (learned positions and biases,
+# rope scaling, alternating sliding layers with soft-capping and post-norms, local rope bases and q/k
+# norms, mixed layer_types); every family runs the stacked decode.
+UNROLLED_CASES = ["gpt2-causal_lm", "llama-causal_lm", "gemma2-causal_lm", "gemma3-causal_lm",
+                  "qwen2_mixed-causal_lm"]
+DECODE_CASES = ([pytest.param(c, False, id=f"{c}-stacked") for c in CAUSAL_CASES]
+                + [pytest.param(c, True, id=f"{c}-unrolled") for c in UNROLLED_CASES])
+
+
+@pytest.mark.parametrize("case,unrolled", DECODE_CASES, indirect=["case"])
 def test_chunked_cached_decode_matches_pytorch(case, unrolled):
     """Prefill, a chunk and single tokens through the KV cache give PyTorch's full-sequence logits
     (the sampler's path: the rollout's log-probs are the training forward's)."""

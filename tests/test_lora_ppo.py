@@ -216,7 +216,7 @@ def test_sampler_refuses_a_call_without_its_adapters(lora_run):
 def test_sharded_meshes_give_the_same_metrics(lora_run, mesh_shape, tmp_path):
     """Adapters and the frozen base sharded over data / fsdp / tensor axes: the same run."""
     _, expected, _, _ = lora_run
-    history = PPOTrainer(lora_config(3), str(tmp_path), mesh=make_test_mesh(mesh_shape)).train()
+    history = PPOTrainer(lora_config(2), str(tmp_path), mesh=make_test_mesh(mesh_shape)).train()  # 2 of the 3
     for want, got in zip(expected, history):
         for key, value in want.items():
             if not key.startswith(("time/", "perf/")):  # the tolerances of tests/test_trainer.py
