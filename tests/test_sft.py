@@ -14,6 +14,7 @@ from conftest import make_test_mesh
 from ppo_jax import data as data_lib
 from ppo_jax.config import ConfigError
 from ppo_jax.data import build_word_tokenizer
+from ppo_jax.supervised.base import summary_line
 from ppo_jax.supervised.sft import SFTTrainer, sft_config, sft_loss
 
 WORDS = [f"w{i}" for i in range(40)] + ["?", "."]
@@ -106,6 +107,11 @@ def test_training_learns_the_task_and_writes_metrics_checkpoints_export(tmp_path
     model = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"))
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     assert model.config.vocab_size == 48 and tok.get_vocab() == tokenizer().get_vocab()
+    # The command line's last line: the final metrics by name, not a Python dict.
+    line = summary_line(trainer, history)
+    assert line.startswith("done: 80 steps (train/") and "train/loss " in line and "eval/accuracy " in line
+    assert "{" not in line and "train/tokens 64," in line
+    assert line.endswith(f"; Hugging Face export in {tmp_path / 'hf'}")
 
 
 def test_two_steps_are_the_same_on_every_mesh(tmp_path):
@@ -138,7 +144,8 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
 @pytest.mark.parametrize("overrides, kwargs, message", [
     ({}, {"train_records": None}, "no training data"),
     ({"model.config": None}, {}, "tokenizer has 46 tokens but the model's vocabulary has 40"),
-    ({"data.max_response_length": 30}, {}, "exceeds the model's max_position_embeddings=32"),
+    ({"data.max_response_length": 30}, {}, "exceeds the model's max_position_embeddings=32; shorten them to fit, "
+                                           "e.g. --config.data.max_prompt_length=6 --config.data.max_response_length=26"),
     ({"train.batch_size": 12}, {"mesh": (8, 1, 1)}, "train.batch_size=12 does not split over the 8"),
     ({"optim.schedule": "step"}, {}, "optim.schedule='step'"),
 ])

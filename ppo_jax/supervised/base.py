@@ -198,12 +198,18 @@ def batches_forever(loader) -> Iterator[Any]:
         yield next(loader)
 
 
+def _figure(value: float) -> str:
+    """A metric as a person reads it: counts whole (`tokens 64`), rates to four places."""
+    value = float(value)
+    return str(int(value)) if value.is_integer() and abs(value) >= 2 else f"{value:.4f}"
+
+
 def summary_line(trainer, history: list[dict[str, float]]) -> str:
     """The last logged train/eval metrics of a finished run (`trainer.summary_prefixes`), and where
     its export is."""
     prefixes = trainer.summary_prefixes
     logged = [row for row in history if any(k.startswith(prefixes) for k in row)]
-    shown = [f"{k} {v:.4f}" for k, v in logged[-1].items() if k.startswith(prefixes)] if logged else []
+    shown = [f"{k} {_figure(v)}" for k, v in logged[-1].items() if k.startswith(prefixes)] if logged else []
     adapter = trainer.model_config.lora is not None and trainer.settings.train.lora_export == "adapter"
     export = "PEFT adapter" if adapter else "Hugging Face export"
     metrics = f" ({', '.join(shown)})" if shown else ""

@@ -1,0 +1,43 @@
+"""What the README and the guides promise a new user (issue 33): the first two commands work on a fresh
+machine (a virtual environment, the Python version setup.py requires), the set-up notes are there, and
+no document points at a file outside the repository."""
+
+import os
+import re
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _read(*parts: str) -> str:
+    with open(os.path.join(REPO, *parts), encoding="utf-8") as f:
+        return f.read()
+
+
+def test_the_first_two_commands_make_a_virtual_environment_and_the_python_version_is_setups():
+    readme = _read("README.md")
+    first_block = re.search(r"```bash\n(.*?)```", readme, flags=re.S).group(1)
+    commands = [line for line in first_block.splitlines() if line and not line.startswith("#")]
+    assert len(commands) == 2
+    for command in commands:  # Debian's system Python refuses a bare pip install
+        assert command.startswith("python3 -m venv .venv && . .venv/bin/activate && pip install ")
+    assert commands[0].endswith("python -m ppo_jax.demo")
+    assert commands[1].endswith("python -m pytest -n 2 -q tests")
+    required = re.search(r'python_requires=">=(\d+\.\d+)"', _read("setup.py")).group(1)
+    assert f"Python **{required} or newer**" in readme and "externally-managed-environment" in readme
+
+
+def test_the_set_up_notes_name_the_notebook_the_extras_procps_and_the_exit_statuses():
+    readme = _read("README.md")
+    for promise in ("notebooks/quickstart.ipynb", "`[tensorboard]`", "procps", "130", "143"):
+        assert promise in readme, promise
+    assert os.path.isfile(os.path.join(REPO, "notebooks", "quickstart.ipynb"))
+
+
+def test_no_document_points_outside_the_repository():
+    paths = ["README.md"] + [os.path.join(d, f) for d in ("docs", "configs", "notebooks")
+                             for f in sorted(os.listdir(os.path.join(REPO, d)))
+                             if f.endswith((".md", ".py", ".ipynb"))]
+    outside = [p for p in paths if re.search(r"/work/shared|\.\./shared/", _read(p))]
+    assert not outside, outside
+    for link in re.findall(r"\]\(([\w./-]+\.md)\)", _read("docs", "benchmarks.md") + _read("docs", "gpu_probe.md")):
+        assert os.path.isfile(os.path.join(REPO, "docs", link)), link
