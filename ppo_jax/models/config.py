@@ -32,6 +32,16 @@ def cudnn_head_dim(dim: int) -> bool:
 # `remat_policy`: which activations the backward pass keeps when remat is on.
 REMAT_POLICIES = ("full", "dots")
 # Fields that choose how the model executes, never what it computes (free to change on load).
+# Rope scalings (models/rope.py) and the keys each needs; a rope_scaling without "rope_type" is
+# Llama 3's (configs written before the others existed).
+ROPE_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "dynamic": ("factor",),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+}
+
 EXECUTION_FIELDS = ("attention", "scan_layers", "remat", "remat_policy")
 
 _DTYPES = {
@@ -136,9 +146,11 @@ class ModelConfig:
     max_position_embeddings: int = 512
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    # Llama-3 style frequency scaling: {"factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_position_embeddings"}; a tuple of pairs so the config stays hashable.
-    rope_scaling: tuple[tuple[str, float], ...] | None = None
+    # Rope scaling as transformers' rope_parameters name it: "rope_type" (linear, llama3, yarn,
+    # dynamic, longrope; ROPE_SCALING_KEYS) and its fields ("factor", "original_max_position_embeddings",
+    # YaRN's "beta_fast"/"beta_slow"/"mscale"/..., LongRoPE's "short_factor"/"long_factor" lists).
+    # Sorted (key, value) pairs, lists as tuples, so the config stays hashable.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
     tie_word_embeddings: bool = True
     attention_bias: bool = False  # q/k/v projection biases (Qwen2, Llama attention_bias); GPT-2 always has biases
     attention_out_bias: bool = False  # output projection bias (Llama attention_bias; Qwen2 has none)
@@ -215,6 +227,8 @@ class ModelConfig:
             if len(set(self.sliding_layers)) == 1:  # one spelling per model, so configs compare equal
                 raise ValueError("model.sliding_layers marks every layer alike; use sliding_layers=None "
                                  "(with or without sliding_window) instead")
+        if self.rope_scaling is not None:
+            object.__setattr__(self, "rope_scaling", _checked_rope_scaling(self.rope_scaling, self.dim_per_head))
         if self.rope_local_theta is not None and self.sliding_layers is None:
             raise ValueError("model.rope_local_theta (the sliding layers' rope base) needs "
                              "model.sliding_layers; with every layer alike set rope_theta instead")
@@ -261,7 +275,7 @@ class ModelConfig:
         return self.lora if self.lora is not None and projection in self.lora.targets else None
 
     @property
-    def rope_scaling_dict(self) -> dict[str, float] | None:
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
     @property
@@ -300,3 +314,24 @@ class ModelConfig:
             final = d
         head = v * d if (with_lm_head and not self.tie_word_embeddings) else 0
         return self.num_layers * (attn + mlp + norms) + emb + final + head
+
+
+def _checked_rope_scaling(pairs, dim_per_head: int) -> tuple[tuple[str, Any], ...]:
+    """model.rope_scaling as sorted pairs with tuples for lists (a config file gives a dict or lists),
+    refused when its type is unknown, a key it needs is missing, or LongRoPE's factor lists do not
+    have one entry per rotated pair of dimensions."""
+    scaling = dict(pairs.items() if isinstance(pairs, Mapping) else pairs)
+    kind = scaling.get("rope_type", "llama3")
+    if kind not in ROPE_SCALING_KEYS:
+        raise ValueError(f"model.rope_scaling: unsupported rope_type {kind!r}; supported: "
+                         f"{', '.join(ROPE_SCALING_KEYS)}")
+    missing = [k for k in ROPE_SCALING_KEYS[kind] if scaling.get(k) is None]
+    if missing:
+        raise ValueError(f"model.rope_scaling: {kind} rope scaling needs {', '.join(missing)}")
+    for name in ("short_factor", "long_factor"):
+        if name in scaling:
+            scaling[name] = tuple(float(x) for x in scaling[name])
+            if len(scaling[name]) != dim_per_head // 2:
+                raise ValueError(f"model.rope_scaling: {name} has {len(scaling[name])} entries; LongRoPE "
+                                 f"needs one per rotated pair, head_dim / 2 = {dim_per_head // 2}")
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in scaling.items()))

@@ -18,6 +18,7 @@ from ppo_jax import ppo, sampling, sharding
 from ppo_jax.checkpoint import verify
 from ppo_jax.config import ConfigError, override_dtypes, with_lora
 from ppo_jax.models import lora as lora_lib
+from ppo_jax.models import rope
 from ppo_jax.models import CausalLM, LoraConfig, ModelConfig, ScalarModel, boxed_params, hf, init_adapters, init_params
 from ppo_jax.optim import make_optimizer
 from ppo_jax.rl.experience import make_experience_fn
@@ -88,7 +89,22 @@ def policy_model_config(s: Settings, mesh=None) -> ModelConfig:
     cfg = hf.load_config(s.policy.path)[0] if s.policy.path else s.policy.model
     lora = imported_lora_config(s.policy.lora, cfg) if s.policy.lora.init_from else s.policy.lora.lora_config()
     cfg = with_lora(cfg, lora, "policy")
+    _check_cached_rope(cfg, s.data.prompt_length + s.rollout.response_length)
     return s.compute.apply(override_dtypes(cfg, s.policy.param_dtype, s.policy.dtype), *mesh_platform(mesh))
+
+
+def _check_cached_rope(cfg: ModelConfig, length: int) -> None:
+    """The sampler decodes through a KV cache and the update reads one forward: their log-probs must
+    be the same numbers, which a rope scaling that switches with the length breaks past its limit."""
+    limit = rope.cached_decode_limit(cfg)
+    # At max_position_embeddings (dynamic NTK's limit) derive_sizes' check_positions says it, with flags.
+    if limit is not None and limit < cfg.max_position_embeddings and length > limit:
+        kind = cfg.rope_scaling_dict["rope_type"]
+        raise ConfigError(
+            f"data.prompt_length + rollout.response_length = {length} passes {limit}, where the policy's "
+            f"{kind} rope scaling switches its frequencies: the sampler's cached keys would keep the "
+            f"frequencies they were written with while the training forward rotates every position with "
+            f"the new ones, so rollout log-probs would not be training log-probs. Keep the sum <= {limit}")
 
 
 def reward_model_config(s: Settings, mesh=None) -> ModelConfig | None:

@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from ppo_jax.models.config import ModelConfig
+from ppo_jax.models.hf import rope_map
 from ppo_jax.models.hf.errors import CheckpointError
 
 # Checkpoint kinds: "causal_lm" (our CausalLM, logits) and "reward" (our ScalarModel, one score).
@@ -135,56 +136,6 @@ def _activation(name: str, field: str, family: str) -> str | None:
         raise CheckpointError(f"unsupported {field}={name!r}; supported: {sorted(_ACTIVATIONS)}")
     ours = _ACTIVATIONS[name]
     return None if ours == _DEFAULT_ACTIVATION[family] else ours
-
-
-def _rope_settings(cfg) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
-    """(rope_theta, rope_scaling) from either transformers 5's `rope_parameters` dict or the older
-    `rope_theta` + `rope_scaling` attributes."""
-    params = getattr(cfg, "rope_parameters", None)
-    if params:
-        params = dict(params)
-        if any(isinstance(v, Mapping) for v in params.values()):
-            raise CheckpointError(f"per-layer rope_parameters are not supported: {params}")
-        theta = params.get("rope_theta", getattr(cfg, "rope_theta", None) or 10000.0)
-        scaling = params
-    else:
-        theta = getattr(cfg, "rope_theta", None) or 10000.0
-        scaling = dict(getattr(cfg, "rope_scaling", None) or {})
-    return _rope_from(theta, scaling, cfg)
-
-
-def _gemma3_rope(cfg) -> tuple[float, tuple[tuple[str, Any], ...] | None, float]:
-    """Gemma 3's per-layer-type rope: (rope_theta, rope_scaling) of its full-attention layers and
-    the base of its sliding layers (`rope_local_base_freq`), whose rope is never scaled."""
-    params = {name: dict(value) for name, value in dict(cfg.rope_parameters).items()}
-    local = params["sliding_attention"]
-    kind = local.get("rope_type", "default")
-    if kind != "default":
-        raise CheckpointError(f"unsupported rope type {kind!r} on gemma3 sliding layers (their rope "
-                              f"must be default)")
-    full = params["full_attention"]
-    return (*_rope_from(full["rope_theta"], full, cfg), float(local["rope_theta"]))
-
-
-def _rope_from(theta, scaling: Mapping[str, Any], cfg) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
-    """(rope_theta, rope_scaling) of one rope parameter dict; unsupported kinds refused by name."""
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    partial = scaling.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
-    if partial not in (None, 1, 1.0):
-        raise CheckpointError(f"unsupported partial_rotary_factor={partial} (only full rotary "
-                              f"embeddings are supported)")
-    if kind == "default":
-        return float(theta), None
-    if kind == "linear":
-        return float(theta), (("factor", float(scaling["factor"])), ("rope_type", "linear"))
-    if kind == "llama3":
-        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        missing = [k for k in keys if k not in scaling]
-        if missing:
-            raise CheckpointError(f"llama3 rope scaling is missing {missing}")
-        pairs = tuple((k, float(scaling[k])) for k in keys) + (("rope_type", "llama3"),)
-        return float(theta), tuple(sorted(pairs))
-    raise CheckpointError(f"unsupported rope type {kind!r}; supported: default, linear, llama3")
 
 
 def _layer_windows(layer_types, window: int | None, num_layers: int
@@ -313,7 +264,7 @@ def config_from_hf(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
         sliding_window = getattr(cfg, "sliding_window", None)
     elif arch in ("qwen2", "qwen3"):
         sliding_window, sliding_layers = _qwen_windows(cfg)
-    theta, scaling = _rope_settings(cfg) if arch != "gemma3_text" else (None, None)
+    theta, scaling = rope_map.rope_from_hf(cfg) if arch != "gemma3_text" else (None, None)
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None)
     if head_dim == cfg.hidden_size // heads:
@@ -349,7 +300,7 @@ def _gemma_fields(cfg) -> dict[str, Any]:
         final_logit_softcap=_float_or_none(cfg.final_logit_softcapping),
         sliding_window=window, sliding_layers=sliding)
     if cfg.model_type == "gemma3_text":
-        theta, scaling, local_theta = _gemma3_rope(cfg)
+        theta, scaling, local_theta = rope_map.gemma3_rope_from_hf(cfg)
         if sliding is not None:
             fields.update(rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta)
         elif window is not None:  # every layer slides: only the local rope is used
@@ -413,11 +364,7 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
         head_dim=config.dim_per_head, intermediate_size=config.mlp_dim,
         max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.norm_eps,
         hidden_act=config.act, attention_dropout=0.0)
-    scaling = config.rope_scaling_dict
-    if scaling is not None:
-        scaling.setdefault("rope_type", "llama3")  # what transformer.rope_inverse_frequencies assumes
-        if "original_max_position_embeddings" in scaling:  # transformers validates it as an int
-            scaling["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    scaling = rope_map.rope_to_hf(config.rope_scaling_dict)
     if _transformers_major() >= 5:
         family["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta,
                                      **(scaling or {})}
@@ -429,6 +376,9 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
     if arch == "phi3":  # its head size is always hidden_size // num_heads; dropouts off
         del family["head_dim"]
         family.update(resid_pdrop=0.0, embd_pdrop=0.0)
+        if scaling and "original_max_position_embeddings" in scaling:
+            # Phi3Config keeps this beside rope_parameters and overwrites theirs with it.
+            family["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
     if arch in ("qwen2", "qwen3"):
         window = config.sliding_window
         family.update(use_sliding_window=window is not None, sliding_window=window,
