@@ -31,6 +31,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
+    ("expert", None),  # MoE experts: replicated over the expert index (no expert-parallel axis yet)
     ("positions", None),
     ("head_dim", None),
     ("layers", None),

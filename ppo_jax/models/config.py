@@ -170,6 +170,14 @@ class ModelConfig:
     attn_logit_softcap: float | None = None  # scores -> c * tanh(scores / c) before the mask (Gemma 2)
     final_logit_softcap: float | None = None  # LM logits -> c * tanh(logits / c) (Gemma 2)
     activation: str | None = None  # None: "gelu_new" for gpt2, "silu" for llama
+    # Mixture of experts (models/moe.py; Llama family): every layer's MLP is num_experts gated
+    # experts of moe_intermediate_size (None: intermediate_size), each token routed to
+    # experts_per_token of them by a softmax router; norm_topk_prob rescales the chosen weights to
+    # sum to 1 (Mixtral: always; Qwen3-MoE: its config's flag). 0 experts: the dense MLP.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
     # Numerics and memory.
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype of matmuls and activations
@@ -242,6 +250,8 @@ class ModelConfig:
         object.__setattr__(self, "lora", lora if lora is not None and lora.rank > 0 else None)
         if self.lora is not None:
             self.lora.check_family(self.family)
+        if self.num_experts:
+            self._check_experts()
 
     @property
     def family(self) -> str:
@@ -258,6 +268,23 @@ class ModelConfig:
     @property
     def mlp_dim(self) -> int:
         return self.intermediate_size or 4 * self.hidden_size
+
+    @property
+    def expert_mlp_dim(self) -> int:
+        return self.moe_intermediate_size or self.mlp_dim
+
+    def _check_experts(self):
+        if self.family != "llama":
+            raise ValueError(f"model.num_experts: mixture-of-experts MLPs are a Llama-family option, not {self.arch}'s")
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"model.experts_per_token={self.experts_per_token} must be between 1 and "
+                             f"model.num_experts={self.num_experts}")
+        if self.mlp_bias:
+            raise ValueError("model.mlp_bias: the experts have no biases (no MoE family has them)")
+        routed = [t for t in ("gate", "up", "down") if self.lora is not None and t in self.lora.targets]
+        if routed:
+            raise ValueError(f"model.lora.targets {routed}: LoRA on the experts' projections is not supported "
+                             f"yet; target the attention projections (q, k, v, o)")
 
     @property
     def act(self) -> str:
@@ -309,6 +336,8 @@ class ModelConfig:
             attn = (d * (q + 2 * kv) + q * d + ((q + 2 * kv) if self.attention_bias else 0)
                     + (d if self.attention_out_bias else 0))
             mlp = 3 * d * f + ((2 * f + d) if self.mlp_bias else 0)
+            if self.num_experts:  # the router and every expert's gate, up and down
+                mlp = d * self.num_experts + 3 * self.num_experts * d * self.expert_mlp_dim
             norms = (4 if self.post_norms else 2) * d + (2 * self.dim_per_head if self.qk_norm else 0)
             emb = v * d
             final = d

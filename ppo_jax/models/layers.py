@@ -129,6 +129,16 @@ def softcap(x: Array, cap: float | None) -> Array:
     return x if cap is None else cap * jnp.tanh(x / cap)
 
 
+_ACTIVATIONS = {"gelu_new": lambda y: jax.nn.gelu(y, approximate=True),
+                "gelu": lambda y: jax.nn.gelu(y, approximate=False),
+                "silu": jax.nn.silu, "relu": jax.nn.relu}
+
+
+def activation(name: str):
+    """The MLP nonlinearity by its ModelConfig.act name."""
+    return _ACTIVATIONS[name]
+
+
 class MLP(nn.Module):
     config: ModelConfig
 
@@ -137,9 +147,7 @@ class MLP(nn.Module):
         cfg = self.config
         d, f = cfg.hidden_size, cfg.mlp_dim
         common = dict(dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype)
-        act = {"gelu_new": lambda y: jax.nn.gelu(y, approximate=True),
-               "gelu": lambda y: jax.nn.gelu(y, approximate=False),
-               "silu": jax.nn.silu, "relu": jax.nn.relu}[cfg.act]
+        act = activation(cfg.act)
         if cfg.family == "gpt2":
             hidden = act(DenseGeneral((d,), (f,), ("embed", "mlp"), True, name="fc", lora=cfg.lora_for("fc"),
                                       **common)(x))

@@ -36,6 +36,7 @@ from ppo_jax.models.attention import Attention, attention_mask
 from ppo_jax.models.cache import KVCache
 from ppo_jax.models.config import ModelConfig
 from ppo_jax.models.layers import MLP, DenseGeneral, norm, softcap
+from ppo_jax.models.moe import MoEMLP
 from ppo_jax.models.rope import rope_tables
 
 Array = jax.Array
@@ -94,7 +95,8 @@ class Block(nn.Module):
         if self.config.post_norms:
             attn_out = norm(self.config, "post_attn_norm")(attn_out)
         x = x + attn_out
-        mlp_out = MLP(self.config, name="mlp")(norm(self.config, "ln_2")(x))
+        mlp = MoEMLP if self.config.num_experts else MLP
+        mlp_out = mlp(self.config, name="mlp")(norm(self.config, "ln_2")(x))
         if self.config.post_norms:
             mlp_out = norm(self.config, "post_mlp_norm")(mlp_out)
         x = x + mlp_out

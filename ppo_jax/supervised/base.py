@@ -65,6 +65,8 @@ def model_config(section: ModelSettings, tokenizer, *, what: str, data, kinds: t
     check_tokenizer(tokenizer, cfg.vocab_size, what)
     check_positions({"data.max_prompt_length": data.max_prompt_length,
                      "data.max_response_length": data.max_response_length}, cfg.max_position_embeddings, f"{what}: ")
+    check(not cfg.num_experts, f"{what}: model.num_experts={cfg.num_experts}: a mixture-of-experts model cannot "
+          f"be exported to Hugging Face yet (PPO trains one; SFT, reward-model and DPO runs end in an export)")
     if cfg.lora is not None and lora_export == "adapter":
         try:  # the PEFT names of every adapter: refused by name when a target is a window of a fused tensor
             lora_tensor_maps(cfg)

@@ -214,6 +214,9 @@ _GEMMA2_ONLY = ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_soft
 def _check_options(config: ModelConfig):
     """Refuses block options the architecture's transformers class cannot hold."""
     arch = config.arch
+    if config.num_experts:
+        raise CheckpointError(f"num_experts={config.num_experts}: exporting a mixture-of-experts model "
+                              f"(Qwen3MoeForCausalLM, MixtralForCausalLM) is not supported yet")
     want = {**_FIXED_OFF, **_ARCH_OPTIONS.get(arch, {})}
     wrong = {name: getattr(config, name) for name, value in want.items() if getattr(config, name) != value}
     if wrong:

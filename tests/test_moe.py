@@ -1,0 +1,122 @@
+"""The mixture-of-experts MLP (models/moe.py): the block against transformers' Qwen3-MoE and Mixtral
+blocks with the same random weights, routing as a NumPy loop computes it, and the PPO invariants on an
+MoE policy (the sampler's cached decode and the training forward route every token alike, so
+rollout log-probs are training log-probs with no routing replay)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import make_test_mesh
+from tiny_configs import tiny_config
+
+from ppo_jax.models import ModelConfig
+from ppo_jax.models.moe import MoEMLP, route
+from ppo_jax.rl.trainer import PPOTrainer
+
+D, F, E, K = 32, 16, 6, 2
+MOE = dict(arch="qwen3", hidden_size=D, num_heads=4, num_experts=E, experts_per_token=K, moe_intermediate_size=F)
+
+
+def _hf_block(family: str, norm_topk_prob: bool):
+    """transformers' sparse MoE block with every weight random, and its weights in our layout."""
+    common = dict(hidden_size=D, num_experts_per_tok=K, hidden_act="silu")
+    if family == "qwen3_moe":
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+        block = Qwen3MoeSparseMoeBlock(transformers.Qwen3MoeConfig(
+            **common, num_experts=E, moe_intermediate_size=F, norm_topk_prob=norm_topk_prob))
+    else:
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+        block = MixtralSparseMoeBlock(transformers.MixtralConfig(**common, num_local_experts=E, intermediate_size=F))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    gate_up = block.experts.gate_up_proj.detach().numpy()  # [E, 2F, D]: gate rows, then up rows
+    ours = {"router": {"kernel": block.gate.weight.detach().numpy().T},
+            "gate": gate_up[:, :F].transpose(0, 2, 1), "up": gate_up[:, F:].transpose(0, 2, 1),
+            "down": block.experts.down_proj.detach().numpy().transpose(0, 2, 1)}
+    return block.eval(), jax.tree.map(jnp.asarray, ours)
+
+
+@pytest.mark.parametrize("family, norm_topk_prob", [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True)])
+def test_block_matches_transformers(family, norm_topk_prob):
+    block, params = _hf_block(family, norm_topk_prob)
+    x = np.random.default_rng(1).normal(size=(3, 7, D)).astype(np.float32)
+    with torch.no_grad():
+        theirs = block(torch.tensor(x)).numpy()
+    config = ModelConfig(**MOE, norm_topk_prob=norm_topk_prob)
+    ours = MoEMLP(config).apply({"params": params}, jnp.asarray(x))
+    assert np.abs(theirs).max() > 0.5
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-5, rtol=0)
+
+
+def test_routing_as_a_loop_computes_it():
+    """Top-k of the softmax per token, optionally renormalised; pairs grouped by expert."""
+    logits = np.random.default_rng(2).normal(size=(9, E)).astype(np.float32)
+    for normalize in (False, True):
+        r = route(jnp.asarray(logits), K, normalize, jnp.float32)
+        for n, row in enumerate(logits):
+            probs = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
+            chosen = np.argsort(-probs, kind="stable")[:K]
+            weights = probs[chosen] / (probs[chosen].sum() if normalize else 1.0)
+            assert list(np.asarray(r.experts[n])) == list(chosen)
+            np.testing.assert_allclose(np.asarray(r.weights[n]), weights, rtol=1e-6)
+        flat = np.asarray(r.experts).reshape(-1)
+        assert list(np.asarray(r.group_sizes)) == [int((flat == e).sum()) for e in range(E)]
+        assert list(flat[np.asarray(r.order)]) == sorted(flat)
+
+
+def test_a_token_is_routed_and_computed_alike_in_any_batch():
+    """What the sampler relies on: one token's output does not depend on the other rows."""
+    config = ModelConfig(**MOE)
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(4, 5, D)).astype(np.float32))
+    module = MoEMLP(config)
+    params = module.init(jax.random.key(0), x)["params"]
+    whole = np.asarray(module.apply({"params": params}, x))
+    for row in range(4):
+        for t in range(5):
+            alone = np.asarray(module.apply({"params": params}, x[row:row + 1, t:t + 1]))
+            np.testing.assert_allclose(alone[0, 0], whole[row, t], atol=1e-6, rtol=0)
+
+
+def test_refuses_what_it_does_not_do():
+    with pytest.raises(ValueError, match="experts_per_token=0 must be between 1 and model.num_experts=6"):
+        ModelConfig(**{**MOE, "experts_per_token": 0})
+    with pytest.raises(ValueError, match="Llama-family option, not gpt2"):
+        ModelConfig(arch="gpt2", num_experts=4, experts_per_token=1)
+    with pytest.raises(ValueError, match="LoRA on the experts' projections is not supported"):
+        ModelConfig(**MOE, lora={"rank": 2, "targets": ("q", "up")})
+
+
+def test_export_is_refused_before_anything_is_written(tmp_path):
+    from ppo_jax.models import hf
+    from ppo_jax.models.hf import CheckpointError
+
+    config = ModelConfig(**MOE, qk_norm=True)
+    with pytest.raises(CheckpointError, match="exporting a mixture-of-experts model .* is not supported yet"):
+        hf.export_model(tmp_path / "out", config, {})
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("mesh_shape, layer_loop", [((2, 2, 2), "scan"), ((1, 1, 1), "unrolled")])
+def test_ppo_on_an_moe_policy_keeps_the_invariants(tmp_path, mesh_shape, layer_loop):
+    """First minibatch ratio 1, rollout log-probs == training log-probs, one compile of each phase:
+    on a 2x2x2 mesh (experts replicated, their embed axis over fsdp and mlp over tensor) with
+    scanned layers, and with the per-layer loop (the sampler's unrolled decode)."""
+    config = tiny_config(**{"train.iterations": 2, "policy.model.arch": "qwen3", "policy.model.num_heads": 4,
+                            "policy.model.num_experts": 4, "policy.model.experts_per_token": 2,
+                            "policy.model.moe_intermediate_size": 16, "compute.layer_loop": layer_loop})
+    trainer = PPOTrainer(config, str(tmp_path), mesh=make_test_mesh(mesh_shape))
+    history = trainer.train()
+    for row in history:
+        assert abs(row["first_minibatch/ratio"] - 1.0) < 1e-6
+        assert row["policy/rollout_logprob_diff_max"] < 1e-5
+    assert history[0]["val/ratio"] != 1.0  # the policy moved
+    assert trainer.trace_counts == {"experience": 1, "update": 1}
+    if layer_loop == "scan":
+        mlp = trainer.state.policy["transformer"]["layers"]["mlp"]
+        assert mlp["gate"].shape == (2, 4, 32, 16) and mlp["gate"].sharding.spec[2] == "fsdp"
+    trainer.close()
