@@ -85,6 +85,13 @@ HF_CONFIGS = {
         layer_types=["sliding_attention", "full_attention"], rope_parameters={
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **kw),
+    # Mixture of experts: Qwen3-MoE (q/k norms, top-2 of 4 experts, weights not renormalised) and
+    # Mixtral (renormalised top-2, a sliding window shorter than the rows).
+    "qwen3_moe": lambda **kw: _llama_family(transformers.Qwen3MoeConfig, head_dim=24, num_experts=4,
+                                            num_experts_per_tok=2, moe_intermediate_size=32,
+                                            norm_topk_prob=False, tie_word_embeddings=False, **kw),
+    "mixtral": lambda **kw: _llama_family(transformers.MixtralConfig, num_local_experts=4, num_experts_per_tok=2,
+                                          sliding_window=4, tie_word_embeddings=False, **kw),
 }
 # Config fields each variant must map to (beyond the shared sizes checked for every case).
 EXPECTED_FIELDS = {
@@ -103,6 +110,10 @@ EXPECTED_FIELDS = {
     "gemma2": dict(scale_embeddings=True, norm_unit_offset=True, post_norms=True, qk_norm=False,
                    query_pre_attn_scalar=20, attn_logit_softcap=5.0, final_logit_softcap=3.0,
                    sliding_window=4, sliding_layers=(True, False), head_dim=None),
+    "qwen3_moe": dict(qk_norm=True, head_dim=24, num_experts=4, experts_per_token=2, moe_intermediate_size=32,
+                      norm_topk_prob=False, sliding_window=None),
+    "mixtral": dict(num_experts=4, experts_per_token=2, moe_intermediate_size=None, norm_topk_prob=True,
+                    sliding_window=4, attention_bias=False),
     "gemma3": dict(qk_norm=True, post_norms=True, attn_logit_softcap=None, rope_theta=1e6,
                    rope_scaling=(("factor", 2.0), ("rope_type", "linear")), rope_local_theta=1e4,
                    sliding_window=4, sliding_layers=(True, False)),
@@ -127,13 +138,24 @@ HF_CLASSES = {
     ("gemma2", "reward"): transformers.Gemma2ForSequenceClassification,
     ("gemma3_text", "reward"): transformers.Gemma3TextForSequenceClassification,
 }
+MOE_CLASSES = {
+    ("qwen3_moe", "causal_lm"): transformers.Qwen3MoeForCausalLM,
+    ("mixtral", "causal_lm"): transformers.MixtralForCausalLM,
+    ("qwen3_moe", "reward"): transformers.Qwen3MoeForSequenceClassification,
+    ("mixtral", "reward"): transformers.MixtralForSequenceClassification,
+}
+# (A case's random weights are seeded by its index here: new cases go at the end.)
 CASES = [f"{'gemma3' if arch == 'gemma3_text' else arch}-{kind}" for arch, kind in HF_CLASSES] + [
-    "llama_bias-causal_lm", "llama_bias-reward", "qwen2_mixed-causal_lm"]
+    "llama_bias-causal_lm", "llama_bias-reward", "qwen2_mixed-causal_lm"] + [
+    f"{arch}-{kind}" for arch, kind in MOE_CLASSES]
+HF_CLASSES.update(MOE_CLASSES)
 
 CAUSAL_CASES = [c for c in CASES if c.endswith("-causal_lm")]
 
 
 def arch_of(variant: str) -> str:
+    if variant in {arch for arch, _ in HF_CLASSES}:  # qwen3_moe: an architecture, not qwen3 with options
+        return variant
     base = variant.split("_")[0]
     return "gemma3_text" if base == "gemma3" else base
 
@@ -472,7 +494,10 @@ def test_unsupported_gpt2_options(changes, message):
      "unsupported rope type 'proportional'"),
     ("qwen2", {"layer_types": ["full_attention", "chunked_attention"]},
      "unsupported layer_types \\['chunked_attention'\\]"),
-    ("mistral", {"model_type": "mixtral"}, "unsupported model_type 'mixtral'"),
+    ("mistral", {"model_type": "qwen2_moe"}, "unsupported model_type 'qwen2_moe'"),
+    ("qwen3_moe", {"mlp_only_layers": [1]}, "unsupported mixed dense/MoE layers \\(mlp_only_layers=\\[1\\]"),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2\\): every layer must be an MoE layer"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "unsupported router_jitter_noise=0.1"),
     ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
     ("gemma3", {"rope_parameters": {
         "full_attention": {"rope_type": "default", "rope_theta": 1e6},

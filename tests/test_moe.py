@@ -91,14 +91,17 @@ def test_refuses_what_it_does_not_do():
         ModelConfig(**MOE, lora={"rank": 2, "targets": ("q", "up")})
 
 
-def test_export_is_refused_before_anything_is_written(tmp_path):
+def test_experts_on_a_dense_architecture_are_refused_before_anything_is_written(tmp_path):
+    """Hugging Face holds experts only in its MoE classes (export parity: tests/test_hf.py)."""
     from ppo_jax.models import hf
     from ppo_jax.models.hf import CheckpointError
 
     config = ModelConfig(**MOE, qk_norm=True)
-    with pytest.raises(CheckpointError, match="exporting a mixture-of-experts model .* is not supported yet"):
+    with pytest.raises(CheckpointError, match="qwen3 has no experts; mixture-of-experts models are arch 'qwen3_moe' or"):
         hf.export_model(tmp_path / "out", config, {})
     assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="arch='mixtral' is a mixture of experts: set model.num_experts"):
+        ModelConfig(arch="mixtral")
 
 
 @pytest.mark.parametrize("mesh_shape, layer_loop", [((2, 2, 2), "scan"), ((1, 1, 1), "unrolled")])

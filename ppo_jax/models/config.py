@@ -14,7 +14,9 @@ FAMILIES = ("gpt2", "llama")
 # Hugging Face `model_type` -> our family. Mistral and Qwen2 are Llama with options.
 ARCH_TO_FAMILY = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama",
                   "qwen3": "llama", "phi3": "llama", "gemma": "llama", "gemma2": "llama",
-                  "gemma3_text": "llama"}
+                  "gemma3_text": "llama", "qwen3_moe": "llama", "mixtral": "llama"}
+# Architectures whose MLP is a mixture of experts (models/moe.py): they need num_experts.
+MOE_ARCHS = ("qwen3_moe", "mixtral")
 
 # `attention`: how scores are computed. "einsum" is the reference (float32 scores, any platform);
 # "cudnn" and "xla" call jax.nn.dot_product_attention with that implementation (cuDNN flash attention
@@ -252,6 +254,9 @@ class ModelConfig:
             self.lora.check_family(self.family)
         if self.num_experts:
             self._check_experts()
+        elif self.arch in MOE_ARCHS:
+            raise ValueError(f"model.arch={self.arch!r} is a mixture of experts: set model.num_experts and "
+                             f"model.experts_per_token")
 
     @property
     def family(self) -> str:

@@ -25,6 +25,7 @@ from ppo_jax import sharding
 from ppo_jax.checkpoint import CheckpointManager, verify
 from ppo_jax.config import ComputeSettings, ConfigError, check, check_positions, override_dtypes
 from ppo_jax.models import ModelConfig, boxed_params, hf, init_adapters, init_params
+from ppo_jax.models.config import MOE_ARCHS
 from ppo_jax.models.hf.layouts import lora_tensor_maps
 from ppo_jax.models.lora import COLLECTION as LORA
 from ppo_jax.models.lora import trained_variables
@@ -65,8 +66,9 @@ def model_config(section: ModelSettings, tokenizer, *, what: str, data, kinds: t
     check_tokenizer(tokenizer, cfg.vocab_size, what)
     check_positions({"data.max_prompt_length": data.max_prompt_length,
                      "data.max_response_length": data.max_response_length}, cfg.max_position_embeddings, f"{what}: ")
-    check(not cfg.num_experts, f"{what}: model.num_experts={cfg.num_experts}: a mixture-of-experts model cannot "
-          f"be exported to Hugging Face yet (PPO trains one; SFT, reward-model and DPO runs end in an export)")
+    check(not cfg.num_experts or cfg.arch in MOE_ARCHS,
+          f"{what}: model.num_experts={cfg.num_experts} on arch {cfg.arch!r}: the run ends in a Hugging Face "
+          f"export, which holds experts only as {' or '.join(MOE_ARCHS)}; set model.arch to one of them")
     if cfg.lora is not None and lora_export == "adapter":
         try:  # the PEFT names of every adapter: refused by name when a target is a window of a fused tensor
             lora_tensor_maps(cfg)

@@ -16,7 +16,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ppo_jax.models.config import ModelConfig
+from ppo_jax.models.config import MOE_ARCHS, ModelConfig
 from ppo_jax.models.hf import rope_map
 from ppo_jax.models.hf.errors import CheckpointError
 
@@ -31,6 +31,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("qwen2", "causal_lm"),
     "Qwen3ForCausalLM": ("qwen3", "causal_lm"),
     "Phi3ForCausalLM": ("phi3", "causal_lm"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "causal_lm"),
+    "MixtralForCausalLM": ("mixtral", "causal_lm"),
     "GemmaForCausalLM": ("gemma", "causal_lm"),
     "Gemma2ForCausalLM": ("gemma2", "causal_lm"),
     "Gemma3ForCausalLM": ("gemma3_text", "causal_lm"),
@@ -40,6 +42,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2ForSequenceClassification": ("qwen2", "reward"),
     "Qwen3ForSequenceClassification": ("qwen3", "reward"),
     "Phi3ForSequenceClassification": ("phi3", "reward"),
+    "Qwen3MoeForSequenceClassification": ("qwen3_moe", "reward"),
+    "MixtralForSequenceClassification": ("mixtral", "reward"),
     "GemmaForSequenceClassification": ("gemma", "reward"),
     "Gemma2ForSequenceClassification": ("gemma2", "reward"),
     "Gemma3TextForSequenceClassification": ("gemma3_text", "reward"),
@@ -187,10 +191,10 @@ def _check_biases(config: ModelConfig):
     if arch == "qwen2" and not (qkv and not out and not mlp):
         raise CheckpointError("qwen2 always has q/k/v biases and no o_proj or MLP biases: set "
                               "attention_bias=True, attention_out_bias=False, mlp_bias=False")
-    if arch in ("mistral", "phi3") and (qkv or out or mlp):
+    if arch in ("mistral", "phi3", "mixtral") and (qkv or out or mlp):
         raise CheckpointError(f"{arch} has no projection biases; use arch='llama' (attention_bias, "
                               f"mlp_bias) or 'qwen2' (q/k/v biases)")
-    if arch in ("qwen2", "mistral", "phi3"):
+    if arch in ("qwen2", "mistral", "phi3", "mixtral"):
         return
     if qkv != out:
         raise CheckpointError(
@@ -200,12 +204,15 @@ def _check_biases(config: ModelConfig):
         raise CheckpointError(f"{arch} has no MLP biases; use arch='llama' for mlp_bias")
 
 
+# Llama-family architectures whose sliding_window (when set) applies to every layer.
+_EVERY_LAYER_SLIDES = ("mistral", "phi3", "mixtral", "qwen3_moe")
+
 # Block options each Llama-family architecture fixes (its transformers class always or never has
 # them); the options not listed are off for every architecture but Gemma 2/3 (Gemma 3 alone has a
 # local rope base).
 _GEMMA = dict(scale_embeddings=True, norm_unit_offset=True)
 _ARCH_OPTIONS = {
-    "qwen3": dict(qk_norm=True), "gemma": _GEMMA, "gemma2": dict(_GEMMA, post_norms=True),
+    "qwen3": dict(qk_norm=True), "qwen3_moe": dict(qk_norm=True), "gemma": _GEMMA, "gemma2": dict(_GEMMA, post_norms=True),
     "gemma3_text": dict(_GEMMA, post_norms=True, qk_norm=True)}
 _FIXED_OFF = dict(qk_norm=False, scale_embeddings=False, norm_unit_offset=False, post_norms=False)
 _GEMMA2_ONLY = ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap")
@@ -214,9 +221,9 @@ _GEMMA2_ONLY = ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_soft
 def _check_options(config: ModelConfig):
     """Refuses block options the architecture's transformers class cannot hold."""
     arch = config.arch
-    if config.num_experts:
-        raise CheckpointError(f"num_experts={config.num_experts}: exporting a mixture-of-experts model "
-                              f"(Qwen3MoeForCausalLM, MixtralForCausalLM) is not supported yet")
+    if bool(config.num_experts) != (arch in MOE_ARCHS):
+        raise CheckpointError(f"{arch} {'has no' if config.num_experts else 'needs'} experts; mixture-of-experts "
+                              f"models are arch {' or '.join(repr(a) for a in MOE_ARCHS)}")
     want = {**_FIXED_OFF, **_ARCH_OPTIONS.get(arch, {})}
     wrong = {name: getattr(config, name) for name, value in want.items() if getattr(config, name) != value}
     if wrong:
@@ -263,7 +270,7 @@ def config_from_hf(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
 
     # Llama family.
     sliding_window, sliding_layers = None, None
-    if arch in ("mistral", "phi3"):
+    if arch in _EVERY_LAYER_SLIDES:  # (Qwen3-MoE's config already cleared it without use_sliding_window)
         sliding_window = getattr(cfg, "sliding_window", None)
     elif arch in ("qwen2", "qwen3"):
         sliding_window, sliding_layers = _qwen_windows(cfg)
@@ -278,12 +285,45 @@ def config_from_hf(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
         intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
         norm_eps=float(cfg.rms_norm_eps), rope_theta=theta, rope_scaling=scaling,
-        sliding_window=sliding_window, sliding_layers=sliding_layers, qk_norm=arch == "qwen3",
-        **_biases(cfg),
+        sliding_window=sliding_window, sliding_layers=sliding_layers, qk_norm=arch in ("qwen3", "qwen3_moe"),
+        **_biases(cfg), **_moe_fields(cfg),
         activation=_activation(getattr(cfg, act_field), act_field, "llama"))
     if arch.startswith("gemma"):
         fields.update(_gemma_fields(cfg))
     return ModelConfig(**fields)
+
+
+def _moe_fields(cfg) -> dict[str, Any]:
+    """Qwen3-MoE's and Mixtral's experts and router; mixed dense/MoE stacks and router noise refused."""
+    if cfg.model_type == "qwen3_moe":
+        dense = list(getattr(cfg, "mlp_only_layers", None) or [])
+        step = getattr(cfg, "decoder_sparse_step", 1)
+        if dense or step != 1:
+            raise CheckpointError(f"unsupported mixed dense/MoE layers (mlp_only_layers={dense}, "
+                                  f"decoder_sparse_step={step}): every layer must be an MoE layer")
+        return dict(num_experts=cfg.num_experts, experts_per_token=cfg.num_experts_per_tok,
+                    moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=bool(cfg.norm_topk_prob))
+    if cfg.model_type == "mixtral":
+        if getattr(cfg, "router_jitter_noise", 0.0):
+            raise CheckpointError(f"unsupported router_jitter_noise={cfg.router_jitter_noise} (training-time "
+                                  f"noise on the router's input)")
+        return dict(num_experts=cfg.num_local_experts, experts_per_token=cfg.num_experts_per_tok)
+    return {}
+
+
+def _moe_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The expert fields of a Qwen3-MoE or Mixtral transformers config."""
+    if config.arch == "qwen3_moe":
+        return dict(num_experts=config.num_experts, num_experts_per_tok=config.experts_per_token,
+                    moe_intermediate_size=config.expert_mlp_dim, norm_topk_prob=config.norm_topk_prob,
+                    mlp_only_layers=[], decoder_sparse_step=1)
+    if config.moe_intermediate_size not in (None, config.mlp_dim):
+        raise CheckpointError(f"mixtral's experts are intermediate_size wide; moe_intermediate_size="
+                              f"{config.moe_intermediate_size} differs from intermediate_size={config.mlp_dim}")
+    if not config.norm_topk_prob:
+        raise CheckpointError("mixtral always renormalises the top-k router weights: set norm_topk_prob=True")
+    return dict(num_local_experts=config.num_experts, num_experts_per_tok=config.experts_per_token,
+                router_jitter_noise=0.0)
 
 
 def _gemma_fields(cfg) -> dict[str, Any]:
@@ -355,7 +395,7 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
     _check_options(config)
     if arch in ("llama", "gemma") and config.sliding_window is not None:
         raise CheckpointError(f"{arch} has no sliding window; use arch='mistral' or 'qwen2'")
-    if arch in ("mistral", "phi3") and config.sliding_layers is not None:
+    if arch in _EVERY_LAYER_SLIDES and config.sliding_layers is not None:
         raise CheckpointError(f"{arch} slides every layer or none; use arch='qwen2' for "
                               f"sliding_layers")
     if arch == "phi3" and config.head_dim not in (None, config.hidden_size // config.num_heads):
@@ -374,8 +414,12 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
     else:
         family["rope_theta"] = config.rope_theta
         family["rope_scaling"] = scaling
-    if arch in ("mistral", "phi3"):
+    if arch in ("mistral", "phi3", "mixtral"):
         family["sliding_window"] = config.sliding_window
+    if arch == "qwen3_moe":
+        family.update(use_sliding_window=config.sliding_window is not None, sliding_window=config.sliding_window)
+    if config.num_experts:
+        family.update(_moe_to_hf(config))
     if arch == "phi3":  # its head size is always hidden_size // num_heads; dropouts off
         del family["head_dim"]
         family.update(resid_pdrop=0.0, embd_pdrop=0.0)
@@ -390,14 +434,15 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
                       layer_types=_hf_layer_types(config))
     if arch == "llama":
         family.update(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
-    if arch not in ("llama", "qwen2", "mistral", "phi3"):
+    if arch not in ("llama", "qwen2", "mistral", "phi3", "mixtral"):
         family.update(attention_bias=config.attention_bias)
     if arch.startswith("gemma"):
         _gemma_to_hf(config, family)
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
            "phi3": transformers.Phi3Config, "gemma": transformers.GemmaConfig,
-           "gemma2": transformers.Gemma2Config, "gemma3_text": transformers.Gemma3TextConfig}[arch]
+           "gemma2": transformers.Gemma2Config, "gemma3_text": transformers.Gemma3TextConfig,
+           "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}[arch]
     return cls(**common, **family)
 
 

@@ -152,8 +152,7 @@ class _ExportGroup:
         return self.maps[0][1]
 
     def names(self, num_layers: int) -> list[str]:
-        m = self.first
-        return [m.layer_name(i) for i in (range(num_layers) if m.stacked else [None])]
+        return [name for _, name in self.first.instances(num_layers)]
 
 
 def _export_groups(config: ModelConfig, flat: Mapping[tuple[str, ...], Any], kind: str
@@ -182,10 +181,10 @@ def _group_tensors(group: _ExportGroup, flat: Mapping[tuple[str, ...], Any], num
     array of shape `group.first.hf_shape`), one per layer when stacked."""
     host = {path: _to_host(flat[path]) for path, _ in group.maps}
     out = []
-    for layer, name in zip(range(num_layers), group.names(num_layers)):
+    for index, name in group.first.instances(num_layers):
         tensor = np.zeros(group.first.hf_shape, group.dtype)
         for path, m in group.maps:
-            ours = host[path][layer] if m.stacked else host[path]
+            ours = host[path][index]  # this layer's / expert's slice (index () when neither)
             block = ours.transpose(np.argsort(m.perm)).reshape([math.prod(s) for s in m.split])
             tensor[tuple(slice(b, b + n) for b, n in zip(m.start, block.shape))] = block
         out.append((name, tensor))

@@ -43,6 +43,8 @@ class TensorMap:
     perm:     our (per-layer) axes as a permutation of the flattened sub-axes.
     zeros:    no HF tensor: the param (of shape hf_shape) is all zeros on load (the score bias) and
               must be zero on export.
+    experts:  MoE expert weights: "{expert}" in `name` stands for the expert index, and our
+              (per-layer) param's leading [E] axis is assembled from E tensors (0: not an expert map).
     """
 
     name: str
@@ -51,21 +53,33 @@ class TensorMap:
     split: tuple[tuple[int, ...], ...]
     perm: tuple[int, ...]
     zeros: bool = False
+    experts: int = 0
 
     @property
     def stacked(self) -> bool:
         return "{layer}" in self.name
 
-    def layer_name(self, layer: int | None) -> str:
-        return self.name.format(layer=layer) if self.stacked else self.name
+    def tensor_name(self, layer: int | None = None, expert: int | None = None) -> str:
+        """The HF tensor of one layer (when stacked) and one expert (of an expert map)."""
+        name = self.name if layer is None else self.name.replace("{layer}", str(layer))
+        return name if expert is None else name.replace("{expert}", str(expert))
+
+    def instances(self, num_layers: int) -> list[tuple[tuple[int, ...], str]]:
+        """Every HF tensor this param is assembled from: (its index into our param's leading
+        [L] and/or [E] axes, its name)."""
+        layers = range(num_layers) if self.stacked else [None]
+        experts = range(self.experts) if self.experts else [None]
+        return [(tuple(i for i in (layer, expert) if i is not None), self.tensor_name(layer, expert))
+                for layer in layers for expert in experts]
 
     @property
     def our_shape(self) -> tuple[int, ...]:
-        """Our param's shape (per layer when stacked: the full param is [L, *our_shape])."""
+        """Our param's shape (per layer when stacked: the full param is [L, *our_shape]); an
+        expert map's starts with [E]."""
         if self.zeros:
             return self.hf_shape
         flat = [d for sub in self.split for d in sub]
-        return tuple(flat[p] for p in self.perm)
+        return ((self.experts,) if self.experts else ()) + tuple(flat[p] for p in self.perm)
 
 
 def _window(name, hf_shape, split, perm, start=None) -> TensorMap:
@@ -81,6 +95,30 @@ def _same(name, shape) -> TensorMap:
 def _transposed(name, out_dim, in_dim) -> TensorMap:
     """torch Linear weight [out, in] -> our kernel [in, out]."""
     return _window(name, (out_dim, in_dim), [(out_dim,), (in_dim,)], (1, 0))
+
+
+def _expert_weights(name, out_dim, in_dim, experts: int) -> TensorMap:
+    """E torch Linear weights [out, in], one per "{expert}" -> our stacked kernel [E, in, out]."""
+    return dataclasses.replace(_transposed(name, out_dim, in_dim), experts=experts)
+
+
+# An MoE layer's tensors: the module holding the router and experts, and each expert's gate, up and
+# down projections (Mixtral's w1, w3, w2).
+_MOE_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+              "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+
+
+def _moe_maps(cfg: ModelConfig, layer: str) -> dict[tuple[str, ...], TensorMap]:
+    """Router [E, D] -> our [D, E]; experts.{e}.gate/up [F, D] -> our [E, D, F]; down [D, F] -> [E, F, D]."""
+    d, e, f = cfg.hidden_size, cfg.num_experts, cfg.expert_mlp_dim
+    module, (gate, up, down) = _MOE_NAMES[cfg.arch]
+    experts = f"{layer}{module}.experts.{{expert}}."
+    return {
+        ("layers", "mlp", "router", "kernel"): _transposed(f"{layer}{module}.gate.weight", e, d),
+        ("layers", "mlp", "gate"): _expert_weights(f"{experts}{gate}.weight", f, d, e),
+        ("layers", "mlp", "up"): _expert_weights(f"{experts}{up}.weight", f, d, e),
+        ("layers", "mlp", "down"): _expert_weights(f"{experts}{down}.weight", d, f, e),
+    }
 
 
 def _zeros(shape) -> TensorMap:
@@ -128,8 +166,11 @@ def _llama_maps(cfg: ModelConfig, prefix: str) -> dict[tuple[str, ...], TensorMa
         # torch Linear [out, in]: q_proj [H*Dh, D] -> our [D, H, Dh]; o_proj [D, H*Dh] -> [H, Dh, D].
         ("layers", "attn", "o", "kernel"): _window(
             layer + "self_attn.o_proj.weight", (d, h * dh), [(d,), (h, dh)], (1, 2, 0)),
-        ("layers", "mlp", "down", "kernel"): _transposed(layer + "mlp.down_proj.weight", d, f),
     }
+    if cfg.num_experts:
+        maps.update(_moe_maps(cfg, layer))
+    else:
+        maps[("layers", "mlp", "down", "kernel")] = _transposed(layer + "mlp.down_proj.weight", d, f)
     if cfg.post_norms:  # Gemma 2/3: "post_attention_layernorm" normalises the attention output
         maps.update({
             ("layers", "post_attn_norm", "scale"): _same(layer + "post_attention_layernorm.weight", (d,)),
@@ -142,7 +183,7 @@ def _llama_maps(cfg: ModelConfig, prefix: str) -> dict[tuple[str, ...], TensorMa
         for i, part in enumerate(("gate", "up")):
             maps[("layers", "mlp", part, "kernel")] = _window(
                 layer + "mlp.gate_up_proj.weight", (2 * f, d), [(f,), (d,)], (1, 0), start=(i * f, 0))
-    else:
+    elif not cfg.num_experts:
         for part in ("gate", "up"):
             maps[("layers", "mlp", part, "kernel")] = _transposed(layer + f"mlp.{part}_proj.weight", f, d)
     if cfg.qk_norm:
@@ -209,7 +250,7 @@ def _unscanned(maps: dict[tuple[str, ...], TensorMap], num_layers: int) -> dict[
             out[path] = m
             continue
         for i in range(num_layers):
-            out[(path[0], f"layers_{i}") + path[2:]] = dataclasses.replace(m, name=m.layer_name(i))
+            out[(path[0], f"layers_{i}") + path[2:]] = dataclasses.replace(m, name=m.tensor_name(i))
     return out
 
 
@@ -228,7 +269,9 @@ def lora_module_names(config: ModelConfig) -> dict[str, str]:
     out = {}
     for target in TARGETS[config.family]:
         part = "attn" if target in ("q", "k", "v", "o") else "mlp"
-        out[target] = _MODULE_IN_LAYER.search(maps[("transformer", "layers", part, target, "kernel")].name)[1]
+        key = ("transformer", "layers", part, target, "kernel")
+        if key in maps:  # an MoE layer's experts are not LoRA targets
+            out[target] = _MODULE_IN_LAYER.search(maps[key].name)[1]
     return out
 
 

@@ -163,6 +163,15 @@ def _read_window(store: TensorStore, m: TensorMap, name: str, bounds) -> np.ndar
     return block.reshape(read_shape)[tuple(post)].transpose(m.perm)
 
 
+def _read_layer(store: TensorStore, m: TensorMap, layer: int | None, bounds) -> np.ndarray:
+    """One layer's part of our param (`bounds` over its per-layer axes); an expert map stacks the
+    experts' tensors in bounds[0]'s range."""
+    if not m.experts:
+        return _read_window(store, m, m.tensor_name(layer), bounds)
+    (first, last), rest = bounds[0], bounds[1:]
+    return np.stack([_read_window(store, m, m.tensor_name(layer, e), rest) for e in range(first, last)])
+
+
 def _shard_reader(store: TensorStore, m: TensorMap, shape: tuple[int, ...], dtype) -> Callable:
     """Callback for jax.make_array_from_callback: global index -> that shard of our param (whose full
     shape is `shape`, [L, *m.our_shape] when stacked) as a host array of `dtype`."""
@@ -176,10 +185,9 @@ def _shard_reader(store: TensorStore, m: TensorMap, shape: tuple[int, ...], dtyp
             out = np.zeros([hi - lo for lo, hi in bounds], dtype)
         elif m.stacked:
             (first, last), rest = bounds[0], bounds[1:]
-            out = np.stack([_read_window(store, m, m.layer_name(i), rest).astype(dtype)
-                            for i in range(first, last)])
+            out = np.stack([_read_layer(store, m, i, rest).astype(dtype) for i in range(first, last)])
         else:
-            out = _read_window(store, m, m.name, bounds).astype(dtype)
+            out = _read_layer(store, m, None, bounds).astype(dtype)
         cache[bounds] = out
         return out
 
@@ -193,8 +201,8 @@ def _validate_tensors(store: TensorStore, maps: Mapping[tuple[str, ...], TensorM
     for m in maps.values():
         if m.zeros:
             continue
-        for layer in (range(config.num_layers) if m.stacked else [None]):
-            needed[m.layer_name(layer)] = m.hf_shape
+        for _, name in m.instances(config.num_layers):
+            needed[name] = m.hf_shape
     for name, want in needed.items():
         if name not in store.tensors:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {path}")

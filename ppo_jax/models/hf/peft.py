@@ -108,8 +108,7 @@ def load_adapter(path: str | os.PathLike, config: ModelConfig, mesh: jax.shardin
     maps = lora_tensor_maps(config)
     store = TensorStore([path / WEIGHTS_FILE])
     try:
-        needed = {m.layer_name(i): m.hf_shape for m in maps.values()
-                  for i in (range(config.num_layers) if m.stacked else [None])}
+        needed = {name: m.hf_shape for m in maps.values() for _, name in m.instances(config.num_layers)}
         for name, shape in needed.items():
             if name not in store.tensors:
                 raise CheckpointError(f"tensor {name!r} is missing from {path / WEIGHTS_FILE}")
