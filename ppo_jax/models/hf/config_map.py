@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from ppo_jax.models.config import MOE_ARCHS, ModelConfig
-from ppo_jax.models.hf import rope_map
+from ppo_jax.models.hf import moe_map, rope_map
 from ppo_jax.models.hf.errors import CheckpointError
 
 # Checkpoint kinds: "causal_lm" (our CausalLM, logits) and "reward" (our ScalarModel, one score).
@@ -286,44 +286,11 @@ def config_from_hf(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
         intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
         norm_eps=float(cfg.rms_norm_eps), rope_theta=theta, rope_scaling=scaling,
         sliding_window=sliding_window, sliding_layers=sliding_layers, qk_norm=arch in ("qwen3", "qwen3_moe"),
-        **_biases(cfg), **_moe_fields(cfg),
+        **_biases(cfg), **moe_map.moe_from_hf(cfg),
         activation=_activation(getattr(cfg, act_field), act_field, "llama"))
     if arch.startswith("gemma"):
         fields.update(_gemma_fields(cfg))
     return ModelConfig(**fields)
-
-
-def _moe_fields(cfg) -> dict[str, Any]:
-    """Qwen3-MoE's and Mixtral's experts and router; mixed dense/MoE stacks and router noise refused."""
-    if cfg.model_type == "qwen3_moe":
-        dense = list(getattr(cfg, "mlp_only_layers", None) or [])
-        step = getattr(cfg, "decoder_sparse_step", 1)
-        if dense or step != 1:
-            raise CheckpointError(f"unsupported mixed dense/MoE layers (mlp_only_layers={dense}, "
-                                  f"decoder_sparse_step={step}): every layer must be an MoE layer")
-        return dict(num_experts=cfg.num_experts, experts_per_token=cfg.num_experts_per_tok,
-                    moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=bool(cfg.norm_topk_prob))
-    if cfg.model_type == "mixtral":
-        if getattr(cfg, "router_jitter_noise", 0.0):
-            raise CheckpointError(f"unsupported router_jitter_noise={cfg.router_jitter_noise} (training-time "
-                                  f"noise on the router's input)")
-        return dict(num_experts=cfg.num_local_experts, experts_per_token=cfg.num_experts_per_tok)
-    return {}
-
-
-def _moe_to_hf(config: ModelConfig) -> dict[str, Any]:
-    """The expert fields of a Qwen3-MoE or Mixtral transformers config."""
-    if config.arch == "qwen3_moe":
-        return dict(num_experts=config.num_experts, num_experts_per_tok=config.experts_per_token,
-                    moe_intermediate_size=config.expert_mlp_dim, norm_topk_prob=config.norm_topk_prob,
-                    mlp_only_layers=[], decoder_sparse_step=1)
-    if config.moe_intermediate_size not in (None, config.mlp_dim):
-        raise CheckpointError(f"mixtral's experts are intermediate_size wide; moe_intermediate_size="
-                              f"{config.moe_intermediate_size} differs from intermediate_size={config.mlp_dim}")
-    if not config.norm_topk_prob:
-        raise CheckpointError("mixtral always renormalises the top-k router weights: set norm_topk_prob=True")
-    return dict(num_local_experts=config.num_experts, num_experts_per_tok=config.experts_per_token,
-                router_jitter_noise=0.0)
 
 
 def _gemma_fields(cfg) -> dict[str, Any]:
@@ -419,7 +386,7 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
     if arch == "qwen3_moe":
         family.update(use_sliding_window=config.sliding_window is not None, sliding_window=config.sliding_window)
     if config.num_experts:
-        family.update(_moe_to_hf(config))
+        family.update(moe_map.moe_to_hf(config))
     if arch == "phi3":  # its head size is always hidden_size // num_heads; dropouts off
         del family["head_dim"]
         family.update(resid_pdrop=0.0, embd_pdrop=0.0)
