@@ -2,11 +2,12 @@
 
 Run by hand (not a test), on an otherwise idle machine:
 
-    python bench/bench_sampler.py                                  # both shapes
+    python bench/bench_sampler.py                                  # the two GPT-2 shapes
+    python bench/bench_sampler.py --shapes tiny-moe --vocab 1024   # a tiny Qwen3-MoE (8 experts, top 2)
     python bench/bench_sampler.py --shapes tiny --vocab 1024       # override the vocabulary
     python bench/bench_sampler.py --threads 1 --xla-threads 1      # both sides single-threaded
 
-For each shape a GPT-2 model with random weights is built in transformers, saved with
+For each shape a GPT-2 (or Qwen3-MoE) model with random weights is built in transformers, saved with
 `save_pretrained` and read back with `ppo_jax.models.hf.load_model`, so both sides run the same
 weights. Both sample (temperature 1, no top-k/top-p) the same number of new tokens for the same
 left-padded batch with stopping disabled, so both produce every token. Reported: tokens/s of each
@@ -24,16 +25,19 @@ import tempfile
 import time
 
 SHAPES = {
-    # name: (layers, hidden, heads, vocab)
+    # name: (layers, hidden, heads, vocab); GPT-2 unless named in MOE_SHAPES
     "tiny": (2, 128, 2, 50257),
     "gpt2-small": (12, 768, 12, 50257),
+    "tiny-moe": (2, 128, 2, 50257),
 }
+# Qwen3-MoE shapes: (experts, experts per token, expert MLP width).
+MOE_SHAPES = {"tiny-moe": (8, 2, 128)}
 PAD = 0
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=["tiny", "gpt2-small"], choices=list(SHAPES))
     parser.add_argument("--vocab", type=int, default=0, help="override the shapes' vocabulary size")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=64)
@@ -124,17 +128,31 @@ def transformers_runner(torch_model, prompts, new_tokens: int):
     return run
 
 
+def torch_model_for(name: str, layers: int, hidden: int, heads: int, vocab: int, attention: str):
+    """The transformers model of a shape, random weights: GPT-2, or Qwen3-MoE for MOE_SHAPES."""
+    import transformers
+
+    common = dict(vocab_size=vocab, attn_implementation=attention, bos_token_id=None, eos_token_id=None,
+                  pad_token_id=PAD)
+    if name in MOE_SHAPES:
+        experts, per_token, width = MOE_SHAPES[name]
+        config = transformers.Qwen3MoeConfig(
+            num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads,
+            head_dim=hidden // heads, intermediate_size=4 * hidden, moe_intermediate_size=width, num_experts=experts,
+            num_experts_per_tok=per_token, norm_topk_prob=True, max_position_embeddings=1024,
+            tie_word_embeddings=False, **common)
+        return transformers.Qwen3MoeForCausalLM(config).eval()
+    config = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_positions=1024, **common)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
 def bench_shape(name: str, args) -> dict:
     import torch
-    import transformers
 
     layers, hidden, heads, vocab = SHAPES[name]
     vocab = args.vocab or vocab
     torch.manual_seed(0)
-    hf_config = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab,
-                                        n_positions=1024, attn_implementation=args.attention, bos_token_id=None,
-                                        eos_token_id=None, pad_token_id=PAD)
-    torch_model = transformers.GPT2LMHeadModel(hf_config).eval()
+    torch_model = torch_model_for(name, layers, hidden, heads, vocab, args.attention)
     torch_model.generation_config.eos_token_id = None
     prompts = left_padded_prompts(args.batch, args.prompt, vocab)
     with tempfile.TemporaryDirectory() as path:

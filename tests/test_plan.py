@@ -175,6 +175,13 @@ def test_bad_input_fails_before_compiling():
     ("qwen3-8b", dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, num_hidden_layers=36,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288,
                       tie_word_embeddings=False)),
+    ("qwen3-30b-a3b", dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+                           num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                           moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                           tie_word_embeddings=False)),
+    ("mixtral-8x7b", dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
+                          num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                          num_local_experts=8, num_experts_per_tok=2)),
 ])
 def test_published_shapes_have_the_transformers_models_parameter_count(name, hf_config):
     """The planner's presets count what `transformers` builds from the same published shape (on the meta

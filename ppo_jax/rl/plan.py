@@ -88,6 +88,16 @@ MODEL_SHAPES = {
                      num_kv_heads=8, head_dim=128, intermediate_size=12288, max_position_embeddings=40960,
                      norm_eps=1e-6, tie_word_embeddings=False, qk_norm=True, rope_theta=1e6,
                      bos_token_id=151643, eos_token_id=151645),
+    # Qwen/Qwen3-30B-A3B: 128 experts of 768, 8 per token (3.3B of 30.5B parameters active).
+    "qwen3-30b-a3b": dict(arch="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
+                          num_kv_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                          num_experts=128, experts_per_token=8, norm_topk_prob=True,
+                          max_position_embeddings=40960, norm_eps=1e-6, tie_word_embeddings=False,
+                          qk_norm=True, rope_theta=1e6, bos_token_id=151643, eos_token_id=151645),
+    # mistralai/Mixtral-8x7B-v0.1: 8 experts of 14336, 2 per token.
+    "mixtral-8x7b": dict(_LLAMA, arch="mixtral", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
+                         num_kv_heads=8, intermediate_size=14336, num_experts=8, experts_per_token=2,
+                         max_position_embeddings=32768, rope_theta=1e6, bos_token_id=1, eos_token_id=2),
 }
 
 
