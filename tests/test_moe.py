@@ -3,6 +3,8 @@ blocks with the same random weights, routing as a NumPy loop computes it, and th
 MoE policy (the sampler's cached decode and the training forward route every token alike, so
 rollout log-probs are training log-probs with no routing replay)."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,14 +106,18 @@ def test_experts_on_a_dense_architecture_are_refused_before_anything_is_written(
         ModelConfig(arch="mixtral")
 
 
-@pytest.mark.parametrize("mesh_shape, layer_loop", [((2, 2, 2), "scan"), ((1, 1, 1), "unrolled")])
-def test_ppo_on_an_moe_policy_keeps_the_invariants(tmp_path, mesh_shape, layer_loop):
+@pytest.mark.parametrize("mesh_shape, layer_loop, lora", [((2, 2, 2), "scan", False), ((1, 1, 1), "unrolled", True)])
+def test_ppo_on_an_moe_policy_keeps_the_invariants(tmp_path, mesh_shape, layer_loop, lora):
     """First minibatch ratio 1, rollout log-probs == training log-probs, one compile of each phase:
     on a 2x2x2 mesh (experts replicated, their embed axis over fsdp and mlp over tensor) with
-    scanned layers, and with the per-layer loop (the sampler's unrolled decode)."""
-    config = tiny_config(**{"train.iterations": 2, "policy.model.arch": "qwen3", "policy.model.num_heads": 4,
-                            "policy.model.num_experts": 4, "policy.model.experts_per_token": 2,
-                            "policy.model.moe_intermediate_size": 16, "compute.layer_loop": layer_loop})
+    scanned layers, and with the per-layer loop (the sampler's unrolled decode) and LoRA on the
+    attention, exported merged (a Qwen3MoeForCausalLM) and as a PEFT adapter."""
+    config = tiny_config(**{"train.iterations": 2, "policy.model.arch": "qwen3_moe", "policy.model.qk_norm": True,
+                            "policy.model.num_heads": 4, "policy.model.num_experts": 4,
+                            "policy.model.experts_per_token": 2, "policy.model.moe_intermediate_size": 16,
+                            "compute.layer_loop": layer_loop})
+    if lora:
+        config.policy.lora.rank, config.policy.lora.targets = 2, "q,v"
     trainer = PPOTrainer(config, str(tmp_path), mesh=make_test_mesh(mesh_shape))
     history = trainer.train()
     for row in history:
@@ -123,3 +129,10 @@ def test_ppo_on_an_moe_policy_keeps_the_invariants(tmp_path, mesh_shape, layer_l
         mlp = trainer.state.policy["transformer"]["layers"]["mlp"]
         assert mlp["gate"].shape == (2, 4, 32, 16) and mlp["gate"].sharding.spec[2] == "fsdp"
     trainer.close()
+    if lora:
+        from ppo_jax.rl.export import export_checkpoint
+
+        merged = export_checkpoint(str(tmp_path), str(tmp_path / "merged"), lora_format="merged")
+        assert type(transformers.AutoModelForCausalLM.from_pretrained(merged)).__name__ == "Qwen3MoeForCausalLM"
+        adapter = export_checkpoint(str(tmp_path), str(tmp_path / "adapter"), lora_format="adapter")
+        assert sorted(os.listdir(adapter)) == ["adapter_config.json", "adapter_model.safetensors"]
