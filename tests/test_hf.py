@@ -370,7 +370,8 @@ def test_export_round_trip(case, tmp_path):
 
 @pytest.mark.parametrize("case", ["gpt2-causal_lm", "llama-reward", "mistral-causal_lm",
                                   "llama_bias-causal_lm", "qwen3-causal_lm", "qwen2_mixed-causal_lm",
-                                  "phi3-causal_lm", "gemma2-causal_lm", "gemma3-causal_lm"],
+                                  "phi3-causal_lm", "gemma2-causal_lm", "gemma3-causal_lm",
+                                  "qwen3_moe-causal_lm", "mixtral-reward"],
                          indirect=True)
 def test_per_layer_params_load_run_and_export(case, tmp_path, mesh_222):
     """`scan_layers=False` (per-layer params, the GPU layout) reads each layer's tensors into its own
