@@ -33,7 +33,6 @@ def cudnn_head_dim(dim: int) -> bool:
     return dim <= 128 and dim % 8 == 0
 # `remat_policy`: which activations the backward pass keeps when remat is on.
 REMAT_POLICIES = ("full", "dots")
-# Fields that choose how the model executes, never what it computes (free to change on load).
 # Rope scalings (models/rope.py) and the keys each needs; a rope_scaling without "rope_type" is
 # Llama 3's (configs written before the others existed).
 ROPE_SCALING_KEYS = {
@@ -43,7 +42,7 @@ ROPE_SCALING_KEYS = {
     "dynamic": ("factor",),
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
 }
-
+# Fields that choose how the model executes, never what it computes (free to change on load).
 EXECUTION_FIELDS = ("attention", "scan_layers", "remat", "remat_policy")
 
 _DTYPES = {
@@ -238,7 +237,7 @@ class ModelConfig:
                 raise ValueError("model.sliding_layers marks every layer alike; use sliding_layers=None "
                                  "(with or without sliding_window) instead")
         if self.rope_scaling is not None:
-            object.__setattr__(self, "rope_scaling", _checked_rope_scaling(self.rope_scaling, self.dim_per_head))
+            object.__setattr__(self, "rope_scaling", checked_rope_scaling(self.rope_scaling, self.dim_per_head))
         if self.rope_local_theta is not None and self.sliding_layers is None:
             raise ValueError("model.rope_local_theta (the sliding layers' rope base) needs "
                              "model.sliding_layers; with every layer alike set rope_theta instead")
@@ -350,7 +349,7 @@ class ModelConfig:
         return self.num_layers * (attn + mlp + norms) + emb + final + head
 
 
-def _checked_rope_scaling(pairs, dim_per_head: int) -> tuple[tuple[str, Any], ...]:
+def checked_rope_scaling(pairs, dim_per_head: int) -> tuple[tuple[str, Any], ...]:
     """model.rope_scaling as sorted pairs with tuples for lists (a config file gives a dict or lists),
     refused when its type is unknown, a key it needs is missing, or LongRoPE's factor lists do not
     have one entry per rotated pair of dimensions."""

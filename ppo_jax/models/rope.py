@@ -17,11 +17,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ppo_jax.models.config import ModelConfig
+from ppo_jax.models.config import ROPE_SCALING_KEYS, ModelConfig
 
 Array = jax.Array
 
-SCALINGS = ("linear", "llama3", "yarn", "dynamic", "longrope")  # besides "default" (no scaling)
 # The scalings whose frequencies change with the call's longest position.
 LENGTH_DEPENDENT = ("dynamic", "longrope")
 
@@ -136,7 +135,7 @@ def rope_frequencies(config: ModelConfig, local: bool = False, seq_len: Array | 
         ext = jnp.where(is_long, long, short)
         return RopeFrequencies(1.0 / (ext * _wavelength_scales(theta, dh)),
                                longrope_attention_factor(scaling, config.max_position_embeddings))
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, {', '.join(SCALINGS)})")
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, {', '.join(ROPE_SCALING_KEYS)})")
 
 
 def rope_tables(config: ModelConfig, positions: Array, local: bool = False) -> tuple[Array, Array]:
@@ -157,17 +156,18 @@ def _length_dependent(config: ModelConfig, local: bool) -> bool:
 
 
 def cached_decode_limit(config: ModelConfig) -> int | None:
-    """The longest sequence a cached decode rotates exactly as one forward over it does; None: any.
+    """The longest sequence a cached decode rotates exactly as one forward over it does, when that
+    is shorter than max_position_embeddings (the limit every run keeps to, config.check_positions);
+    None otherwise.
 
-    Past it, the length-dependent scalings rescale the later chunks only: LongRoPE's keys cached
-    with the short factors meet queries rotated with the long ones (transformers' Phi-3 generate
-    re-encodes the whole prefix at that point), dynamic NTK's base grows chunk by chunk. Then a
-    sampler's log-probs are not a training forward's."""
+    LongRoPE switches to its long factors past original_max_position_embeddings for the later chunks
+    only: keys cached with the short factors meet queries rotated with the long ones (transformers'
+    Phi-3 generate re-encodes the whole prefix at that point), so a sampler's log-probs are not a
+    training forward's. Dynamic NTK changes nothing below max_position_embeddings."""
     scaling = config.rope_scaling_dict or {}
     if scaling.get("rope_type") == "longrope":
-        return int(scaling["original_max_position_embeddings"])
-    if scaling.get("rope_type") == "dynamic":
-        return config.max_position_embeddings
+        limit = int(scaling["original_max_position_embeddings"])
+        return limit if limit < config.max_position_embeddings else None
     return None
 
 

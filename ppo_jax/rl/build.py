@@ -97,8 +97,7 @@ def _check_cached_rope(cfg: ModelConfig, length: int) -> None:
     """The sampler decodes through a KV cache and the update reads one forward: their log-probs must
     be the same numbers, which a rope scaling that switches with the length breaks past its limit."""
     limit = rope.cached_decode_limit(cfg)
-    # At max_position_embeddings (dynamic NTK's limit) derive_sizes' check_positions says it, with flags.
-    if limit is not None and limit < cfg.max_position_embeddings and length > limit:
+    if limit is not None and length > limit:
         kind = cfg.rope_scaling_dict["rope_type"]
         raise ConfigError(
             f"data.prompt_length + rollout.response_length = {length} passes {limit}, where the policy's "

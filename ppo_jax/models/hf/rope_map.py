@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ppo_jax.models.config import ModelConfig
+from ppo_jax.models.config import ROPE_SCALING_KEYS, checked_rope_scaling
 from ppo_jax.models.hf.errors import CheckpointError
 
 RopeScaling = tuple[tuple[str, Any], ...]
@@ -43,15 +43,11 @@ def gemma3_rope_from_hf(cfg) -> tuple[float, RopeScaling | None, float]:
     return (*_rope_from(full["rope_theta"], full, cfg), float(local["rope_theta"]))
 
 
-# The fields of each rope scaling we carry (beyond rope_type); transformers' defaults fill the rest.
-_ROPE_FIELDS = {
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-             "mscale_all_dim", "attention_factor", "truncate"),
-    "dynamic": ("factor",),
-    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "factor",
-                 "attention_factor"),
+# The optional fields of each rope scaling we carry besides the ones it needs (ROPE_SCALING_KEYS);
+# transformers' defaults fill the rest.
+_OPTIONAL_FIELDS = {
+    "yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"),
+    "longrope": ("factor", "attention_factor"),
 }
 
 
@@ -64,26 +60,24 @@ def _rope_from(theta, scaling: Mapping[str, Any], cfg) -> tuple[float, RopeScali
                               f"embeddings are supported)")
     if kind == "default":
         return float(theta), None
-    if kind not in _ROPE_FIELDS:
-        raise CheckpointError(f"unsupported rope type {kind!r}; supported: default, {', '.join(_ROPE_FIELDS)}")
+    if kind not in ROPE_SCALING_KEYS:
+        raise CheckpointError(f"unsupported rope type {kind!r}; supported: default, {', '.join(ROPE_SCALING_KEYS)}")
     if kind == "yarn" and scaling.get("factor") is None and scaling.get("original_max_position_embeddings"):
         # DeepSeek-style: the extension is max / original (what transformers computes then).
         scaling = {**scaling, "factor": cfg.max_position_embeddings / scaling["original_max_position_embeddings"]}
-    pairs = {k: _rope_value(scaling[k]) for k in _ROPE_FIELDS[kind] if scaling.get(k) is not None}
+    fields = ROPE_SCALING_KEYS[kind] + _OPTIONAL_FIELDS.get(kind, ())
+    pairs = {k: _number(scaling[k]) for k in fields if scaling.get(k) is not None}
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     try:
-        checked = ModelConfig(arch="llama", rope_scaling=tuple({**pairs, "rope_type": kind}.items()),
-                              hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
-                              head_dim=getattr(cfg, "head_dim", None))
+        return float(theta), checked_rope_scaling({**pairs, "rope_type": kind}, head_dim)
     except ValueError as e:
         raise CheckpointError(str(e).replace("model.rope_scaling: ", "rope_parameters: ")) from None
-    return float(theta), checked.rope_scaling
 
 
-def _rope_value(value):
-    """A rope field as ModelConfig holds it: lists as tuples of floats, flags as bools, numbers as floats."""
-    if isinstance(value, (list, tuple)):
-        return tuple(float(x) for x in value)
-    return value if isinstance(value, bool) else float(value)
+def _number(value):
+    """A rope field as ModelConfig holds it: numbers as floats (config.json may give ints); flags and
+    LongRoPE's lists as they are (checked_rope_scaling makes the lists tuples of floats)."""
+    return value if isinstance(value, (bool, list, tuple)) else float(value)
 
 
 def rope_to_hf(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
