@@ -20,6 +20,7 @@ end). Counts of truncations are kept for metrics.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -137,8 +138,6 @@ def _field(record: Mapping[str, Any], name: str, where: str) -> Any:
 def load_tokenizer(name_or_path: str):
     """A local directory's tokenizer as saved (`models.hf.load_tokenizer`), else
     `AutoTokenizer.from_pretrained` (a hub name where a cache or the network has it)."""
-    import os
-
     if os.path.isdir(name_or_path):
         from ppo_jax.models.hf.tokenizers import load_tokenizer as load_saved
         return load_saved(name_or_path)

@@ -191,10 +191,10 @@ def _check_biases(config: ModelConfig):
     if arch == "qwen2" and not (qkv and not out and not mlp):
         raise CheckpointError("qwen2 always has q/k/v biases and no o_proj or MLP biases: set "
                               "attention_bias=True, attention_out_bias=False, mlp_bias=False")
-    if arch in ("mistral", "phi3", "mixtral") and (qkv or out or mlp):
+    if arch in _NO_BIASES and (qkv or out or mlp):
         raise CheckpointError(f"{arch} has no projection biases; use arch='llama' (attention_bias, "
                               f"mlp_bias) or 'qwen2' (q/k/v biases)")
-    if arch in ("qwen2", "mistral", "phi3", "mixtral"):
+    if arch == "qwen2" or arch in _NO_BIASES:
         return
     if qkv != out:
         raise CheckpointError(
@@ -204,8 +204,10 @@ def _check_biases(config: ModelConfig):
         raise CheckpointError(f"{arch} has no MLP biases; use arch='llama' for mlp_bias")
 
 
-# Llama-family architectures whose sliding_window (when set) applies to every layer.
+# Llama-family architectures whose sliding_window (when set) applies to every layer, and those whose
+# transformers class has no projection biases at all.
 _EVERY_LAYER_SLIDES = ("mistral", "phi3", "mixtral", "qwen3_moe")
+_NO_BIASES = ("mistral", "phi3", "mixtral")
 
 # Block options each Llama-family architecture fixes (its transformers class always or never has
 # them); the options not listed are off for every architecture but Gemma 2/3 (Gemma 3 alone has a
@@ -285,7 +287,8 @@ def config_from_hf(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
         intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
         norm_eps=float(cfg.rms_norm_eps), rope_theta=theta, rope_scaling=scaling,
-        sliding_window=sliding_window, sliding_layers=sliding_layers, qk_norm=arch in ("qwen3", "qwen3_moe"),
+        sliding_window=sliding_window, sliding_layers=sliding_layers,
+        qk_norm=_ARCH_OPTIONS.get(arch, {}).get("qk_norm", False),
         **_biases(cfg), **moe_map.moe_from_hf(cfg),
         activation=_activation(getattr(cfg, act_field), act_field, "llama"))
     if arch.startswith("gemma"):
@@ -401,7 +404,7 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
                       layer_types=_hf_layer_types(config))
     if arch == "llama":
         family.update(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
-    if arch not in ("llama", "qwen2", "mistral", "phi3", "mixtral"):
+    if arch not in ("llama", "qwen2") + _NO_BIASES:
         family.update(attention_bias=config.attention_bias)
     if arch.startswith("gemma"):
         _gemma_to_hf(config, family)
