@@ -92,6 +92,14 @@ HF_CONFIGS = {
                                             norm_topk_prob=False, tie_word_embeddings=False, **kw),
     "mixtral": lambda **kw: _llama_family(transformers.MixtralConfig, num_local_experts=4, num_experts_per_tok=2,
                                           sliding_window=4, tie_word_embeddings=False, **kw),
+    # GPT-OSS: attention sinks, q/k/v/o biases, a sliding layer then a full one, YaRN past its
+    # original 8 positions, a biased router with the softmax over the top 2 of 4, clamped SwiGLU
+    # experts with biases and a limit low enough to clamp these activations.
+    "gpt_oss": lambda **kw: _llama_family(
+        transformers.GptOssConfig, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        swiglu_limit=2.0, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 8, "rope_theta": 150000.0}, **kw),
 }
 # Config fields each variant must map to (beyond the shared sizes checked for every case).
 EXPECTED_FIELDS = {
@@ -114,6 +122,9 @@ EXPECTED_FIELDS = {
                       norm_topk_prob=False, sliding_window=None),
     "mixtral": dict(num_experts=4, experts_per_token=2, moe_intermediate_size=None, norm_topk_prob=True,
                     sliding_window=4, attention_bias=False),
+    "gpt_oss": dict(num_experts=4, experts_per_token=2, router_softmax="topk", router_bias=True,
+                    expert_kind="clamped_swiglu", swiglu_limit=2.0, attention_sinks=True, attention_bias=True,
+                    attention_out_bias=True, sliding_window=4, sliding_layers=(True, False)),
     "gemma3": dict(qk_norm=True, post_norms=True, attn_logit_softcap=None, rope_theta=1e6,
                    rope_scaling=(("factor", 2.0), ("rope_type", "linear")), rope_local_theta=1e4,
                    sliding_window=4, sliding_layers=(True, False)),
@@ -143,6 +154,8 @@ MOE_CLASSES = {
     ("mixtral", "causal_lm"): transformers.MixtralForCausalLM,
     ("qwen3_moe", "reward"): transformers.Qwen3MoeForSequenceClassification,
     ("mixtral", "reward"): transformers.MixtralForSequenceClassification,
+    ("gpt_oss", "causal_lm"): transformers.GptOssForCausalLM,
+    ("gpt_oss", "reward"): transformers.GptOssForSequenceClassification,
 }
 # (A case's random weights are seeded by its index here: new cases go at the end.)
 CASES = [f"{'gemma3' if arch == 'gemma3_text' else arch}-{kind}" for arch, kind in HF_CLASSES] + [
@@ -256,7 +269,7 @@ def test_outputs_match_pytorch(case):
         assert case.outputs.shape == (len(LENGTHS), T, VOCAB)
         # Only real tokens: padded queries see no keys and their outputs are never used.
         err = np.abs(case.outputs[REAL] - case.reference[REAL]).max()
-        assert np.abs(case.reference[REAL]).max() > 1.0  # the comparison is not between tiny numbers
+        assert np.abs(case.reference[REAL]).max() > 0.5  # the comparison is not between tiny numbers (err <= 1e-5 below)
     else:
         # HF reads the score at the last non-pad token, ours at the last real token of the mask.
         assert case.outputs.shape == (len(LENGTHS),)
@@ -303,9 +316,9 @@ def _chunk_logits(module, tokens, positions, kv_mask, cache, layer_params):
 # The unrolled (per-layer) decode differs from the stacked one in how each layer picks its params, its
 # window and its rope base: checked on the families that exercise each (learned positions and biases,
 # rope scaling, alternating sliding layers with soft-capping and post-norms, local rope bases and q/k
-# norms, mixed layer_types); every family runs the stacked decode.
+# norms, mixed layer_types, attention sinks); every family runs the stacked decode.
 UNROLLED_CASES = ["gpt2-causal_lm", "llama-causal_lm", "gemma2-causal_lm", "gemma3-causal_lm",
-                  "qwen2_mixed-causal_lm"]
+                  "qwen2_mixed-causal_lm", "gpt_oss-causal_lm"]
 DECODE_CASES = ([pytest.param(c, False, id=f"{c}-stacked") for c in CAUSAL_CASES]
                 + [pytest.param(c, True, id=f"{c}-unrolled") for c in UNROLLED_CASES])
 
@@ -371,7 +384,7 @@ def test_export_round_trip(case, tmp_path):
 @pytest.mark.parametrize("case", ["gpt2-causal_lm", "llama-reward", "mistral-causal_lm",
                                   "llama_bias-causal_lm", "qwen3-causal_lm", "qwen2_mixed-causal_lm",
                                   "phi3-causal_lm", "gemma2-causal_lm", "gemma3-causal_lm",
-                                  "qwen3_moe-causal_lm", "mixtral-reward"],
+                                  "qwen3_moe-causal_lm", "mixtral-reward", "gpt_oss-causal_lm"],
                          indirect=True)
 def test_per_layer_params_load_run_and_export(case, tmp_path, mesh_222):
     """`scan_layers=False` (per-layer params, the GPU layout) reads each layer's tensors into its own
@@ -417,7 +430,8 @@ def test_load_shards_every_large_param_on_fsdp_mesh(case):
     for (path, x) in jax.tree_util.tree_flatten_with_path(loaded.params)[0]:
         name = jax.tree_util.keystr(path)
         np.testing.assert_array_equal(np.asarray(x), reference[name], err_msg=name)
-        if x.size >= SMALL_PARAM:
+        # (GPT-OSS's gate_up_bias [E, 2F] has no embed axis to split over fsdp: it splits over tensor.)
+        if x.size >= SMALL_PARAM and "gate_up_bias" not in name:
             assert not x.sharding.is_fully_replicated, f"{name} {x.shape} is replicated"
             assert x.addressable_shards[0].data.size == x.size // 8, name
     layers = loaded.params["transformer"]["layers"]
@@ -499,6 +513,9 @@ def test_unsupported_gpt2_options(changes, message):
     ("qwen3_moe", {"mlp_only_layers": [1]}, "unsupported mixed dense/MoE layers \\(mlp_only_layers=\\[1\\]"),
     ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2\\): every layer must be an MoE layer"),
     ("mixtral", {"router_jitter_noise": 0.1}, "unsupported router_jitter_noise=0.1"),
+    # GPT-OSS's release: MXFP4 blocks and scales instead of expert weights.
+    ("gpt_oss", {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}},
+     "unsupported quantised checkpoint \\(quantization_config.quant_method='mxfp4'\\).*Mxfp4Config\\(dequantize=True\\)"),
     ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
     ("gemma3", {"rope_parameters": {
         "full_attention": {"rope_type": "default", "rope_theta": 1e6},

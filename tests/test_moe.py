@@ -1,5 +1,5 @@
-"""The mixture-of-experts MLP (models/moe.py): the block against transformers' Qwen3-MoE and Mixtral
-blocks with the same random weights, routing as a NumPy loop computes it, and the PPO invariants on an
+"""The mixture-of-experts MLP (models/moe.py): the block against transformers' Qwen3-MoE, Mixtral and
+GPT-OSS blocks with the same random weights, routing as a NumPy loop computes it, and the PPO invariants on an
 MoE policy (the sampler's cached decode and the training forward route every token alike, so
 rollout log-probs are training log-probs with no routing replay)."""
 
@@ -55,6 +55,32 @@ def test_block_matches_transformers(family, norm_topk_prob):
     np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-5, rtol=0)
 
 
+def test_gpt_oss_block_matches_transformers():
+    """GPT-OSS's MLP: a biased router with the softmax over the top k, clamped SwiGLU experts with
+    biases (a limit low enough that the clamps bite)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    block = GptOssMLP(transformers.GptOssConfig(hidden_size=D, intermediate_size=F, num_local_experts=E,
+                                                num_experts_per_tok=K, swiglu_limit=1.5)).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    experts = block.experts
+    params = jax.tree.map(lambda t: jnp.asarray(t.detach().numpy()), {
+        "router": {"kernel": block.router.weight.T, "bias": block.router.bias},
+        "gate_up": experts.gate_up_proj, "gate_up_bias": experts.gate_up_proj_bias,
+        "down": experts.down_proj, "down_bias": experts.down_proj_bias})
+    x = np.random.default_rng(1).normal(size=(3, 7, D)).astype(np.float32)
+    with torch.no_grad():
+        theirs = block(torch.tensor(x))[0].numpy()
+    config = ModelConfig(**{**MOE, "moe_intermediate_size": None}, intermediate_size=F, router_softmax="topk",
+                         router_bias=True, expert_kind="clamped_swiglu", swiglu_limit=1.5)
+    ours = MoEMLP(config).apply({"params": params}, jnp.asarray(x))
+    assert np.abs(theirs).max() > 0.5
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-5, rtol=0)
+
+
 def test_routing_as_a_loop_computes_it():
     """Top-k of the softmax per token, optionally renormalised; pairs grouped by expert."""
     logits = np.random.default_rng(2).normal(size=(9, E)).astype(np.float32)
@@ -69,6 +95,13 @@ def test_routing_as_a_loop_computes_it():
         flat = np.asarray(r.experts).reshape(-1)
         assert list(np.asarray(r.group_sizes)) == [int((flat == e).sum()) for e in range(E)]
         assert list(flat[np.asarray(r.order)]) == sorted(flat)
+    # GPT-OSS: the k largest logits, then a softmax over those k.
+    r = route(jnp.asarray(logits), K, False, jnp.float32, softmax="topk")
+    for n, row in enumerate(logits):
+        chosen = np.argsort(-row, kind="stable")[:K]
+        top = np.exp(row[chosen] - row[chosen].max())
+        assert list(np.asarray(r.experts[n])) == list(chosen)
+        np.testing.assert_allclose(np.asarray(r.weights[n]), top / top.sum(), rtol=1e-6)
 
 
 def test_a_token_is_routed_and_computed_alike_in_any_batch():
@@ -91,6 +124,12 @@ def test_refuses_what_it_does_not_do():
         ModelConfig(arch="gpt2", num_experts=4, experts_per_token=1)
     with pytest.raises(ValueError, match="LoRA on the experts' projections is not supported"):
         ModelConfig(**MOE, lora={"rank": 2, "targets": ("q", "up")})
+    with pytest.raises(ValueError, match="router and expert options need model.num_experts > 0"):
+        ModelConfig(arch="llama", router_bias=True)
+    with pytest.raises(ValueError, match="model.expert_kind='geglu': use one of"):
+        ModelConfig(**MOE, expert_kind="geglu")
+    with pytest.raises(ValueError, match="attention_sinks is a Llama-family option"):
+        ModelConfig(arch="gpt2", attention_sinks=True)
 
 
 def test_experts_on_a_dense_architecture_are_refused_before_anything_is_written(tmp_path):
@@ -106,16 +145,26 @@ def test_experts_on_a_dense_architecture_are_refused_before_anything_is_written(
         ModelConfig(arch="mixtral")
 
 
-@pytest.mark.parametrize("mesh_shape, layer_loop, lora", [((2, 2, 2), "scan", False), ((1, 1, 1), "unrolled", True)])
-def test_ppo_on_an_moe_policy_keeps_the_invariants(tmp_path, mesh_shape, layer_loop, lora):
+# GPT-OSS's options on top of the experts: attention sinks, biases, a sliding layer, its router and
+# clamped SwiGLU experts.
+GPT_OSS = {"arch": "gpt_oss", "router_softmax": "topk", "router_bias": True, "expert_kind": "clamped_swiglu",
+           "attention_sinks": True, "attention_bias": True, "attention_out_bias": True, "sliding_window": 4,
+           "sliding_layers": (True, False), "intermediate_size": 16}
+QWEN3_MOE = {"arch": "qwen3_moe", "qk_norm": True, "moe_intermediate_size": 16}
+
+
+@pytest.mark.parametrize("mesh_shape, layer_loop, lora, model", [((2, 2, 2), "scan", False, GPT_OSS),
+                                                                  ((1, 1, 1), "unrolled", True, QWEN3_MOE)],
+                         ids=["gpt_oss-2x2x2-scan", "qwen3_moe-1x1x1-unrolled-lora"])
+def test_ppo_on_an_moe_policy_keeps_the_invariants(tmp_path, mesh_shape, layer_loop, lora, model):
     """First minibatch ratio 1, rollout log-probs == training log-probs, one compile of each phase:
-    on a 2x2x2 mesh (experts replicated, their embed axis over fsdp and mlp over tensor) with
-    scanned layers, and with the per-layer loop (the sampler's unrolled decode) and LoRA on the
-    attention, exported merged (a Qwen3MoeForCausalLM) and as a PEFT adapter."""
-    config = tiny_config(**{"train.iterations": 2, "policy.model.arch": "qwen3_moe", "policy.model.qk_norm": True,
-                            "policy.model.num_heads": 4, "policy.model.num_experts": 4,
-                            "policy.model.experts_per_token": 2, "policy.model.moe_intermediate_size": 16,
-                            "compute.layer_loop": layer_loop})
+    a GPT-OSS policy on a 2x2x2 mesh (experts replicated, their embed axis over fsdp and mlp over
+    tensor) with scanned layers, and a Qwen3-MoE one with the per-layer loop (the sampler's
+    unrolled decode) and LoRA on the attention, exported merged (a Qwen3MoeForCausalLM) and as a
+    PEFT adapter."""
+    overrides = {f"policy.model.{name}": value for name, value in model.items()}
+    config = tiny_config(**{"train.iterations": 2, "policy.model.num_heads": 4, "policy.model.num_experts": 4,
+                            "policy.model.experts_per_token": 2, "compute.layer_loop": layer_loop, **overrides})
     if lora:
         config.policy.lora.rank, config.policy.lora.targets = 2, "q,v"
     trainer = PPOTrainer(config, str(tmp_path), mesh=make_test_mesh(mesh_shape))
@@ -127,7 +176,7 @@ def test_ppo_on_an_moe_policy_keeps_the_invariants(tmp_path, mesh_shape, layer_l
     assert trainer.trace_counts == {"experience": 1, "update": 1}
     if layer_loop == "scan":
         mlp = trainer.state.policy["transformer"]["layers"]["mlp"]
-        assert mlp["gate"].shape == (2, 4, 32, 16) and mlp["gate"].sharding.spec[2] == "fsdp"
+        assert mlp["gate_up"].shape == (2, 4, 32, 32) and mlp["gate_up"].sharding.spec[2] == "fsdp"
     trainer.close()
     if lora:
         from ppo_jax.rl.export import export_checkpoint

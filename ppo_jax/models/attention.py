@@ -73,13 +73,14 @@ def attention_mask(kv_mask: Array, query_slots: Array, sliding_window: int | Non
 
 
 def einsum_attention(q: Array, k: Array, v: Array, mask: Array, scale: float | None = None,
-                     cap: float | None = None) -> Array:
+                     cap: float | None = None, sinks: Array | None = None) -> Array:
     """Grouped-query attention, the reference kernel.
 
     q [B, T, H, Dh], k/v [B, K, S, Dh] (the cache layout), mask [B, T, S] -> [B, T, H, Dh]. Scores and
     softmax in float32; a masked score is the most negative finite float (not -inf), so a padded query
     whose keys are all masked gets a finite, ignored output instead of NaN. scale: the scores'
-    factor (None: 1/sqrt(Dh)); cap: soft-capping of the scaled scores (None: off).
+    factor (None: 1/sqrt(Dh)); cap: soft-capping of the scaled scores (None: off); sinks [H]: one
+    more logit per head in every softmax, for a key with no value (GPT-OSS; None: off).
     """
     b, t, h, dh = q.shape
     kv_heads = k.shape[1]
@@ -88,7 +89,13 @@ def einsum_attention(q: Array, k: Array, v: Array, mask: Array, scale: float | N
     scores = scores / math.sqrt(dh) if scale is None else scores * scale
     scores = softcap(scores, cap)
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    else:  # the softmax over [scores, sink], the sink's own probability dropped
+        sink = sinks.astype(jnp.float32).reshape(1, kv_heads, h // kv_heads, 1, 1)
+        top = jnp.maximum(scores.max(-1, keepdims=True), sink)
+        exp = jnp.exp(scores - top)
+        probs = (exp / (exp.sum(-1, keepdims=True) + jnp.exp(sink - top))).astype(v.dtype)
     out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
     return out.reshape(b, t, h, dh).astype(q.dtype)
 
@@ -250,9 +257,11 @@ class Attention(nn.Module):
         if not gpt2:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
-        # cuDNN's call cannot soft-cap (see config.ATTENTION_KINDS); splash can.
-        fused = cfg.attention in ("cudnn", "xla") and cfg.attn_logit_softcap is None
-        if cache_kv is None and cfg.attention == "splash":
+        sinks = (self.param("sinks", nn.with_logical_partitioning(nn.initializers.normal(0.02), ("heads",)),
+                            (h,), cfg.jnp_param_dtype) if cfg.attention_sinks else None)
+        # cuDNN's call cannot soft-cap (see config.ATTENTION_KINDS); splash can. Neither takes sinks.
+        fused = cfg.attention in ("cudnn", "xla") and cfg.attn_logit_softcap is None and sinks is None
+        if cache_kv is None and cfg.attention == "splash" and sinks is None:
             # Without a cache query slot t is key slot t, and a token sees itself iff it is real:
             # the mask's diagonal is the key padding [B, T] (a packed row passes its sequence ids).
             # Layers all alike choose statically.
@@ -273,7 +282,7 @@ class Attention(nn.Module):
                 kv = tuple(x.transpose(0, 2, 1, 3).astype(q.dtype) for x in (k, v))  # [B, S, K, Dh]
                 out = fused_attention(q, *kv, mask, cfg.attention, scale, is_causal=False)
             else:
-                out = einsum_attention(q, k, v.astype(q.dtype), mask, scale, cfg.attn_logit_softcap)
+                out = einsum_attention(q, k, v.astype(q.dtype), mask, scale, cfg.attn_logit_softcap, sinks)
         out = DenseGeneral((h, dh), (d,), ("heads", "head_dim", "embed"), gpt2 or cfg.attention_out_bias,
                            name="o", lora=cfg.lora_for("o"), **common)(out)
         return out, cache_kv

@@ -1,5 +1,5 @@
 """Model configuration: one dataclass drives GPT-2 and the Llama family (Llama, Mistral, Qwen2,
-Qwen3, Phi-3, Gemma, Gemma 2, Gemma 3 text)."""
+Qwen3, Phi-3, Gemma, Gemma 2, Gemma 3 text, and the mixtures of experts Qwen3-MoE, Mixtral, GPT-OSS)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,24 @@ FAMILIES = ("gpt2", "llama")
 # Hugging Face `model_type` -> our family. Mistral and Qwen2 are Llama with options.
 ARCH_TO_FAMILY = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama",
                   "qwen3": "llama", "phi3": "llama", "gemma": "llama", "gemma2": "llama",
-                  "gemma3_text": "llama", "qwen3_moe": "llama", "mixtral": "llama"}
+                  "gemma3_text": "llama", "qwen3_moe": "llama", "mixtral": "llama", "gpt_oss": "llama"}
 # Architectures whose MLP is a mixture of experts (models/moe.py): they need num_experts.
-MOE_ARCHS = ("qwen3_moe", "mixtral")
+MOE_ARCHS = ("qwen3_moe", "mixtral", "gpt_oss")
+# `expert_kind`: the experts' MLP. "swiglu": act(x W_gate) * (x W_up) then W_down, no biases (Mixtral,
+# Qwen3-MoE); "clamped_swiglu": GPT-OSS's, one interleaved gate/up projection with biases, the gate
+# clamped above at swiglu_limit and the up projection to [-limit, limit], out = (up + 1) * gate *
+# sigmoid(swiglu_alpha * gate), then W_down + bias.
+EXPERT_KINDS = ("swiglu", "clamped_swiglu")
+# `router_softmax`: "all": softmax over every expert's logit, then the top k (Mixtral, Qwen3-MoE);
+# "topk": the top k logits, then a softmax over those k (GPT-OSS; its weights always sum to 1).
+ROUTER_SOFTMAX = ("all", "topk")
 
 # `attention`: how scores are computed. "einsum" is the reference (float32 scores, any platform);
 # "cudnn" and "xla" call jax.nn.dot_product_attention with that implementation (cuDNN flash attention
 # on GPU; "xla" exists to check the fused call's plumbing against the reference on CPU). That call
 # cannot soft-cap scores: a model with `attn_logit_softcap` (Gemma 2) runs the einsum kernel whatever
-# `attention` says. "splash" is Pallas splash attention, the TPU's fused kernel (soft-capping
+# `attention` says; likewise a model with `attention_sinks` (GPT-OSS), which no fused kernel takes.
+# "splash" is Pallas splash attention, the TPU's fused kernel (soft-capping
 # included). Every kind applies without a cache only: cached prefill and decode run the einsum.
 ATTENTION_KINDS = ("einsum", "cudnn", "xla", "splash")
 
@@ -134,6 +143,10 @@ class ModelConfig:
                    sliding_layers
       gemma3_text  + qk_norm, rope_local_theta (the sliding layers' rope base), rope scaling on the
                    full-attention layers
+      qwen3_moe    qk_norm, num_experts (top-k softmax router, norm_topk_prob), moe_intermediate_size
+      mixtral      num_experts (renormalised top-k), sliding_window
+      gpt_oss      num_experts with router_softmax="topk", router_bias, expert_kind="clamped_swiglu";
+                   attention_sinks, q/k/v/o biases, sliding_layers, YaRN
     """
 
     arch: str = "gpt2"
@@ -170,6 +183,9 @@ class ModelConfig:
     query_pre_attn_scalar: int | None = None  # scores scaled by its -1/2 power; None: head_dim's (Gemma 2/3)
     attn_logit_softcap: float | None = None  # scores -> c * tanh(scores / c) before the mask (Gemma 2)
     final_logit_softcap: float | None = None  # LM logits -> c * tanh(logits / c) (Gemma 2)
+    # GPT-OSS: a learned logit per query head that joins every softmax over the keys (a "sink" key
+    # with no value), so a head can attend to nothing.
+    attention_sinks: bool = False
     activation: str | None = None  # None: "gelu_new" for gpt2, "silu" for llama
     # Mixture of experts (models/moe.py; Llama family): every layer's MLP is num_experts gated
     # experts of moe_intermediate_size (None: intermediate_size), each token routed to
@@ -179,6 +195,11 @@ class ModelConfig:
     experts_per_token: int = 0
     moe_intermediate_size: int | None = None
     norm_topk_prob: bool = True
+    router_softmax: str = "all"  # ROUTER_SOFTMAX
+    router_bias: bool = False  # a bias on the router's logits (GPT-OSS)
+    expert_kind: str = "swiglu"  # EXPERT_KINDS
+    swiglu_limit: float = 7.0  # clamped_swiglu only
+    swiglu_alpha: float = 1.702  # clamped_swiglu only
     # Numerics and memory.
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype of matmuls and activations
@@ -256,6 +277,12 @@ class ModelConfig:
         elif self.arch in MOE_ARCHS:
             raise ValueError(f"model.arch={self.arch!r} is a mixture of experts: set model.num_experts and "
                              f"model.experts_per_token")
+        else:
+            routed = {name: getattr(self, name) for name, off in _MOE_ONLY.items() if getattr(self, name) != off}
+            if routed:
+                raise ValueError(f"model {routed}: router and expert options need model.num_experts > 0")
+        if self.attention_sinks and self.family != "llama":
+            raise ValueError("model.attention_sinks is a Llama-family option (GPT-OSS), not gpt2's")
 
     @property
     def family(self) -> str:
@@ -284,7 +311,14 @@ class ModelConfig:
             raise ValueError(f"model.experts_per_token={self.experts_per_token} must be between 1 and "
                              f"model.num_experts={self.num_experts}")
         if self.mlp_bias:
-            raise ValueError("model.mlp_bias: the experts have no biases (no MoE family has them)")
+            raise ValueError("model.mlp_bias: the experts' biases come with expert_kind='clamped_swiglu' "
+                             "(GPT-OSS); set mlp_bias=False")
+        if self.expert_kind not in EXPERT_KINDS:
+            raise ValueError(f"model.expert_kind={self.expert_kind!r}: use one of {EXPERT_KINDS}")
+        if self.router_softmax not in ROUTER_SOFTMAX:
+            raise ValueError(f"model.router_softmax={self.router_softmax!r}: use one of {ROUTER_SOFTMAX}")
+        if not self.swiglu_limit > 0:
+            raise ValueError(f"model.swiglu_limit must be positive, got {self.swiglu_limit}")
         routed = [t for t in ("gate", "up", "down") if self.lora is not None and t in self.lora.targets]
         if routed:
             raise ValueError(f"model.lora.targets {routed}: LoRA on the experts' projections is not supported "
@@ -340,13 +374,20 @@ class ModelConfig:
             attn = (d * (q + 2 * kv) + q * d + ((q + 2 * kv) if self.attention_bias else 0)
                     + (d if self.attention_out_bias else 0))
             mlp = 3 * d * f + ((2 * f + d) if self.mlp_bias else 0)
-            if self.num_experts:  # the router and every expert's gate, up and down
-                mlp = d * self.num_experts + 3 * self.num_experts * d * self.expert_mlp_dim
+            if self.num_experts:  # the router and every expert's gate, up and down (and their biases)
+                e, fe = self.num_experts, self.expert_mlp_dim
+                mlp = d * e + 3 * e * d * fe + (e if self.router_bias else 0)
+                mlp += e * (2 * fe + d) if self.expert_kind == "clamped_swiglu" else 0
+            attn += self.num_heads if self.attention_sinks else 0
             norms = (4 if self.post_norms else 2) * d + (2 * self.dim_per_head if self.qk_norm else 0)
             emb = v * d
             final = d
         head = v * d if (with_lm_head and not self.tie_word_embeddings) else 0
         return self.num_layers * (attn + mlp + norms) + emb + final + head
+
+
+# The mixture-of-experts options a dense model must leave at these values.
+_MOE_ONLY = {"router_softmax": "all", "router_bias": False, "expert_kind": "swiglu"}
 
 
 def checked_rope_scaling(pairs, dim_per_head: int) -> tuple[tuple[str, Any], ...]:

@@ -1,4 +1,5 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE): a top-k softmax router and gated experts, dropless.
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE, GPT-OSS): a top-k softmax router and gated experts,
+dropless.
 
 Every token goes to its `experts_per_token` experts, none is dropped: the (token, expert) pairs are
 sorted by expert and each expert's rows multiply its weights in one grouped matmul
@@ -38,13 +39,20 @@ class Routing:
     group_sizes: Array
 
 
-def route(router_logits: Array, k: int, normalize: bool, dtype) -> Routing:
-    """Softmax over all experts in float32, then the top k; `normalize` rescales the k weights to sum
-    to 1 (Mixtral always; Qwen3-MoE's norm_topk_prob). router_logits [N, E]."""
-    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, k)
-    if normalize:
-        weights = weights / weights.sum(-1, keepdims=True)
+def route(router_logits: Array, k: int, normalize: bool, dtype, softmax: str = "all") -> Routing:
+    """The top k experts of each token and their weights, in float32. router_logits [N, E].
+
+    softmax "all": softmax over all experts, then the top k; `normalize` rescales the k weights to
+    sum to 1 (Mixtral always; Qwen3-MoE's norm_topk_prob). "topk": the top k logits, then a softmax
+    over those k (GPT-OSS)."""
+    logits = router_logits.astype(jnp.float32)
+    if softmax == "topk":
+        top, experts = jax.lax.top_k(logits, k)
+        weights = jax.nn.softmax(top, axis=-1)
+    else:
+        weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+        if normalize:
+            weights = weights / weights.sum(-1, keepdims=True)
     flat = experts.reshape(-1)
     num_experts = router_logits.shape[-1]
     return Routing(experts=experts, weights=weights.astype(dtype),
@@ -52,10 +60,22 @@ def route(router_logits: Array, k: int, normalize: bool, dtype) -> Routing:
                    group_sizes=jnp.bincount(flat, length=num_experts).astype(jnp.int32))
 
 
-class MoEMLP(nn.Module):
-    """x [B, T, D] -> [B, T, D]: sum over a token's k experts of weight * down(act(gate(x)) * up(x)).
+def clamped_swiglu(gate_up: Array, limit: float, alpha: float) -> Array:
+    """GPT-OSS's expert activation: gate_up [N, 2F] interleaves gate and up features (gate, up, gate,
+    ...) -> [N, F] = (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+    pairs = gate_up.reshape(gate_up.shape[:-1] + (-1, 2))
+    gate = jnp.minimum(pairs[..., 0], limit)
+    up = jnp.clip(pairs[..., 1], -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
 
-    Params: router [D, E]; gate, up [E, D, F]; down [E, F, D] (F = moe_intermediate_size)."""
+
+class MoEMLP(nn.Module):
+    """x [B, T, D] -> [B, T, D]: sum over a token's k experts of weight * expert(x).
+
+    Params: router [D, E] (+ bias [E]); expert_kind "swiglu": gate, up [E, D, F] and down [E, F, D],
+    expert(x) = down(act(gate(x)) * up(x)); "clamped_swiglu" (GPT-OSS): gate_up [E, D, 2F] (gate and
+    up features interleaved, as the checkpoint holds them: one grouped matmul for both) and down
+    [E, F, D], each with a bias [E, ...] (F = moe_intermediate_size)."""
 
     config: ModelConfig
 
@@ -66,21 +86,32 @@ class MoEMLP(nn.Module):
         e, f, k = cfg.num_experts, cfg.expert_mlp_dim, cfg.experts_per_token
         dtype, param_dtype = cfg.jnp_dtype, cfg.jnp_param_dtype
         init = nn.initializers.normal(0.02)
-        logits = DenseGeneral((d,), (e,), ("embed", "expert"), False, dtype, param_dtype, name="router")(x)
-        routing = route(logits.reshape(b * t, e), k, cfg.norm_topk_prob, dtype)
+        logits = DenseGeneral((d,), (e,), ("embed", "expert"), cfg.router_bias, dtype, param_dtype,
+                              name="router")(x)
+        routing = route(logits.reshape(b * t, e), k, cfg.norm_topk_prob, dtype, cfg.router_softmax)
 
-        def experts(name, shape, axes):
-            return self.param(name, nn.with_logical_partitioning(init, axes), shape, param_dtype).astype(dtype)
-
-        gate = experts("gate", (e, d, f), ("expert", "embed", "mlp"))
-        up = experts("up", (e, d, f), ("expert", "embed", "mlp"))
-        down = experts("down", (e, f, d), ("expert", "mlp", "embed"))
+        def experts(name, shape, axes, initializer=init):
+            return self.param(name, nn.with_logical_partitioning(initializer, axes), shape, param_dtype).astype(dtype)
 
         tokens = x.astype(dtype).reshape(b * t, d)
         rows = tokens[routing.order // k]  # [N*k, D]: each (token, slot) pair, grouped by expert
         sizes = routing.group_sizes
-        hidden = activation(cfg.act)(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
-        out = jax.lax.ragged_dot(hidden, down, sizes)  # [N*k, D]
+        if cfg.expert_kind == "clamped_swiglu":
+            row_expert = routing.experts.reshape(-1)[routing.order]  # [N*k]: the expert of each sorted row
+            gate_up = experts("gate_up", (e, d, 2 * f), ("expert", "embed", "mlp"))
+            gate_up_bias = experts("gate_up_bias", (e, 2 * f), ("expert", "mlp"), nn.initializers.zeros)
+            down = experts("down", (e, f, d), ("expert", "mlp", "embed"))
+            down_bias = experts("down_bias", (e, d), ("expert", "embed"), nn.initializers.zeros)
+            hidden = clamped_swiglu(jax.lax.ragged_dot(rows, gate_up, sizes) + gate_up_bias[row_expert],
+                                    cfg.swiglu_limit, cfg.swiglu_alpha)
+            out = jax.lax.ragged_dot(hidden, down, sizes) + down_bias[row_expert]  # [N*k, D]
+        else:
+            gate = experts("gate", (e, d, f), ("expert", "embed", "mlp"))
+            up = experts("up", (e, d, f), ("expert", "embed", "mlp"))
+            down = experts("down", (e, f, d), ("expert", "mlp", "embed"))
+            hidden = (activation(cfg.act)(jax.lax.ragged_dot(rows, gate, sizes))
+                      * jax.lax.ragged_dot(rows, up, sizes))
+            out = jax.lax.ragged_dot(hidden, down, sizes)  # [N*k, D]
         per_slot = jnp.zeros_like(out).at[routing.order].set(out).reshape(b * t, k, d)
         y = (per_slot * routing.weights[..., None]).sum(axis=1)
         return y.reshape(b, t, d)

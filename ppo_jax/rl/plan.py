@@ -94,6 +94,18 @@ MODEL_SHAPES = {
                           num_experts=128, experts_per_token=8, norm_topk_prob=True,
                           max_position_embeddings=40960, norm_eps=1e-6, tie_word_embeddings=False,
                           qk_norm=True, rope_theta=1e6, bos_token_id=151643, eos_token_id=151645),
+    # openai/gpt-oss-20b (as dequantised to bf16): 32 experts of 2880, 4 per token (3.6B of 20.9B
+    # parameters active); attention sinks, alternating 128-token sliding and full layers, YaRN x32.
+    "gpt-oss-20b": dict(arch="gpt_oss", vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64,
+                        num_kv_heads=8, head_dim=64, intermediate_size=2880, num_experts=32, experts_per_token=4,
+                        router_softmax="topk", router_bias=True, expert_kind="clamped_swiglu",
+                        attention_sinks=True, attention_bias=True, attention_out_bias=True,
+                        sliding_window=128, sliding_layers=tuple(i % 2 == 0 for i in range(24)),
+                        max_position_embeddings=131072, norm_eps=1e-5, tie_word_embeddings=False,
+                        rope_theta=150000.0, rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0,
+                                                               beta_slow=1.0, truncate=False,
+                                                               original_max_position_embeddings=4096),
+                        bos_token_id=199998, eos_token_id=200002, pad_token_id=199999),
     # mistralai/Mixtral-8x7B-v0.1: 8 experts of 14336, 2 per token.
     "mixtral-8x7b": dict(_LLAMA, arch="mixtral", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
                          num_kv_heads=8, intermediate_size=14336, num_experts=8, experts_per_token=2,

@@ -16,8 +16,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ppo_jax.models.config import MOE_ARCHS, ModelConfig
-from ppo_jax.models.hf import moe_map, rope_map
+from ppo_jax.models.config import ModelConfig
+from ppo_jax.models.hf import arch_options, moe_map, rope_map
+from ppo_jax.models.hf.arch_options import ARCH_OPTIONS, EVERY_LAYER_SLIDES, NO_BIASES
 from ppo_jax.models.hf.errors import CheckpointError
 
 # Checkpoint kinds: "causal_lm" (our CausalLM, logits) and "reward" (our ScalarModel, one score).
@@ -33,6 +34,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("phi3", "causal_lm"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "causal_lm"),
     "MixtralForCausalLM": ("mixtral", "causal_lm"),
+    "GptOssForCausalLM": ("gpt_oss", "causal_lm"),
     "GemmaForCausalLM": ("gemma", "causal_lm"),
     "Gemma2ForCausalLM": ("gemma2", "causal_lm"),
     "Gemma3ForCausalLM": ("gemma3_text", "causal_lm"),
@@ -44,6 +46,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Phi3ForSequenceClassification": ("phi3", "reward"),
     "Qwen3MoeForSequenceClassification": ("qwen3_moe", "reward"),
     "MixtralForSequenceClassification": ("mixtral", "reward"),
+    "GptOssForSequenceClassification": ("gpt_oss", "reward"),
     "GemmaForSequenceClassification": ("gemma", "reward"),
     "Gemma2ForSequenceClassification": ("gemma2", "reward"),
     "Gemma3TextForSequenceClassification": ("gemma3_text", "reward"),
@@ -173,72 +176,6 @@ def _hf_layer_types(config: ModelConfig) -> list[str]:
     return ["sliding_attention" if s else "full_attention" for s in config.layer_sliding]
 
 
-def _biases(cfg) -> dict[str, bool]:
-    """Which projections carry biases. Qwen2 always has q/k/v biases and never an o_proj bias;
-    Llama's and Qwen3's `attention_bias` put biases on q, k, v and o_proj alike, Llama's `mlp_bias`
-    on gate/up/down."""
-    if cfg.model_type == "qwen2":
-        return dict(attention_bias=True)
-    attention = bool(getattr(cfg, "attention_bias", False))
-    return dict(attention_bias=attention, attention_out_bias=attention,
-                mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
-
-
-def _check_biases(config: ModelConfig):
-    """Refuses bias combinations the architecture's transformers class cannot hold."""
-    arch = config.arch
-    qkv, out, mlp = config.attention_bias, config.attention_out_bias, config.mlp_bias
-    if arch == "qwen2" and not (qkv and not out and not mlp):
-        raise CheckpointError("qwen2 always has q/k/v biases and no o_proj or MLP biases: set "
-                              "attention_bias=True, attention_out_bias=False, mlp_bias=False")
-    if arch in _NO_BIASES and (qkv or out or mlp):
-        raise CheckpointError(f"{arch} has no projection biases; use arch='llama' (attention_bias, "
-                              f"mlp_bias) or 'qwen2' (q/k/v biases)")
-    if arch == "qwen2" or arch in _NO_BIASES:
-        return
-    if qkv != out:
-        raise CheckpointError(
-            f"{arch}'s attention_bias puts biases on q/k/v and o_proj together, but attention_bias="
-            f"{qkv}, attention_out_bias={out}; use arch='qwen2' for q/k/v-only biases")
-    if arch != "llama" and mlp:
-        raise CheckpointError(f"{arch} has no MLP biases; use arch='llama' for mlp_bias")
-
-
-# Llama-family architectures whose sliding_window (when set) applies to every layer, and those whose
-# transformers class has no projection biases at all.
-_EVERY_LAYER_SLIDES = ("mistral", "phi3", "mixtral", "qwen3_moe")
-_NO_BIASES = ("mistral", "phi3", "mixtral")
-
-# Block options each Llama-family architecture fixes (its transformers class always or never has
-# them); the options not listed are off for every architecture but Gemma 2/3 (Gemma 3 alone has a
-# local rope base).
-_GEMMA = dict(scale_embeddings=True, norm_unit_offset=True)
-_ARCH_OPTIONS = {
-    "qwen3": dict(qk_norm=True), "qwen3_moe": dict(qk_norm=True), "gemma": _GEMMA, "gemma2": dict(_GEMMA, post_norms=True),
-    "gemma3_text": dict(_GEMMA, post_norms=True, qk_norm=True)}
-_FIXED_OFF = dict(qk_norm=False, scale_embeddings=False, norm_unit_offset=False, post_norms=False)
-_GEMMA2_ONLY = ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap")
-
-
-def _check_options(config: ModelConfig):
-    """Refuses block options the architecture's transformers class cannot hold."""
-    arch = config.arch
-    if bool(config.num_experts) != (arch in MOE_ARCHS):
-        raise CheckpointError(f"{arch} {'has no' if config.num_experts else 'needs'} experts; mixture-of-experts "
-                              f"models are arch {' or '.join(repr(a) for a in MOE_ARCHS)}")
-    want = {**_FIXED_OFF, **_ARCH_OPTIONS.get(arch, {})}
-    wrong = {name: getattr(config, name) for name, value in want.items() if getattr(config, name) != value}
-    if wrong:
-        raise CheckpointError(f"{arch} cannot express {wrong}; it needs "
-                              f"{ {name: want[name] for name in wrong} }")
-    free = _GEMMA2_ONLY if arch in ("gemma2", "gemma3_text") else ()
-    free += ("rope_local_theta",) if arch == "gemma3_text" else ()
-    wrong = {name: getattr(config, name) for name in _GEMMA2_ONLY + ("rope_local_theta",)
-             if name not in free and getattr(config, name) is not None}
-    if wrong:
-        raise CheckpointError(f"{arch} has no {sorted(wrong)}; set them to None")
-
-
 def config_from_hf(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
     """A config.json dict (or a transformers PretrainedConfig) -> our ModelConfig.
 
@@ -246,6 +183,7 @@ def config_from_hf(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
     """
     data = _as_dict(hf_config)
     checkpoint_kind(data)  # validates `architectures`
+    moe_map.check_quantization(data)
     cfg = _hf_config_object(hf_config)
     arch = cfg.model_type
     common = dict(
@@ -272,10 +210,12 @@ def config_from_hf(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
 
     # Llama family.
     sliding_window, sliding_layers = None, None
-    if arch in _EVERY_LAYER_SLIDES:  # (Qwen3-MoE's config already cleared it without use_sliding_window)
+    if arch in EVERY_LAYER_SLIDES:  # (Qwen3-MoE's config already cleared it without use_sliding_window)
         sliding_window = getattr(cfg, "sliding_window", None)
     elif arch in ("qwen2", "qwen3"):
         sliding_window, sliding_layers = _qwen_windows(cfg)
+    elif arch == "gpt_oss":
+        sliding_window, sliding_layers = _layer_windows(cfg.layer_types, cfg.sliding_window, cfg.num_hidden_layers)
     theta, scaling = rope_map.rope_from_hf(cfg) if arch != "gemma3_text" else (None, None)
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None)
@@ -288,8 +228,8 @@ def config_from_hf(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
         intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
         norm_eps=float(cfg.rms_norm_eps), rope_theta=theta, rope_scaling=scaling,
         sliding_window=sliding_window, sliding_layers=sliding_layers,
-        qk_norm=_ARCH_OPTIONS.get(arch, {}).get("qk_norm", False),
-        **_biases(cfg), **moe_map.moe_from_hf(cfg),
+        **ARCH_OPTIONS.get(arch, {}),
+        **arch_options.biases(cfg), **moe_map.moe_from_hf(cfg),
         activation=_activation(getattr(cfg, act_field), act_field, "llama"))
     if arch.startswith("gemma"):
         fields.update(_gemma_fields(cfg))
@@ -361,11 +301,11 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
             layer_norm_epsilon=config.norm_eps, activation_function=config.act,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
 
-    _check_biases(config)
-    _check_options(config)
+    arch_options.check_biases(config)
+    arch_options.check_options(config)
     if arch in ("llama", "gemma") and config.sliding_window is not None:
         raise CheckpointError(f"{arch} has no sliding window; use arch='mistral' or 'qwen2'")
-    if arch in _EVERY_LAYER_SLIDES and config.sliding_layers is not None:
+    if arch in EVERY_LAYER_SLIDES and config.sliding_layers is not None:
         raise CheckpointError(f"{arch} slides every layer or none; use arch='qwen2' for "
                               f"sliding_layers")
     if arch == "phi3" and config.head_dim not in (None, config.hidden_size // config.num_heads):
@@ -388,6 +328,8 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
         family["sliding_window"] = config.sliding_window
     if arch == "qwen3_moe":
         family.update(use_sliding_window=config.sliding_window is not None, sliding_window=config.sliding_window)
+    if arch == "gpt_oss":
+        family.update(sliding_window=config.sliding_window, layer_types=_hf_layer_types(config))
     if config.num_experts:
         family.update(moe_map.moe_to_hf(config))
     if arch == "phi3":  # its head size is always hidden_size // num_heads; dropouts off
@@ -404,7 +346,7 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
                       layer_types=_hf_layer_types(config))
     if arch == "llama":
         family.update(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
-    if arch not in ("llama", "qwen2") + _NO_BIASES:
+    if arch not in ("llama", "qwen2") + NO_BIASES:
         family.update(attention_bias=config.attention_bias)
     if arch.startswith("gemma"):
         _gemma_to_hf(config, family)
@@ -412,7 +354,8 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
            "phi3": transformers.Phi3Config, "gemma": transformers.GemmaConfig,
            "gemma2": transformers.Gemma2Config, "gemma3_text": transformers.Gemma3TextConfig,
-           "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}[arch]
+           "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
+           "gpt_oss": transformers.GptOssConfig}[arch]
     return cls(**common, **family)
 
 

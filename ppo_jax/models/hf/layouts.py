@@ -109,8 +109,20 @@ _MOE_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 
 
 def _moe_maps(cfg: ModelConfig, layer: str) -> dict[tuple[str, ...], TensorMap]:
-    """Router [E, D] -> our [D, E]; experts.{e}.gate/up [F, D] -> our [E, D, F]; down [D, F] -> [E, F, D]."""
+    """Router [E, D] -> our [D, E]; experts.{e}.gate/up [F, D] -> our [E, D, F]; down [D, F] -> [E, F, D].
+    GPT-OSS stores each layer's experts stacked, as we do: gate_up_proj [E, D, 2F], down_proj
+    [E, F, D] and their biases, and a router bias."""
     d, e, f = cfg.hidden_size, cfg.num_experts, cfg.expert_mlp_dim
+    if cfg.arch == "gpt_oss":
+        experts = f"{layer}mlp.experts."
+        return {
+            ("layers", "mlp", "router", "kernel"): _transposed(f"{layer}mlp.router.weight", e, d),
+            ("layers", "mlp", "router", "bias"): _same(f"{layer}mlp.router.bias", (e,)),
+            ("layers", "mlp", "gate_up"): _same(f"{experts}gate_up_proj", (e, d, 2 * f)),
+            ("layers", "mlp", "gate_up_bias"): _same(f"{experts}gate_up_proj_bias", (e, 2 * f)),
+            ("layers", "mlp", "down"): _same(f"{experts}down_proj", (e, f, d)),
+            ("layers", "mlp", "down_bias"): _same(f"{experts}down_proj_bias", (e, d)),
+        }
     module, (gate, up, down) = _MOE_NAMES[cfg.arch]
     experts = f"{layer}{module}.experts.{{expert}}."
     return {
@@ -190,6 +202,8 @@ def _llama_maps(cfg: ModelConfig, prefix: str) -> dict[tuple[str, ...], TensorMa
         for part in ("q", "k"):
             maps[("layers", "attn", f"{part}_norm", "scale")] = _same(
                 layer + f"self_attn.{part}_norm.weight", (dh,))
+    if cfg.attention_sinks:
+        maps[("layers", "attn", "sinks")] = _same(layer + "self_attn.sinks", (h,))
     if cfg.attention_out_bias:
         maps[("layers", "attn", "o", "bias")] = _same(layer + "self_attn.o_proj.bias", (d,))
     if cfg.mlp_bias:

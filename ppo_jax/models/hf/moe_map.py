@@ -1,6 +1,7 @@
-"""Mixture-of-experts settings: Qwen3-MoE's and Mixtral's expert and router fields <-> ModelConfig's
-num_experts / experts_per_token / moe_intermediate_size / norm_topk_prob (models/moe.py computes with
-them; models/hf/layouts.py maps their tensors)."""
+"""Mixture-of-experts settings: Qwen3-MoE's, Mixtral's and GPT-OSS's expert and router fields <->
+ModelConfig's num_experts / experts_per_token / moe_intermediate_size / norm_topk_prob / swiglu_*
+(models/moe.py computes with them; models/hf/layouts.py maps their tensors; the router and expert
+kinds each architecture fixes are in arch_options.ARCH_OPTIONS)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ def moe_from_hf(cfg) -> dict[str, Any]:
             raise CheckpointError(f"unsupported router_jitter_noise={cfg.router_jitter_noise} (training-time "
                                   f"noise on the router's input)")
         return dict(num_experts=cfg.num_local_experts, experts_per_token=cfg.num_experts_per_tok)
+    if cfg.model_type == "gpt_oss":
+        return dict(num_experts=cfg.num_local_experts, experts_per_token=cfg.num_experts_per_tok,
+                    swiglu_limit=float(cfg.swiglu_limit), swiglu_alpha=float(getattr(cfg, "swiglu_alpha", 1.702)))
     return {}
 
 
@@ -35,9 +39,24 @@ def moe_to_hf(config: ModelConfig) -> dict[str, Any]:
                     moe_intermediate_size=config.expert_mlp_dim, norm_topk_prob=config.norm_topk_prob,
                     mlp_only_layers=[], decoder_sparse_step=1)
     if config.moe_intermediate_size not in (None, config.mlp_dim):
-        raise CheckpointError(f"mixtral's experts are intermediate_size wide; moe_intermediate_size="
+        raise CheckpointError(f"{config.arch}'s experts are intermediate_size wide; moe_intermediate_size="
                               f"{config.moe_intermediate_size} differs from intermediate_size={config.mlp_dim}")
-    if not config.norm_topk_prob:
-        raise CheckpointError("mixtral always renormalises the top-k router weights: set norm_topk_prob=True")
-    return dict(num_local_experts=config.num_experts, num_experts_per_tok=config.experts_per_token,
-                router_jitter_noise=0.0)
+    if not config.norm_topk_prob:  # (GPT-OSS's softmax over the top k sums to 1 by itself)
+        raise CheckpointError(f"{config.arch} always renormalises the top-k router weights: set norm_topk_prob=True")
+    experts = dict(num_local_experts=config.num_experts, num_experts_per_tok=config.experts_per_token)
+    if config.arch == "gpt_oss":
+        return dict(experts, swiglu_limit=config.swiglu_limit, swiglu_alpha=config.swiglu_alpha)
+    return dict(experts, router_jitter_noise=0.0)
+
+
+def check_quantization(data: dict[str, Any]):
+    """Refuses a quantised checkpoint (config.json's `quantization_config`): its tensors are packed
+    blocks and scales, not weights. GPT-OSS's MXFP4 release is dequantised by transformers."""
+    quant = data.get("quantization_config")
+    if not quant:
+        return
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+    hint = (" Dequantise it first: load it with transformers' `Mxfp4Config(dequantize=True)` as "
+            "`quantization_config` and `save_pretrained` the bfloat16 model." if method == "mxfp4" else "")
+    raise CheckpointError(f"unsupported quantised checkpoint (quantization_config.quant_method={method!r}): "
+                          f"ppo_jax loads float32/bfloat16/float16 weights.{hint}")
