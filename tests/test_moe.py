@@ -81,6 +81,47 @@ def test_gpt_oss_block_matches_transformers():
     np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_router_losses_match_transformers(tmp_path, family):
+    """The load-balancing loss over a left-padded batch's real tokens is transformers' `aux_loss` (its
+    load_balancing_loss_func with the attention mask); the z-loss is the masked mean over tokens and
+    layers of logsumexp(router logits)^2 computed in NumPy from transformers' router logits."""
+    from conftest import make_test_mesh
+
+    from ppo_jax.models import forward, hf
+
+    common = dict(hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  vocab_size=64, num_experts_per_tok=K, attn_implementation="eager")
+    if family == "gpt_oss":
+        torch_model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            **common, intermediate_size=F, num_local_experts=E, sliding_window=4))
+    else:
+        torch_model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, moe_intermediate_size=F, num_experts=E, intermediate_size=F))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in torch_model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    torch_model.save_pretrained(tmp_path)
+    mask = np.ones((3, 9), np.int32)
+    mask[1, :4], mask[2, :7] = 0, 0
+    tokens = np.random.default_rng(0).integers(1, 64, mask.shape).astype(np.int32) * mask
+    positions = np.clip(np.cumsum(mask, -1) - 1, 0, None)
+    with torch.no_grad():
+        theirs = torch_model(input_ids=torch.tensor(tokens).long(), attention_mask=torch.tensor(mask).long(),
+                             position_ids=torch.tensor(positions).long(), output_router_logits=True)
+    mesh = make_test_mesh((1, 1, 1))
+    loaded = hf.load_model(str(tmp_path), mesh)
+    with jax.set_mesh(mesh):
+        ours = jax.jit(lambda p: forward.hidden_states(loaded.module, {"params": p}, tokens, positions, mask,
+                                                       router=True)[1])(loaded.params)
+    np.testing.assert_allclose(float(ours.balance), float(theirs.aux_loss), rtol=1e-5)
+    real = mask.reshape(-1).astype(bool)
+    z = [np.square(np.log(np.exp(np.asarray(logits, np.float64)[real]).sum(-1))) for logits in theirs.router_logits]
+    np.testing.assert_allclose(float(ours.z), np.concatenate(z).mean(), rtol=1e-5)
+    assert float(ours.dropped) == 0 and float(ours.load_max) >= 1
+
+
 def test_routing_as_a_loop_computes_it():
     """Top-k of the softmax per token, optionally renormalised; pairs grouped by expert."""
     logits = np.random.default_rng(2).normal(size=(9, E)).astype(np.float32)
@@ -132,6 +173,15 @@ def test_refuses_what_it_does_not_do():
         ModelConfig(arch="gpt2", attention_sinks=True)
 
 
+def test_router_losses_on_a_dense_policy_are_refused(tmp_path):
+    from ppo_jax.config import ConfigError
+
+    config = tiny_config(**{"ppo.router_aux_coef": 0.001})
+    with pytest.raises(ConfigError, match="router losses need a mixture-of-experts policy, and this gpt2"):
+        PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def test_experts_on_a_dense_architecture_are_refused_before_anything_is_written(tmp_path):
     """Hugging Face holds experts only in its MoE classes (export parity: tests/test_hf.py)."""
     from ppo_jax.models import hf
@@ -163,6 +213,8 @@ def test_ppo_on_an_moe_policy_keeps_the_invariants(tmp_path, mesh_shape, layer_l
     unrolled decode) and LoRA on the attention, exported merged (a Qwen3MoeForCausalLM) and as a
     PEFT adapter."""
     overrides = {f"policy.model.{name}": value for name, value in model.items()}
+    if model is GPT_OSS:  # the router losses on, and their metrics reported
+        overrides.update({"ppo.router_aux_coef": 0.01, "ppo.router_z_coef": 0.001})
     config = tiny_config(**{"train.iterations": 2, "policy.model.num_heads": 4, "policy.model.num_experts": 4,
                             "policy.model.experts_per_token": 2, "compute.layer_loop": layer_loop, **overrides})
     if lora:
@@ -172,6 +224,8 @@ def test_ppo_on_an_moe_policy_keeps_the_invariants(tmp_path, mesh_shape, layer_l
     for row in history:
         assert abs(row["first_minibatch/ratio"] - 1.0) < 1e-6
         assert row["policy/rollout_logprob_diff_max"] < 1e-5
+        assert row["moe/balance_loss"] >= 1.0 and row["moe/z_loss"] > 0  # (E * sum f P >= 1 always)
+        assert 1.0 <= row["moe/expert_load_max"] <= 4 / 2 and row["moe/dropped_tokens"] == 0
     assert history[0]["val/ratio"] != 1.0  # the policy moved
     assert trainer.trace_counts == {"experience": 1, "update": 1}
     if layer_loop == "scan":

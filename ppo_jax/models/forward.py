@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ppo_jax.models import lora
+from ppo_jax.models import lora, moe
 from ppo_jax.models.transformer import CausalLM, ScalarModel, positions_from_mask, score_at_last_token
 
 Array = jax.Array
@@ -37,16 +37,29 @@ def sequence_inputs(prompt_tokens, prompt_mask, tokens, mask):
     return seq, positions_from_mask(seq_mask), seq_mask
 
 
+def hidden_states(model: CausalLM, variables_: dict[str, Params], tokens, positions, kv_mask, segment_ids=None,
+                  router: bool = False):
+    """CausalLM.hidden [B, T, D]; with `router` (an MoE model) also the forward's RouterLosses over its
+    real tokens: (hidden, RouterLosses)."""
+    if not router:
+        return model.apply(variables_, tokens, positions, kv_mask, segment_ids, method=CausalLM.hidden)
+    hidden, sown = model.apply(variables_, tokens, positions, kv_mask, segment_ids, method=CausalLM.hidden,
+                               mutable=[moe.ROUTER])
+    return hidden, moe.router_losses(sown, model.config.experts_per_token)
+
+
 def response_logits(model: CausalLM, params, prompt_tokens, prompt_mask, tokens, mask, temperature,
-                    adapters=None):
-    """Tempered logits that predicted each response token: [B, Lr, V] float32."""
+                    adapters=None, router: bool = False):
+    """Tempered logits that predicted each response token: [B, Lr, V] float32; with `router` (an MoE
+    policy) also the RouterLosses of the prompt + response forward: (logits, RouterLosses)."""
     seq, pos, seq_mask = sequence_inputs(prompt_tokens, prompt_mask, tokens, mask)
-    hidden = model.apply(variables(params, adapters), seq, pos, seq_mask, method=CausalLM.hidden)
+    out = hidden_states(model, variables(params, adapters), seq, pos, seq_mask, router=router)
+    hidden, losses = out if router else (out, None)
     lq, lr = prompt_tokens.shape[1], tokens.shape[1]
     # Position t predicts token t + 1: the response tokens are predicted from positions Lq-1 .. Lq+Lr-2.
     hidden = hidden[:, lq - 1: lq + lr - 1]
-    logits = model.apply(variables(params, adapters), hidden, method=CausalLM.project)
-    return logits / temperature
+    logits = model.apply(variables(params, adapters), hidden, method=CausalLM.project) / temperature
+    return (logits, losses) if router else logits
 
 
 def token_logprobs(logits, tokens, mask):

@@ -15,8 +15,10 @@ log-probs.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -24,6 +26,11 @@ from ppo_jax.models.config import ModelConfig
 from ppo_jax.models.layers import DenseGeneral, activation
 
 Array = jax.Array
+
+# The Flax collection MoEMLP sows its router statistics into (one entry per layer) when a forward
+# makes it mutable: `apply(..., mutable=[ROUTER])`. Forwards that do not (the sampler, scoring)
+# compute nothing for it.
+ROUTER = "router_stats"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +67,55 @@ def route(router_logits: Array, k: int, normalize: bool, dtype, softmax: str = "
                    group_sizes=jnp.bincount(flat, length=num_experts).astype(jnp.int32))
 
 
+@flax.struct.dataclass
+class RouterLosses:
+    """What the MoE layers' routers did in one forward, over its real tokens, pooled over layers.
+
+    balance: the load-balancing loss as transformers computes it (Switch Transformer, eqs. 4-6):
+      E * sum_e f_e * P_e, f_e the share of (token, slot) assignments to expert e and P_e its mean
+      router probability (softmax over all E logits), both pooled over every layer's tokens.
+    z: the router z-loss (ST-MoE): the mean over tokens and layers of logsumexp(logits)^2.
+    load_max: the busiest expert's assignments over the mean expert's, in the worst layer (1 when
+      perfectly balanced; E / k when every token of a layer goes to the same k experts).
+    dropped: assignments not computed (0: routing is dropless by construction).
+    """
+
+    balance: Array
+    z: Array
+    load_max: Array
+    dropped: Array
+
+
+def router_stats(logits: Array, routing: Routing, real: Array) -> dict[str, Array]:
+    """One layer's sums over its real tokens: logits [N, E], real [N] (1 for real tokens) ->
+    counts [E] (assignments per expert), probs [E] (summed softmax probabilities), z [] (summed
+    logsumexp^2), tokens [] (real tokens)."""
+    real = real.astype(jnp.float32)
+    logits = logits.astype(jnp.float32)
+    k = routing.experts.shape[-1]
+    counts = jnp.zeros(logits.shape[-1], jnp.float32).at[routing.experts.reshape(-1)].add(jnp.repeat(real, k))
+    return {"counts": counts, "probs": (jax.nn.softmax(logits, axis=-1) * real[:, None]).sum(0),
+            "z": (jnp.square(jax.nn.logsumexp(logits, axis=-1)) * real).sum(), "tokens": real.sum()}
+
+
+def router_losses(sown: Any, experts_per_token: int) -> RouterLosses:
+    """RouterLosses from the collection a forward sowed (`apply(..., mutable=[ROUTER])`): the per-layer
+    sums of `router_stats`, stacked [L, ...] under scanned layers or one entry per layer."""
+    entries = jax.tree.leaves(sown, is_leaf=lambda x: isinstance(x, dict) and "counts" in x)
+    if not entries:
+        raise ValueError("the forward sowed no router statistics: the model has no MoE layers")
+    num_experts = entries[0]["counts"].shape[-1]
+    counts = jnp.concatenate([e["counts"].reshape(-1, num_experts) for e in entries])  # [L, E]
+    probs = jnp.concatenate([e["probs"].reshape(-1, num_experts) for e in entries])
+    z = jnp.concatenate([e["z"].reshape(-1) for e in entries])  # [L]
+    tokens = jnp.concatenate([e["tokens"].reshape(-1) for e in entries])
+    total = jnp.maximum(tokens.sum(), 1.0)
+    balance = num_experts * jnp.sum(counts.sum(0) / total * (probs.sum(0) / total))
+    load = counts.max(-1) / jnp.maximum(counts.mean(-1), 1e-9)
+    return RouterLosses(balance=balance, z=z.sum() / total, load_max=load.max(),
+                        dropped=(tokens * experts_per_token - counts.sum(-1)).sum())
+
+
 def clamped_swiglu(gate_up: Array, limit: float, alpha: float) -> Array:
     """GPT-OSS's expert activation: gate_up [N, 2F] interleaves gate and up features (gate, up, gate,
     ...) -> [N, F] = (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
@@ -80,7 +136,9 @@ class MoEMLP(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, real: Array | None = None) -> Array:
+        """real [B, T]: the real (non-padding) tokens; with it, and the ROUTER collection mutable,
+        the layer sows its `router_stats`."""
         cfg = self.config
         b, t, d = x.shape
         e, f, k = cfg.num_experts, cfg.expert_mlp_dim, cfg.experts_per_token
@@ -89,6 +147,8 @@ class MoEMLP(nn.Module):
         logits = DenseGeneral((d,), (e,), ("embed", "expert"), cfg.router_bias, dtype, param_dtype,
                               name="router")(x)
         routing = route(logits.reshape(b * t, e), k, cfg.norm_topk_prob, dtype, cfg.router_softmax)
+        if real is not None and self.is_mutable_collection(ROUTER):
+            self.sow(ROUTER, "stats", router_stats(logits.reshape(b * t, e), routing, real.reshape(-1)))
 
         def experts(name, shape, axes, initializer=init):
             return self.param(name, nn.with_logical_partitioning(initializer, axes), shape, param_dtype).astype(dtype)

@@ -28,7 +28,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from ppo_jax.models.forward import variables
+from ppo_jax.models.forward import hidden_states, variables
 from ppo_jax.models.transformer import CausalLM, ScalarModel, last_token_index
 
 Array = jax.Array
@@ -144,11 +144,15 @@ def last_slots(packing: Packing, seq_mask: Array) -> Array:
     return jnp.take_along_axis(packing.slots, last_token_index(seq_mask)[:, None], axis=1)
 
 
-def next_token_logits(model: CausalLM, params, rows: PackedRows, temperature: float, adapters=None) -> Array:
-    """Tempered logits of packed rows [M, T] -> [M, T, V] float32: slot t predicts slot t + 1."""
-    hidden = model.apply(variables(params, adapters), rows.tokens, rows.positions, rows.segment_ids != 0,
-                         rows.segment_ids, method=CausalLM.hidden)
-    return model.apply(variables(params, adapters), hidden, method=CausalLM.project) / temperature
+def next_token_logits(model: CausalLM, params, rows: PackedRows, temperature: float, adapters=None,
+                      router: bool = False):
+    """Tempered logits of packed rows [M, T] -> [M, T, V] float32: slot t predicts slot t + 1; with
+    `router` (an MoE policy) also the forward's RouterLosses: (logits, RouterLosses)."""
+    out = hidden_states(model, variables(params, adapters), rows.tokens, rows.positions, rows.segment_ids != 0,
+                        rows.segment_ids, router=router)
+    hidden, losses = out if router else (out, None)
+    logits = model.apply(variables(params, adapters), hidden, method=CausalLM.project) / temperature
+    return (logits, losses) if router else logits
 
 
 def next_token_logprobs(logits: Array, tokens: Array) -> Array:

@@ -36,7 +36,7 @@ from ppo_jax.models.attention import Attention, attention_mask
 from ppo_jax.models.cache import KVCache
 from ppo_jax.models.config import ModelConfig
 from ppo_jax.models.layers import MLP, DenseGeneral, norm, softcap
-from ppo_jax.models.moe import MoEMLP
+from ppo_jax.models.moe import ROUTER, MoEMLP
 from ppo_jax.models.rope import rope_tables
 
 Array = jax.Array
@@ -95,8 +95,13 @@ class Block(nn.Module):
         if self.config.post_norms:
             attn_out = norm(self.config, "post_attn_norm")(attn_out)
         x = x + attn_out
-        mlp = MoEMLP if self.config.num_experts else MLP
-        mlp_out = mlp(self.config, name="mlp")(norm(self.config, "ln_2")(x))
+        h = norm(self.config, "ln_2")(x)
+        if self.config.num_experts:
+            # Without a cache query slot t is key slot t: the mask's diagonal is the real tokens.
+            real = jnp.diagonal(mask, axis1=1, axis2=2) if cache_kv is None else None
+            mlp_out = MoEMLP(self.config, name="mlp")(h, real)
+        else:
+            mlp_out = MLP(self.config, name="mlp")(h)
         if self.config.post_norms:
             mlp_out = norm(self.config, "post_mlp_norm")(mlp_out)
         x = x + mlp_out
@@ -143,7 +148,7 @@ class Transformer(nn.Module):
         if cfg.scan_layers:
             self.layers = nn.scan(
                 block,
-                variable_axes={"params": 0, lora.COLLECTION: 0},
+                variable_axes={"params": 0, lora.COLLECTION: 0, ROUTER: 0},
                 split_rngs={"params": True},
                 in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,

@@ -90,6 +90,9 @@ def policy_model_config(s: Settings, mesh=None) -> ModelConfig:
     lora = imported_lora_config(s.policy.lora, cfg) if s.policy.lora.init_from else s.policy.lora.lora_config()
     cfg = with_lora(cfg, lora, "policy")
     _check_cached_rope(cfg, s.data.prompt_length + s.rollout.response_length)
+    if not cfg.num_experts and (s.ppo.router_aux_coef or s.ppo.router_z_coef):
+        raise ConfigError(f"ppo.router_aux_coef={s.ppo.router_aux_coef}, ppo.router_z_coef={s.ppo.router_z_coef}: "
+                          f"router losses need a mixture-of-experts policy, and this {cfg.arch} policy has no experts")
     return s.compute.apply(override_dtypes(cfg, s.policy.param_dtype, s.policy.dtype), *mesh_platform(mesh))
 
 

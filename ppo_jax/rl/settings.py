@@ -123,6 +123,8 @@ class PPOLossSettings:
     value_clip: float = 0.2  # value prediction clip range
     vf_coef: float = 0.1  # value loss coefficient
     ent_coef: float = 0.0  # entropy bonus coefficient
+    router_aux_coef: float = 0.0  # MoE policies: load-balancing loss coefficient (transformers' router_aux_loss_coef, e.g. 0.001); 0 = off, as the families fine-tune
+    router_z_coef: float = 0.0  # MoE policies: router z-loss coefficient (ST-MoE, e.g. 0.001); 0 = off
     gamma: float = 1.0  # discount
     lam: float = 0.95  # GAE lambda
     whiten_advantages: bool = True  # masked whitening of advantages
@@ -239,6 +241,8 @@ class Settings(RunSettings):
         check(p.clip_eps_high >= 0, f"ppo.clip_eps_high must be >= 0 (0 = same as clip_eps), got {p.clip_eps_high}")
         check(p.dual_clip == 0 or p.dual_clip > 1, f"ppo.dual_clip must be 0 (off) or > 1, got {p.dual_clip}")
         check(p.value_clip > 0, f"ppo.value_clip must be > 0, got {p.value_clip}")
+        check(p.router_aux_coef >= 0 and p.router_z_coef >= 0,
+              f"ppo.router_aux_coef and ppo.router_z_coef must be >= 0, got {p.router_aux_coef} and {p.router_z_coef}")
         check(0 < p.gamma <= 1, f"ppo.gamma must be in (0, 1], got {p.gamma}")
         check(0 <= p.lam <= 1, f"ppo.lam must be in [0, 1], got {p.lam}")
         check(p.kl_estimator in ("k1", "k2", "k3"), f"ppo.kl_estimator={p.kl_estimator!r}: use k1, k2 or k3")
@@ -378,6 +382,8 @@ class PPOHyper:
     value_clip: float
     vf_coef: float
     ent_coef: float
+    router_aux_coef: float = 0.0
+    router_z_coef: float = 0.0
     packed_rows: int = 0  # packed rows per microbatch (M); 0 = padded rows
     packed_length: int = 0  # slots per packed row (T)
 
@@ -401,7 +407,8 @@ class PPOHyper:
             num_minibatches=p.num_minibatches, num_microbatches=p.num_microbatches,
             forward_microbatches=sizes.rollout_rows // sizes.forward_rows, clip_eps=p.clip_eps,
             clip_eps_high=p.clip_eps_high or None, dual_clip=p.dual_clip or None, value_clip=p.value_clip,
-            vf_coef=p.vf_coef, ent_coef=p.ent_coef, packed_rows=sizes.packed_rows,
+            vf_coef=p.vf_coef, ent_coef=p.ent_coef, router_aux_coef=p.router_aux_coef,
+            router_z_coef=p.router_z_coef, packed_rows=sizes.packed_rows,
             packed_length=sizes.packed_length)
 
     @property

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ppo_jax import ppo
 from ppo_jax.models import packing
 from ppo_jax.models.forward import response_logits, response_values, sequence_inputs, token_logprobs
+from ppo_jax.models.moe import RouterLosses
 from ppo_jax.models.transformer import CausalLM, ScalarModel
 from ppo_jax.rl.settings import PPOHyper
 from ppo_jax.rl.state import Experience, PackedExperience, TrainState, policy_variables, value_variables
@@ -46,6 +47,10 @@ UPDATE_METRIC_NAMES = {
     "ratio_var": "val/ratio_var",
     "grad_norm/policy": "grad_norm/policy",
     "grad_norm/value": "grad_norm/value",
+    "router_balance": "moe/balance_loss",
+    "router_z": "moe/z_loss",
+    "router_load_max": "moe/expert_load_max",
+    "router_dropped": "moe/dropped_tokens",
 }
 
 
@@ -93,30 +98,48 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
             metrics.update(v_metrics)
         return loss, metrics
 
+    moe_policy = bool(policy_model.config.num_experts)
+
+    def with_router_terms(loss, metrics, router: RouterLosses | None, mask, num_tokens):
+        """An MoE policy's router losses added (weighted by their coefficients) and reported. Each
+        is its microbatch's, as transformers computes it per forward, weighted by the microbatch's
+        share of the minibatch's tokens: the sums over microbatches are token-weighted means."""
+        if router is None:
+            return loss, metrics
+        share = mask.sum() / num_tokens
+        loss = loss + share * (hp.router_aux_coef * router.balance + hp.router_z_coef * router.z)
+        metrics.update(router_balance=share * router.balance, router_z=share * router.z,
+                       router_load_max=share * router.load_max, router_dropped=router.dropped)
+        return loss, metrics
+
     def loss_fn(policy, value, base, value_base, kl_coef, mb: Experience, num_tokens):
         """Microbatch loss on padded rows [b, Lq + Lr]."""
         mask = mb.mask.astype(jnp.float32)
         params, adapters = policy_variables(policy, base)  # gradients reach the trainable tree only
-        logits = response_logits(policy_model, params, mb.prompt_tokens, mb.prompt_mask, mb.tokens,
-                                 mb.mask, hp.temperature, adapters=adapters)
+        out = response_logits(policy_model, params, mb.prompt_tokens, mb.prompt_mask, mb.tokens,
+                              mb.mask, hp.temperature, adapters=adapters, router=moe_policy)
+        logits, router = out if moe_policy else (out, None)
         logp = token_logprobs(logits, mb.tokens, mb.mask)
         values = None
         if value is not None:
             value_params, value_adapters = value_variables(value, value_base)  # gradients: adapters + head
             values = response_values(value_model, value_params, mb.prompt_tokens, mb.prompt_mask, mb.tokens,
                                      mb.mask, adapters=value_adapters)
-        return ppo_terms(logits, logp, values, mb, mask, kl_coef, num_tokens)
+        return with_router_terms(*ppo_terms(logits, logp, values, mb, mask, kl_coef, num_tokens), router, mask,
+                                 num_tokens)
 
     def packed_loss_fn(policy, value, base, value_base, kl_coef, mb: PackedExperience, num_tokens):
         """Microbatch loss on packed rows [M, T]: the same token sums, over the prediction slots."""
         params, adapters = policy_variables(policy, base)
-        logits = packing.next_token_logits(policy_model, params, mb.rows, hp.temperature, adapters)
+        out = packing.next_token_logits(policy_model, params, mb.rows, hp.temperature, adapters, router=moe_policy)
+        logits, router = out if moe_policy else (out, None)
         logp = packing.next_token_logprobs(logits, mb.rows.tokens) * mb.mask
         values = None
         if value is not None:
             value_params, value_adapters = value_variables(value, value_base)
             values = packing.scalar_outputs(value_model, value_params, mb.rows, value_adapters) * mb.mask
-        return ppo_terms(logits, logp, values, mb, mb.mask, kl_coef, num_tokens)
+        return with_router_terms(*ppo_terms(logits, logp, values, mb, mb.mask, kl_coef, num_tokens), router,
+                                 mb.mask, num_tokens)
 
     grad_fn = jax.value_and_grad(packed_loss_fn if hp.packed else loss_fn, argnums=(0, 1), has_aux=True)
     packed_sharding = (None if batch_sharding is None else
