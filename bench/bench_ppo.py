@@ -38,6 +38,7 @@ What is timed:
 Run (from the repository root, with the `[bench]` extra installed):
     python bench/bench_ppo.py                      # the issue's shapes, 3 rounds x 3 iterations
     python bench/bench_ppo.py --layers 1 --hidden 64 --vocab 512 --rounds 1 --iterations 2   # smoke test
+    python bench/bench_ppo.py --arch qwen3_moe --layers 2 --hidden 128 --vocab 1024   # a tiny MoE policy
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class Shapes:
     response: int
     epochs: int
     minibatches: int
+    arch: str = "gpt2"  # "gpt2", or "qwen3_moe": 8 experts of `hidden`, 2 per token
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Shapes":
@@ -83,6 +85,8 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--response", type=int, default=64)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--minibatches", type=int, default=1)
+    p.add_argument("--arch", choices=("gpt2", "qwen3_moe"), default="gpt2",
+                   help="policy and reward architecture: GPT-2, or a Qwen3-MoE (8 experts of --hidden, top 2)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,15 +124,26 @@ def build_assets(shapes: Shapes, workdir: str) -> dict:
     assert len(tokenizer) == shapes.vocab, len(tokenizer)
     assert tokenizer.pad_token_id != tokenizer.eos_token_id
 
-    hf_config = dict(
-        vocab_size=shapes.vocab, n_embd=shapes.hidden, n_layer=shapes.layers, n_head=shapes.heads,
-        n_positions=shapes.prompt + shapes.response, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id)
+    ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+               eos_token_id=tokenizer.eos_token_id)
+    if shapes.arch == "qwen3_moe":
+        config_class, lm_class = transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM
+        reward_class = transformers.Qwen3MoeForSequenceClassification
+        hf_config = dict(
+            vocab_size=shapes.vocab, hidden_size=shapes.hidden, num_hidden_layers=shapes.layers,
+            num_attention_heads=shapes.heads, num_key_value_heads=shapes.heads, intermediate_size=4 * shapes.hidden,
+            moe_intermediate_size=shapes.hidden, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+            max_position_embeddings=shapes.prompt + shapes.response, tie_word_embeddings=False, **ids)
+    else:
+        config_class, lm_class = transformers.GPT2Config, transformers.GPT2LMHeadModel
+        reward_class = transformers.GPT2ForSequenceClassification
+        hf_config = dict(
+            vocab_size=shapes.vocab, n_embd=shapes.hidden, n_layer=shapes.layers, n_head=shapes.heads,
+            n_positions=shapes.prompt + shapes.response, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids)
     torch.manual_seed(0)
-    policy = transformers.GPT2LMHeadModel(transformers.GPT2Config(**hf_config))
+    policy = lm_class(config_class(**hf_config))
     torch.manual_seed(1)
-    reward = transformers.GPT2ForSequenceClassification(transformers.GPT2Config(**hf_config, num_labels=1))
+    reward = reward_class(config_class(**hf_config, num_labels=1))
     paths = {"policy": os.path.join(workdir, "policy"), "reward": os.path.join(workdir, "reward")}
     for name, model in (("policy", policy), ("reward", reward)):
         model.save_pretrained(paths[name])
@@ -292,10 +307,11 @@ class TrlSide:
         assert all(len(row) == shapes.prompt for row in ids)
         dataset = datasets.Dataset.from_dict({"input_ids": ids})
         t0 = time.perf_counter()
-        policy = transformers.GPT2LMHeadModel.from_pretrained(assets["paths"]["policy"])
-        ref_policy = transformers.GPT2LMHeadModel.from_pretrained(assets["paths"]["policy"])
-        reward = transformers.GPT2ForSequenceClassification.from_pretrained(assets["paths"]["reward"])
-        value = transformers.GPT2ForSequenceClassification.from_pretrained(assets["paths"]["reward"])
+        lm, scorer = transformers.AutoModelForCausalLM, transformers.AutoModelForSequenceClassification
+        policy = lm.from_pretrained(assets["paths"]["policy"])
+        ref_policy = lm.from_pretrained(assets["paths"]["policy"])
+        reward = scorer.from_pretrained(assets["paths"]["reward"])
+        value = scorer.from_pretrained(assets["paths"]["reward"])
         self.attn_implementation = policy.config._attn_implementation
         self.config = PPOConfig(
             output_dir=os.path.join(workdir, "trl_out"),

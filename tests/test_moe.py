@@ -239,3 +239,42 @@ def test_ppo_on_an_moe_policy_keeps_the_invariants(tmp_path, mesh_shape, layer_l
         assert type(transformers.AutoModelForCausalLM.from_pretrained(merged)).__name__ == "Qwen3MoeForCausalLM"
         adapter = export_checkpoint(str(tmp_path), str(tmp_path / "adapter"), lora_format="adapter")
         assert sorted(os.listdir(adapter)) == ["adapter_config.json", "adapter_model.safetensors"]
+
+
+def test_sft_and_dpo_add_the_weighted_router_losses(tmp_path):
+    """SFT and DPO on a fresh Qwen3-MoE model: the loss with router coefficients is the loss without
+    them plus aux * balance + z * z-loss of the same forward (reported as moe/ metrics either way); a dense model
+    with coefficients is refused before anything compiles."""
+    import test_dpo
+    import test_sft
+
+    from ppo_jax.config import ConfigError
+
+    moe = {"arch": "qwen3_moe", "qk_norm": True, "num_experts": 4, "experts_per_token": 2,
+           "moe_intermediate_size": 16}
+    coefs = {"router_aux_coef": 0.5, "router_z_coef": 0.25}
+
+    def first_step(module, run, **model_fields):
+        config = module.tiny_config()
+        for name, value in {**moe, **model_fields}.items():
+            target = config.model if name.startswith("router_") else config.model.config
+            target[name] = value
+        trainer = module.make(config, tmp_path / run)
+        metrics = trainer.train_step()
+        trainer.close()
+        return metrics
+
+    for module, prefix in ((test_sft, "train/moe/"), (test_dpo, "moe/")):
+        plain, weighted = first_step(module, f"{prefix}plain"), first_step(module, f"{prefix}weighted", **coefs)
+        balance, z = weighted[f"{prefix}balance_loss"], weighted[f"{prefix}z_loss"]
+        assert balance >= 1.0 and z > 0 and weighted[f"{prefix}expert_load_max"] >= 1.0
+        if module is test_dpo:  # DPO's `loss` is the optimised one
+            assert weighted["loss"] == pytest.approx(plain["loss"] + 0.5 * balance + 0.25 * z, rel=1e-5)
+        else:  # SFT's train/loss stays the NLL (comparable with eval/loss); the gradient carries the rest
+            assert weighted["train/loss"] == pytest.approx(plain["train/loss"], rel=1e-6)
+            assert abs(weighted["train/grad_norm"] - plain["train/grad_norm"]) > 1e-3 * plain["train/grad_norm"]
+        assert plain[f"{prefix}balance_loss"] == pytest.approx(balance, rel=1e-6)  # reported with the losses off too
+    config = test_sft.tiny_config()
+    config.model.router_z_coef = 0.001
+    with pytest.raises(ConfigError, match="router losses need a mixture-of-experts model, and this gpt2 model"):
+        test_sft.make(config, tmp_path / "dense")

@@ -86,6 +86,18 @@ class RouterLosses:
     dropped: Array
 
 
+@dataclasses.dataclass(frozen=True)
+class RouterCoefs:
+    """The router losses' weights in a training loss (transformers' router_aux_loss_coef; ST-MoE's
+    z-loss coefficient)."""
+
+    aux: float = 0.0
+    z: float = 0.0
+
+    def penalty(self, losses: RouterLosses) -> Array:
+        return self.aux * losses.balance + self.z * losses.z
+
+
 def router_stats(logits: Array, routing: Routing, real: Array) -> dict[str, Array]:
     """One layer's sums over its real tokens: logits [N, E], real [N] (1 for real tokens) ->
     counts [E] (assignments per expert), probs [E] (summed softmax probabilities), z [] (summed

@@ -26,6 +26,7 @@ from ppo_jax.checkpoint import CheckpointManager, verify
 from ppo_jax.config import ComputeSettings, ConfigError, check, check_positions, override_dtypes
 from ppo_jax.models import ModelConfig, boxed_params, hf, init_adapters, init_params
 from ppo_jax.models.config import MOE_ARCHS
+from ppo_jax.models.moe import RouterCoefs
 from ppo_jax.models.hf.layouts import lora_tensor_maps
 from ppo_jax.models.lora import COLLECTION as LORA
 from ppo_jax.models.lora import trained_variables
@@ -42,6 +43,12 @@ BASE_KEY = "model_base"
 
 # ----------------------------------------------------------------------------------------------
 # The model.
+
+
+def router_coefs(section: ModelSettings, cfg: ModelConfig) -> RouterCoefs | None:
+    """The router losses' weights for the loss of a model with experts (zero unless the config sets
+    them: the losses are still reported), None for a dense model."""
+    return (section.router or RouterCoefs()) if cfg.num_experts else None
 
 
 def model_config(section: ModelSettings, tokenizer, *, what: str, data, kinds: tuple[str, ...],
@@ -69,6 +76,9 @@ def model_config(section: ModelSettings, tokenizer, *, what: str, data, kinds: t
     check(not cfg.num_experts or cfg.arch in MOE_ARCHS,
           f"{what}: model.num_experts={cfg.num_experts} on arch {cfg.arch!r}: the run ends in a Hugging Face "
           f"export, which holds experts only as {' or '.join(MOE_ARCHS)}; set model.arch to one of them")
+    check(section.router is None or cfg.num_experts,
+          f"{what}: model.router_aux_coef={section.router_aux_coef}, model.router_z_coef={section.router_z_coef}: "
+          f"router losses need a mixture-of-experts model, and this {cfg.arch} model has no experts")
     if cfg.lora is not None and lora_export == "adapter":
         try:  # the PEFT names of every adapter: refused by name when a target is a window of a fused tensor
             lora_tensor_maps(cfg)

@@ -36,12 +36,13 @@ from ppo_jax import sharding
 from ppo_jax.checkpoint import verify
 from ppo_jax.config import ConfigError
 from ppo_jax.models import CausalLM
-from ppo_jax.ppo.stats import finalize_metrics
+from ppo_jax.models.moe import RouterCoefs
+from ppo_jax.ppo.stats import SumCount, finalize_metrics
 from ppo_jax.models.lora import trained_variables
 from ppo_jax.supervised import base as supervised
 from ppo_jax.supervised.dpo_loss import Pair, dpo_loss
 from ppo_jax.supervised.settings import DPOLossSettings, DPOSettings, dpo_config  # noqa: F401  (dpo_config: the defaults)
-from ppo_jax.supervised.sft import response_token_nll
+from ppo_jax.supervised.sft import response_token_nll, router_metrics
 
 Array = jax.Array
 
@@ -54,48 +55,62 @@ class DPOBatch:
     reference: Pair
 
 
-def sequence_logps(model: CausalLM, params, tokens: Array, mask: Array, response_mask: Array, adapters=None):
+def sequence_logps(model: CausalLM, params, tokens: Array, mask: Array, response_mask: Array, adapters=None,
+                   router: bool = False):
     """(log p(response | prompt) [B], response tokens [B]) of left-padded sequences [B, L]: the sum
     of the response tokens' log-probs (EOS included); prompt and padding count for nothing.
-    adapters: LoRA adapters on `params` (None: the model without them, e.g. the LoRA reference)."""
-    nll, _, weight = response_token_nll(model, params, tokens, mask, response_mask, adapters)
-    return -nll.sum(-1), weight.sum(-1)
+    adapters: LoRA adapters on `params` (None: the model without them, e.g. the LoRA reference);
+    with `router` (an MoE model) also the forward's RouterLosses, third."""
+    out = response_token_nll(model, params, tokens, mask, response_mask, adapters, router)
+    nll, _, weight = out[:3]
+    return (-nll.sum(-1), weight.sum(-1)) + out[3:]
 
 
-def pair_logps(model: CausalLM, params, pairs: data_lib.PreferenceBatch, adapters=None) -> tuple[Pair, Pair]:
-    """(summed response log-probs, response token counts), each a Pair [B], from one [2B, L] forward."""
+def pair_logps(model: CausalLM, params, pairs: data_lib.PreferenceBatch, adapters=None, router: bool = False):
+    """(summed response log-probs, response token counts), each a Pair [B], from one [2B, L] forward;
+    with `router` (an MoE model) also its RouterLosses, third."""
     b = pairs.chosen_tokens.shape[0]
     both = [jnp.concatenate([c, r], axis=0) for c, r in (
         (pairs.chosen_tokens, pairs.rejected_tokens), (pairs.chosen_mask, pairs.rejected_mask),
         (pairs.chosen_response_mask, pairs.rejected_response_mask))]
-    logps, tokens = sequence_logps(model, params, *both, adapters)
-    return Pair(chosen=logps[:b], rejected=logps[b:]), Pair(chosen=tokens[:b], rejected=tokens[b:])
+    out = sequence_logps(model, params, *both, adapters, router)
+    logps, tokens = out[:2]
+    return (Pair(chosen=logps[:b], rejected=logps[b:]), Pair(chosen=tokens[:b], rejected=tokens[b:])) + out[2:]
 
 
 def make_loss_fn(model: CausalLM, hp: DPOLossSettings, batch: DPOBatch, weight: Array | None = None,
-                 num_pairs=None, num_tokens=None):
-    """(params, adapters=None) -> (loss, SumCount metrics) of `batch` under the configured loss."""
+                 num_pairs=None, num_tokens=None, router: RouterCoefs | None = None):
+    """(params, adapters=None) -> (loss, SumCount metrics) of `batch` under the configured loss; with
+    `router` (an MoE policy) plus the forward's weighted router losses, weighted by the batch's share
+    of the `num_pairs` pairs (the microbatches' sum: a pair-weighted mean) and reported."""
 
     def loss_fn(params, adapters=None):
-        policy, tokens = pair_logps(model, params, batch.pairs, adapters)
-        return dpo_loss(policy, batch.reference, tokens, loss_type=hp.type, beta=hp.beta,
-                        label_smoothing=hp.label_smoothing, sft_coef=hp.sft_coef, weight=weight,
-                        num_pairs=num_pairs, num_tokens=num_tokens)
+        out = pair_logps(model, params, batch.pairs, adapters, router is not None)
+        loss, metrics = dpo_loss(out[0], batch.reference, out[1], loss_type=hp.type, beta=hp.beta,
+                                 label_smoothing=hp.label_smoothing, sft_coef=hp.sft_coef, weight=weight,
+                                 num_pairs=num_pairs, num_tokens=num_tokens)
+        if router is not None:
+            pairs = jnp.asarray(batch.reference.chosen.shape[0], jnp.float32)
+            loss = loss + pairs / (num_pairs or pairs) * router.penalty(out[2])
+            metrics.update({name: SumCount(value * pairs, pairs) for name, value in router_metrics(out[2], "").items()})
+        return loss, metrics
 
     return loss_fn
 
 
-def make_train_step(model: CausalLM, tx, hp: DPOLossSettings, num_microbatches: int, batch_sharding):
+def make_train_step(model: CausalLM, tx, hp: DPOLossSettings, num_microbatches: int, batch_sharding,
+                    router: RouterCoefs | None = None):
     """(state, base, DPOBatch) -> (state, metrics): one optimizer step, gradients (over state.params:
     the policy, or with LoRA its adapters on the frozen `base`) accumulated over `num_microbatches`
-    slices, each normalised by the whole batch's pair and chosen-token counts."""
+    slices, each normalised by the whole batch's pair and chosen-token counts; `router`: the router
+    losses' weights (MoE policies; None: off)."""
 
     def train_step(state: supervised.TrainState, base, batch: DPOBatch):
         num_pairs = batch.reference.chosen.shape[0]
         num_tokens = batch.pairs.chosen_response_mask.sum().astype(jnp.float32)
 
         def loss_fn(trainable, microbatch):
-            fn = make_loss_fn(model, hp, microbatch, num_pairs=num_pairs, num_tokens=num_tokens)
+            fn = make_loss_fn(model, hp, microbatch, num_pairs=num_pairs, num_tokens=num_tokens, router=router)
             return fn(*trained_variables(trainable, base))
 
         loss, metrics, grads = supervised.accumulate_gradients(
@@ -181,7 +196,8 @@ class DPOTrainer(supervised.SupervisedTrainer):
             lambda p, pairs: pair_logps(self.module, p, pairs)[0], in_shardings=(param_shardings, pairs_sh),
             out_shardings=batch_sh.reference), self.mesh)
         self._train_step = sharding.on_mesh(jax.jit(
-            make_train_step(self.module, self.tx, s.loss, s.train.num_microbatches, data_sh),
+            make_train_step(self.module, self.tx, s.loss, s.train.num_microbatches, data_sh,
+                            supervised.router_coefs(s.model, self.module.config)),
             in_shardings=(self.state_shardings, self.base_shardings, batch_sh),
             out_shardings=(self.state_shardings, replicated), donate_argnums=(0,)), self.mesh)  # never the base
         self._eval_step = sharding.on_mesh(jax.jit(

@@ -14,6 +14,7 @@ import ml_collections
 from ppo_jax.config import (HF_MODEL_DIR, HF_TOKENIZER_DIR, AdamWSettings, ComputeSettings, LoraSettings, MeshSettings,
                             RunSettings, check, config_dict)
 from ppo_jax.models.config import ModelConfig
+from ppo_jax.models.moe import RouterCoefs
 from ppo_jax.supervised.dpo_loss import LOSS_TYPES
 
 NORMALIZE_SOURCES = ("none", "policy", "preferences")
@@ -34,10 +35,20 @@ class ModelSettings:
     # LoRA: model.lora.rank > 0 trains low-rank adapters (and the reward model's head) on a frozen base
     # (model.path or the seed's init); model.lora.alpha, model.lora.targets as PPO's policy.lora.*
     lora: LoraSettings = LoraSettings()
+    router_aux_coef: float = 0.0  # mixture-of-experts models: load-balancing loss coefficient (transformers' router_aux_loss_coef, e.g. 0.001); 0 = off
+    router_z_coef: float = 0.0  # mixture-of-experts models: router z-loss coefficient (e.g. 0.001); 0 = off
 
     def validate(self, what: str) -> None:
         """LoraConfig's own checks, the field named; the model family is checked with the model."""
         self.lora.lora_config(f"{what}: model")
+        check(self.router_aux_coef >= 0 and self.router_z_coef >= 0,
+              f"{what}: model.router_aux_coef and model.router_z_coef must be >= 0, got {self.router_aux_coef} "
+              f"and {self.router_z_coef}")
+
+    @property
+    def router(self) -> RouterCoefs | None:
+        """The router losses' coefficients, None when both are off."""
+        return RouterCoefs(self.router_aux_coef, self.router_z_coef) if self.router_aux_coef or self.router_z_coef else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,8 @@ from ppo_jax import metrics as metrics_lib
 from ppo_jax import sharding
 from ppo_jax.config import ConfigError
 from ppo_jax.models import CausalLM, positions_from_mask
-from ppo_jax.models.forward import variables
+from ppo_jax.models.forward import hidden_states, variables
+from ppo_jax.models.moe import RouterCoefs, RouterLosses
 from ppo_jax.models.lora import trained_variables
 from ppo_jax.supervised import base as supervised
 from ppo_jax.supervised.settings import SFTSettings, sft_config  # noqa: F401  (sft_config: the defaults)
@@ -35,40 +36,58 @@ from ppo_jax.supervised.settings import SFTSettings, sft_config  # noqa: F401  (
 Array = jax.Array
 
 
-def response_token_nll(model: CausalLM, params, tokens: Array, mask: Array, loss_mask: Array, adapters=None):
+def response_token_nll(model: CausalLM, params, tokens: Array, mask: Array, loss_mask: Array, adapters=None,
+                       router: bool = False):
     """Per-token negative log-likelihood of the targets, and whether the argmax got them right.
 
     tokens, mask, loss_mask [B, L] (left-padded). Position t predicts token t + 1; a target counts
     where loss_mask[t + 1] = 1 (response tokens and their EOS). adapters: LoRA adapters on `params`
     (None: the model without). Returns nll, correct, weight, each [B, L - 1] float32, zero where
-    weight is 0.
+    weight is 0; with `router` (an MoE model) also the forward's RouterLosses, fourth.
     """
-    logits, _ = model.apply(variables(params, adapters), tokens, positions_from_mask(mask), mask)
-    logits = logits[:, :-1]
+    out = hidden_states(model, variables(params, adapters), tokens, positions_from_mask(mask), mask, router=router)
+    hidden, router_losses = out if router else (out, None)
+    logits = model.apply(variables(params, adapters), hidden, method=CausalLM.project)[:, :-1]
     targets = tokens[:, 1:]
     weight = loss_mask[:, 1:].astype(jnp.float32)
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
-    return -picked * weight, correct * weight, weight
+    nll = (-picked * weight, correct * weight, weight)
+    return nll + (router_losses,) if router else nll
 
 
-def sft_loss(model: CausalLM, params, batch: data_lib.SFTBatch, adapters=None) -> tuple[Array, dict[str, Array]]:
-    """Token-mean NLL over every response token of the batch (each token weighs the same)."""
-    nll, correct, weight = response_token_nll(model, params, batch.tokens, batch.mask, batch.loss_mask, adapters)
+def router_metrics(losses: RouterLosses, prefix: str) -> dict[str, Array]:
+    """An MoE model's router losses and expert load, as metrics."""
+    return {f"{prefix}moe/balance_loss": losses.balance, f"{prefix}moe/z_loss": losses.z,
+            f"{prefix}moe/expert_load_max": losses.load_max}
+
+
+def sft_loss(model: CausalLM, params, batch: data_lib.SFTBatch, adapters=None,
+             router: RouterCoefs | None = None) -> tuple[Array, dict[str, Array]]:
+    """Token-mean NLL over every response token of the batch (each token weighs the same); with
+    `router` (an MoE model) plus the weighted router losses of the forward. The metric train/loss is
+    the NLL alone (comparable with eval/loss)."""
+    out = response_token_nll(model, params, batch.tokens, batch.mask, batch.loss_mask, adapters, router is not None)
+    nll, correct, weight = out[:3]
     count = jnp.maximum(weight.sum(), 1.0)
     loss = nll.sum() / count
-    return loss, {"train/loss": loss, "train/accuracy": correct.sum() / count, "train/tokens": weight.sum()}
+    metrics = {"train/loss": loss, "train/accuracy": correct.sum() / count, "train/tokens": weight.sum()}
+    if router is not None:
+        loss = loss + router.penalty(out[3])
+        metrics.update(router_metrics(out[3], "train/"))
+    return loss, metrics
 
 
-def make_train_step(model: CausalLM, tx):
+def make_train_step(model: CausalLM, tx, router: RouterCoefs | None = None):
     """(state, base, batch) -> (state, metrics). The gradient is over state.params only: the whole
-    model, or with LoRA the adapters (`base` is the frozen rest, None without LoRA)."""
+    model, or with LoRA the adapters (`base` is the frozen rest, None without LoRA); `router`: the
+    router losses' weights (MoE models; None: off)."""
 
     def train_step(state: supervised.TrainState, base, batch: data_lib.SFTBatch):
         def loss_fn(trainable):
             params, adapters = trained_variables(trainable, base)
-            return sft_loss(model, params, batch, adapters)
+            return sft_loss(model, params, batch, adapters, router)
 
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         metrics["train/grad_norm"] = optax.tree.norm(grads)
@@ -128,7 +147,8 @@ class SFTTrainer(supervised.SupervisedTrainer):
         batch_sh = data_lib.SFTBatch(*([sharding.data_sharding(self.mesh)] * 3))
         replicated = sharding.replicated(self.mesh)
         self._train_step = sharding.on_mesh(jax.jit(
-            make_train_step(self.module, self.tx), in_shardings=(self.state_shardings, self.base_shardings, batch_sh),
+            make_train_step(self.module, self.tx, supervised.router_coefs(s.model, self.module.config)),
+            in_shardings=(self.state_shardings, self.base_shardings, batch_sh),
             out_shardings=(self.state_shardings, replicated), donate_argnums=(0,)), self.mesh)  # never the base
         self._eval_step = sharding.on_mesh(jax.jit(
             make_eval_step(self.module), in_shardings=(self.state_shardings.params, self.base_shardings, batch_sh),
