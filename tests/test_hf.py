@@ -269,7 +269,9 @@ def test_outputs_match_pytorch(case):
         assert case.outputs.shape == (len(LENGTHS), T, VOCAB)
         # Only real tokens: padded queries see no keys and their outputs are never used.
         err = np.abs(case.outputs[REAL] - case.reference[REAL]).max()
-        assert np.abs(case.reference[REAL]).max() > 0.5  # the comparison is not between tiny numbers (err <= 1e-5 below)
+        # The comparison is not between tiny numbers (GPT-OSS's sinks and clamped experts keep these
+        # random logits just under 1).
+        assert np.abs(case.reference[REAL]).max() > (0.5 if case.arch == "gpt_oss" else 1.0)
     else:
         # HF reads the score at the last non-pad token, ours at the last real token of the mask.
         assert case.outputs.shape == (len(LENGTHS),)

@@ -39,10 +39,10 @@ def sequence_inputs(prompt_tokens, prompt_mask, tokens, mask):
 
 def hidden_states(model: CausalLM, variables_: dict[str, Params], tokens, positions, kv_mask, segment_ids=None,
                   router: bool = False):
-    """CausalLM.hidden [B, T, D]; with `router` (an MoE model) also the forward's RouterLosses over its
-    real tokens: (hidden, RouterLosses)."""
+    """(CausalLM.hidden [B, T, D], the forward's RouterLosses over its real tokens with `router` (an
+    MoE model), else None)."""
     if not router:
-        return model.apply(variables_, tokens, positions, kv_mask, segment_ids, method=CausalLM.hidden)
+        return model.apply(variables_, tokens, positions, kv_mask, segment_ids, method=CausalLM.hidden), None
     hidden, sown = model.apply(variables_, tokens, positions, kv_mask, segment_ids, method=CausalLM.hidden,
                                mutable=[moe.ROUTER])
     return hidden, moe.router_losses(sown, model.config.experts_per_token)
@@ -53,8 +53,7 @@ def response_logits(model: CausalLM, params, prompt_tokens, prompt_mask, tokens,
     """Tempered logits that predicted each response token: [B, Lr, V] float32; with `router` (an MoE
     policy) also the RouterLosses of the prompt + response forward: (logits, RouterLosses)."""
     seq, pos, seq_mask = sequence_inputs(prompt_tokens, prompt_mask, tokens, mask)
-    out = hidden_states(model, variables(params, adapters), seq, pos, seq_mask, router=router)
-    hidden, losses = out if router else (out, None)
+    hidden, losses = hidden_states(model, variables(params, adapters), seq, pos, seq_mask, router=router)
     lq, lr = prompt_tokens.shape[1], tokens.shape[1]
     # Position t predicts token t + 1: the response tokens are predicted from positions Lq-1 .. Lq+Lr-2.
     hidden = hidden[:, lq - 1: lq + lr - 1]

@@ -148,9 +148,8 @@ def next_token_logits(model: CausalLM, params, rows: PackedRows, temperature: fl
                       router: bool = False):
     """Tempered logits of packed rows [M, T] -> [M, T, V] float32: slot t predicts slot t + 1; with
     `router` (an MoE policy) also the forward's RouterLosses: (logits, RouterLosses)."""
-    out = hidden_states(model, variables(params, adapters), rows.tokens, rows.positions, rows.segment_ids != 0,
-                        rows.segment_ids, router=router)
-    hidden, losses = out if router else (out, None)
+    hidden, losses = hidden_states(model, variables(params, adapters), rows.tokens, rows.positions,
+                                   rows.segment_ids != 0, rows.segment_ids, router=router)
     logits = model.apply(variables(params, adapters), hidden, method=CausalLM.project) / temperature
     return (logits, losses) if router else logits
 

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ppo_jax import ppo
 from ppo_jax.models import packing
 from ppo_jax.models.forward import response_logits, response_values, sequence_inputs, token_logprobs
-from ppo_jax.models.moe import RouterLosses
+from ppo_jax.models.moe import RouterCoefs, RouterLosses
 from ppo_jax.models.transformer import CausalLM, ScalarModel
 from ppo_jax.rl.settings import PPOHyper
 from ppo_jax.rl.state import Experience, PackedExperience, TrainState, policy_variables, value_variables
@@ -107,7 +107,7 @@ def make_update_fn(policy_model: CausalLM, value_model: ScalarModel | None,
         if router is None:
             return loss, metrics
         share = mask.sum() / num_tokens
-        loss = loss + share * (hp.router_aux_coef * router.balance + hp.router_z_coef * router.z)
+        loss = loss + share * RouterCoefs(hp.router_aux_coef, hp.router_z_coef).penalty(router)
         metrics.update(router_balance=share * router.balance, router_z=share * router.z,
                        router_load_max=share * router.load_max, router_dropped=router.dropped)
         return loss, metrics

@@ -45,8 +45,8 @@ def response_token_nll(model: CausalLM, params, tokens: Array, mask: Array, loss
     (None: the model without). Returns nll, correct, weight, each [B, L - 1] float32, zero where
     weight is 0; with `router` (an MoE model) also the forward's RouterLosses, fourth.
     """
-    out = hidden_states(model, variables(params, adapters), tokens, positions_from_mask(mask), mask, router=router)
-    hidden, router_losses = out if router else (out, None)
+    hidden, router_losses = hidden_states(model, variables(params, adapters), tokens, positions_from_mask(mask),
+                                          mask, router=router)
     logits = model.apply(variables(params, adapters), hidden, method=CausalLM.project)[:, :-1]
     targets = tokens[:, 1:]
     weight = loss_mask[:, 1:].astype(jnp.float32)
