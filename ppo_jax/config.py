@@ -177,7 +177,8 @@ def model_config_from_dict(d: ml_collections.ConfigDict | Mapping[str, Any] | Mo
 
 @dataclasses.dataclass(frozen=True)
 class MeshSettings:
-    shape: tuple = (1, -1, 1)  # (data, fsdp, tensor); one entry may be -1 = all remaining devices
+    # (data, fsdp, tensor) or (data, fsdp, tensor, expert); one entry may be -1 = all remaining devices
+    shape: tuple = (1, -1, 1)
 
 
 FLOAT32_MAX = 3.4028234663852886e38

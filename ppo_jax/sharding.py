@@ -1,15 +1,19 @@
 """The only module that knows mesh axis names.
 
 Mesh axes: `data` (pure data parallel), `fsdp` (data parallel with sharded parameters and optimizer
-state), `tensor` (Megatron-style heads / MLP / vocabulary split). Models name their parameter axes
-logically ("embed", "heads", "mlp", ...); the rules below map logical names to mesh axes. A mesh axis
-is dropped from a parameter's spec where it does not divide that dimension, so any model runs on any
-mesh shape (a 2-kv-head model on a 4-way tensor mesh keeps its kv heads replicated).
+state), `tensor` (Megatron-style heads / MLP / vocabulary split), `expert` (expert parallelism: a
+mixture-of-experts layer's experts split over it, `ppo_jax.models.moe`; everywhere else it is one more
+FSDP axis, so its devices share the batch and the dense weights instead of repeating them). Models
+name their parameter axes logically ("embed", "heads", "mlp", ...); the rules below map logical names
+to mesh axes. A mesh axis is dropped from a parameter's spec where it does not divide that dimension,
+so any model runs on any mesh shape (a 2-kv-head model on a 4-way tensor mesh keeps its kv heads
+replicated).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -20,18 +24,18 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+BATCH_AXES = ("data", "fsdp", "expert")
 
 # logical axis -> mesh axes, tried in order.
 DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("batch", BATCH_AXES),
     ("vocab", "tensor"),
-    ("embed", "fsdp"),
+    ("embed", ("fsdp", "expert")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
-    ("expert", None),  # MoE experts: replicated over the expert index (no expert-parallel axis yet)
+    ("expert", "expert"),  # MoE experts: a [E, ...] weight's expert index (so its embed axis keeps fsdp alone)
     ("positions", None),
     ("head_dim", None),
     ("layers", None),
@@ -44,11 +48,14 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
 
 
 def make_mesh(shape: Sequence[int] = (1, -1, 1), devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Mesh over (data, fsdp, tensor); one entry may be -1 to take the remaining devices."""
+    """Mesh over (data, fsdp, tensor, expert); `shape` gives 3 entries (expert = 1) or 4, one of which
+    may be -1 to take the remaining devices."""
     devices = list(devices if devices is not None else jax.devices())
     shape = list(shape)
-    if len(shape) != 3:
-        raise ValueError(f"mesh shape must have 3 entries (data, fsdp, tensor), got {tuple(shape)}")
+    if len(shape) not in (3, 4):
+        raise ValueError(f"mesh shape must have 3 entries (data, fsdp, tensor) or 4 (data, fsdp, tensor, "
+                         f"expert), got {tuple(shape)}")
+    shape += [1] * (len(MESH_AXES) - len(shape))
     if shape.count(-1) > 1:
         raise ValueError(f"at most one mesh axis may be -1, got {tuple(shape)}")
     if -1 in shape:
@@ -60,7 +67,23 @@ def make_mesh(shape: Sequence[int] = (1, -1, 1), devices: Sequence[jax.Device] |
         raise ValueError(
             f"mesh shape {tuple(shape)} needs {int(np.prod(shape))} devices but {len(devices)} are "
             f"available; set mesh.shape so that its product is {len(devices)} (one entry may be -1)")
-    return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+def expert_axis_size(mesh) -> int:
+    """How many ways `mesh` (concrete or abstract; None: no mesh) splits the experts."""
+    if mesh is None or mesh.empty or "expert" not in mesh.axis_names:
+        return 1
+    return int(mesh.shape["expert"])
+
+
+def check_experts_split(num_experts: int, mesh, what: str) -> None:
+    """A mesh with an expert axis must split the experts evenly: each of its devices holds
+    num_experts / expert of them (a dense model just shares the batch and weights over the axis)."""
+    n = expert_axis_size(mesh)
+    if n > 1 and num_experts and num_experts % n:
+        raise ValueError(f"{what}: the mesh's expert axis of {n} devices does not divide the model's "
+                         f"{num_experts} experts; use an expert axis that divides {num_experts}")
 
 
 def _mesh_axes_for(name: str | None, rules) -> tuple[str, ...]:
@@ -147,7 +170,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def batch_divisor(mesh: Mesh) -> int:
     """How many ways the batch axis is split: a global batch must be a multiple of this."""
-    return mesh.shape["data"] * mesh.shape["fsdp"]
+    return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
+
+
+def batch_axes_text(mesh: Mesh) -> str:
+    """'data x fsdp x expert = 2 x 2 x 1', for errors about the batch split."""
+    return f"{' x '.join(BATCH_AXES)} = {' x '.join(str(mesh.shape[a]) for a in BATCH_AXES)}"
 
 
 def put_local_batch(tree: Any, mesh: Mesh) -> Any:

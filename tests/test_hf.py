@@ -124,7 +124,7 @@ EXPECTED_FIELDS = {
                     sliding_window=4, attention_bias=False),
     "gpt_oss": dict(num_experts=4, experts_per_token=2, router_softmax="topk", router_bias=True,
                     expert_kind="clamped_swiglu", swiglu_limit=2.0, attention_sinks=True, attention_bias=True,
-                    attention_out_bias=True, sliding_window=4, sliding_layers=(True, False)),
+                    attention_out_bias=True, sliding_window=4, sliding_layers=(True, False), norm_scale_float32=True),
     "gemma3": dict(qk_norm=True, post_norms=True, attn_logit_softcap=None, rope_theta=1e6,
                    rope_scaling=(("factor", 2.0), ("rope_type", "linear")), rope_local_theta=1e4,
                    sliding_window=4, sliding_layers=(True, False)),
@@ -810,3 +810,30 @@ def test_a_word_level_tokenizer_beside_a_bpe_family_config_loads_and_exports_as_
     assert json.loads((export / "tokenizer.json").read_text())["model"]["type"] == "WordLevel"
     transformers.Qwen2Config(vocab_size=len(tok)).save_pretrained(export)
     assert hf.load_tokenizer(export)("w1 w2 user")["input_ids"] == expected
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
+def test_rmsnorm_rounds_in_bfloat16_as_transformers_does(arch):
+    """In bfloat16 the order of the scale and the cast back decides the last bit: Llama casts, then
+    scales (in bfloat16); GPT-OSS scales in float32, then casts (norm_scale_float32). Bit-equal."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from ppo_jax.models.layers import norm
+
+    theirs = (GptOssRMSNorm if arch == "gpt_oss" else LlamaRMSNorm)(64, eps=1e-5).to(torch.bfloat16)
+    rng = np.random.default_rng(0)
+    weight = rng.normal(1.0, 0.3, size=64).astype(np.float32)
+    x = rng.normal(size=(8, 64)).astype(np.float32)
+    with torch.no_grad():
+        theirs.weight.copy_(torch.tensor(weight))
+        expected = theirs(torch.tensor(x).to(torch.bfloat16)).float().numpy()
+    config = ModelConfig(arch="llama", norm_eps=1e-5, dtype="bfloat16", param_dtype="bfloat16",
+                         norm_scale_float32=arch == "gpt_oss")
+    params = {"scale": jnp.asarray(weight, jnp.bfloat16)}
+    ours = norm(config, "norm").apply({"params": params}, jnp.asarray(x, jnp.bfloat16))
+    assert ours.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(ours.astype(jnp.float32)), expected)
+    other = norm(config.replace(norm_scale_float32=arch != "gpt_oss"), "norm").apply(
+        {"params": params}, jnp.asarray(x, jnp.bfloat16))
+    assert (np.asarray(other.astype(jnp.float32)) != expected).any()  # the other order is not the same numbers

@@ -5,6 +5,7 @@ rollout log-probs are training log-probs with no routing replay)."""
 
 import os
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -158,6 +159,58 @@ def test_a_token_is_routed_and_computed_alike_in_any_batch():
             np.testing.assert_allclose(alone[0, 0], whole[row, t], atol=1e-6, rtol=0)
 
 
+# Every (data, fsdp, tensor, expert) shape of 8 devices with an expert axis (the experts: 8).
+EXPERT_MESHES = [(4, 1, 1, 2), (1, 4, 1, 2), (1, 1, 4, 2), (2, 2, 1, 2), (2, 1, 2, 2), (1, 2, 2, 2),
+                 (2, 1, 1, 4), (1, 2, 1, 4), (1, 1, 2, 4), (1, 1, 1, 8)]
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "clamped_swiglu"])
+def test_expert_parallel_block_equals_one_device(kind):
+    """Experts split over the mesh's expert axis (each device runs its own experts on the tokens of
+    its expert group, `moe.expert_parallel`): the output and every gradient equal one device's, on
+    every 8-device mesh with an expert axis, for 21 tokens that the 8 batch devices do not divide."""
+    from ppo_jax import sharding
+
+    config = ModelConfig(**{**MOE, "num_experts": 8}, **(
+        dict(router_softmax="topk", router_bias=True, expert_kind=kind, swiglu_limit=1.5)
+        if kind == "clamped_swiglu" else {}))
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(3, 7, D)).astype(np.float32))
+    cotangent = jnp.asarray(rng.normal(size=(3, 7, D)).astype(np.float32))
+    module = MoEMLP(config)
+    boxed = module.init(jax.random.key(0), x)["params"]
+    params = jax.tree.map(lambda p: p * 10, nn.unbox(boxed))  # weights large enough that routing matters
+
+    def loss(params, x):
+        return jnp.sum(module.apply({"params": params}, x) * cotangent)
+
+    step = jax.value_and_grad(loss, argnums=(0, 1))
+    value, grads = jax.jit(step)(params, x)
+    assert abs(float(value)) > 1.0
+    meshes = EXPERT_MESHES if kind == "swiglu" else [(1, 2, 2, 2), (1, 1, 1, 8)]
+    for shape in meshes:
+        mesh = make_test_mesh(shape)
+        shardings = sharding.tree_shardings(boxed, mesh)
+        assert shardings["gate_up" if kind == "clamped_swiglu" else "up"].spec[0] == "expert"
+        with sharding.mesh_context(mesh):
+            on_mesh = jax.jit(step)(jax.device_put(params, shardings), jax.device_put(x, sharding.replicated(mesh)))
+        np.testing.assert_allclose(float(on_mesh[0]), float(value), rtol=1e-5, err_msg=str(shape))
+        for ours, one in zip(jax.tree.leaves(on_mesh[1]), jax.tree.leaves(grads)):
+            np.testing.assert_allclose(np.asarray(ours), np.asarray(one), atol=2e-5 * np.abs(one).max(),
+                                       err_msg=str(shape))
+
+
+def test_an_expert_axis_that_does_not_divide_the_experts_is_refused(tmp_path):
+    from ppo_jax.config import ConfigError
+
+    config = tiny_config(**{"policy.model.arch": "qwen3_moe", "policy.model.qk_norm": True,
+                            "policy.model.num_heads": 4, "policy.model.num_experts": 6,
+                            "policy.model.experts_per_token": 2, "policy.model.moe_intermediate_size": 16})
+    with pytest.raises(ConfigError, match="the mesh's expert axis of 4 devices does not divide the model's 6 experts"):
+        PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 2, 1, 4)))
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def test_refuses_what_it_does_not_do():
     with pytest.raises(ValueError, match="experts_per_token=0 must be between 1 and model.num_experts=6"):
         ModelConfig(**{**MOE, "experts_per_token": 0})
@@ -198,22 +251,26 @@ def test_experts_on_a_dense_architecture_are_refused_before_anything_is_written(
 # GPT-OSS's options on top of the experts: attention sinks, biases, a sliding layer, its router and
 # clamped SwiGLU experts.
 GPT_OSS = {"arch": "gpt_oss", "router_softmax": "topk", "router_bias": True, "expert_kind": "clamped_swiglu",
+           "norm_scale_float32": True,
            "attention_sinks": True, "attention_bias": True, "attention_out_bias": True, "sliding_window": 4,
            "sliding_layers": (True, False), "intermediate_size": 16}
 QWEN3_MOE = {"arch": "qwen3_moe", "qk_norm": True, "moe_intermediate_size": 16}
 
 
 @pytest.mark.parametrize("mesh_shape, layer_loop, lora, model", [((2, 2, 2), "scan", False, GPT_OSS),
+                                                                  ((1, 2, 1, 4), "scan", False, QWEN3_MOE),
                                                                   ((1, 1, 1), "unrolled", True, QWEN3_MOE)],
-                         ids=["gpt_oss-2x2x2-scan", "qwen3_moe-1x1x1-unrolled-lora"])
+                         ids=["gpt_oss-2x2x2-scan", "qwen3_moe-expert4-scan", "qwen3_moe-1x1x1-unrolled-lora"])
 def test_ppo_on_an_moe_policy_keeps_the_invariants(tmp_path, mesh_shape, layer_loop, lora, model):
     """First minibatch ratio 1, rollout log-probs == training log-probs, one compile of each phase:
-    a GPT-OSS policy on a 2x2x2 mesh (experts replicated, their embed axis over fsdp and mlp over
-    tensor) with scanned layers, and a Qwen3-MoE one with the per-layer loop (the sampler's
+    a GPT-OSS policy on a 2x2x2 mesh (every device's program holds every expert, their embed axis
+    over fsdp and mlp over tensor) with scanned layers; a Qwen3-MoE one with its 4 experts split over
+    a 4-device expert axis (expert parallelism: the sampler's decode steps dispatch and gather tokens
+    like the training forward); and a Qwen3-MoE one with the per-layer loop (the sampler's
     unrolled decode) and LoRA on the attention, exported merged (a Qwen3MoeForCausalLM) and as a
     PEFT adapter."""
     overrides = {f"policy.model.{name}": value for name, value in model.items()}
-    if model is GPT_OSS:  # the router losses on, and their metrics reported
+    if layer_loop == "scan":  # the router losses on, and their metrics reported
         overrides.update({"ppo.router_aux_coef": 0.01, "ppo.router_z_coef": 0.001})
     config = tiny_config(**{"train.iterations": 2, "policy.model.num_heads": 4, "policy.model.num_experts": 4,
                             "policy.model.experts_per_token": 2, "compute.layer_loop": layer_loop, **overrides})
@@ -228,9 +285,11 @@ def test_ppo_on_an_moe_policy_keeps_the_invariants(tmp_path, mesh_shape, layer_l
         assert 1.0 <= row["moe/expert_load_max"] <= 4 / 2 and row["moe/dropped_tokens"] == 0
     assert history[0]["val/ratio"] != 1.0  # the policy moved
     assert trainer.trace_counts == {"experience": 1, "update": 1}
-    if layer_loop == "scan":
-        mlp = trainer.state.policy["transformer"]["layers"]["mlp"]
+    mlp = trainer.state.policy["transformer"]["layers"]["mlp"] if layer_loop == "scan" else {}
+    if model is GPT_OSS:
         assert mlp["gate_up"].shape == (2, 4, 32, 32) and mlp["gate_up"].sharding.spec[2] == "fsdp"
+    elif len(mesh_shape) == 4:  # [L, E, D, F]: one expert per device of the expert axis, D over fsdp
+        assert mlp["gate"].sharding.spec[1:3] == ("expert", "fsdp")
     trainer.close()
     if lora:
         from ppo_jax.rl.export import export_checkpoint

@@ -146,7 +146,7 @@ class ModelConfig:
       qwen3_moe    qk_norm, num_experts (top-k softmax router, norm_topk_prob), moe_intermediate_size
       mixtral      num_experts (renormalised top-k), sliding_window
       gpt_oss      num_experts with router_softmax="topk", router_bias, expert_kind="clamped_swiglu";
-                   attention_sinks, q/k/v/o biases, sliding_layers, YaRN
+                   attention_sinks, q/k/v/o biases, sliding_layers, YaRN, norm_scale_float32
     """
 
     arch: str = "gpt2"
@@ -179,6 +179,7 @@ class ModelConfig:
     # float32 before the cast back.
     scale_embeddings: bool = False
     norm_unit_offset: bool = False
+    norm_scale_float32: bool = False  # RMSNorm times w in float32, then the cast back (GPT-OSS's order)
     post_norms: bool = False  # norms on the attention and MLP outputs before the residual add (Gemma 2/3)
     query_pre_attn_scalar: int | None = None  # scores scaled by its -1/2 power; None: head_dim's (Gemma 2/3)
     attn_logit_softcap: float | None = None  # scores -> c * tanh(scores / c) before the mask (Gemma 2)
@@ -283,6 +284,9 @@ class ModelConfig:
                 raise ValueError(f"model {routed}: router and expert options need model.num_experts > 0")
         if self.attention_sinks and self.family != "llama":
             raise ValueError("model.attention_sinks is a Llama-family option (GPT-OSS), not gpt2's")
+        if self.norm_scale_float32 and (self.family != "llama" or self.norm_unit_offset):
+            raise ValueError("model.norm_scale_float32 is GPT-OSS's RMSNorm order: a Llama-family option, "
+                             "without norm_unit_offset (which already scales in float32)")
 
     @property
     def family(self) -> str:

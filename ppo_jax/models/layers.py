@@ -97,13 +97,15 @@ class RMSNorm(nn.Module):
     """RMSNorm over the last axis, normalised in float32, in the Hugging Face order of each family.
 
     Llama: cast back to `dtype`, then times w. Gemma (`unit_offset`): times (1 + w) in float32, then
-    cast back; w starts at 0.
+    cast back; w starts at 0. GPT-OSS (`scale_float32`): times w in float32, then cast back. (In
+    float32 all orders agree; in bfloat16 they differ in the last bit.)
     """
 
     eps: float
     dtype: Any
     param_dtype: Any
     unit_offset: bool = False
+    scale_float32: bool = False
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -114,6 +116,8 @@ class RMSNorm(nn.Module):
         y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
         if self.unit_offset:
             return (y * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)
+        if self.scale_float32:
+            return (y * scale.astype(jnp.float32)).astype(self.dtype)
         return y.astype(self.dtype) * scale.astype(self.dtype)
 
 
@@ -121,7 +125,7 @@ def norm(config: ModelConfig, name: str) -> nn.Module:
     if config.family == "gpt2":
         return LayerNorm(config.norm_eps, config.jnp_dtype, config.jnp_param_dtype, name=name)
     return RMSNorm(config.norm_eps, config.jnp_dtype, config.jnp_param_dtype, config.norm_unit_offset,
-                   name=name)
+                   config.norm_scale_float32, name=name)
 
 
 def softcap(x: Array, cap: float | None) -> Array:

@@ -15,6 +15,8 @@ log-probs.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -22,6 +24,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from ppo_jax import sharding
 from ppo_jax.models.config import ModelConfig
 from ppo_jax.models.layers import DenseGeneral, activation
 
@@ -137,13 +140,90 @@ def clamped_swiglu(gate_up: Array, limit: float, alpha: float) -> Array:
     return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
 
 
+def expert_ffn(cfg: ModelConfig, w: dict[str, Array], rows: Array, sizes: Array, row_expert: Array) -> Array:
+    """Each row through its expert: rows [M, D] grouped by expert (`sizes` [E'] rows for each of the
+    E' experts in `w`, in order; rows past their sum are left unspecified), row_expert [M] (into `w`'s
+    experts; read for the biases) -> [M, D]. w: the expert weights [E', ...] of `MoEMLP`."""
+    if cfg.expert_kind == "clamped_swiglu":
+        gate_up = jax.lax.ragged_dot(rows, w["gate_up"], sizes) + w["gate_up_bias"][row_expert]
+        hidden = clamped_swiglu(gate_up, cfg.swiglu_limit, cfg.swiglu_alpha)
+        return jax.lax.ragged_dot(hidden, w["down"], sizes) + w["down_bias"][row_expert]
+    hidden = (activation(cfg.act)(jax.lax.ragged_dot(rows, w["gate"], sizes))
+              * jax.lax.ragged_dot(rows, w["up"], sizes))
+    return jax.lax.ragged_dot(hidden, w["down"], sizes)
+
+
+def combine(out: Array, order: Array, weights: Array) -> Array:
+    """The expert outputs back to their tokens: out [N*k, D] in `order` (row i is flat (token, slot)
+    pair order[i]), weights [N, k] -> [N, D], each token's weighted sum over its k slots."""
+    n, k = weights.shape
+    per_slot = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
+    return (per_slot * weights[..., None]).sum(axis=1)
+
+
+def all_experts(cfg: ModelConfig, w: dict[str, Array], tokens: Array, routing: Routing) -> Array:
+    """tokens [N, D] -> [N, D] with every expert in one program (one device, or partitioned by XLA)."""
+    k = routing.experts.shape[-1]
+    row_expert = routing.experts.reshape(-1)[routing.order]  # [N*k]: the expert of each sorted row
+    out = expert_ffn(cfg, w, tokens[routing.order // k], routing.group_sizes, row_expert)
+    return combine(out, routing.order, routing.weights)
+
+
+def _local_experts(cfg: ModelConfig, w: dict[str, Array], tokens: Array, experts: Array,
+                   weights: Array) -> Array:
+    """One device's share of an expert-parallel MoE layer (inside `shard_map` over the batch axes):
+    tokens [n, D], experts / weights [n, k] its tokens and their routing; w its E / X experts ->
+    [n, D] the full layer output for its tokens.
+
+    The devices of an expert group (the X devices along the `expert` axis) all-gather their tokens;
+    each runs its own experts' rows of the X * n tokens (dropless: a device's rows are bounded by
+    X * n * k, all of them in the worst case, so that is the static buffer) and the partial sums go
+    back to the tokens' devices by a reduce-scatter. This is Megatron's all-gather token dispatcher: it
+    moves X * n * D values each way, where an all-to-all moves k times that (each token once per
+    expert) but needs the per-device counts first."""
+    local = w["down"].shape[0]
+    tokens = jax.lax.all_gather(tokens, "expert", tiled=True)  # [X*n, D]
+    experts = jax.lax.all_gather(experts, "expert", tiled=True)
+    weights = jax.lax.all_gather(weights, "expert", tiled=True)
+    n, k = experts.shape
+    slot_expert = experts.reshape(-1) - jax.lax.axis_index("expert") * local  # [X*n*k]: index into w
+    mine = (slot_expert >= 0) & (slot_expert < local)
+    key = jnp.where(mine, slot_expert, local)  # the other devices' pairs sort last, in no group
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.bincount(key, length=local + 1)[:local].astype(jnp.int32)
+    out = expert_ffn(cfg, w, tokens[order // k], sizes, jnp.minimum(key[order], local - 1))
+    out = jnp.where(mine[order][:, None], out, 0)  # rows past the groups are unspecified: never summed
+    partial = combine(out, order, jnp.where(mine.reshape(n, k), weights, 0))
+    return jax.lax.psum_scatter(partial, "expert", tiled=True)
+
+
+def expert_parallel(cfg: ModelConfig, w: dict[str, Array], tokens: Array, routing: Routing,
+                    mesh) -> Array:
+    """tokens [N, D] -> [N, D] with the experts split over the mesh's `expert` axis: each device
+    dispatches its own tokens (`_local_experts`); N is padded to the batch devices with tokens that
+    no expert weighs."""
+    n = tokens.shape[0]
+    batch_axes = tuple(a for a in sharding.BATCH_AXES if a in mesh.axis_names)
+    pad = -n % math.prod(mesh.shape[a] for a in batch_axes)
+    experts = jnp.pad(routing.experts, ((0, pad), (0, 0)))
+    weights = jnp.pad(routing.weights, ((0, pad), (0, 0)))  # padding rows weigh 0
+    rows = jax.sharding.PartitionSpec(batch_axes)
+    run = jax.shard_map(functools.partial(_local_experts, cfg), mesh=mesh,
+                        in_specs=(jax.sharding.PartitionSpec("expert"), rows, rows, rows), out_specs=rows,
+                        axis_names=set(batch_axes), check_vma=False)
+    return run(w, jnp.pad(tokens, ((0, pad), (0, 0))), experts, weights)[:n]
+
+
 class MoEMLP(nn.Module):
     """x [B, T, D] -> [B, T, D]: sum over a token's k experts of weight * expert(x).
 
     Params: router [D, E] (+ bias [E]); expert_kind "swiglu": gate, up [E, D, F] and down [E, F, D],
     expert(x) = down(act(gate(x)) * up(x)); "clamped_swiglu" (GPT-OSS): gate_up [E, D, 2F] (gate and
     up features interleaved, as the checkpoint holds them: one grouped matmul for both) and down
-    [E, F, D], each with a bias [E, ...] (F = moe_intermediate_size)."""
+    [E, F, D], each with a bias [E, ...] (F = moe_intermediate_size).
+
+    Under a mesh with an `expert` axis the experts are split over it (`expert_parallel`); otherwise
+    every device's program holds every expert (sharded over fsdp / tensor like any weight)."""
 
     config: ModelConfig
 
@@ -162,28 +242,23 @@ class MoEMLP(nn.Module):
         if real is not None and self.is_mutable_collection(ROUTER):
             self.sow(ROUTER, "stats", router_stats(logits.reshape(b * t, e), routing, real.reshape(-1)))
 
-        def experts(name, shape, axes, initializer=init):
+        def param(name, shape, axes, initializer=init):
             return self.param(name, nn.with_logical_partitioning(initializer, axes), shape, param_dtype).astype(dtype)
 
-        tokens = x.astype(dtype).reshape(b * t, d)
-        rows = tokens[routing.order // k]  # [N*k, D]: each (token, slot) pair, grouped by expert
-        sizes = routing.group_sizes
         if cfg.expert_kind == "clamped_swiglu":
-            row_expert = routing.experts.reshape(-1)[routing.order]  # [N*k]: the expert of each sorted row
-            gate_up = experts("gate_up", (e, d, 2 * f), ("expert", "embed", "mlp"))
-            gate_up_bias = experts("gate_up_bias", (e, 2 * f), ("expert", "mlp"), nn.initializers.zeros)
-            down = experts("down", (e, f, d), ("expert", "mlp", "embed"))
-            down_bias = experts("down_bias", (e, d), ("expert", "embed"), nn.initializers.zeros)
-            hidden = clamped_swiglu(jax.lax.ragged_dot(rows, gate_up, sizes) + gate_up_bias[row_expert],
-                                    cfg.swiglu_limit, cfg.swiglu_alpha)
-            out = jax.lax.ragged_dot(hidden, down, sizes) + down_bias[row_expert]  # [N*k, D]
+            w = {"gate_up": param("gate_up", (e, d, 2 * f), ("expert", "embed", "mlp")),
+                 "gate_up_bias": param("gate_up_bias", (e, 2 * f), ("expert", "mlp"), nn.initializers.zeros),
+                 "down": param("down", (e, f, d), ("expert", "mlp", "embed")),
+                 "down_bias": param("down_bias", (e, d), ("expert", "embed"), nn.initializers.zeros)}
         else:
-            gate = experts("gate", (e, d, f), ("expert", "embed", "mlp"))
-            up = experts("up", (e, d, f), ("expert", "embed", "mlp"))
-            down = experts("down", (e, f, d), ("expert", "mlp", "embed"))
-            hidden = (activation(cfg.act)(jax.lax.ragged_dot(rows, gate, sizes))
-                      * jax.lax.ragged_dot(rows, up, sizes))
-            out = jax.lax.ragged_dot(hidden, down, sizes)  # [N*k, D]
-        per_slot = jnp.zeros_like(out).at[routing.order].set(out).reshape(b * t, k, d)
-        y = (per_slot * routing.weights[..., None]).sum(axis=1)
+            w = {"gate": param("gate", (e, d, f), ("expert", "embed", "mlp")),
+                 "up": param("up", (e, d, f), ("expert", "embed", "mlp")),
+                 "down": param("down", (e, f, d), ("expert", "mlp", "embed"))}
+        tokens = x.astype(dtype).reshape(b * t, d)
+        mesh = jax.sharding.get_abstract_mesh()
+        if sharding.expert_axis_size(mesh) == 1:
+            y = all_experts(cfg, w, tokens, routing)
+        else:
+            sharding.check_experts_split(e, mesh, "MoEMLP")
+            y = expert_parallel(cfg, w, tokens, routing, mesh)
         return y.reshape(b, t, d)

@@ -64,11 +64,11 @@ def imported_lora_config(settings: PolicyLoraSettings, base: ModelConfig) -> Lor
 
 
 def mesh_platform(mesh) -> tuple[str | None, int]:
-    """(platform of the mesh's devices, size of its fsdp axis); (None, 1) without a mesh: what "auto"
-    execution choices resolve for (`ComputeSettings.execution`)."""
+    """(platform of the mesh's devices, the ways its fsdp and expert axes shard the dense weights);
+    (None, 1) without a mesh: what "auto" execution choices resolve for (`ComputeSettings.execution`)."""
     if mesh is None:
         return None, 1
-    return mesh.devices.flat[0].platform, int(mesh.shape["fsdp"])
+    return mesh.devices.flat[0].platform, int(mesh.shape["fsdp"]) * sharding.expert_axis_size(mesh)
 
 
 def decode_unrolled(s: Settings, mesh) -> bool | None:
@@ -90,6 +90,7 @@ def policy_model_config(s: Settings, mesh=None) -> ModelConfig:
     lora = imported_lora_config(s.policy.lora, cfg) if s.policy.lora.init_from else s.policy.lora.lora_config()
     cfg = with_lora(cfg, lora, "policy")
     _check_cached_rope(cfg, s.data.prompt_length + s.rollout.response_length)
+    _check_experts_split(cfg, mesh, "policy")
     if not cfg.num_experts and (s.ppo.router_aux_coef or s.ppo.router_z_coef):
         raise ConfigError(f"ppo.router_aux_coef={s.ppo.router_aux_coef}, ppo.router_z_coef={s.ppo.router_z_coef}: "
                           f"router losses need a mixture-of-experts policy, and this {cfg.arch} policy has no experts")
@@ -117,7 +118,15 @@ def reward_model_config(s: Settings, mesh=None) -> ModelConfig | None:
         raise ConfigError(
             f"reward.path={s.reward.path!r} holds a {kind} checkpoint; the reward model must be a "
             "sequence classifier with one label (ForSequenceClassification, num_labels=1)")
+    _check_experts_split(cfg, mesh, "reward")
     return s.compute.apply(cfg, *mesh_platform(mesh))
+
+
+def _check_experts_split(cfg: ModelConfig, mesh, what: str) -> None:
+    try:
+        sharding.check_experts_split(cfg.num_experts, mesh, what)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 @dataclasses.dataclass(frozen=True)

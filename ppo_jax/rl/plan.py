@@ -99,8 +99,8 @@ MODEL_SHAPES = {
     "gpt-oss-20b": dict(arch="gpt_oss", vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64,
                         num_kv_heads=8, head_dim=64, intermediate_size=2880, num_experts=32, experts_per_token=4,
                         router_softmax="topk", router_bias=True, expert_kind="clamped_swiglu",
-                        attention_sinks=True, attention_bias=True, attention_out_bias=True,
-                        sliding_window=128, sliding_layers=tuple(i % 2 == 0 for i in range(24)),
+                        norm_scale_float32=True, attention_sinks=True, attention_bias=True,
+                        attention_out_bias=True, sliding_window=128, sliding_layers=tuple(i % 2 == 0 for i in range(24)),
                         max_position_embeddings=131072, norm_eps=1e-5, tie_word_embeddings=False,
                         rope_theta=150000.0, rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0,
                                                                beta_slow=1.0, truncate=False,
@@ -161,7 +161,7 @@ class ModelSummary:
 class MemoryPlan:
     """Per-device memory of a PPO run on one mesh (bytes unless named otherwise)."""
 
-    mesh_shape: tuple[int, int, int]  # (data, fsdp, tensor)
+    mesh_shape: tuple[int, ...]  # (data, fsdp, tensor, expert)
     platform: str  # the compiler whose temp bytes these are ("cpu", "tpu", "gpu")
     device_kind: str  # e.g. "cpu", "TPU v5" (v5p)
     compiler_options: dict[str, Any]  # XLA options the phases were compiled with

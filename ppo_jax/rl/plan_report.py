@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from ppo_jax import sharding
 from ppo_jax.rl.plan import GB, GIB, PHASES, MemoryPlan, ModelSummary
 
 
@@ -26,9 +27,9 @@ def _reference_note(reference: str) -> str:
 def format_plan(plan: MemoryPlan, device_memory_bytes: float | None = None) -> str:
     """A human-readable table (GiB = 2^30 bytes per device)."""
     b = plan.batch
-    d, f, t = plan.mesh_shape
+    axes = ", ".join(f"{name}={n}" for name, n in zip(sharding.MESH_AXES, plan.mesh_shape))
     lines = [
-        f"Memory plan: mesh (data={d}, fsdp={f}, tensor={t}) = {plan.num_devices} devices; "
+        f"Memory plan: mesh ({axes}) = {plan.num_devices} devices; "
         f"compiled by XLA:{plan.platform.upper()} for {plan.device_kind}",
         _model_line("policy", plan.policy_model) + _reference_note(plan.reference),
         _model_line("reward", plan.reward_model) + f"  ({plan.reward_source})",

@@ -314,7 +314,7 @@ def derive_sizes(s: Settings, *, batch_divisor: int = 1, max_positions: int | No
     micro = mini // p.num_microbatches
     check(micro % batch_divisor == 0,
           f"a microbatch of {micro} rows does not split over the {batch_divisor} data-parallel devices "
-          f"(mesh data x fsdp); make rollout.batch_size * rollout.num_samples / (ppo.num_minibatches * "
+          f"(mesh data x fsdp x expert); make rollout.batch_size * rollout.num_samples / (ppo.num_minibatches * "
           f"ppo.num_microbatches) a multiple of {batch_divisor}")
     check(r.batch_size % batch_divisor == 0,
           f"rollout.batch_size={r.batch_size} is not a multiple of the {batch_divisor} data-parallel devices")

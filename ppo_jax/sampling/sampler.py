@@ -47,7 +47,7 @@ class Sampler:
 
     @property
     def batch_multiple(self) -> int:
-        """The prompt batch must be a multiple of this: the ways the mesh splits the batch (data x fsdp)."""
+        """The prompt batch must be a multiple of this: the ways the mesh splits the batch (data x fsdp x expert)."""
         return sharding.batch_divisor(self.mesh)
 
     def _args(self, params, prompt_tokens, prompt_mask, key, adapters) -> tuple:
@@ -63,7 +63,7 @@ class Sampler:
         if np.shape(prompt_tokens)[0] % divisor:
             raise ValueError(
                 f"prompt batch {np.shape(prompt_tokens)[0]} is not a multiple of {divisor}, the number of "
-                f"ways the mesh splits the batch (data x fsdp = {dict(self.mesh.shape)}); pad the batch "
+                f"ways the mesh splits the batch ({sharding.batch_axes_text(self.mesh)}); pad the batch "
                 f"or change the mesh")
 
     def __call__(self, params, prompt_tokens, prompt_mask, key, adapters=None) -> SampleOutput:

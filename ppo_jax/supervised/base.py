@@ -52,13 +52,14 @@ def router_coefs(section: ModelSettings, cfg: ModelConfig) -> RouterCoefs | None
 
 
 def model_config(section: ModelSettings, tokenizer, *, what: str, data, kinds: tuple[str, ...],
-                 compute: ComputeSettings, lora_export: str = "merged") -> tuple[ModelConfig, str | None]:
+                 compute: ComputeSettings, lora_export: str = "merged", mesh=None) -> tuple[ModelConfig, str | None]:
     """(the model's ModelConfig, the kind of checkpoint at model.path or None for a fresh model).
 
     A fresh model takes the tokenizer's special ids; any model must fit the data section's
     max_prompt_length + max_response_length positions and hold the
     tokenizer's vocabulary; model.lora's adapters become ModelConfig.lora (None when off, whatever the
-    checkpoint's config said). Checked before anything loads or compiles.
+    checkpoint's config said); an MoE model's experts must split over `mesh`'s expert axis. Checked
+    before anything loads or compiles.
     """
     start_kind = None
     if section.path:
@@ -79,6 +80,10 @@ def model_config(section: ModelSettings, tokenizer, *, what: str, data, kinds: t
     check(section.router is None or cfg.num_experts,
           f"{what}: model.router_aux_coef={section.router_aux_coef}, model.router_z_coef={section.router_z_coef}: "
           f"router losses need a mixture-of-experts model, and this {cfg.arch} model has no experts")
+    try:
+        sharding.check_experts_split(cfg.num_experts, mesh, what)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if cfg.lora is not None and lora_export == "adapter":
         try:  # the PEFT names of every adapter: refused by name when a target is a window of a fused tensor
             lora_tensor_maps(cfg)

@@ -157,7 +157,7 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
         head_key, self._normalize_key = jax.random.split(jax.random.key(s.seed))
         self.length = d.max_prompt_length + d.max_response_length
         cfg, start_kind = supervised.model_config(s.model, self.tokenizer, what="reward_model", data=d,
-                                                  kinds=("causal_lm", "reward"), compute=s.compute)
+                                                  kinds=("causal_lm", "reward"), compute=s.compute, mesh=self.mesh)
         self.model_config = cfg
         self.module = ScalarModel(cfg, head_init="reward")
         self.param_shardings = sharding.tree_shardings(boxed_params(self.module), self.mesh)

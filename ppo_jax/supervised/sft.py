@@ -136,7 +136,8 @@ class SFTTrainer(supervised.SupervisedTrainer):
         # Model (validated before any compile).
         self.length = d.max_prompt_length + d.max_response_length
         cfg, _ = supervised.model_config(s.model, self.tokenizer, what="sft", data=d,
-                                         kinds=("causal_lm",), compute=s.compute, lora_export=s.train.lora_export)
+                                         kinds=("causal_lm",), compute=s.compute, lora_export=s.train.lora_export,
+                                         mesh=self.mesh)
         self.model_config = cfg
         self.module = CausalLM(cfg)
         params, param_shardings = self._causal_lm_params()

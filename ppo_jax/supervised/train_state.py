@@ -67,7 +67,7 @@ def check_batch_size(batch_size: int, mesh, what: str) -> None:
     if batch_size % divisor:
         raise ConfigError(
             f"{what}: train.batch_size={batch_size} does not split over the {divisor} data-parallel "
-            f"devices (mesh data x fsdp = {dict(mesh.shape)}); use a multiple of {divisor}")
+            f"devices (mesh {sharding.batch_axes_text(mesh)}); use a multiple of {divisor}")
 
 
 def split_microbatches(tree, num_microbatches: int):

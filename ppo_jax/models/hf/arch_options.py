@@ -52,8 +52,10 @@ _GEMMA = dict(scale_embeddings=True, norm_unit_offset=True)
 ARCH_OPTIONS = {
     "qwen3": dict(qk_norm=True), "qwen3_moe": dict(qk_norm=True), "gemma": _GEMMA,
     "gemma2": dict(_GEMMA, post_norms=True), "gemma3_text": dict(_GEMMA, post_norms=True, qk_norm=True),
-    "gpt_oss": dict(attention_sinks=True, router_softmax="topk", router_bias=True, expert_kind="clamped_swiglu")}
-_FIXED_OFF = dict(qk_norm=False, scale_embeddings=False, norm_unit_offset=False, post_norms=False,
+    "gpt_oss": dict(attention_sinks=True, router_softmax="topk", router_bias=True, expert_kind="clamped_swiglu",
+                    norm_scale_float32=True)}
+_FIXED_OFF = dict(qk_norm=False, scale_embeddings=False, norm_unit_offset=False, norm_scale_float32=False,
+                  post_norms=False,
                   attention_sinks=False, router_softmax="all", router_bias=False, expert_kind="swiglu")
 _GEMMA2_ONLY = ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap")
 
