@@ -265,6 +265,10 @@ class ComputeSettings:
         # unrolled, XLA:GPU gathers every layer's weights up front (Llama-3-70B + 8B on 8 H200s,
         # compile-only: sampler peak 144.8 GiB unrolled, 86.1 scanned; docs/benchmarks.md).
         loop = self.layer_loop if self.layer_loop != "auto" else ("unrolled" if on_gpu and fsdp == 1 else "scan")
+        if cfg.moe_layers is not None:  # dense and MoE layers cannot share one scanned body
+            check(self.layer_loop != "scan", "compute.layer_loop='scan': this model mixes dense and MoE layers "
+                  "(moe_layers), which run as per-layer params only; use auto or unrolled")
+            loop = "unrolled"
         out = dict(attention=attention, scan_layers=loop == "scan")
         remat = self.remat
         if remat == "auto":

@@ -100,6 +100,8 @@ HF_CONFIGS = {
         swiglu_limit=2.0, tie_word_embeddings=False, rope_parameters={
             "rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
             "original_max_position_embeddings": 8, "rope_theta": 150000.0}, **kw),
+    # Qwen3-MoE with a dense first layer (intermediate_size wide) before an MoE one: always per-layer params.
+    "qwen3_moe_mixed": lambda **kw: HF_CONFIGS["qwen3_moe"](mlp_only_layers=[0], **kw),
 }
 # Config fields each variant must map to (beyond the shared sizes checked for every case).
 EXPECTED_FIELDS = {
@@ -118,6 +120,7 @@ EXPECTED_FIELDS = {
     "gemma2": dict(scale_embeddings=True, norm_unit_offset=True, post_norms=True, qk_norm=False,
                    query_pre_attn_scalar=20, attn_logit_softcap=5.0, final_logit_softcap=3.0,
                    sliding_window=4, sliding_layers=(True, False), head_dim=None),
+    "qwen3_moe_mixed": dict(num_experts=4, moe_layers=(False, True), scan_layers=False),
     "qwen3_moe": dict(qk_norm=True, head_dim=24, num_experts=4, experts_per_token=2, moe_intermediate_size=32,
                       norm_topk_prob=False, sliding_window=None),
     "mixtral": dict(num_experts=4, experts_per_token=2, moe_intermediate_size=None, norm_topk_prob=True,
@@ -160,15 +163,19 @@ MOE_CLASSES = {
 # (A case's random weights are seeded by its index here: new cases go at the end.)
 CASES = [f"{'gemma3' if arch == 'gemma3_text' else arch}-{kind}" for arch, kind in HF_CLASSES] + [
     "llama_bias-causal_lm", "llama_bias-reward", "qwen2_mixed-causal_lm"] + [
-    f"{arch}-{kind}" for arch, kind in MOE_CLASSES]
+    f"{arch}-{kind}" for arch, kind in MOE_CLASSES] + ["qwen3_moe_mixed-causal_lm"]
 HF_CLASSES.update(MOE_CLASSES)
 
 CAUSAL_CASES = [c for c in CASES if c.endswith("-causal_lm")]
 
 
 def arch_of(variant: str) -> str:
-    if variant in {arch for arch, _ in HF_CLASSES}:  # qwen3_moe: an architecture, not qwen3 with options
+    archs = {arch for arch, _ in HF_CLASSES}
+    if variant in archs:  # qwen3_moe: an architecture, not qwen3 with options
         return variant
+    for arch in sorted(archs, key=len, reverse=True):  # qwen3_moe_mixed: qwen3_moe with options
+        if variant.startswith(arch + "_"):
+            return arch
     base = variant.split("_")[0]
     return "gemma3_text" if base == "gemma3" else base
 
@@ -269,9 +276,9 @@ def test_outputs_match_pytorch(case):
         assert case.outputs.shape == (len(LENGTHS), T, VOCAB)
         # Only real tokens: padded queries see no keys and their outputs are never used.
         err = np.abs(case.outputs[REAL] - case.reference[REAL]).max()
-        # The comparison is not between tiny numbers (GPT-OSS's sinks and clamped experts keep these
-        # random logits just under 1).
-        assert np.abs(case.reference[REAL]).max() > (0.5 if case.arch == "gpt_oss" else 1.0)
+        # The comparison is not between tiny numbers (GPT-OSS's sinks and clamped experts, and the mixed
+        # Qwen3-MoE's weights, keep these random logits just under 1).
+        assert np.abs(case.reference[REAL]).max() > (0.5 if case.variant in ("gpt_oss", "qwen3_moe_mixed") else 1.0)
     else:
         # HF reads the score at the last non-pad token, ours at the last real token of the mask.
         assert case.outputs.shape == (len(LENGTHS),)
@@ -318,9 +325,10 @@ def _chunk_logits(module, tokens, positions, kv_mask, cache, layer_params):
 # The unrolled (per-layer) decode differs from the stacked one in how each layer picks its params, its
 # window and its rope base: checked on the families that exercise each (learned positions and biases,
 # rope scaling, alternating sliding layers with soft-capping and post-norms, local rope bases and q/k
-# norms, mixed layer_types, attention sinks); every family runs the stacked decode.
+# norms, mixed layer_types, attention sinks, dense and MoE layers); every family runs the stacked
+# decode (the mixed Qwen3-MoE, whose params are always per layer, its Python layer loop).
 UNROLLED_CASES = ["gpt2-causal_lm", "llama-causal_lm", "gemma2-causal_lm", "gemma3-causal_lm",
-                  "qwen2_mixed-causal_lm", "gpt_oss-causal_lm"]
+                  "qwen2_mixed-causal_lm", "gpt_oss-causal_lm", "qwen3_moe_mixed-causal_lm"]
 DECODE_CASES = ([pytest.param(c, False, id=f"{c}-stacked") for c in CAUSAL_CASES]
                 + [pytest.param(c, True, id=f"{c}-unrolled") for c in UNROLLED_CASES])
 
@@ -425,6 +433,15 @@ def test_sharded_checkpoint_loads(case, tmp_path, mesh_222):
 # Acceptance 5 (loading): a loaded model's big params are sharded, each device holding its part.
 
 
+def _layer_spec(params, *axes):
+    """(layer 0's attention params, the spec `axes` of one layer's param as they are held): stacked
+    [L, ...] params put None first; a model mixing dense and MoE layers holds per-layer params."""
+    backbone = params["transformer"]
+    if "layers" in backbone:
+        return backbone["layers"]["attn"], P(None, *axes)
+    return backbone["layers_0"]["attn"], P(*axes)
+
+
 def test_load_shards_every_large_param_on_fsdp_mesh(case):
     mesh = make_test_mesh((1, 8, 1))
     loaded = hf.load_model(case.path, mesh)
@@ -436,8 +453,8 @@ def test_load_shards_every_large_param_on_fsdp_mesh(case):
         if x.size >= SMALL_PARAM and "gate_up_bias" not in name:
             assert not x.sharding.is_fully_replicated, f"{name} {x.shape} is replicated"
             assert x.addressable_shards[0].data.size == x.size // 8, name
-    layers = loaded.params["transformer"]["layers"]
-    assert layers["attn"]["q"]["kernel"].sharding.spec == P(None, "fsdp")
+    attn, spec = _layer_spec(loaded.params, "fsdp")
+    assert attn["q"]["kernel"].sharding.spec == spec
     assert loaded.params["transformer"]["embed"]["embedding"].sharding.spec == P(None, "fsdp")
 
 
@@ -447,8 +464,8 @@ def test_load_with_head_dim_sharded_reads_the_same_values(case, mesh_222):
     rules = tuple((name, "tensor" if name == "head_dim" else None if name in ("heads", "kv_heads")
                    else axes) for name, axes in sharding.DEFAULT_RULES)
     loaded = hf.load_model(case.path, mesh_222, rules)
-    q = loaded.params["transformer"]["layers"]["attn"]["q"]["kernel"]
-    assert q.sharding.spec == P(None, "fsdp", None, "tensor")
+    attn, spec = _layer_spec(loaded.params, "fsdp", None, "tensor")
+    assert attn["q"]["kernel"].sharding.spec == spec
     reference = _flat(case.loaded.params)
     for name, x in _flat(loaded.params).items():
         np.testing.assert_array_equal(x, reference[name], err_msg=name)
@@ -456,10 +473,10 @@ def test_load_with_head_dim_sharded_reads_the_same_values(case, mesh_222):
 
 def test_loaded_param_specs_on_222(case):
     params = case.loaded.params
-    attn = params["transformer"]["layers"]["attn"]
-    assert attn["q"]["kernel"].sharding.spec == P(None, "fsdp", "tensor")
-    assert attn["k"]["kernel"].sharding.spec == P(None, "fsdp", "tensor")  # 2 kv heads / 2-way tensor
-    assert attn["o"]["kernel"].sharding.spec == P(None, "tensor", None, "fsdp")
+    attn, spec = _layer_spec(params, "fsdp", "tensor")
+    assert attn["q"]["kernel"].sharding.spec == spec
+    assert attn["k"]["kernel"].sharding.spec == spec  # 2 kv heads / 2-way tensor
+    assert attn["o"]["kernel"].sharding.spec == _layer_spec(params, "tensor", None, "fsdp")[1]
     assert params["transformer"]["embed"]["embedding"].sharding.spec == P("tensor", "fsdp")
     if "lm_head" in params:
         assert params["lm_head"]["kernel"].sharding.spec == P("fsdp", "tensor")
@@ -512,8 +529,7 @@ def test_unsupported_gpt2_options(changes, message):
     ("qwen2", {"layer_types": ["full_attention", "chunked_attention"]},
      "unsupported layer_types \\['chunked_attention'\\]"),
     ("mistral", {"model_type": "qwen2_moe"}, "unsupported model_type 'qwen2_moe'"),
-    ("qwen3_moe", {"mlp_only_layers": [1]}, "unsupported mixed dense/MoE layers \\(mlp_only_layers=\\[1\\]"),
-    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2\\): every layer must be an MoE layer"),
+    ("qwen3_moe", {"mlp_only_layers": [0, 1]}, "leave no MoE layer: this is a dense model"),
     ("mixtral", {"router_jitter_noise": 0.1}, "unsupported router_jitter_noise=0.1"),
     # GPT-OSS's release: MXFP4 blocks and scales instead of expert weights.
     ("gpt_oss", {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}},
@@ -529,6 +545,20 @@ def test_unsupported_llama_family_options(arch, changes, message):
     data = {k: v for k, v in data.items() if v is not None or k != "layer_types"}
     with pytest.raises(CheckpointError, match=message):
         hf.config_from_hf(data)
+
+
+def test_qwen3_moe_dense_layers_as_transformers_chooses_them():
+    """decoder_sparse_step=2 makes layers 1, 3 MoE layers; with mlp_only_layers=[3] only layer 1. Export
+    writes the same layers back as mlp_only_layers (step 1)."""
+    data = {**HF_CONFIGS["qwen3_moe"]().to_dict(), "num_hidden_layers": 4, "decoder_sparse_step": 2}
+    assert hf.config_from_hf(data).moe_layers == (False, True, False, True)
+    config = hf.config_from_hf({**data, "mlp_only_layers": [3]})
+    assert config.moe_layers == (False, True, False, False) and not config.scan_layers
+    written = hf.config_to_hf(config).to_dict()
+    assert written["mlp_only_layers"] == [0, 2, 3] and written["decoder_sparse_step"] == 1
+    assert hf.config_from_hf(written) == config
+    with pytest.raises(CheckpointError, match="moe_layers=\\(False, True\\) \\(dense layers\\) is expressible as qwen3_moe only"):
+        hf.config_to_hf(hf.config_from_hf(HF_CONFIGS["mixtral"]().to_dict()).replace(moe_layers=(False, True)))
 
 
 def test_qwen2_all_sliding_layers_map_to_a_window():

@@ -224,6 +224,24 @@ def test_refuses_what_it_does_not_do():
         ModelConfig(**MOE, expert_kind="geglu")
     with pytest.raises(ValueError, match="attention_sinks is a Llama-family option"):
         ModelConfig(arch="gpt2", attention_sinks=True)
+    with pytest.raises(ValueError, match="model.moe_layers marks every layer alike; use moe_layers=None"):
+        ModelConfig(**MOE, moe_layers=(True, True))
+    with pytest.raises(ValueError, match="model.moe_layers has 3 entries for 2 layers"):
+        ModelConfig(**MOE, moe_layers=(True, False, True))
+    with pytest.raises(ValueError, match="model.moe_layers needs model.num_experts > 0"):
+        ModelConfig(arch="llama", moe_layers=(True, False))
+
+
+def test_mixed_dense_and_moe_layers_run_per_layer():
+    """Dense and MoE layers cannot share one scanned body: such a model holds per-layer params, "auto"
+    resolves to them on every platform, and an explicit scan is refused by name."""
+    from ppo_jax.config import ComputeSettings, ConfigError
+
+    mixed = ModelConfig(**MOE, moe_layers=(False, True))
+    assert not mixed.scan_layers and mixed.layer_moe == (False, True)
+    assert not ComputeSettings().apply(mixed, "tpu").scan_layers
+    with pytest.raises(ConfigError, match="compute.layer_loop='scan': this model mixes dense and MoE layers"):
+        ComputeSettings(layer_loop="scan").apply(mixed, "cpu")
 
 
 def test_router_losses_on_a_dense_policy_are_refused(tmp_path):
@@ -255,20 +273,21 @@ GPT_OSS = {"arch": "gpt_oss", "router_softmax": "topk", "router_bias": True, "ex
            "attention_sinks": True, "attention_bias": True, "attention_out_bias": True, "sliding_window": 4,
            "sliding_layers": (True, False), "intermediate_size": 16}
 QWEN3_MOE = {"arch": "qwen3_moe", "qk_norm": True, "moe_intermediate_size": 16}
+QWEN3_MOE_MIXED = {**QWEN3_MOE, "moe_layers": (False, True)}  # a dense first layer (mlp_only_layers=[0])
 
 
 @pytest.mark.parametrize("mesh_shape, layer_loop, lora, model", [((2, 2, 2), "scan", False, GPT_OSS),
                                                                   ((1, 2, 1, 4), "scan", False, QWEN3_MOE),
-                                                                  ((1, 1, 1), "unrolled", True, QWEN3_MOE)],
-                         ids=["gpt_oss-2x2x2-scan", "qwen3_moe-expert4-scan", "qwen3_moe-1x1x1-unrolled-lora"])
+                                                                  ((1, 1, 1), "unrolled", True, QWEN3_MOE_MIXED)],
+                         ids=["gpt_oss-2x2x2-scan", "qwen3_moe-expert4-scan", "qwen3_moe_mixed-1x1x1-unrolled-lora"])
 def test_ppo_on_an_moe_policy_keeps_the_invariants(tmp_path, mesh_shape, layer_loop, lora, model):
     """First minibatch ratio 1, rollout log-probs == training log-probs, one compile of each phase:
     a GPT-OSS policy on a 2x2x2 mesh (every device's program holds every expert, their embed axis
     over fsdp and mlp over tensor) with scanned layers; a Qwen3-MoE one with its 4 experts split over
     a 4-device expert axis (expert parallelism: the sampler's decode steps dispatch and gather tokens
-    like the training forward); and a Qwen3-MoE one with the per-layer loop (the sampler's
-    unrolled decode) and LoRA on the attention, exported merged (a Qwen3MoeForCausalLM) and as a
-    PEFT adapter."""
+    like the training forward); and a Qwen3-MoE one whose first layer is dense, with the per-layer
+    loop (the sampler's unrolled decode) and LoRA on the attention, exported merged (a
+    Qwen3MoeForCausalLM with mlp_only_layers=[0]) and as a PEFT adapter."""
     overrides = {f"policy.model.{name}": value for name, value in model.items()}
     if layer_loop == "scan":  # the router losses on, and their metrics reported
         overrides.update({"ppo.router_aux_coef": 0.01, "ppo.router_z_coef": 0.001})
@@ -295,7 +314,9 @@ def test_ppo_on_an_moe_policy_keeps_the_invariants(tmp_path, mesh_shape, layer_l
         from ppo_jax.rl.export import export_checkpoint
 
         merged = export_checkpoint(str(tmp_path), str(tmp_path / "merged"), lora_format="merged")
-        assert type(transformers.AutoModelForCausalLM.from_pretrained(merged)).__name__ == "Qwen3MoeForCausalLM"
+        exported = transformers.AutoModelForCausalLM.from_pretrained(merged)
+        assert type(exported).__name__ == "Qwen3MoeForCausalLM" and exported.config.mlp_only_layers == [0]
+        assert type(exported.model.layers[0].mlp).__name__ == "Qwen3MoeMLP"
         adapter = export_checkpoint(str(tmp_path), str(tmp_path / "adapter"), lora_format="adapter")
         assert sorted(os.listdir(adapter)) == ["adapter_config.json", "adapter_model.safetensors"]
 

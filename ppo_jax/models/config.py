@@ -199,6 +199,10 @@ class ModelConfig:
     router_softmax: str = "all"  # ROUTER_SOFTMAX
     router_bias: bool = False  # a bias on the router's logits (GPT-OSS)
     expert_kind: str = "swiglu"  # EXPERT_KINDS
+    # Which layers are MoE layers, when some keep the dense MLP (intermediate_size wide; Qwen3-MoE's
+    # mlp_only_layers / decoder_sparse_step); None: every layer alike. Layers of two kinds cannot
+    # share one scanned body, so such a model always runs per-layer params (scan_layers=False).
+    moe_layers: tuple[bool, ...] | None = None
     swiglu_limit: float = 7.0  # clamped_swiglu only
     swiglu_alpha: float = 1.702  # clamped_swiglu only
     # Numerics and memory.
@@ -273,6 +277,8 @@ class ModelConfig:
         object.__setattr__(self, "lora", lora if lora is not None and lora.rank > 0 else None)
         if self.lora is not None:
             self.lora.check_family(self.family)
+        if self.moe_layers is not None:
+            self._check_moe_layers()
         if self.num_experts:
             self._check_experts()
         elif self.arch in MOE_ARCHS:
@@ -308,6 +314,17 @@ class ModelConfig:
     def expert_mlp_dim(self) -> int:
         return self.moe_intermediate_size or self.mlp_dim
 
+    def _check_moe_layers(self):
+        object.__setattr__(self, "moe_layers", tuple(bool(m) for m in self.moe_layers))  # hashable
+        if not self.num_experts:
+            raise ValueError("model.moe_layers needs model.num_experts > 0")
+        if len(self.moe_layers) != self.num_layers:
+            raise ValueError(f"model.moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
+        if len(set(self.moe_layers)) == 1:  # one spelling per model, so configs compare equal
+            raise ValueError("model.moe_layers marks every layer alike; use moe_layers=None (every layer an MoE "
+                             "layer) or num_experts=0 (none)")
+        object.__setattr__(self, "scan_layers", False)  # an execution choice that mixed layers do not have
+
     def _check_experts(self):
         if self.family != "llama":
             raise ValueError(f"model.num_experts: mixture-of-experts MLPs are a Llama-family option, not {self.arch}'s")
@@ -338,6 +355,11 @@ class ModelConfig:
         if self.sliding_layers is not None:
             return self.sliding_layers
         return (self.sliding_window is not None,) * self.num_layers
+
+    @property
+    def layer_moe(self) -> tuple[bool, ...]:
+        """Per layer: whether its MLP is the mixture of experts."""
+        return self.moe_layers if self.moe_layers is not None else (bool(self.num_experts),) * self.num_layers
 
     def lora_for(self, projection: str) -> LoraConfig | None:
         """The LoraConfig when `projection` (our name: "q", "gate", ...) carries an adapter, else None."""
@@ -370,24 +392,27 @@ class ModelConfig:
         kv = self.kv_heads * self.dim_per_head
         if self.family == "gpt2":
             attn = d * (q + 2 * kv) + (q + 2 * kv) + q * d + d
-            mlp = d * f + f + f * d + d
+            mlps = self.num_layers * (d * f + f + f * d + d)
             norms = 4 * d
             emb = v * d + self.max_position_embeddings * d
             final = 2 * d
         else:
             attn = (d * (q + 2 * kv) + q * d + ((q + 2 * kv) if self.attention_bias else 0)
                     + (d if self.attention_out_bias else 0))
-            mlp = 3 * d * f + ((2 * f + d) if self.mlp_bias else 0)
+            dense = 3 * d * f + ((2 * f + d) if self.mlp_bias else 0)
+            experts = 0
             if self.num_experts:  # the router and every expert's gate, up and down (and their biases)
                 e, fe = self.num_experts, self.expert_mlp_dim
-                mlp = d * e + 3 * e * d * fe + (e if self.router_bias else 0)
-                mlp += e * (2 * fe + d) if self.expert_kind == "clamped_swiglu" else 0
+                experts = d * e + 3 * e * d * fe + (e if self.router_bias else 0)
+                experts += e * (2 * fe + d) if self.expert_kind == "clamped_swiglu" else 0
+            moe = sum(self.layer_moe)
+            mlps = moe * experts + (self.num_layers - moe) * dense
             attn += self.num_heads if self.attention_sinks else 0
             norms = (4 if self.post_norms else 2) * d + (2 * self.dim_per_head if self.qk_norm else 0)
             emb = v * d
             final = d
         head = v * d if (with_lm_head and not self.tie_word_embeddings) else 0
-        return self.num_layers * (attn + mlp + norms) + emb + final + head
+        return self.num_layers * (attn + norms) + mlps + emb + final + head
 
 
 # The mixture-of-experts options a dense model must leave at these values.

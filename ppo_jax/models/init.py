@@ -52,7 +52,7 @@ def init_adapters(model, key, mesh, rules=None, seq_len: int = 8):
 def _sharded_collection(model, key, mesh, rules, seq_len: int, collection: str):
     inputs = _dummy_inputs(seq_len)
     rules = rules or sharding.DEFAULT_RULES
-    if model.config.scan_layers:
+    if model.config.scan_layers or model.config.moe_layers is not None:  # (mixed layers have no scanned form)
         return sharding.sharded_init(lambda: model.init(key, *inputs)[collection], mesh, rules)
     # The same random values whichever layer loop runs: `nn.scan` splits the init key per layer
     # differently from L separate blocks, so per-layer params are drawn as the scanned model draws

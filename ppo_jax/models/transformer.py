@@ -82,6 +82,7 @@ class Block(nn.Module):
     layers); segment_ids [B, T]: a packed row's sequence ids, or None."""
 
     config: ModelConfig
+    moe: bool | None = None  # whether the MLP is the mixture of experts; None: as config.num_experts says
 
     @nn.compact
     def __call__(self, carry, layer, sliding, ropes, masks, cache_index, segment_ids=None):
@@ -96,7 +97,7 @@ class Block(nn.Module):
             attn_out = norm(self.config, "post_attn_norm")(attn_out)
         x = x + attn_out
         h = norm(self.config, "ln_2")(x)
-        if self.config.num_experts:
+        if self.config.num_experts if self.moe is None else self.moe:
             # Without a cache query slot t is key slot t: the mask's diagonal is the real tokens.
             real = jnp.diagonal(mask, axis1=1, axis2=2) if cache_kv is None else None
             mlp_out = MoEMLP(self.config, name="mlp")(h, real)
@@ -155,7 +156,7 @@ class Transformer(nn.Module):
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )(cfg)
         else:
-            self.layers = [block(cfg) for _ in range(cfg.num_layers)]  # params layers_0 ... layers_{L-1}
+            self.layers = [block(cfg, moe) for moe in cfg.layer_moe]  # params layers_0 ... layers_{L-1}
         self.ln_f = norm(cfg, "ln_f")
 
     def __call__(self, tokens: Array, positions: Array, kv_mask: Array,
@@ -200,11 +201,11 @@ class Transformer(nn.Module):
         """
         cache_index = caches[0].index
         x, ropes, masks = self._block_inputs(tokens, positions, kv_mask, cache_index)
-        block = Block(self.config, parent=None)  # unbound: applied to each layer's own parameters
         new_caches = []
         adapters = layer_adapters if layer_adapters is not None else (None,) * len(layer_params)
-        for params, lora_params, cache, local in zip(layer_params, adapters, caches, self.config.layer_sliding,
-                                                     strict=True):
+        for params, lora_params, cache, local, moe in zip(layer_params, adapters, caches, self.config.layer_sliding,
+                                                          self.config.layer_moe, strict=True):
+            block = Block(self.config, moe, parent=None)  # unbound: applied to this layer's own parameters
             variables = {"params": params} if lora_params is None else {"params": params,
                                                                         lora.COLLECTION: lora_params}
             (x, (k, v)), _ = block.apply(variables, (x, (cache.k, cache.v)), None, local, ropes,

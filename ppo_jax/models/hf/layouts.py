@@ -167,8 +167,37 @@ def _gpt2_maps(cfg: ModelConfig, prefix: str) -> dict[tuple[str, ...], TensorMap
     return maps
 
 
+def _mlp_maps(cfg: ModelConfig, layer: str, moe: bool) -> dict[tuple[str, ...], TensorMap]:
+    """A Llama-family layer's MLP: the experts (`_moe_maps`) or the dense gated MLP."""
+    if moe:
+        return _moe_maps(cfg, layer)
+    d, f = cfg.hidden_size, cfg.mlp_dim
+    maps = {("layers", "mlp", "down", "kernel"): _transposed(layer + "mlp.down_proj.weight", d, f)}
+    if cfg.arch == "phi3":  # gate_up_proj [2F, D]: the gate's rows, then the up projection's
+        for i, part in enumerate(("gate", "up")):
+            maps[("layers", "mlp", part, "kernel")] = _window(
+                layer + "mlp.gate_up_proj.weight", (2 * f, d), [(f,), (d,)], (1, 0), start=(i * f, 0))
+    else:
+        for part in ("gate", "up"):
+            maps[("layers", "mlp", part, "kernel")] = _transposed(layer + f"mlp.{part}_proj.weight", f, d)
+    if cfg.mlp_bias:
+        for part, size in (("gate", f), ("up", f), ("down", d)):
+            maps[("layers", "mlp", part, "bias")] = _same(layer + f"mlp.{part}_proj.bias", (size,))
+    return maps
+
+
+def _mixed_mlp_maps(cfg: ModelConfig, prefix: str) -> dict[tuple[str, ...], TensorMap]:
+    """Each layer's own MLP entries, ("transformer", "layers_i", "mlp", ...), for a model whose
+    layers are dense or MoE by `moe_layers` (always per-layer params)."""
+    out = {}
+    for i, moe in enumerate(cfg.moe_layers):
+        for path, m in _mlp_maps(cfg, f"{prefix}layers.{{layer}}.", moe).items():
+            out[("transformer", f"layers_{i}") + path[1:]] = dataclasses.replace(m, name=m.tensor_name(i))
+    return out
+
+
 def _llama_maps(cfg: ModelConfig, prefix: str) -> dict[tuple[str, ...], TensorMap]:
-    d, h, k, dh, f = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head, cfg.mlp_dim
+    d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
     layer = f"{prefix}layers.{{layer}}."
     maps = {
         ("transformer", "embed", "embedding"): _same(f"{prefix}embed_tokens.weight",
@@ -179,10 +208,8 @@ def _llama_maps(cfg: ModelConfig, prefix: str) -> dict[tuple[str, ...], TensorMa
         ("layers", "attn", "o", "kernel"): _window(
             layer + "self_attn.o_proj.weight", (d, h * dh), [(d,), (h, dh)], (1, 2, 0)),
     }
-    if cfg.num_experts:
-        maps.update(_moe_maps(cfg, layer))
-    else:
-        maps[("layers", "mlp", "down", "kernel")] = _transposed(layer + "mlp.down_proj.weight", d, f)
+    if cfg.moe_layers is None:  # (mixed layers: per layer, `_mixed_mlp_maps`)
+        maps.update(_mlp_maps(cfg, layer, bool(cfg.num_experts)))
     if cfg.post_norms:  # Gemma 2/3: "post_attention_layernorm" normalises the attention output
         maps.update({
             ("layers", "post_attn_norm", "scale"): _same(layer + "post_attention_layernorm.weight", (d,)),
@@ -191,13 +218,6 @@ def _llama_maps(cfg: ModelConfig, prefix: str) -> dict[tuple[str, ...], TensorMa
         })
     else:
         maps[("layers", "ln_2", "scale")] = _same(layer + "post_attention_layernorm.weight", (d,))
-    if cfg.arch == "phi3":  # gate_up_proj [2F, D]: the gate's rows, then the up projection's
-        for i, part in enumerate(("gate", "up")):
-            maps[("layers", "mlp", part, "kernel")] = _window(
-                layer + "mlp.gate_up_proj.weight", (2 * f, d), [(f,), (d,)], (1, 0), start=(i * f, 0))
-    elif not cfg.num_experts:
-        for part in ("gate", "up"):
-            maps[("layers", "mlp", part, "kernel")] = _transposed(layer + f"mlp.{part}_proj.weight", f, d)
     if cfg.qk_norm:
         for part in ("q", "k"):
             maps[("layers", "attn", f"{part}_norm", "scale")] = _same(
@@ -206,9 +226,6 @@ def _llama_maps(cfg: ModelConfig, prefix: str) -> dict[tuple[str, ...], TensorMa
         maps[("layers", "attn", "sinks")] = _same(layer + "self_attn.sinks", (h,))
     if cfg.attention_out_bias:
         maps[("layers", "attn", "o", "bias")] = _same(layer + "self_attn.o_proj.bias", (d,))
-    if cfg.mlp_bias:
-        for part, size in (("gate", f), ("up", f), ("down", d)):
-            maps[("layers", "mlp", part, "bias")] = _same(layer + f"mlp.{part}_proj.bias", (size,))
     row = 0  # Phi-3's qkv_proj [(H + 2K)*Dh, D] stacks the q, k and v rows in that order
     for part, heads in (("q", h), ("k", k), ("v", k)):
         if cfg.arch == "phi3":
@@ -246,6 +263,8 @@ def tensor_maps(config: ModelConfig, kind: str, prefix: str | None = None
             for path, m in backbone.items()}
     if not config.scan_layers:
         maps = _unscanned(maps, config.num_layers)
+    if config.moe_layers is not None:
+        maps.update(_mixed_mlp_maps(config, prefix))
     d, v = config.hidden_size, config.vocab_size
     if kind == "reward":
         maps[("score", "kernel")] = _transposed("score.weight", 1, d)
@@ -279,7 +298,7 @@ def lora_module_names(config: ModelConfig) -> dict[str, str]:
     """Our LoRA target name -> the Hugging Face module inside a layer ("self_attn.q_proj",
     "attn.c_proj", ...), for every target of the config's family: PEFT's `target_modules` entries,
     specific enough that GPT-2's attention c_proj and MLP c_proj are told apart."""
-    maps = tensor_maps(config.replace(scan_layers=True, lora=None), "causal_lm")
+    maps = tensor_maps(config.replace(scan_layers=True, lora=None, moe_layers=None), "causal_lm")
     out = {}
     for target in TARGETS[config.family]:
         part = "attn" if target in ("q", "k", "v", "o") else "mlp"

@@ -12,15 +12,12 @@ from ppo_jax.models.hf.errors import CheckpointError
 
 
 def moe_from_hf(cfg) -> dict[str, Any]:
-    """Qwen3-MoE's and Mixtral's experts and router; mixed dense/MoE stacks and router noise refused."""
+    """Qwen3-MoE's, Mixtral's and GPT-OSS's experts and router (Qwen3-MoE's dense layers too);
+    router noise refused."""
     if cfg.model_type == "qwen3_moe":
-        dense = list(getattr(cfg, "mlp_only_layers", None) or [])
-        step = getattr(cfg, "decoder_sparse_step", 1)
-        if dense or step != 1:
-            raise CheckpointError(f"unsupported mixed dense/MoE layers (mlp_only_layers={dense}, "
-                                  f"decoder_sparse_step={step}): every layer must be an MoE layer")
         return dict(num_experts=cfg.num_experts, experts_per_token=cfg.num_experts_per_tok,
-                    moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=bool(cfg.norm_topk_prob))
+                    moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=bool(cfg.norm_topk_prob),
+                    moe_layers=_qwen3_moe_layers(cfg))
     if cfg.model_type == "mixtral":
         if getattr(cfg, "router_jitter_noise", 0.0):
             raise CheckpointError(f"unsupported router_jitter_noise={cfg.router_jitter_noise} (training-time "
@@ -32,12 +29,30 @@ def moe_from_hf(cfg) -> dict[str, Any]:
     return {}
 
 
+def _qwen3_moe_layers(cfg) -> tuple[bool, ...] | None:
+    """ModelConfig.moe_layers as Qwen3MoeDecoderLayer chooses its MLP: layer i is an MoE layer unless
+    it is in mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step; None when every
+    layer is."""
+    dense = set(getattr(cfg, "mlp_only_layers", None) or [])
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(cfg.num_hidden_layers))
+    if not any(layers):
+        raise CheckpointError(f"mlp_only_layers={sorted(dense)} and decoder_sparse_step={step} leave no MoE layer: "
+                              f"this is a dense model; save it as a Qwen3ForCausalLM")
+    return None if all(layers) else layers
+
+
 def moe_to_hf(config: ModelConfig) -> dict[str, Any]:
-    """The expert fields of a Qwen3-MoE or Mixtral transformers config."""
+    """The expert fields of a Qwen3-MoE, Mixtral or GPT-OSS transformers config (only Qwen3-MoE's
+    can mark dense layers: mlp_only_layers)."""
     if config.arch == "qwen3_moe":
         return dict(num_experts=config.num_experts, num_experts_per_tok=config.experts_per_token,
                     moe_intermediate_size=config.expert_mlp_dim, norm_topk_prob=config.norm_topk_prob,
-                    mlp_only_layers=[], decoder_sparse_step=1)
+                    mlp_only_layers=[i for i, moe in enumerate(config.layer_moe) if not moe],
+                    decoder_sparse_step=1)
+    if config.moe_layers is not None:
+        raise CheckpointError(f"{config.arch} has an MoE MLP in every layer; moe_layers={config.moe_layers} "
+                              f"(dense layers) is expressible as qwen3_moe only")
     if config.moe_intermediate_size not in (None, config.mlp_dim):
         raise CheckpointError(f"{config.arch}'s experts are intermediate_size wide; moe_intermediate_size="
                               f"{config.moe_intermediate_size} differs from intermediate_size={config.mlp_dim}")
