@@ -70,7 +70,8 @@ def test_learning_rate_zero_changes_nothing(tmp_path):
         assert row["policy/approxkl_avg"] < 1e-12
 
 
-@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)],
+# (The last: a dense model on a mesh with an expert axis, which shards its batch and weights like fsdp.)
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4), (2, 1, 2, 2)],
                          ids=lambda s: "mesh" + "x".join(map(str, s)))
 def test_meshes_give_the_same_metrics(baseline, mesh_shape, tmp_path):
     _, expected = baseline
