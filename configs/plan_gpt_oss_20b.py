@@ -5,8 +5,13 @@ per token, 3.6B active; the MXFP4 release dequantised to bf16), bf16, on one 8-G
     python -m ppo_jax.cli.plan --config=configs/plan_gpt_oss_20b.py --device_memory_gb=141   # 8 x H200
     python -m ppo_jax.cli.plan --config=configs/plan_gpt_oss_20b.py --device_memory_gb=80    # 8 x H100
 
-The experts are replicated over the expert index and sharded like dense weights (their embed axis over
-fsdp): there is no expert-parallel mesh axis yet. Only shapes are used: no weights exist or are read.
+As written, every GPU's program holds every expert, sharded like a dense weight (its embed axis over
+fsdp). With expert parallelism each GPU holds 1/8 of the experts and runs them for all 8 GPUs' tokens:
+
+    python -m ppo_jax.cli.plan --config=configs/plan_gpt_oss_20b.py --config.mesh.shape=1,1,1,8 \
+        --platform=gpu --gpu=h100 --device_memory_gb=80
+
+Only shapes are used: no weights exist or are read.
 """
 
 from ppo_jax.rl.plan import model_shape
