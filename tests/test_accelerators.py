@@ -11,6 +11,7 @@ so, where its plugin is absent.
 """
 
 import importlib.util
+import math
 import re
 
 import jax
@@ -71,6 +72,14 @@ def trainable_bytes(plan):
 def layer_stacks(text):
     """Array results in `text` with a leading layer axis ([LAYERS, ...], rank >= 2), by shape."""
     return {shape: n for shape, n in result_shapes(text).items() if len(shape[1]) >= 2 and shape[1][0] == LAYERS}
+
+
+def collective_shapes(text, op):
+    """Array dims in the results of `op` ("all-gather", "reduce-scatter"; XLA:GPU's async -start form
+    too, whose result holds the operands and the results)."""
+    lines = [line for line in text.splitlines() if f" {op}(" in line or f" {op}-start(" in line]
+    return {tuple(int(d) for d in dims.split(",") if d)
+            for line in lines for dims in re.findall(r"[a-z]+[0-9]*\[([0-9,]*)\]", line.split(f" {op}")[0])}
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +143,28 @@ def test_gpu_update_temps_hold_no_second_copy_of_the_train_state(gpu_auto):
     mlp = re.compile(rf"= bf16\[({HIDDEN},{MLP}|{MLP},{HIDDEN})\]\S* copy\(%(?!broadcast)")
     assert not mlp.findall(texts["update"]), result_shapes(texts["update"], "copy")
     assert update.alias_bytes >= state  # and the state itself is updated in place (donated)
+
+
+@needs_cuda
+def test_gpu_expert_parallel_update_never_gathers_the_experts():
+    """8 H100s with the experts split over an expert axis: the update's program moves tokens (an
+    all-gather of the expert group's activations, a reduce-scatter of the sums), never a layer's
+    experts. (With the same 8 GPUs on fsdp alone, XLA all-reduces buffers of all E x D x F expert
+    weights, 98304 and 147456 elements: every GPU holds every expert at some point.)"""
+    experts, expert_mlp = 8, 96
+    config = tiny_config()
+    config.mesh.shape = (1, 1, 1, experts)
+    config.rollout.batch_size = 8
+    config.policy.model.update(arch="qwen3_moe", qk_norm=True, num_experts=experts, experts_per_token=2,
+                               moe_intermediate_size=expert_mlp)
+    plan, texts = compile_plan(config, accelerators.gpu_devices("h100", experts), phases=("update",))
+    moved = {op: collective_shapes(texts["update"], op)
+             for op in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")}
+    largest = max(math.prod(dims) for shapes in moved.values() for dims in shapes)
+    assert largest < experts * HIDDEN * expert_mlp, moved
+    assert (8 * 32, HIDDEN) in moved["all-gather"]  # tokens: the expert group's 8 x 32 rows of [D]
+    assert (8 * 32, HIDDEN) in moved["reduce-scatter"]  # the experts' sums back to their tokens
+    assert plan.phases[0].alias_bytes >= trainable_bytes(plan)
 
 
 @needs_libtpu
