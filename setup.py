@@ -57,5 +57,6 @@ setup(
         "ppo-jax-export=ppo_jax.cli.export:main",
         "ppo-jax-plan=ppo_jax.cli.plan:main",
         "ppo-jax-demo=ppo_jax.demo.pipeline:main",
+        "ppo-jax-sweep=ppo_jax.cli.sweep:main",
     ]},
 )

@@ -1,0 +1,158 @@
+"""ppo-jax-sweep (ppo_jax/sweep, ppo_jax/cli/sweep.py): grid expansion, one-line refusals before any
+run, resume of an interrupted sweep, the mean ± t-interval table against scipy's own interval, and a
+tiny sweep of real PPO runs end to end."""
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import scipy.stats
+
+from ppo_jax.cli import preflight
+from ppo_jax.config import ConfigError
+from ppo_jax.sweep import results, runner, spec
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOY = os.path.join(REPO, "configs", "ppo_toy.py")
+
+
+def test_a_grid_is_every_combination_times_the_seeds():
+    axes = [spec.parse_axis("ppo.kl_coef=0.01,0.1"), spec.parse_axis("--config.mesh.shape=(1,2,1),(2,1,1),(1,1,2)")]
+    assert axes[1] == spec.Axis("mesh.shape", ("(1,2,1)", "(2,1,1)", "(1,1,2)"))
+    runs = spec.expand(axes, spec.parse_seeds("2"))
+    assert len(runs) == 2 * 3 * 2 and len({r.name for r in runs}) == len(runs)
+    assert [r.seed for r in runs[:4]] == [0, 1, 0, 1]  # point-major: a point's seeds together
+    assert runs[3].overrides() == ["--config.ppo.kl_coef=0.01", "--config.mesh.shape=(2,1,1)", "--config.seed=1"]
+    assert runs[3].label == "ppo.kl_coef=0.01, mesh.shape=(2,1,1)"
+    zipped = spec.expand([spec.parse_axis("a=1,2"), spec.parse_axis("b=x,y")], (7,), zipped=True)
+    assert [r.point for r in zipped] == [(("a", "1"), ("b", "x")), (("a", "2"), ("b", "y"))]
+    assert [r.seed for r in spec.expand([], spec.parse_seeds("0,4,7"))] == [0, 4, 7]
+
+
+@pytest.mark.parametrize("grid, seeds, message", [
+    (["ppo.kl_coef="], "3", "ppo.kl_coef has no values"),
+    (["ppo.kl_coef"], "3", "write FIELD=VALUE,VALUE"),
+    (["ppo.kl_coef=0.1,0.1"], "3", "repeats a value"),
+    (["ppo.kl_coef=0.1", "ppo.kl_coef=0.2"], "3", "a field is swept twice: ppo.kl_coef"),
+    (["seed=1,2"], "3", "seed is swept by --seeds"),
+    ([], "0", "a count must be at least 1"),
+    ([], "1,1", "give distinct seeds"),
+    ([], "two", "give a count"),
+])
+def test_bad_specs_are_refused(grid, seeds, message):
+    with pytest.raises(ConfigError, match=message):
+        spec.expand([spec.parse_axis(g) for g in grid], spec.parse_seeds(seeds))
+
+
+def test_a_zip_of_unequal_fields_is_refused():
+    with pytest.raises(ConfigError, match="every field needs as many values; a has 2, b has 1"):
+        spec.expand([spec.parse_axis("a=1,2"), spec.parse_axis("b=x")], (0,), zipped=True)
+
+
+def test_unknown_fields_and_wrong_types_are_one_line_errors_before_any_run(tmp_path):
+    config = preflight.load_config(TOY)
+    runs = spec.expand([spec.parse_axis("ppo.kl_coef=0.1,abc")], (0,))
+    with pytest.raises(ConfigError, match=r"--config.ppo.kl_coef=abc: ppo.kl_coef takes a number"):
+        spec.check_runs(runs, config, [])
+    with pytest.raises(ConfigError, match="did you mean --config.rollout.batch_size"):
+        spec.check_runs(spec.expand([], (0,)), config, ["--config.rollout.batch_sise=8"])
+    out = subprocess.run([sys.executable, "-m", "ppo_jax.cli.sweep", "--trainer=ppo", f"--config={TOY}",
+                          f"--sweep_dir={tmp_path}/sweep", "--grid=ppo.kl_cof=0.1,0.2"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr.startswith("error: unknown config field --config.ppo.kl_cof"), out.stderr
+    assert out.stderr.count("\n") == 1 and not (tmp_path / "sweep").exists()
+
+
+FAKE_TRAINER = r"""
+import json, os, sys
+workdir, seed, value = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+with open(os.path.join(os.path.dirname(os.path.dirname(workdir)), "calls.txt"), "a") as f:
+    f.write(os.path.basename(workdir) + "\n")
+flaky = os.path.join(os.path.dirname(os.path.dirname(workdir)), "fail_once")
+if value == 2.0 and seed == 1 and os.path.exists(flaky):
+    os.remove(flaky)
+    print("error: the flaky run failed"); sys.exit(1)
+with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+    for step in range(1, 4):
+        f.write(json.dumps({"step": step, "score": value * step + seed}) + "\n")
+with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump({"final": {"gap": value + 0.1 * seed}}, f)
+print("done: fake")
+"""
+
+
+def _fake_command(run, workdir):
+    point = dict(run.point)
+    return [sys.executable, "-c", FAKE_TRAINER, workdir, str(run.seed), point["x"]]
+
+
+def test_an_interrupted_sweep_reruns_only_what_did_not_finish(tmp_path):
+    sweep_dir = str(tmp_path)
+    runs = spec.expand([spec.parse_axis("x=1.0,2.0")], (0, 1))
+    (tmp_path / "fail_once").touch()
+    reported = []
+    outcomes = runner.run_sweep(runs, sweep_dir, _fake_command, parallel=2,
+                                report=lambda o, done, total: reported.append((o.run.name, o.ok, done, total)))
+    assert [o.ok for o in outcomes] == [True, True, True, False]
+    assert outcomes[3].last_line == "error: the flaky run failed" and outcomes[3].returncode == 1
+    assert sorted(reported)[-1][2:] == (4, 4) and len(reported) == 4
+    again = runner.run_sweep(runs, sweep_dir, _fake_command, parallel=2)
+    assert all(o.ok for o in again) and [o.ran_now for o in again] == [False, False, False, True]
+    calls = (tmp_path / "calls.txt").read_text().split()
+    assert sorted(calls) == sorted([r.name for r in runs] + [runs[3].name])  # the finished ones ran once
+    manifest = {"trainer": "fake", "runs": [r.name for r in runs]}
+    runner.write_manifest(sweep_dir, manifest)
+    runner.write_manifest(sweep_dir, manifest)  # the same sweep again: accepted
+    with pytest.raises(ConfigError, match="holds another sweep \\(runs differ"):
+        runner.write_manifest(sweep_dir, {**manifest, "runs": manifest["runs"][:2]})
+
+
+def test_the_table_pools_seeds_into_a_t_interval(tmp_path):
+    sweep_dir = str(tmp_path)
+    runs = spec.expand([spec.parse_axis("x=1.0,2.0")], (0, 1, 2))
+    (tmp_path / "fail_once").touch()  # x=2.0, seed 1 fails: that point has two seeds
+    outcomes = runner.run_sweep(runs, sweep_dir, _fake_command, parallel=2)
+    metrics = ("final.gap", "score")
+    read = [results.read_run(sweep_dir, o, metrics, "metrics.jsonl") for o in outcomes]
+    rows = results.aggregate(read, metrics)
+    for row, value, seeds in ((rows[0], 1.0, (0, 1, 2)), (rows[1], 2.0, (0, 2))):
+        for metric, finals in (("final.gap", [value + 0.1 * s for s in seeds]), ("score", [3 * value + s for s in seeds])):
+            mean = np.mean(finals)
+            low, high = scipy.stats.t.interval(0.95, len(finals) - 1, loc=mean, scale=scipy.stats.sem(finals))
+            got = row.stats[metric]
+            assert got.n == len(finals) and math.isclose(got.mean, mean, rel_tol=1e-12)
+            assert math.isclose(got.half_width, (high - low) / 2, rel_tol=1e-9)
+    assert rows[1].finished == 2 and rows[1].failures[0].endswith("error: the flaky run failed")
+    csv_path, md_path = results.write_tables(rows, metrics, ["x"], sweep_dir)
+    with open(csv_path) as f:
+        table = list(csv.DictReader(f))
+    assert table[1]["x"] == "2.0" and table[1]["finished"] == "2" and float(table[1]["score_n"]) == 2
+    text = open(md_path).read()
+    assert "| 1.0 | 3/3 | 1.1 ± 0.25 | 4 ± 2.5 |" in text and "Failed runs" in text
+    assert results.stat([0.5]).text() == "0.5" and math.isnan(results.stat([]).mean)
+
+
+def test_a_tiny_ppo_sweep_end_to_end(tmp_path):
+    """Two points of real PPO runs, two at a time: the table, the curves and a summary plot."""
+    tiny = ["--config.policy.model.hidden_size=32", "--config.policy.model.num_layers=1",
+            "--config.rollout.batch_size=8", "--config.rollout.response_length=4", "--config.data.prompt_length=8",
+            "--config.train.iterations=2", "--config.train.progress=false", "--config.train.sample_every=0",
+            "--config.ppo.epochs=1"]
+    out = subprocess.run([sys.executable, "-m", "ppo_jax.cli.sweep", "--trainer=ppo", f"--config={TOY}",
+                          f"--sweep_dir={tmp_path}", "--grid=ppo.kl_coef=0.0,0.5", "--seeds=1", "--parallel=2", *tiny],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stdout.count(": finished in ") == 2
+    with open(tmp_path / "results.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [row["ppo.kl_coef"] for row in table] == ["0.0", "0.5"]
+    assert all(math.isfinite(float(row["objective/scores_mean"])) for row in table)
+    assert (tmp_path / "plots" / "curves.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "summary_ppo.kl_coef.png").stat().st_size > 0
+    manifest = json.loads((tmp_path / "sweep.json").read_text())
+    assert manifest["trainer"] == "ppo" and len(manifest["runs"]) == 2
