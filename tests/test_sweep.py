@@ -37,7 +37,7 @@ def test_a_grid_is_every_combination_times_the_seeds():
 @pytest.mark.parametrize("grid, seeds, message", [
     (["ppo.kl_coef="], "3", "ppo.kl_coef has no values"),
     (["ppo.kl_coef"], "3", "write FIELD=VALUE,VALUE"),
-    (["ppo.kl_coef=0.1,0.1"], "3", "repeats a value"),
+    (["ppo.kl_coef=0.1,0.1"], "3", "--grid ppo.kl_coef: repeats a value"),
     (["ppo.kl_coef=0.1", "ppo.kl_coef=0.2"], "3", "a field is swept twice: ppo.kl_coef"),
     (["seed=1,2"], "3", "seed is swept by --seeds"),
     ([], "0", "a count must be at least 1"),
@@ -49,9 +49,17 @@ def test_bad_specs_are_refused(grid, seeds, message):
         spec.expand([spec.parse_axis(g) for g in grid], spec.parse_seeds(seeds))
 
 
-def test_a_zip_of_unequal_fields_is_refused():
+def test_a_list_pairs_values_and_may_repeat_them():
+    """--zip: three estimators beside their sample counts (1, 4, 4), the same sample budget each."""
+    runs = spec.expand([spec.parse_axis("ppo.advantage_estimator=gae,grpo,rloo"),
+                        spec.parse_axis("rollout.num_samples=1,4,4")], (0,), zipped=True)
+    assert [r.label for r in runs] == ["ppo.advantage_estimator=gae, rollout.num_samples=1",
+                                       "ppo.advantage_estimator=grpo, rollout.num_samples=4",
+                                       "ppo.advantage_estimator=rloo, rollout.num_samples=4"]
     with pytest.raises(ConfigError, match="every field needs as many values; a has 2, b has 1"):
         spec.expand([spec.parse_axis("a=1,2"), spec.parse_axis("b=x")], (0,), zipped=True)
+    with pytest.raises(ConfigError, match="--zip: two points are the same"):
+        spec.expand([spec.parse_axis("a=1,1"), spec.parse_axis("b=x,x")], (0,), zipped=True)
 
 
 def test_unknown_fields_and_wrong_types_are_one_line_errors_before_any_run(tmp_path):

@@ -91,8 +91,6 @@ def parse_axis(text: str) -> Axis:
     parsed = tuple(v.strip() for v in _split_values(values) if v.strip())
     if not parsed:
         raise ConfigError(f"--grid {text!r}: {field} has no values; give at least one (FIELD=VALUE,VALUE,...)")
-    if len(set(parsed)) != len(parsed):
-        raise ConfigError(f"--grid {text!r}: {field} repeats a value")
     return Axis(field, parsed)
 
 
@@ -133,9 +131,14 @@ def expand(axes: Sequence[Axis], seeds: Sequence[int], *, zipped: bool = False) 
         raise ConfigError(f"a field is swept twice: {sorted(f for f in fields if fields.count(f) > 1)[0]}")
     if SEED_FIELD in fields:
         raise ConfigError(f"{SEED_FIELD} is swept by --seeds, not --grid")
+    for axis in axes if not zipped else ():  # (a list may repeat a value: 1, 4, 4 samples beside 3 estimators)
+        if len(set(axis.values)) != len(axis.values):
+            raise ConfigError(f"--grid {axis.field}: repeats a value")
     if zipped and len({len(a.values) for a in axes}) > 1:
         raise ConfigError("--zip takes the i-th value of every field together, so every field needs as many values; "
                           + ", ".join(f"{a.field} has {len(a.values)}" for a in axes))
+    if zipped and axes and len(set(zip(*(a.values for a in axes)))) != len(axes[0].values):
+        raise ConfigError("--zip: two points are the same")
     values = [a.values for a in axes]
     points = list(zip(*values)) if zipped else list(itertools.product(*values))
     runs = []
