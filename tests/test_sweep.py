@@ -1,6 +1,6 @@
 """ppo-jax-sweep (ppo_jax/sweep, ppo_jax/cli/sweep.py): grid expansion, one-line refusals before any
 run, resume of an interrupted sweep, the mean ± t-interval table against scipy's own interval, and a
-tiny sweep of real PPO runs end to end."""
+tiny sweep of the verifiable-reward task (SFT then RL) end to end."""
 
 import csv
 import json
@@ -145,22 +145,27 @@ def test_the_table_pools_seeds_into_a_t_interval(tmp_path):
     assert results.stat([0.5]).text() == "0.5" and math.isnan(results.stat([]).mean)
 
 
-def test_a_tiny_ppo_sweep_end_to_end(tmp_path):
-    """Two points of real PPO runs, two at a time: the table, the curves and a summary plot."""
-    tiny = ["--config.policy.model.hidden_size=32", "--config.policy.model.num_layers=1",
-            "--config.rollout.batch_size=8", "--config.rollout.response_length=4", "--config.data.prompt_length=8",
-            "--config.train.iterations=2", "--config.train.progress=false", "--config.train.sample_every=0",
-            "--config.ppo.epochs=1"]
-    out = subprocess.run([sys.executable, "-m", "ppo_jax.cli.sweep", "--trainer=ppo", f"--config={TOY}",
-                          f"--sweep_dir={tmp_path}", "--grid=ppo.kl_coef=0.0,0.5", "--seeds=1", "--parallel=2", *tiny],
+def test_a_tiny_sweep_of_the_verifiable_task_end_to_end(tmp_path):
+    """Two estimators on the verifiable-reward task (SFT, then RL on the exact-match reward), two
+    processes at a time: each run's summary, the table, the curves and a summary plot."""
+    tiny = ["--config.corpus.num_train=256", "--config.corpus.num_eval=32", "--config.sft.train.steps=10",
+            "--config.sft.model.config.num_layers=1", "--config.rl.train.iterations=2", "--config.eval.every=1",
+            "--config.eval.num_prompts=16", "--config.rl.train.sample_every=0", "--config.progress=false"]
+    out = subprocess.run([sys.executable, "-m", "ppo_jax.cli.sweep", "--trainer=verifiable", f"--sweep_dir={tmp_path}",
+                          "--grid=rl.ppo.advantage_estimator=grpo,rloo", "--seeds=1", "--parallel=2", *tiny],
                          capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    assert out.stdout.count(": finished in ") == 2
+    assert out.stdout.count(": finished in ") == 2 and "exact-match accuracy on 64 held-out samples" in out.stdout
     with open(tmp_path / "results.csv") as f:
         table = list(csv.DictReader(f))
-    assert [row["ppo.kl_coef"] for row in table] == ["0.0", "0.5"]
-    assert all(math.isfinite(float(row["objective/scores_mean"])) for row in table)
+    assert [row["rl.ppo.advantage_estimator"] for row in table] == ["grpo", "rloo"]
+    for row in table:
+        assert 0.0 <= float(row["accuracy_after_mean"]) <= 1.0 and float(row["accuracy_after_n"]) == 1
+    summary = json.loads((tmp_path / "runs" / "001_advantage_estimator=rloo_seed=0" / "summary.json").read_text())
+    assert summary["estimator"] == "rloo" and summary["samples_per_prompt"] == 4
+    log = results.read_log(str(tmp_path / "runs" / "001_advantage_estimator=rloo_seed=0" / "rl" / "metrics.jsonl"))
+    assert [row["step"] for row in log if "eval/accuracy" in row] == [0, 1, 2]
     assert (tmp_path / "plots" / "curves.png").stat().st_size > 0
-    assert (tmp_path / "plots" / "summary_ppo.kl_coef.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "summary_rl.ppo.advantage_estimator.png").stat().st_size > 0
     manifest = json.loads((tmp_path / "sweep.json").read_text())
-    assert manifest["trainer"] == "ppo" and len(manifest["runs"]) == 2
+    assert manifest["trainer"] == "verifiable" and len(manifest["runs"]) == 2

@@ -46,6 +46,10 @@ TRAINERS = {
     # The demo pipeline writes summary.json (gap_closed, final_kl, ...) and its PPO stage's log.
     "demo": Trainer("ppo_jax.demo", "ppo/metrics.jsonl", ("gap_closed", "final_kl", "seconds.total"),
                     default_config="ppo_jax.demo.default_config"),
+    # The verifiable-reward task (SFT, then RL on the checker's 1/0 reward): summary.json and rl/'s log.
+    "verifiable": Trainer("ppo_jax.verifiable", "rl/metrics.jsonl",
+                          ("accuracy_after", "accuracy_before", "final_kl", "seconds.total"),
+                          default_config="ppo_jax.verifiable.default_config"),
 }
 SEED_FIELD = "seed"  # every trainer's settings (and the demo's) have one top-level seed
 
