@@ -79,6 +79,7 @@ def test_unknown_fields_and_wrong_types_are_one_line_errors_before_any_run(tmp_p
 FAKE_TRAINER = r"""
 import json, os, sys
 workdir, seed, value = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+os.makedirs(workdir, exist_ok=True)
 with open(os.path.join(os.path.dirname(os.path.dirname(workdir)), "calls.txt"), "a") as f:
     f.write(os.path.basename(workdir) + "\n")
 flaky = os.path.join(os.path.dirname(os.path.dirname(workdir)), "fail_once")

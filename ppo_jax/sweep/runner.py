@@ -1,7 +1,9 @@
 """Runs a sweep's processes, one after another or N at a time, and resumes an interrupted sweep.
 
-Each run is its trainer's command line in its own workdir (`<sweep_dir>/runs/<run name>`), its output
-in `<workdir>/sweep.log`, its outcome in `<workdir>/sweep_run.json` (return code, seconds, command).
+Each run is its trainer's command line in its own workdir (`<sweep_dir>/runs/<run name>`, which the
+trainer creates: the sweep writes nothing into it, so a trainer that wants an empty or its own
+directory gets one), its output in `<sweep_dir>/logs/<run name>.log`, its outcome in
+`<sweep_dir>/logs/<run name>.json` (return code, seconds, command).
 A run whose record says it finished (return code 0) is not run again; any other run is, in the same
 workdir, so a trainer that resumes from its checkpoints (PPO, SFT, RM, DPO) picks up where it
 stopped. The sweep directory's `sweep.json` holds the expanded runs: a second invocation must ask for
@@ -21,8 +23,6 @@ from collections.abc import Callable, Sequence
 from ppo_jax.config import ConfigError
 from ppo_jax.sweep.spec import Run
 
-RUN_RECORD = "sweep_run.json"
-RUN_LOG = "sweep.log"
 MANIFEST = "sweep.json"
 
 
@@ -46,6 +46,11 @@ def run_dir(sweep_dir: str, run: Run) -> str:
     return os.path.join(sweep_dir, "runs", run.name)
 
 
+def log_path(sweep_dir: str, run: Run, suffix: str = ".log") -> str:
+    """The run's output (".log") or outcome record (".json"), beside its workdir."""
+    return os.path.join(sweep_dir, "logs", run.name + suffix)
+
+
 def write_manifest(sweep_dir: str, manifest: dict) -> None:
     """Records the sweep (trainer, config, overrides, runs) or checks that it is the one recorded."""
     path = os.path.join(sweep_dir, MANIFEST)
@@ -65,7 +70,7 @@ def write_manifest(sweep_dir: str, manifest: dict) -> None:
 
 def recorded_outcome(sweep_dir: str, run: Run) -> Outcome:
     """The run's outcome as its record says (returncode None: never ran, or was interrupted)."""
-    path = os.path.join(run_dir(sweep_dir, run), RUN_RECORD)
+    path = log_path(sweep_dir, run, ".json")
     if not os.path.exists(path):
         return Outcome(run, None, 0.0, "")
     with open(path) as f:
@@ -100,23 +105,23 @@ def run_sweep(runs: Sequence[Run], sweep_dir: str, command: Callable[[Run, str],
         while pending or running:
             while pending and len(running) < parallel and not (failed and stop_on_failure):
                 run = pending.pop(0)
-                workdir = run_dir(sweep_dir, run)
-                os.makedirs(workdir, exist_ok=True)
-                log = open(os.path.join(workdir, RUN_LOG), "w")
-                argv = command(run, workdir)
+                os.makedirs(os.path.join(sweep_dir, "logs"), exist_ok=True)
+                log = open(log_path(sweep_dir, run), "w")
+                argv = command(run, run_dir(sweep_dir, run))
                 process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-                running[run.index] = (process, time.perf_counter(), workdir, log, argv)
+                running[run.index] = (process, time.perf_counter(), log, argv)
             if not running:
                 break
             time.sleep(0.2)
-            for index, (process, start, workdir, log, argv) in list(running.items()):
+            for index, (process, start, log, argv) in list(running.items()):
                 if process.poll() is None:
                     continue
                 log.close()
                 del running[index]
-                outcome = Outcome(outcomes[index].run, process.returncode, time.perf_counter() - start,
-                                  _last_line(os.path.join(workdir, RUN_LOG)), ran_now=True)
-                _write_record(workdir, outcome, argv)
+                run = outcomes[index].run
+                outcome = Outcome(run, process.returncode, time.perf_counter() - start,
+                                  _last_line(log_path(sweep_dir, run)), ran_now=True)
+                _write_record(log_path(sweep_dir, run, ".json"), outcome, argv)
                 outcomes[index] = outcome
                 failed |= not outcome.ok
                 done += 1
@@ -130,10 +135,9 @@ def run_sweep(runs: Sequence[Run], sweep_dir: str, command: Callable[[Run, str],
     return [outcomes[run.index] for run in runs]
 
 
-def _write_record(workdir: str, outcome: Outcome, argv: list[str]) -> None:
+def _write_record(path: str, outcome: Outcome, argv: list[str]) -> None:
     record = {"returncode": outcome.returncode, "seconds": round(outcome.seconds, 2),
               "last_line": outcome.last_line, "command": argv}
-    path = os.path.join(workdir, RUN_RECORD)
     with open(path + ".tmp", "w") as f:
         json.dump(record, f, indent=2)
     os.replace(path + ".tmp", path)
