@@ -15,7 +15,7 @@ import scipy.stats
 
 from ppo_jax.cli import preflight
 from ppo_jax.config import ConfigError
-from ppo_jax.sweep import results, runner, spec
+from ppo_jax.sweep import plots, results, runner, spec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join(REPO, "configs", "ppo_toy.py")
@@ -127,7 +127,7 @@ def test_the_table_pools_seeds_into_a_t_interval(tmp_path):
     (tmp_path / "fail_once").touch()  # x=2.0, seed 1 fails: that point has two seeds
     outcomes = runner.run_sweep(runs, sweep_dir, _fake_command, parallel=2)
     metrics = ("final.gap", "score")
-    read = [results.read_run(sweep_dir, o, metrics, "metrics.jsonl") for o in outcomes]
+    read = [results.read_run(sweep_dir, o, metrics, "metrics.jsonl", curves=("score",)) for o in outcomes]
     rows = results.aggregate(read, metrics)
     for row, value, seeds in ((rows[0], 1.0, (0, 1, 2)), (rows[1], 2.0, (0, 2))):
         for metric, finals in (("final.gap", [value + 0.1 * s for s in seeds]), ("score", [3 * value + s for s in seeds])):
@@ -144,6 +144,9 @@ def test_the_table_pools_seeds_into_a_t_interval(tmp_path):
     text = open(md_path).read()
     assert "| 1.0 | 3/3 | 1.1 ± 0.25 | 4 ± 2.5 |" in text and "Failed runs" in text
     assert results.stat([0.5]).text() == "0.5" and math.isnan(results.stat([]).mean)
+    steps, mean, half = plots.mean_curve([r.curves["score"] for r in read[:3]])  # x = 1.0: score = step + seed
+    assert steps.tolist() == [1, 2, 3] and np.allclose(mean, [2.0, 3.0, 4.0])
+    assert np.allclose(half, scipy.stats.t.ppf(0.975, 2) * 1.0 / math.sqrt(3))
 
 
 def test_a_tiny_sweep_of_the_verifiable_task_end_to_end(tmp_path):

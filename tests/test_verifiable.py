@@ -59,3 +59,23 @@ def test_bad_settings_are_refused_before_anything_trains(field, value, message):
     with pytest.raises(ConfigError, match=message):
         VerifiableSettings.from_config(config)
     VerifiableSettings.from_config(get_config())  # the defaults pass
+
+
+def test_a_rerun_starts_over_and_a_foreign_directory_is_refused(tmp_path):
+    """A finished run's stages are cleared, not resumed: its RL checkpoint would otherwise be this
+    run's starting policy, and its "before" accuracy the trained policy's."""
+    from ppo_jax.verifiable.pipeline import MARKER, OUTPUTS, prepare_workdir
+
+    def prepare():
+        prepare_workdir(str(tmp_path), marker=MARKER, outputs=OUTPUTS, made_by="the verifiable-reward pipeline")
+
+    (tmp_path / "mine.txt").write_text("a user's file")
+    with pytest.raises(FileExistsError, match="not empty and was not made by the verifiable-reward pipeline"):
+        prepare()
+    (tmp_path / "mine.txt").unlink()
+    prepare()
+    (tmp_path / "rl" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "summary.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("kept")
+    prepare()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MARKER, "notes.txt"]

@@ -42,6 +42,8 @@ PARALLEL = flags.DEFINE_integer("parallel", 1, "Runs at a time (each is a whole 
                                 "cores or accelerators).", lower_bound=1)
 METRICS = flags.DEFINE_list("metrics", None, "Final metrics in the table and plots (default: the trainer's "
                             "own); a summary.json key (dotted for nested values) or a metrics.jsonl name.")
+CURVES = flags.DEFINE_list("curves", None, "Logged metrics whose learning curves are plotted (default: the "
+                           "trainer's own, e.g. eval/accuracy for the verifiable task).")
 STOP_ON_FAILURE = flags.DEFINE_bool("stop_on_failure", False, "Start no new run after one fails.")
 DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print each run's command and exit.")
 
@@ -98,10 +100,11 @@ def sweep(overrides: list[str]) -> int:
     outcomes = runner.run_sweep(runs, SWEEP_DIR.value, command, parallel=PARALLEL.value,
                                 stop_on_failure=STOP_ON_FAILURE.value, env=env, report=_report)
     fields = [axis.field for axis in axes]
-    read = [results.read_run(SWEEP_DIR.value, outcome, metrics, trainer.curves) for outcome in outcomes]
+    curves = tuple(CURVES.value or trainer.curves)
+    read = [results.read_run(SWEEP_DIR.value, outcome, metrics, trainer.log, curves) for outcome in outcomes]
     rows = results.aggregate(read, metrics)
     csv_path, md_path = results.write_tables(rows, metrics, fields, SWEEP_DIR.value)
-    figures = plots.plot_sweep(read, rows, metrics, fields, SWEEP_DIR.value)
+    figures = plots.plot_sweep(read, rows, metrics, curves, fields, SWEEP_DIR.value)
     with open(md_path) as f:
         print("\n" + f.read())
     print(f"results: {csv_path}, {md_path}; plots: {', '.join(figures)}")

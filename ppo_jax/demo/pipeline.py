@@ -112,21 +112,24 @@ class DemoResult:
         return "\n".join(lines)
 
 
-def prepare_workdir(workdir: str) -> None:
-    """Creates the workdir, or clears the previous demo's outputs in it. A non-empty directory the demo
-    did not create is refused (nothing of the user's is ever deleted)."""
+def prepare_workdir(workdir: str, *, marker: str = MARKER, outputs: tuple[str, ...] = STAGE_DIRS + STAGE_FILES,
+                    made_by: str = "the demo") -> None:
+    """Creates the workdir, or clears a previous run's `outputs` in it (a pipeline of stages starts
+    over: a stage finished earlier is not taken as this run's). A non-empty directory without
+    `marker` is refused (nothing of the user's is ever deleted)."""
     if os.path.isdir(workdir) and os.listdir(workdir):
-        if not os.path.exists(os.path.join(workdir, MARKER)):
-            raise FileExistsError(f"workdir {workdir!r} is not empty and was not made by the demo; choose "
+        if not os.path.exists(os.path.join(workdir, marker)):
+            raise FileExistsError(f"workdir {workdir!r} is not empty and was not made by {made_by}; choose "
                                   f"another --workdir (or an empty directory)")
-        for name in STAGE_DIRS:
-            shutil.rmtree(os.path.join(workdir, name), ignore_errors=True)
-        for name in STAGE_FILES:
-            if os.path.exists(os.path.join(workdir, name)):
-                os.remove(os.path.join(workdir, name))
+        for name in outputs:
+            path = os.path.join(workdir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            elif os.path.exists(path):
+                os.remove(path)
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, MARKER), "w") as f:
-        f.write("written by python -m ppo_jax.demo; the demo may clear this directory's stage outputs\n")
+    with open(os.path.join(workdir, marker), "w") as f:
+        f.write(f"written by {made_by}, which may clear this directory's stage outputs\n")
 
 
 def rm_val_accuracy(history) -> float:

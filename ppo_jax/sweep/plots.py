@@ -99,11 +99,15 @@ def plot_field(rows: Sequence[PointRow], field: str, metrics: Sequence[str], pat
 
 
 def plot_sweep(results: Sequence[RunResult], rows: Sequence[PointRow], metrics: Sequence[str],
-               fields: Sequence[str], sweep_dir: str) -> list[str]:
-    """curves.png and summary_<field>.png per swept field under `sweep_dir`/plots; their paths."""
+               curves: Sequence[str], fields: Sequence[str], sweep_dir: str) -> list[str]:
+    """curves.png (the logged `curves` that some run has) and summary_<field>.png (the final
+    `metrics`) per swept field under `sweep_dir`/plots; their paths."""
     directory = os.path.join(sweep_dir, "plots")
-    paths = [os.path.join(directory, "curves.png")]
-    plot_curves(results, metrics, paths[0])
+    paths = []
+    logged = [m for m in curves if any(m in r.curves for r in results)]
+    if logged:
+        paths.append(os.path.join(directory, "curves.png"))
+        plot_curves(results, logged, paths[0])
     for field in fields:
         paths.append(os.path.join(directory, f"summary_{field.replace('/', '_')}.png"))
         plot_field(rows, field, metrics, paths[-1])

@@ -25,7 +25,7 @@ SUMMARY = "summary.json"
 
 @dataclasses.dataclass(frozen=True)
 class RunResult:
-    """One run's final metrics (NaN where it has none) and curves: metric -> (steps, values)."""
+    """One run's final metrics (NaN where it has none) and learning curves: metric -> (steps, values)."""
 
     outcome: Outcome
     final: dict[str, float]
@@ -85,14 +85,16 @@ def _summary_value(summary: dict, dotted: str) -> float | None:
     return float(node) if isinstance(node, (int, float)) and not isinstance(node, bool) else None
 
 
-def read_run(sweep_dir: str, outcome: Outcome, metrics: Sequence[str], curves_file: str) -> RunResult:
+def read_run(sweep_dir: str, outcome: Outcome, metrics: Sequence[str], log_file: str,
+             curves: Sequence[str] = ()) -> RunResult:
+    """Its final `metrics` and the learning curves of the logged metrics `curves`."""
     workdir = run_dir(sweep_dir, outcome.run)
     summary_path = os.path.join(workdir, SUMMARY)
     summary = {}
     if os.path.exists(summary_path):
         with open(summary_path) as f:
             summary = json.load(f)
-    rows = read_log(os.path.join(workdir, curves_file))
+    rows = read_log(os.path.join(workdir, log_file))
     final = {}
     for metric in metrics:
         value = _summary_value(summary, metric)
@@ -100,14 +102,14 @@ def read_run(sweep_dir: str, outcome: Outcome, metrics: Sequence[str], curves_fi
             values = [row[metric] for row in rows if isinstance(row.get(metric), (int, float))]
             value = float(values[-1]) if values else math.nan
         final[metric] = value if outcome.ok else math.nan  # a failed run's numbers are not results
-    curves = {}
-    for metric in metrics:
+    curve_of = {}
+    for metric in curves:
         points = [(row["step"], row[metric]) for row in rows
                   if "step" in row and isinstance(row.get(metric), (int, float))]
         if points:
             steps, values = zip(*points)
-            curves[metric] = (np.asarray(steps), np.asarray(values, np.float64))
-    return RunResult(outcome, final, curves)
+            curve_of[metric] = (np.asarray(steps), np.asarray(values, np.float64))
+    return RunResult(outcome, final, curve_of)
 
 
 def stat(values: Sequence[float]) -> Stat:

@@ -21,13 +21,14 @@ from ppo_jax.config import ConfigError
 @dataclasses.dataclass(frozen=True)
 class Trainer:
     """A command the sweep can launch: its module (run as `python -m`), the metrics log its workdir
-    holds (relative path; learning curves come from it), the final metrics a table shows unless
-    --metrics names others, and the module whose file is its config when --config is not given (None:
-    --config is required)."""
+    holds (relative path), the final metrics a table shows unless --metrics names others, the logged
+    metrics whose learning curves it plots unless --curves names others, and the module whose file is
+    its config when --config is not given (None: --config is required)."""
 
     module: str
-    curves: str
+    log: str
     metrics: tuple[str, ...]
+    curves: tuple[str, ...]
     default_config: str | None = None
 
     def default_config_file(self) -> str | None:
@@ -39,16 +40,20 @@ class Trainer:
 
 
 TRAINERS = {
-    "ppo": Trainer("ppo_jax.cli.train", "metrics.jsonl", ("objective/scores", "objective/kl")),
-    "sft": Trainer("ppo_jax.cli.sft", "metrics.jsonl", ("eval/loss", "train/loss")),
-    "reward_model": Trainer("ppo_jax.cli.reward_model", "metrics.jsonl", ("eval/accuracy", "train/loss")),
-    "dpo": Trainer("ppo_jax.cli.dpo", "metrics.jsonl", ("eval/accuracy", "train/loss")),
-    # The demo pipeline writes summary.json (gap_closed, final_kl, ...) and its PPO stage's log.
+    "ppo": Trainer("ppo_jax.cli.train", "metrics.jsonl", ("objective/scores", "objective/kl"),
+                   ("objective/scores", "objective/kl")),
+    "sft": Trainer("ppo_jax.cli.sft", "metrics.jsonl", ("eval/loss", "train/loss"), ("train/loss", "eval/loss")),
+    "reward_model": Trainer("ppo_jax.cli.reward_model", "metrics.jsonl", ("eval/accuracy", "train/loss"),
+                            ("train/loss", "eval/accuracy")),
+    "dpo": Trainer("ppo_jax.cli.dpo", "metrics.jsonl", ("eval/accuracy", "train/loss"), ("train/loss", "eval/accuracy")),
+    # The demo pipeline writes summary.json (gap_closed, final_kl, ...) and its PPO stage's log (the
+    # gold evaluations as gold/*).
     "demo": Trainer("ppo_jax.demo", "ppo/metrics.jsonl", ("gap_closed", "final_kl", "seconds.total"),
-                    default_config="ppo_jax.demo.default_config"),
+                    ("gold/gold", "gold/kl", "objective/scores"), default_config="ppo_jax.demo.default_config"),
     # The verifiable-reward task (SFT, then RL on the checker's 1/0 reward): summary.json and rl/'s log.
     "verifiable": Trainer("ppo_jax.verifiable", "rl/metrics.jsonl",
                           ("accuracy_after", "accuracy_before", "final_kl", "seconds.total"),
+                          ("eval/accuracy", "eval/kl", "objective/scores"),
                           default_config="ppo_jax.verifiable.default_config"),
 }
 SEED_FIELD = "seed"  # every trainer's settings (and the demo's) have one top-level seed

@@ -5,7 +5,8 @@
    picks PPO, RLOO or REINFORCE++), with exact-match accuracy on held-out prompts before, during and
    after.
 
-Outputs in the workdir: sft/ and rl/ (each trainer's metrics, checkpoints and export; rl/metrics.jsonl
+A rerun on the same workdir starts over (like the demo, it clears its own outputs and refuses a
+non-empty directory it did not make). Outputs in the workdir: sft/ and rl/ (each trainer's metrics, checkpoints and export; rl/metrics.jsonl
 holds `eval/accuracy` at every evaluation), summary.json (accuracy before and after, final KL, wall
 times) and samples_before_after.jsonl.
 """
@@ -25,6 +26,7 @@ import numpy as np
 from ppo_jax import sharding
 from ppo_jax.cli.common import config_command
 from ppo_jax.data import PromptTokenizer
+from ppo_jax.demo.pipeline import prepare_workdir
 from ppo_jax.rl.errors import RunStopped
 from ppo_jax.rl.trainer import PPOTrainer
 from ppo_jax.supervised.sft import SFTTrainer
@@ -33,6 +35,8 @@ from ppo_jax.verifiable.settings import VerifiableSettings
 from ppo_jax.verifiable.task import is_correct, tokenizer
 
 DEFAULT_WORKDIR = os.path.join("runs", "verifiable")
+MARKER = ".ppo_jax_verifiable"  # marks a directory this pipeline may clear and rewrite
+OUTPUTS = ("sft", "rl", "summary.json", "samples_before_after.jsonl")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +130,8 @@ def run(config, workdir: str = DEFAULT_WORKDIR, *, mesh=None, verbose: bool = Tr
     s = VerifiableSettings.from_config(config)
     log = print if verbose and jax.process_index() == 0 else (lambda *a, **k: None)
     start = time.perf_counter()
-    os.makedirs(workdir, exist_ok=True)
+    if jax.process_index() == 0:  # a rerun starts over: a finished stage would not be this run's "before"
+        prepare_workdir(workdir, marker=MARKER, outputs=OUTPUTS, made_by="the verifiable-reward pipeline")
     log(f"[1/2] SFT on {s.corpus.num_train} demonstrations ({s.task.demo_error_rate:.0%} of them wrong)")
     sft_dir, sft_seconds = train_sft(s, workdir, mesh)
     log(f"[2/2] {s.rl.ppo.advantage_estimator} on the exact-match reward, {s.rl.rollout.num_samples} samples per prompt")
