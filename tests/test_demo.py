@@ -109,3 +109,36 @@ def test_kl_sweep_plot(tmp_path):
     assert len(fig.axes) == 2 and len(fig.axes[0].lines) == 2 * 2 + 1  # gold + proxy per run, best line
     with open(tmp_path / "sweep.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_gold_evaluation_reads_every_sample_of_a_grouped_rollout():
+    """With rollout.num_samples = n (GRPO, RLOO) the sampler returns n rows per prompt, prompt i's at
+    [i n, (i + 1) n): each is judged against its own prompt (it once indexed past the prompts)."""
+    import types
+
+    import jax.numpy as jnp
+
+    from ppo_jax.demo.evaluator import PolicyEvaluator
+    from ppo_jax.demo.world import World, topic_of
+
+    world, n = World(), 2
+    prompts = world.prompts(2, "eval", seed=0)
+    tok = world.tokenizer
+    answers = [f"the {topic_of(p)} is lovely , warm and bright ." for p in prompts]  # each about its own prompt
+    ids = [tok.encode(a, add_special_tokens=False) + [tok.eos_token_id] for a in answers]
+    width = max(map(len, ids))
+    rows = np.asarray([i + [tok.pad_token_id] * (width - len(i)) for i in ids for _ in range(n)], np.int32)
+    mask = (np.arange(width) < np.asarray([len(i) for i in ids for _ in range(n)])[:, None]).astype(np.int32)
+
+    def sample(prompt_tokens, prompt_mask, key):
+        return types.SimpleNamespace(prompt_tokens=jnp.repeat(prompt_tokens, n, 0), prompt_mask=jnp.repeat(prompt_mask, n, 0),
+                                     tokens=jnp.asarray(rows), mask=jnp.asarray(mask), logprobs=jnp.zeros(rows.shape))
+
+    trainer = types.SimpleNamespace(
+        settings=types.SimpleNamespace(rollout=types.SimpleNamespace(batch_size=2, num_samples=n),
+                                       data=types.SimpleNamespace(prompt_length=10)),
+        tokenizer=tok, mesh=make_test_mesh((1, 1, 1)), stop_ids=(tok.eos_token_id,), sample=sample,
+        score_responses=lambda *a: (jnp.zeros(rows.shape), jnp.zeros(len(rows))))
+    point, judged = PolicyEvaluator(trainer, world, prompts, seed=0)(0)
+    assert [r["prompt"] for r in judged] == [prompts[0]] * n + [prompts[1]] * n
+    assert point.gold == pytest.approx(world.best_gold)  # each answer names its own prompt's topic

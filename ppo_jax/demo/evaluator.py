@@ -35,7 +35,8 @@ class EvalPoint:
 
 class PolicyEvaluator:
     """Samples the current policy on fixed held-out prompts (fixed keys, so successive evaluations
-    differ only because the policy did) and measures gold reward, RM score and KL to the reference."""
+    differ only because the policy did) and measures gold reward, RM score and KL to the reference:
+    means over every sample (rollout.num_samples per prompt)."""
 
     def __init__(self, trainer: PPOTrainer, world: World, prompts: Sequence[str], seed: int):
         self.trainer, self.world = trainer, world
@@ -53,6 +54,7 @@ class PolicyEvaluator:
         t = self.trainer
         rows: list[dict[str, Any]] = []
         stop_ids = tuple(t.stop_ids)
+        n = t.settings.rollout.num_samples  # the sampler's rows of prompt i: [i * n, (i + 1) * n)
         for batch, key in zip(self.batches, self.keys):
             out = t.sample(batch[0], batch[1], key)
             ref_logprobs, rm_scores = t.score_responses(out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
@@ -60,7 +62,7 @@ class PolicyEvaluator:
                                      "ref": ref_logprobs, "rm": rm_scores})
             host["kl"] = ((host["logprobs"] - host["ref"]) * host["mask"]).sum(-1)
             for i in range(host["tokens"].shape[0]):
-                prompt = self.prompts[len(rows)]
+                prompt = self.prompts[len(rows) // n]
                 text, stopped = self.world.decode_response(host["tokens"][i], stop_ids)
                 rows.append({"prompt": prompt, "response": text, "stopped": bool(stopped),
                              "gold": self.world.gold(prompt, text, stopped), "rm_score": float(host["rm"][i]),
