@@ -58,8 +58,10 @@ class Evaluator:
         self.trainer, self.prompts = trainer, list(prompts)
         b, length = trainer.settings.rollout.batch_size, trainer.settings.data.prompt_length
         encoder = PromptTokenizer(trainer.tokenizer, max_prompt_length=length)
-        self.batches = [sharding.put_batch(tuple((lambda e: (e.tokens, e.mask))(encoder.prompts(
-            self.prompts[i:i + b], length=length))), trainer.mesh) for i in range(0, len(self.prompts), b)]
+        self.batches = []
+        for start in range(0, len(self.prompts), b):
+            batch = encoder.prompts(self.prompts[start:start + b], length=length)
+            self.batches.append(sharding.put_batch((batch.tokens, batch.mask), trainer.mesh))
         self.keys = [sharding.replicate(jax.random.fold_in(jax.random.key(seed), 1000 + i), trainer.mesh)
                      for i in range(len(self.batches))]
 
