@@ -42,7 +42,7 @@ def plot_curves(results: Sequence[RunResult], metrics: Sequence[str], path: str 
     groups: dict[str, list[RunResult]] = {}
     for result in results:
         if result.outcome.ok:
-            groups.setdefault(result.outcome.run.label, []).append(result)
+            groups.setdefault(result.outcome.run.short_label, []).append(result)
     for ax, metric in zip(axes, metrics):
         for label, group in groups.items():
             curves = [r.curves[metric] for r in group if metric in r.curves]
@@ -55,9 +55,11 @@ def plot_curves(results: Sequence[RunResult], metrics: Sequence[str], path: str 
         ax.set_title(metric)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    if axes and axes[0].lines:
-        axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    if axes and axes[0].lines:  # one legend under the panels
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=min(len(groups), 3), fontsize=8)
+        fig.tight_layout(rect=(0, 0.06 * math.ceil(len(groups) / 3) + 0.04, 1, 1))
+    else:
+        fig.tight_layout()
     save(fig, path)
     return fig
 

@@ -86,8 +86,14 @@ class Run:
 
     @property
     def label(self) -> str:
-        """The point, readable: 'kl_coef=0.05, estimator=grpo' ('base' for a seeds-only sweep)."""
+        """The point, readable: 'ppo.kl_coef=0.05, ppo.advantage_estimator=grpo' ('base' for a
+        seeds-only sweep)."""
         return ", ".join(f"{field}={value}" for field, value in self.point) or "base"
+
+    @property
+    def short_label(self) -> str:
+        """The point with each field's last name only: 'kl_coef=0.05, advantage_estimator=grpo'."""
+        return ", ".join(f"{field.rsplit('.', 1)[-1]}={value}" for field, value in self.point) or "base"
 
 
 def parse_axis(text: str) -> Axis:
