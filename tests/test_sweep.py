@@ -110,7 +110,10 @@ def test_an_interrupted_sweep_reruns_only_what_did_not_finish(tmp_path):
     assert [o.ok for o in outcomes] == [True, True, True, False]
     assert outcomes[3].last_line == "error: the flaky run failed" and outcomes[3].returncode == 1
     assert sorted(reported)[-1][2:] == (4, 4) and len(reported) == 4
-    again = runner.run_sweep(runs, sweep_dir, _fake_command, parallel=2)
+    reported.clear()
+    again = runner.run_sweep(runs, sweep_dir, _fake_command, parallel=2,
+                             report=lambda o, done, total: reported.append((o.run.name, o.ran_now, done)))
+    assert reported == [(r.name, False, i + 1) for i, r in enumerate(runs[:3])] + [(runs[3].name, True, 4)]
     assert all(o.ok for o in again) and [o.ran_now for o in again] == [False, False, False, True]
     calls = (tmp_path / "calls.txt").read_text().split()
     assert sorted(calls) == sorted([r.name for r in runs] + [runs[3].name])  # the finished ones ran once

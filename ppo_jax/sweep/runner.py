@@ -95,10 +95,12 @@ def run_sweep(runs: Sequence[Run], sweep_dir: str, command: Callable[[Run, str],
     one has failed (those running finish)."""
     outcomes = {run.index: recorded_outcome(sweep_dir, run) for run in runs}
     pending = [run for run in runs if not outcomes[run.index].ok]
-    done = len(runs) - len(pending)
+    done = 0
     for run in runs:
-        if outcomes[run.index].ok and report:
-            report(outcomes[run.index], done, len(runs))
+        if outcomes[run.index].ok:
+            done += 1
+            if report:
+                report(outcomes[run.index], done, len(runs))
     running: dict[int, tuple[subprocess.Popen, float, str, object]] = {}
     failed = False
     try:
