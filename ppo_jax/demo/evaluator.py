@@ -2,8 +2,8 @@
 gold reward (which PPO never sees) judges the answers, beside the reward model's score and the KL to
 the SFT reference.
 
-Only the trainer's public API is used: `settings`, `tokenizer`, `mesh`, `sample`, `stop_ids`
-and `score_responses` (the reference log-probs and reward-model scores of sampled responses).
+The sampling is `ppo_jax.rl.held_out.HeldOutSampler`'s (the trainer's public API only); this module
+judges what it returns.
 """
 
 from __future__ import annotations
@@ -12,12 +12,10 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
-from ppo_jax import sharding
-from ppo_jax.data import PromptTokenizer
 from ppo_jax.demo.world import World
+from ppo_jax.rl.held_out import HeldOutSampler
 from ppo_jax.rl.trainer import PPOTrainer
 
 
@@ -34,39 +32,22 @@ class EvalPoint:
 
 
 class PolicyEvaluator:
-    """Samples the current policy on fixed held-out prompts (fixed keys, so successive evaluations
-    differ only because the policy did) and measures gold reward, RM score and KL to the reference:
-    means over every sample (rollout.num_samples per prompt)."""
+    """The current policy on fixed held-out prompts (`HeldOutSampler`: fixed keys, so successive
+    evaluations differ only because the policy did), judged by gold reward, RM score and KL to the
+    reference: means over every sample (rollout.num_samples per prompt)."""
 
     def __init__(self, trainer: PPOTrainer, world: World, prompts: Sequence[str], seed: int):
         self.trainer, self.world = trainer, world
-        self.prompts = list(prompts)
-        b = trainer.settings.rollout.batch_size
-        length = trainer.settings.data.prompt_length
-        encoder = PromptTokenizer(trainer.tokenizer, max_prompt_length=length)
-        self.batches = []
-        for start in range(0, len(self.prompts), b):
-            batch = encoder.prompts(self.prompts[start:start + b], length=length)
-            self.batches.append(sharding.put_batch((batch.tokens, batch.mask), trainer.mesh))
-        self.keys = [jax.random.fold_in(jax.random.key(seed), 1000 + i) for i in range(len(self.batches))]
+        self.sampler = HeldOutSampler(trainer, prompts, seed)
 
     def __call__(self, step: int) -> tuple[EvalPoint, list[dict[str, Any]]]:
-        t = self.trainer
+        stop_ids = tuple(self.trainer.stop_ids)
         rows: list[dict[str, Any]] = []
-        stop_ids = tuple(t.stop_ids)
-        n = t.settings.rollout.num_samples  # the sampler's rows of prompt i: [i * n, (i + 1) * n)
-        for batch, key in zip(self.batches, self.keys):
-            out = t.sample(batch[0], batch[1], key)
-            ref_logprobs, rm_scores = t.score_responses(out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
-            host = sharding.to_host({"tokens": out.tokens, "mask": out.mask, "logprobs": out.logprobs,
-                                     "ref": ref_logprobs, "rm": rm_scores})
-            host["kl"] = ((host["logprobs"] - host["ref"]) * host["mask"]).sum(-1)
-            for i in range(host["tokens"].shape[0]):
-                prompt = self.prompts[len(rows) // n]
-                text, stopped = self.world.decode_response(host["tokens"][i], stop_ids)
-                rows.append({"prompt": prompt, "response": text, "stopped": bool(stopped),
-                             "gold": self.world.gold(prompt, text, stopped), "rm_score": float(host["rm"][i]),
-                             "kl": float(host["kl"][i]), "length": int(host["mask"][i].sum())})
+        for sample in self.sampler():
+            text, stopped = self.world.decode_response(sample.tokens, stop_ids)
+            rows.append({"prompt": sample.prompt, "response": text, "stopped": bool(stopped),
+                         "gold": self.world.gold(sample.prompt, text, stopped), "rm_score": sample.rm_score,
+                         "kl": sample.kl, "length": sample.length})
         point = EvalPoint(step=step, gold=float(np.mean([r["gold"] for r in rows])),
                           rm_score=float(np.mean([r["rm_score"] for r in rows])),
                           kl=float(np.mean([r["kl"] for r in rows])),

@@ -23,11 +23,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from ppo_jax import sharding
 from ppo_jax.cli.common import config_command
-from ppo_jax.data import PromptTokenizer
 from ppo_jax.demo.pipeline import prepare_workdir
 from ppo_jax.rl.errors import RunStopped
+from ppo_jax.rl.held_out import HeldOutSampler
 from ppo_jax.rl.trainer import PPOTrainer
 from ppo_jax.supervised.sft import SFTTrainer
 from ppo_jax.verifiable import default_config
@@ -51,35 +50,22 @@ class Evaluation:
 
 
 class Evaluator:
-    """Samples the trainer's current policy on fixed held-out prompts with fixed keys, so successive
-    evaluations differ only because the policy did."""
+    """The trainer's current policy on fixed held-out prompts (`HeldOutSampler`: fixed keys, so
+    successive evaluations differ only because the policy did), every sample checked exactly."""
 
     def __init__(self, trainer: PPOTrainer, prompts: Sequence[str], seed: int):
-        self.trainer, self.prompts = trainer, list(prompts)
-        b, length = trainer.settings.rollout.batch_size, trainer.settings.data.prompt_length
-        encoder = PromptTokenizer(trainer.tokenizer, max_prompt_length=length)
-        self.batches = []
-        for start in range(0, len(self.prompts), b):
-            batch = encoder.prompts(self.prompts[start:start + b], length=length)
-            self.batches.append(sharding.put_batch((batch.tokens, batch.mask), trainer.mesh))
-        self.keys = [sharding.replicate(jax.random.fold_in(jax.random.key(seed), 1000 + i), trainer.mesh)
-                     for i in range(len(self.batches))]
+        self.trainer = trainer
+        self.sampler = HeldOutSampler(trainer, prompts, seed)
 
     def __call__(self, step: int) -> tuple[Evaluation, list[dict[str, Any]]]:
-        t, n = self.trainer, self.trainer.settings.rollout.num_samples
+        t = self.trainer
         rows: list[dict[str, Any]] = []
-        for (tokens, mask), key in zip(self.batches, self.keys):
-            out = t.sample(tokens, mask, key)
-            ref, _ = t.score_responses(out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
-            host = sharding.to_host({"tokens": out.tokens, "mask": out.mask, "logprobs": out.logprobs, "ref": ref})
-            kl = ((host["logprobs"] - host["ref"]) * host["mask"]).sum(-1)
-            for i in range(host["tokens"].shape[0]):
-                prompt = self.prompts[len(rows) // n]
-                ids = host["tokens"][i][: int(host["mask"][i].sum())]
-                text = t.tokenizer.decode([x for x in ids if x not in t.stop_ids], skip_special_tokens=True)
-                rows.append({"prompt": prompt, "response": text, "correct": is_correct(prompt, text),
-                             "kl": float(kl[i]), "length": int(host["mask"][i].sum())})
-        correct = np.asarray([r["correct"] for r in rows]).reshape(-1, n)
+        for sample in self.sampler():
+            ids = sample.tokens[:sample.length]
+            text = t.tokenizer.decode([x for x in ids if x not in t.stop_ids], skip_special_tokens=True)
+            rows.append({"prompt": sample.prompt, "response": text, "correct": is_correct(sample.prompt, text),
+                         "kl": sample.kl, "length": sample.length})
+        correct = np.asarray([r["correct"] for r in rows]).reshape(-1, t.settings.rollout.num_samples)
         return Evaluation(step=step, accuracy=float(correct.mean()), prompt_accuracy=float(correct.all(-1).mean()),
                           kl=float(np.mean([r["kl"] for r in rows])),
                           length=float(np.mean([r["length"] for r in rows]))), rows
