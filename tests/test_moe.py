@@ -16,7 +16,7 @@ from conftest import make_test_mesh
 from tiny_configs import tiny_config
 
 from ppo_jax.models import ModelConfig
-from ppo_jax.models.moe import MoEMLP, route
+from ppo_jax.models.moe import MoEMLP, group_pairs, route
 from ppo_jax.rl.trainer import PPOTrainer
 
 D, F, E, K = 32, 16, 6, 2
@@ -124,7 +124,7 @@ def test_router_losses_match_transformers(tmp_path, family):
 
 
 def test_routing_as_a_loop_computes_it():
-    """Top-k of the softmax per token, optionally renormalised; pairs grouped by expert."""
+    """Top-k of the softmax per token, optionally renormalised; pairs grouped by expert (group_pairs)."""
     logits = np.random.default_rng(2).normal(size=(9, E)).astype(np.float32)
     for normalize in (False, True):
         r = route(jnp.asarray(logits), K, normalize, jnp.float32)
@@ -135,8 +135,13 @@ def test_routing_as_a_loop_computes_it():
             assert list(np.asarray(r.experts[n])) == list(chosen)
             np.testing.assert_allclose(np.asarray(r.weights[n]), weights, rtol=1e-6)
         flat = np.asarray(r.experts).reshape(-1)
-        assert list(np.asarray(r.group_sizes)) == [int((flat == e).sum()) for e in range(E)]
-        assert list(flat[np.asarray(r.order)]) == sorted(flat)
+        groups = group_pairs(r.experts.reshape(-1), E)
+        assert list(np.asarray(groups.sizes)) == [int((flat == e).sum()) for e in range(E)]
+        assert list(flat[np.asarray(groups.order)]) == sorted(flat) == list(np.asarray(groups.keys))
+        # Pairs in no group (key E - 1 here, with E - 1 groups) sort last and are not counted.
+        local = group_pairs(r.experts.reshape(-1), E - 1)
+        assert list(np.asarray(local.sizes)) == [int((flat == e).sum()) for e in range(E - 1)]
+        assert list(np.asarray(local.keys)) == sorted(flat)
     # GPT-OSS: the k largest logits, then a softmax over those k.
     r = route(jnp.asarray(logits), K, False, jnp.float32, softmax="topk")
     for n, row in enumerate(logits):

@@ -38,15 +38,10 @@ ROUTER = "router_stats"
 
 @dataclasses.dataclass(frozen=True)
 class Routing:
-    """Each token's experts and their weights, and the order that groups the pairs by expert.
-
-    experts [N, k] int32, weights [N, k] (compute dtype), order [N*k]: the flat (token, slot) pairs
-    sorted by expert; group_sizes [E] int32: how many pairs each expert receives."""
+    """Each token's experts and their weights: experts [N, k] int32, weights [N, k] (compute dtype)."""
 
     experts: Array
     weights: Array
-    order: Array
-    group_sizes: Array
 
 
 def route(router_logits: Array, k: int, normalize: bool, dtype, softmax: str = "all") -> Routing:
@@ -63,11 +58,26 @@ def route(router_logits: Array, k: int, normalize: bool, dtype, softmax: str = "
         weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
         if normalize:
             weights = weights / weights.sum(-1, keepdims=True)
-    flat = experts.reshape(-1)
-    num_experts = router_logits.shape[-1]
-    return Routing(experts=experts, weights=weights.astype(dtype),
-                   order=jnp.argsort(flat, stable=True),
-                   group_sizes=jnp.bincount(flat, length=num_experts).astype(jnp.int32))
+    return Routing(experts=experts, weights=weights.astype(dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    """Flat (token, slot) pairs sorted by group: order [M] (row i is pair order[i]), sizes [G] int32
+    (rows per group, in group order), keys [M] (each sorted row's group; G for a pair in no group,
+    sorted after every group)."""
+
+    order: Array
+    sizes: Array
+    keys: Array
+
+
+def group_pairs(keys: Array, num_groups: int) -> Groups:
+    """keys [M] in [0, num_groups]: each pair's group, num_groups for "in none" (another device's
+    expert under expert parallelism)."""
+    order = jnp.argsort(keys, stable=True)
+    sizes = jnp.bincount(keys, length=num_groups + 1)[:num_groups].astype(jnp.int32)
+    return Groups(order=order, sizes=sizes, keys=keys[order])
 
 
 @flax.struct.dataclass
@@ -161,12 +171,18 @@ def combine(out: Array, order: Array, weights: Array) -> Array:
     return (per_slot * weights[..., None]).sum(axis=1)
 
 
+def grouped_ffn(cfg: ModelConfig, w: dict[str, Array], tokens: Array, groups: Groups, k: int) -> Array:
+    """Each (token, slot) pair of `groups` through its expert in `w`: tokens [N, D] -> [N*k, D] in the
+    groups' order (rows in no group come out unspecified)."""
+    num_groups = groups.sizes.shape[0]
+    return expert_ffn(cfg, w, tokens[groups.order // k], groups.sizes, jnp.minimum(groups.keys, num_groups - 1))
+
+
 def all_experts(cfg: ModelConfig, w: dict[str, Array], tokens: Array, routing: Routing) -> Array:
     """tokens [N, D] -> [N, D] with every expert in one program (one device, or partitioned by XLA)."""
-    k = routing.experts.shape[-1]
-    row_expert = routing.experts.reshape(-1)[routing.order]  # [N*k]: the expert of each sorted row
-    out = expert_ffn(cfg, w, tokens[routing.order // k], routing.group_sizes, row_expert)
-    return combine(out, routing.order, routing.weights)
+    e, k = w["down"].shape[0], routing.experts.shape[-1]
+    groups = group_pairs(routing.experts.reshape(-1), e)
+    return combine(grouped_ffn(cfg, w, tokens, groups, k), groups.order, routing.weights)
 
 
 def _local_experts(cfg: ModelConfig, w: dict[str, Array], tokens: Array, experts: Array,
@@ -188,12 +204,9 @@ def _local_experts(cfg: ModelConfig, w: dict[str, Array], tokens: Array, experts
     n, k = experts.shape
     slot_expert = experts.reshape(-1) - jax.lax.axis_index("expert") * local  # [X*n*k]: index into w
     mine = (slot_expert >= 0) & (slot_expert < local)
-    key = jnp.where(mine, slot_expert, local)  # the other devices' pairs sort last, in no group
-    order = jnp.argsort(key, stable=True)
-    sizes = jnp.bincount(key, length=local + 1)[:local].astype(jnp.int32)
-    out = expert_ffn(cfg, w, tokens[order // k], sizes, jnp.minimum(key[order], local - 1))
-    out = jnp.where(mine[order][:, None], out, 0)  # rows past the groups are unspecified: never summed
-    partial = combine(out, order, jnp.where(mine.reshape(n, k), weights, 0))
+    groups = group_pairs(jnp.where(mine, slot_expert, local), local)  # the other devices' pairs: in none
+    out = jnp.where((groups.keys < local)[:, None], grouped_ffn(cfg, w, tokens, groups, k), 0)  # never summed
+    partial = combine(out, groups.order, jnp.where(mine.reshape(n, k), weights, 0))
     return jax.lax.psum_scatter(partial, "expert", tiled=True)
 
 
