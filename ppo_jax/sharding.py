@@ -77,12 +77,13 @@ def expert_axis_size(mesh) -> int:
     return int(mesh.shape["expert"])
 
 
-def check_experts_split(num_experts: int, mesh, what: str) -> None:
+def check_experts_split(num_experts: int, mesh, what: str, error: type[Exception] = ValueError) -> None:
     """A mesh with an expert axis must split the experts evenly: each of its devices holds
-    num_experts / expert of them (a dense model just shares the batch and weights over the axis)."""
+    num_experts / expert of them (a dense model just shares the batch and weights over the axis).
+    Raises `error` (the trainers pass their ConfigError)."""
     n = expert_axis_size(mesh)
     if n > 1 and num_experts and num_experts % n:
-        raise ValueError(f"{what}: the mesh's expert axis of {n} devices does not divide the model's "
+        raise error(f"{what}: the mesh's expert axis of {n} devices does not divide the model's "
                          f"{num_experts} experts; use an expert axis that divides {num_experts}")
 
 

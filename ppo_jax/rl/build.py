@@ -90,7 +90,7 @@ def policy_model_config(s: Settings, mesh=None) -> ModelConfig:
     lora = imported_lora_config(s.policy.lora, cfg) if s.policy.lora.init_from else s.policy.lora.lora_config()
     cfg = with_lora(cfg, lora, "policy")
     _check_cached_rope(cfg, s.data.prompt_length + s.rollout.response_length)
-    _check_experts_split(cfg, mesh, "policy")
+    sharding.check_experts_split(cfg.num_experts, mesh, "policy", ConfigError)
     if not cfg.num_experts and (s.ppo.router_aux_coef or s.ppo.router_z_coef):
         raise ConfigError(f"ppo.router_aux_coef={s.ppo.router_aux_coef}, ppo.router_z_coef={s.ppo.router_z_coef}: "
                           f"router losses need a mixture-of-experts policy, and this {cfg.arch} policy has no experts")
@@ -118,15 +118,8 @@ def reward_model_config(s: Settings, mesh=None) -> ModelConfig | None:
         raise ConfigError(
             f"reward.path={s.reward.path!r} holds a {kind} checkpoint; the reward model must be a "
             "sequence classifier with one label (ForSequenceClassification, num_labels=1)")
-    _check_experts_split(cfg, mesh, "reward")
+    sharding.check_experts_split(cfg.num_experts, mesh, "reward", ConfigError)
     return s.compute.apply(cfg, *mesh_platform(mesh))
-
-
-def _check_experts_split(cfg: ModelConfig, mesh, what: str) -> None:
-    try:
-        sharding.check_experts_split(cfg.num_experts, mesh, what)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
 
 
 @dataclasses.dataclass(frozen=True)

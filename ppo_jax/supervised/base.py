@@ -80,10 +80,7 @@ def model_config(section: ModelSettings, tokenizer, *, what: str, data, kinds: t
     check(section.router is None or cfg.num_experts,
           f"{what}: model.router_aux_coef={section.router_aux_coef}, model.router_z_coef={section.router_z_coef}: "
           f"router losses need a mixture-of-experts model, and this {cfg.arch} model has no experts")
-    try:
-        sharding.check_experts_split(cfg.num_experts, mesh, what)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    sharding.check_experts_split(cfg.num_experts, mesh, what, ConfigError)
     if cfg.lora is not None and lora_export == "adapter":
         try:  # the PEFT names of every adapter: refused by name when a target is a window of a fused tensor
             lora_tensor_maps(cfg)
