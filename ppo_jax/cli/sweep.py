@@ -93,9 +93,9 @@ def sweep(overrides: list[str]) -> int:
         return 0
     runner.write_manifest(SWEEP_DIR.value, {"trainer": TRAINER.value, "config": config_file, "overrides": overrides,
                                             "runs": [[run.name, run.overrides()] for run in runs]})
-    print(f"sweep: {len(runs)} runs of {TRAINER.value} ({len(runs) // max(len(set(r.point for r in runs)), 1)} "
-          f"seeds x {len({r.point for r in runs})} points), {PARALLEL.value} at a time, in {SWEEP_DIR.value}",
-          flush=True)
+    points = len({run.point for run in runs})
+    print(f"sweep: {len(runs)} runs of {TRAINER.value} ({len(runs) // points} seeds x {points} points), "
+          f"{PARALLEL.value} at a time, in {SWEEP_DIR.value}", flush=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     outcomes = runner.run_sweep(runs, SWEEP_DIR.value, command, parallel=PARALLEL.value,
                                 stop_on_failure=STOP_ON_FAILURE.value, env=env, report=_report)

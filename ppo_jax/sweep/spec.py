@@ -10,6 +10,7 @@ what `ppo-jax-train` would run by hand.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
 import re
 from collections.abc import Sequence
@@ -32,11 +33,7 @@ class Trainer:
     default_config: str | None = None
 
     def default_config_file(self) -> str | None:
-        if self.default_config is None:
-            return None
-        import importlib.util
-
-        return importlib.util.find_spec(self.default_config).origin
+        return None if self.default_config is None else importlib.util.find_spec(self.default_config).origin
 
 
 TRAINERS = {

@@ -97,9 +97,9 @@ class VerifiableSettings(RunSettings):
         check(self.sft.model.config.vocab_size >= len(tokenizer()),
               f"verifiable: sft.model.config.vocab_size={self.sft.model.config.vocab_size} is smaller than the "
               f"task's vocabulary ({len(tokenizer())})")
-        for field, need in (("sft.data.max_prompt_length", self.task.prompt_length),
-                            ("rl.data.prompt_length", self.task.prompt_length)):
-            have = self.sft.data.max_prompt_length if field.startswith("sft") else self.rl.data.prompt_length
+        need = self.task.prompt_length
+        for field, have in (("sft.data.max_prompt_length", self.sft.data.max_prompt_length),
+                            ("rl.data.prompt_length", self.rl.data.prompt_length)):
             check(have >= need, f"verifiable: {field}={have} is shorter than the task's prompts ({need} tokens)")
         self.sft_stage().validate()
         self.rl_stage(_SFT_DIR).validate()
