@@ -172,6 +172,8 @@ def ppo_jax_settings(args, assets):
     c.ppo.epochs = 1
     c.ppo.num_minibatches = args.rows // args.minibatch_rows
     c.compute.attention, c.compute.layer_loop, c.compute.remat = args.attention, args.layer_loop, args.remat
+    if args.packing is not None:
+        c.ppo.packing = args.packing
     c.compute.compilation_cache = ""  # compile time is one of the figures
     c.train.iterations = 10**6  # the benchmark calls run_iteration() itself
     c.train.progress = False
@@ -411,6 +413,7 @@ def parse_args(argv=None):
     p.add_argument("--layer-loop", default="auto")
     p.add_argument("--remat", default="keep")
     p.add_argument("--decode", default="auto")
+    p.add_argument("--packing", choices=("on", "off"), default=None, help="ppo.packing (default: the library's)")
     p.add_argument("--no-peers", action="store_true", help="skip HF generate and the torch update")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak (default: by device kind)")
     p.add_argument("--hbm-tbps", type=float, default=None, help="device memory bandwidth (default: by kind)")
