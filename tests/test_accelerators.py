@@ -89,8 +89,18 @@ def h100():
 
 @pytest.fixture(scope="module")
 def gpu_auto(h100):
-    """The programs `auto` builds for a GPU: per-layer loop, cuDNN attention."""
+    """The programs `auto` builds for a GPU: per-layer loop, cuDNN attention, padded rows."""
     return compile_plan(tiny_config(), h100)
+
+
+@pytest.fixture(scope="module")
+def gpu_packed_update(h100):
+    """The update with ppo.packing=on: its microbatches run in a while loop that carries a gradient
+    accumulator, the program where a second copy of the train state once hid (a lax.cond per
+    microbatch)."""
+    config = tiny_config()
+    config.ppo.packing = "on"
+    return compile_plan(config, h100, phases=("update",))
 
 
 @needs_cuda
@@ -107,6 +117,7 @@ def test_gpu_targets_are_the_vendors_devices(h100):
 def test_gpu_auto_resolves_for_the_planned_platform_not_the_host(gpu_auto):
     plan, _ = gpu_auto
     assert plan.platform == "gpu" and plan.device_kind.startswith("NVIDIA H100")
+    assert plan.batch["packed_rows"] == 0  # packing "auto" pads on a GPU (measured faster on an H200)
     # The planner's report names the device and reads the compiled programs.
     report = format_plan(plan, 80e9)
     assert "XLA:GPU for NVIDIA H100" in report and "fused attention calls" in report
@@ -130,8 +141,9 @@ def test_gpu_per_layer_loop_stacks_no_layers(gpu_auto):
 
 
 @needs_cuda
-def test_gpu_update_temps_hold_no_second_copy_of_the_train_state(gpu_auto):
-    plan, texts = gpu_auto
+@pytest.mark.parametrize("program", ["gpu_auto", "gpu_packed_update"])
+def test_gpu_update_temps_hold_no_second_copy_of_the_train_state(program, request):
+    plan, texts = request.getfixturevalue(program)
     update = next(p for p in plan.phases if p.name == "update")
     state = trainable_bytes(plan)
     # Gradients (one params-sized buffer) and activations live in the temps; a copy of params + Adam

@@ -315,7 +315,8 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
     policy_cfg = build.policy_model_config(s, mesh)
     reward_cfg, reward_source = planned_reward_config(s, policy_cfg, mesh)
     sizes = derive_sizes(s, batch_divisor=sharding.batch_divisor(mesh),
-                         max_positions=policy_cfg.max_position_embeddings, vocab_size=policy_cfg.vocab_size)
+                         max_positions=policy_cfg.max_position_embeddings, vocab_size=policy_cfg.vocab_size,
+                         platform=platform)
     hp = PPOHyper.from_settings(s, sizes)
 
     modules = build.make_modules(s, policy_cfg, reward_cfg)

@@ -12,6 +12,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+import jax
 import ml_collections
 
 from ppo_jax.config import (HF_MODEL_DIR, HF_REWARD_DIR, PEFT_ADAPTER_DIR,
@@ -115,7 +116,7 @@ class PPOLossSettings:
     epochs: int = 4  # PPO epochs over each rollout batch
     num_minibatches: int = 1  # optimizer steps per epoch
     num_microbatches: int = 1  # gradient-accumulation slices per minibatch (padded rows; packed: see max_tokens_per_microbatch)
-    packing: str = "auto"  # "on": experience forwards and update on packed rows, only the real tokens computed (models/packing.py); "off": padded rows; "auto": on (measured faster on CPU whenever the rows hold padding, docs/benchmarks.md; GPU and TPU unmeasured). rollout.forward_microbatch applies to padded rows only
+    packing: str = "auto"  # "on": experience forwards and update on packed rows, only the real tokens computed (models/packing.py); "off": padded rows; "auto": on a CPU only (measured faster there whenever the rows hold padding; on an H200 the default granularity made a no-padding iteration 1.5x slower, long-tailed lengths unmeasured: docs/benchmarks.md). rollout.forward_microbatch applies to padded rows only
     max_tokens_per_microbatch: int = 0  # packed: token slots per update microbatch and per experience forward chunk, a multiple of data.prompt_length + rollout.response_length (one row); 0 = an eighth of a padded microbatch's (bench/bench_packing.py: 0.90 token efficiency, 1.57x on CPU at uniform lengths)
     clip_eps: float = 0.2  # policy ratio clip (lower side, and upper side unless clip_eps_high is set)
     clip_eps_high: float = 0.0  # upper ratio clip for asymmetric clipping; 0 = same as clip_eps
@@ -299,10 +300,23 @@ class DerivedSizes:
     packed_length: int = 0  # slots per packed row (T = the padded row length)
 
 
+def packing_on(packing: str, platform: str | None) -> bool:
+    """ppo.packing resolved for the devices' platform (None: this process's backend). "auto" packs on
+    a CPU only: there it was measured 1.7x faster at long-tailed lengths and 5% slower without padding;
+    on an H200 (TinyLlama shape, no padding) the packed experience and update were 1.44x and 1.52x
+    slower than padded, their eight small microbatches a minibatch paying the per-microbatch costs
+    eight times (docs/benchmarks.md, "The library on an H200"). GPU and TPU gains at long-tailed
+    lengths are unmeasured: "on" packs anywhere."""
+    if packing != "auto":
+        return packing == "on"
+    return (platform or jax.default_backend()) == "cpu"
+
+
 def derive_sizes(s: Settings, *, batch_divisor: int = 1, max_positions: int | None = None,
-                 vocab_size: int | None = None) -> DerivedSizes:
-    """The batch sizes of a run on a mesh with `batch_divisor` data-parallel devices, checked against
-    the mesh and the model (before any compile)."""
+                 vocab_size: int | None = None, platform: str | None = None) -> DerivedSizes:
+    """The batch sizes of a run on a mesh with `batch_divisor` data-parallel devices on `platform`
+    ("cpu", "gpu", "tpu"; None: this process's backend), checked against the mesh and the model
+    (before any compile)."""
     r, p = s.rollout, s.ppo
     rows = r.batch_size * r.num_samples
     check(rows % p.num_minibatches == 0,
@@ -329,7 +343,7 @@ def derive_sizes(s: Settings, *, batch_divisor: int = 1, max_positions: int | No
         for t in stop_token_ids(r, None):
             check(0 <= t < vocab_size, f"rollout.stop_token_ids: {t} is outside the vocabulary (size {vocab_size})")
     packed_rows, length = 0, s.data.prompt_length + r.response_length
-    if p.packing != "off":
+    if packing_on(p.packing, platform):
         packed_rows = packed_rows_per_microbatch(p.max_tokens_per_microbatch, length, micro, batch_divisor)
     return DerivedSizes(rollout_rows=rows, minibatch_rows=mini, microbatch_rows=micro, forward_rows=fwd,
                         packed_rows=packed_rows, packed_length=length if packed_rows else 0)

@@ -67,7 +67,8 @@ class PPOTrainer(TrainerCheckpoints):
                                  rewards.parse(s.reward.functions, s.reward.function_weights))
         self.sizes = derive_sizes(s, batch_divisor=sharding.batch_divisor(self.mesh),
                                   max_positions=self.policy_config.max_position_embeddings,
-                                  vocab_size=self.policy_config.vocab_size)
+                                  vocab_size=self.policy_config.vocab_size,
+                                  platform=build.mesh_platform(self.mesh)[0])
         self._check_tokenizers()
         self.hp = PPOHyper.from_settings(s, self.sizes)
         self.stop_ids = stop_token_ids(s.rollout, self._eos_id())
