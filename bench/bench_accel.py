@@ -202,10 +202,28 @@ def run_ppo_jax(args, assets, workdir: str) -> dict:
     first, steady = rows[0], rows[1:]
     median = {k: statistics.median(r[k] for r in steady) for k in first}
     stats = jax.devices()[0].memory_stats() or {}
+    profile = traced_iteration(trainer, args.profile) if args.profile else None
     return {"trainer_start_s": start_s, "first": first, "median": median,
             "compile_s": {k: first[k] - median[k] for k in first},
             "peak_bytes": stats.get("peak_bytes_in_use"), "trace_counts": dict(trainer.trace_counts),
-            "model": dataclasses.asdict(trainer.policy_config)}
+            "model": dataclasses.asdict(trainer.policy_config), "profile": profile}
+
+
+def traced_iteration(trainer, trace_dir: str) -> dict:
+    """One more iteration under `jax.profiler.trace`, after the timed ones (tracing slows the host
+    side): device busy time per XLA program and kind of kernel (bench/profile_summary.py), printed
+    and returned; the trace itself stays in `trace_dir` for TensorBoard / Perfetto."""
+    import jax
+
+    import profile_summary
+
+    with jax.profiler.trace(trace_dir):
+        trainer.run_iteration()
+    modules = profile_summary.summarize(trace_dir)
+    print("\nDevice time of one traced iteration, by program and kernel kind (ms):")
+    print(profile_summary.format_summary(modules, top=8))
+    return {m.name: {"seconds": m.seconds, "events": m.events, "by_kind": dict(m.by_kind),
+                     "top_ops": dict(m.by_op.most_common(20))} for m in modules.values()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -418,6 +436,8 @@ def parse_args(argv=None):
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak (default: by device kind)")
     p.add_argument("--hbm-tbps", type=float, default=None, help="device memory bandwidth (default: by kind)")
     p.add_argument("--json", default=None, help="write every figure here")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="trace one extra iteration into DIR and print its device time by program and kernel kind")
     args = p.parse_args(argv)
     defaults = dict(rows=4, prompt=8, response=8, minibatch_rows=2) if args.tiny else \
         dict(rows=64, prompt=128, response=128, minibatch_rows=16)

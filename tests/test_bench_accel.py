@@ -29,7 +29,7 @@ def test_matmul_parameter_count_matches_the_transformers_models():
 def test_tiny_run_reports_every_phase_and_the_peers(tmp_path):
     pytest.importorskip("torch")
     out = tmp_path / "accel.json"
-    result = bench_accel.main(["--tiny", "--iterations", "1", "--json", str(out)])
+    result = bench_accel.main(["--tiny", "--iterations", "1", "--json", str(out), "--profile", str(tmp_path / "trace")])
     saved = json.loads(out.read_text())
     assert saved["figures"]["flops"] == result["figures"]["flops"]
     ours = result["figures"]["ppo_jax"]
@@ -39,3 +39,11 @@ def test_tiny_run_reports_every_phase_and_the_peers(tmp_path):
     assert result["ppo_jax_raw"]["trace_counts"] == {"experience": 1, "update": 1}  # no recompiles
     assert result["figures"]["hf_generate"]["seconds"] > 0
     assert result["figures"]["torch_update"]["seconds"] > 0
+    # The traced iteration's device time, by program: the experience and update steps' XLA modules,
+    # their busy time split into kernel kinds that add up to it (on CPU: XLA:CPU's thunks).
+    profile = result["ppo_jax_raw"]["profile"]
+    for program in ("jit_experience", "jit_update"):
+        times = profile[program]
+        assert times["seconds"] > 0 and times["events"] > 0, program
+        assert sum(times["by_kind"].values()) == pytest.approx(times["seconds"])
+    assert profile["jit_update"]["by_kind"].get("gemm", 0) > 0  # the update's matmuls are found as such
