@@ -54,7 +54,7 @@ def attention_mask(kv_mask: Array, query_slots: Array, sliding_window: int | Non
     """[B, T, S] bool: key slot s is visible from query slot t.
 
     kv_mask [B, S]: real (non-padding, already written) key slots; query_slots [T]: the slot of each
-    query. Causality is by slot; within a left-padded row, or within one sequence of a packed row,
+    query, or [B, T] when every row writes at its own slot (a slot-based decode). Causality is by slot; within a left-padded row, or within one sequence of a packed row,
     slot differences equal position differences, so the sliding window is by slot too.
     segment_ids [B, T] (self-attention only, T == S): a packed row's sequence of each slot (0 on
     padding); a real query then sees only the keys of its own sequence. A padding query keeps the
@@ -62,10 +62,11 @@ def attention_mask(kv_mask: Array, query_slots: Array, sliding_window: int | Non
     gives exactly the unpacked mask.
     """
     key_slots = jnp.arange(kv_mask.shape[-1])
-    visible = key_slots[None, :] <= query_slots[:, None]
+    query_slots = query_slots[..., None]  # [T, 1] or [B, T, 1]
+    visible = key_slots <= query_slots
     if sliding_window is not None:
-        visible &= query_slots[:, None] - key_slots[None, :] < sliding_window
-    visible = visible[None, :, :] & kv_mask[:, None, :].astype(bool)
+        visible &= query_slots - key_slots < sliding_window
+    visible = visible & kv_mask[:, None, :].astype(bool)  # [T, S] or [B, T, S] -> [B, T, S]
     if segment_ids is not None:
         query = segment_ids[:, :, None]
         visible &= (query == segment_ids[:, None, :]) | (query == 0)
@@ -236,7 +237,7 @@ class Attention(nn.Module):
 
         cache_kv: None, the whole cache's (k, v) [L, B, K, S, Dh] with `layer` ([] int32) this layer's
         index into it, or (layer None) this layer's own (k, v) [B, K, S, Dh]; cache_index: [] int32,
-        the slot of the first of the T new tokens; sliding: whether this is a sliding-window layer
+        the slot of the first of the T new tokens, or [B] int32, each row's own (a slot-based decode); sliding: whether this is a sliding-window layer
         (a bool, or a [] bool array in a scanned body; only splash reads it, the mask already says so);
         segment_ids: [B, T] a packed row's sequence ids (0 = padding), None unpacked; the mask already
         holds them, only splash (whose masks are static) reads them.
@@ -290,7 +291,10 @@ class Attention(nn.Module):
 
 def _write_cache(cache_kv, k: Array, v: Array, layer, cache_index):
     """Writes only the T new slots of this layer (k, v [B, K, T, Dh]) into the cache, then reads the
-    layer's [B, K, S, Dh] slab: (the updated cache_kv, (k, v) of all S slots)."""
+    layer's [B, K, S, Dh] slab: (the updated cache_kv, (k, v) of all S slots). cache_index [B]: each
+    row from its own slot on (one scatter)."""
+    if jnp.ndim(cache_index) == 1:
+        return _write_cache_rows(cache_kv, k, v, layer, cache_index)
     if layer is None:
         cache_kv = tuple(jax.lax.dynamic_update_slice(c, new.astype(c.dtype), (0, 0, cache_index, 0))
                          for c, new in zip(cache_kv, (k, v)))
@@ -299,4 +303,20 @@ def _write_cache(cache_kv, k: Array, v: Array, layer, cache_index):
     cache_kv = tuple(jax.lax.dynamic_update_slice(c, new[None].astype(c.dtype), start)
                      for c, new in zip(cache_kv, (k, v)))
     slabs = tuple(jax.lax.dynamic_index_in_dim(c, layer, axis=0, keepdims=False) for c in cache_kv)
+    return cache_kv, slabs
+
+
+def _write_cache_rows(cache_kv, k: Array, v: Array, layer, starts: Array):
+    """`_write_cache` where row b's T new slots start at its own `starts[b]` ([B] int32): one
+    dynamic_update_slice per row, vmapped over the batch axis (XLA: one scatter, in place)."""
+    def write_layer(cache, new):  # [B, K, S, Dh] <- [B, K, T, Dh]
+        return jax.vmap(lambda c, n, start: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (0, start, 0)))(
+            cache, new, starts)
+
+    if layer is None:
+        cache_kv = tuple(write_layer(c, new) for c, new in zip(cache_kv, (k, v)))
+        return cache_kv, cache_kv
+    slabs = tuple(write_layer(jax.lax.dynamic_index_in_dim(c, layer, axis=0, keepdims=False), new)
+                  for c, new in zip(cache_kv, (k, v)))
+    cache_kv = tuple(jax.lax.dynamic_update_index_in_dim(c, slab, layer, axis=0) for c, slab in zip(cache_kv, slabs))
     return cache_kv, slabs

@@ -230,7 +230,7 @@ class Transformer(nn.Module):
             rope = (jnp.zeros((), jnp.float32),) * 2  # unused
         else:
             rope = rope_tables(cfg, positions)
-        query_slots = cache_index + jnp.arange(tokens.shape[1])
+        query_slots = jnp.asarray(cache_index)[..., None] + jnp.arange(tokens.shape[1])  # [T] or [B, T]
         if cfg.sliding_layers is None:
             mask = attention_mask(kv_mask, query_slots, cfg.sliding_window, segment_ids)
             return x, (rope, rope), (mask, mask)

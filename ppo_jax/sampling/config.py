@@ -25,6 +25,9 @@ from ppo_jax.models.transformer import CausalLM
 Array = jax.Array
 
 
+ENGINES = ("static", "continuous")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
     """How to sample responses (static: hashable, part of the compiled program).
@@ -41,6 +44,15 @@ class SamplingConfig:
     pad_token_id:   written after a row has stopped.
     num_samples:    responses per prompt (GRPO/RLOO); the rows of one prompt are consecutive.
     cache_dtype:    KV cache dtype name ("bfloat16" halves its memory); None: the model compute dtype.
+    engine:         "static": one batch of R rows decoded until its longest row stops (`loop.sample`);
+                    "continuous": `slots` decode rows fed from a queue of the R rows, a finished row's
+                    slot taking the next prompt's prefill (`continuous.sample_continuous`). The same
+                    key gives both the same tokens and log-probs (token_choice: a row's draws depend
+                    on its row index and step only).
+    slots:          decode rows the continuous engine holds at once (its KV cache is slots x
+                    (Lq + N - 1) instead of R x that); 0 with the static engine.
+    prefill_prompts: prompts the continuous engine prefills together when slots free up (their
+                    n samples each take a slot); 0: a quarter of the slots' worth, at least one.
     unroll_layers:  decode layer by layer on per-layer weights and caches instead of scanning the
                     stacked layers (`Transformer.unrolled`): this saves a copy of every layer's
                     weights and cache slab per token (GPT-2-small on CPU: 1.5x faster; TinyLlama on an
@@ -60,6 +72,9 @@ class SamplingConfig:
     greedy: bool = False
     num_samples: int = 1
     cache_dtype: str | None = None
+    engine: str = "static"
+    slots: int = 0
+    prefill_prompts: int = 0
     unroll_layers: bool | None = None
 
     def __post_init__(self):
@@ -87,6 +102,23 @@ class SamplingConfig:
             raise ValueError(f"sampling.stop_token_ids must be token ids >= 0, got {self.stop_token_ids}")
         if self.cache_dtype is not None:
             to_dtype(self.cache_dtype)
+        if self.engine not in ENGINES:
+            raise ValueError(f"sampling.engine={self.engine!r}: use one of {', '.join(ENGINES)}")
+        if self.engine == "continuous" and self.slots < self.num_samples:
+            raise ValueError(f"sampling.slots={self.slots}: the continuous engine needs at least num_samples="
+                             f"{self.num_samples} slots (a prompt's samples are inserted together)")
+        if self.engine == "static" and self.slots:
+            raise ValueError(f"sampling.slots={self.slots} is for the continuous engine (engine='static' "
+                             f"decodes every row at once)")
+        if self.prefill_prompts < 0:
+            raise ValueError(f"sampling.prefill_prompts must be >= 0 (0: a quarter of the slots), got "
+                             f"{self.prefill_prompts}")
+
+    def prefill_batch(self, prompts: int) -> int:
+        """Prompts the continuous engine prefills at once, for a call of `prompts` prompts: never more
+        than the slots hold (slots // num_samples) or the call has."""
+        chunk = self.prefill_prompts or max(1, self.slots // (4 * self.num_samples))
+        return max(1, min(chunk, self.slots // self.num_samples, prompts))
 
     @property
     def truncates(self) -> bool:
@@ -108,6 +140,9 @@ class SampleOutput:
     mask [R, N] int32: 1 up to and including the first stop token.
     lengths [R] int32: response lengths (sum of mask).
     stopped [R] bool: the row produced a stop token (False: it ran to max_new_tokens).
+    finish_step [R] int32: the engine's decode step at which the row's last token was chosen (0: by
+        its prefill); the static engine's is length - 1, the continuous engine's counts from the
+        start of the call. `slot_occupancy` reads the slot-steps decoded from it.
     """
 
     prompt_tokens: Array
@@ -118,6 +153,7 @@ class SampleOutput:
     mask: Array
     lengths: Array
     stopped: Array
+    finish_step: Array
 
 
 def truncation_metrics(output: SampleOutput) -> dict[str, Array]:
@@ -135,6 +171,21 @@ def truncation_metrics(output: SampleOutput) -> dict[str, Array]:
         "sampling/kept_mass": (jnp.exp(log_ratio) * mask).sum() / count,
         "sampling/log_ratio": log_ratio.sum() / count,
     }
+
+
+def slot_occupancy(output: SampleOutput, config: SamplingConfig, prompts: int) -> Array:
+    """Tokens generated / token choices computed (a float []), for a call on `prompts` prompts: the
+    decode rows (R static, `slots` continuous) times the decode steps run, plus the first tokens,
+    chosen from the prefills' logits (every row static; every prefilled chunk's rows continuous,
+    padding rows of a last short chunk included)."""
+    decode_steps = output.finish_step.max()
+    if config.engine == "static":
+        rows = prompts * config.num_samples
+        computed = rows + rows * decode_steps
+    else:
+        chunk = config.prefill_batch(prompts)
+        computed = -(-prompts // chunk) * chunk * config.num_samples + config.slots * decode_steps
+    return output.lengths.sum() / computed
 
 
 def validate_inputs(model: CausalLM, config: SamplingConfig, prompt_shape: tuple[int, ...],

@@ -38,13 +38,14 @@ class DecodeState:
     """Carry of the decode loop (R rows, N response slots, S cache slots).
 
     step []: response tokens already chosen; cache: KV cache (index = Lq + step - 1), or one per layer
-    when the decode is unrolled; kv_mask [R, S];
-    done [R]: row has stopped; the [R, N] buffers are filled column by column.
+    when the decode is unrolled; kv_mask [R, S]; stopped [R]: row produced a stop token;
+    done [R]: row has stopped or reached its limit; the [R, N] buffers are filled column by column.
     """
 
     step: Array
     cache: KVCache | tuple[KVCache, ...]
     kv_mask: Array
+    stopped: Array
     done: Array
     tokens: Array
     logprobs: Array
@@ -81,14 +82,21 @@ def _forward_last(module: CausalLM, tokens, positions, kv_mask, cache, last_inde
     return module.project(last_hidden)[:, 0], cache
 
 
-def _record(state: DecodeState, choice: TokenChoice, config: SamplingConfig) -> DecodeState:
-    """Writes the step's choice into column `state.step` (masked for rows already done)."""
+def is_stop_token(tokens: Array, config: SamplingConfig) -> Array:
+    """tokens [R] int32 -> [R] bool: one of the stop tokens."""
+    stop = jnp.zeros(tokens.shape, bool)
+    for stop_id in config.stop_token_ids:
+        stop |= tokens == stop_id
+    return stop
+
+
+def _record(state: DecodeState, choice: TokenChoice, config: SamplingConfig, limits: Array) -> DecodeState:
+    """Writes the step's choice into column `state.step` (masked for rows already done); a row is done
+    after a stop token or its `limits` [R] tokens."""
     active = ~state.done
     pad = jnp.asarray(config.pad_token_id, jnp.int32)
     tokens = jnp.where(active, choice.tokens, pad)
-    is_stop = jnp.zeros_like(active)
-    for stop_id in config.stop_token_ids:
-        is_stop |= tokens == stop_id
+    is_stop = is_stop_token(tokens, config)
 
     def put(buffer, column):
         return jax.lax.dynamic_update_slice(buffer, column[:, None].astype(buffer.dtype), (0, state.step))
@@ -96,7 +104,8 @@ def _record(state: DecodeState, choice: TokenChoice, config: SamplingConfig) -> 
     zero = jnp.zeros((), jnp.float32)
     return state.replace(
         step=state.step + 1,
-        done=state.done | (active & is_stop),
+        stopped=state.stopped | (active & is_stop),
+        done=state.done | (active & (is_stop | (state.step + 1 >= limits))),
         tokens=put(state.tokens, tokens),
         logprobs=put(state.logprobs, jnp.where(active, choice.logprobs, zero)),
         sampling_logprobs=put(state.sampling_logprobs, jnp.where(active, choice.sampling_logprobs, zero)),
@@ -105,12 +114,14 @@ def _record(state: DecodeState, choice: TokenChoice, config: SamplingConfig) -> 
 
 
 def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *, model: CausalLM,
-           config: SamplingConfig, adapters: Any = None) -> SampleOutput:
+           config: SamplingConfig, adapters: Any = None, response_limits: Array | None = None) -> SampleOutput:
     """Samples `config.num_samples` responses per left-padded prompt. Pure and jittable.
 
     params: the CausalLM parameter tree; prompt_tokens, prompt_mask [B, Lq] (left-padded, every row
     with at least one real token); key: a typed PRNG key; adapters: the model's LoRA adapter tree
-    (models/lora.py), None to decode the base. Returns a SampleOutput with R = B * n rows.
+    (models/lora.py), None to decode the base; response_limits [R] int32 (1..N): each output row's
+    own max_new_tokens (a row reaching it ends unstopped), None: N for all. Returns a SampleOutput
+    with R = B * n rows.
     """
     validate_inputs(model, config, prompt_tokens.shape, prompt_mask.shape)
     mc = model.config
@@ -140,6 +151,7 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
     if unroll:
         cache = tuple(_constrain_cache(layer) for layer in split_cache(cache))
     uniforms = _constrain(response_uniforms(key, rows, new), ("batch", "length"))
+    limits = jnp.full((rows,), new, jnp.int32) if response_limits is None else response_limits.astype(jnp.int32)
 
     def choose(logits: Array, step: Array) -> TokenChoice:
         column = jax.lax.dynamic_index_in_dim(uniforms, step, axis=1, keepdims=False)
@@ -149,10 +161,10 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
         return _constrain(jnp.zeros((rows, new), dtype), ("batch", "length"))
 
     state = DecodeState(
-        step=jnp.zeros((), jnp.int32), cache=cache, kv_mask=kv_mask,
+        step=jnp.zeros((), jnp.int32), cache=cache, kv_mask=kv_mask, stopped=jnp.zeros((rows,), bool),
         done=jnp.zeros((rows,), bool), tokens=zeros(jnp.int32) + config.pad_token_id,
         logprobs=zeros(jnp.float32), sampling_logprobs=zeros(jnp.float32), mask=zeros(jnp.int32))
-    state = _record(state, choose(logits, state.step), config)
+    state = _record(state, choose(logits, state.step), config, limits)
 
     def keep_going(state: DecodeState) -> Array:
         return (state.step < new) & ~jnp.all(state.done)
@@ -167,10 +179,11 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
                                     jnp.zeros((rows,), jnp.int32), layer_params, layer_adapters,
                                     method=_forward_last)
         state = state.replace(cache=cache, kv_mask=kv_mask)
-        return _record(state, choose(logits, state.step), config)
+        return _record(state, choose(logits, state.step), config, limits)
 
     state = jax.lax.while_loop(keep_going, decode_one, state)
+    lengths = state.mask.sum(axis=-1)
     return SampleOutput(
         prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=state.tokens, logprobs=state.logprobs,
-        sampling_logprobs=state.sampling_logprobs, mask=state.mask, lengths=state.mask.sum(axis=-1),
-        stopped=state.done)
+        sampling_logprobs=state.sampling_logprobs, mask=state.mask, lengths=lengths, stopped=state.stopped,
+        finish_step=lengths - 1)

@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 from ppo_jax import sharding
 from ppo_jax.models.transformer import CausalLM
 from ppo_jax.sampling.config import SampleOutput, SamplingConfig, validate_inputs
+from ppo_jax.sampling.continuous import sample_continuous
 from ppo_jax.sampling.loop import sample
 
 
@@ -34,10 +35,11 @@ class Sampler:
         out_shardings = SampleOutput(**{f.name: batch for f in dataclasses.fields(SampleOutput)})
 
         self.takes_adapters = adapter_shardings is not None
+        engine = sample_continuous if config.engine == "continuous" else sample
 
         def run(params, prompt_tokens, prompt_mask, key, adapters=None):
             self.trace_count += 1  # Python side effect: runs once per trace, never per call
-            return sample(params, prompt_tokens, prompt_mask, key, model=model, config=config, adapters=adapters)
+            return engine(params, prompt_tokens, prompt_mask, key, model=model, config=config, adapters=adapters)
 
         # Adapters go last and only when the sampler takes them, so the lowered / compiled program of
         # a base sampler keeps its (params, prompt_tokens, prompt_mask, key) signature.
@@ -60,6 +62,9 @@ class Sampler:
     def _check(self, prompt_tokens, prompt_mask) -> None:
         validate_inputs(self.model, self.config, np.shape(prompt_tokens), np.shape(prompt_mask))
         divisor = self.batch_multiple
+        if self.config.slots % divisor:
+            raise ValueError(f"sampling.slots={self.config.slots} is not a multiple of {divisor}, the number of "
+                             f"ways the mesh splits the batch ({sharding.batch_axes_text(self.mesh)})")
         if np.shape(prompt_tokens)[0] % divisor:
             raise ValueError(
                 f"prompt batch {np.shape(prompt_tokens)[0]} is not a multiple of {divisor}, the number of "

@@ -19,13 +19,15 @@ Array = jax.Array
 
 
 def processed_logits(scaled: Array, step: Array, config: SamplingConfig) -> Array:
-    """Tempered logits [R, V] with disallowed tokens set to -inf (min-tokens, top-k, top-p)."""
+    """Tempered logits [R, V] with disallowed tokens set to -inf (min-tokens, top-k, top-p); step: []
+    (every row at the same response position) or [R] (each row's own, a slot-based decode)."""
     vocab = scaled.shape[-1]
     neg_inf = jnp.asarray(-jnp.inf, scaled.dtype)
     out = scaled
     if config.min_new_tokens > 0 and config.stop_token_ids:
         is_stop = jnp.zeros((vocab,), bool).at[jnp.asarray(config.stop_token_ids)].set(True)
-        out = jnp.where(is_stop[None, :] & (step < config.min_new_tokens), neg_inf, out)
+        early = jnp.asarray(step)[..., None] < config.min_new_tokens  # [1] or [R, 1]
+        out = jnp.where(is_stop[None, :] & early, neg_inf, out)
     top_values = None
     if config.top_k > 0 and config.top_k < vocab:
         top_values = jax.lax.top_k(out, config.top_k)[0]  # [R, k], descending
@@ -132,8 +134,8 @@ def _log_prob_of(logits: Array, tokens: Array, max_logit: Array, exp_sum: Array)
 
 
 def choose_tokens(logits: Array, step: Array, uniforms: Array, config: SamplingConfig) -> TokenChoice:
-    """Picks one token per row from logits [R, V] (float32) at response position `step`, using
-    uniforms [R] (this step's column of `response_uniforms`)."""
+    """Picks one token per row from logits [R, V] (float32) at response position `step` ([], or [R]
+    per row), using uniforms [R] (each row's entry of `response_uniforms` at that position)."""
     scaled = logits.astype(jnp.float32) / config.temperature
     allowed = processed_logits(scaled, step, config)
     # One exp pass over the vocabulary serves both the draw and the log-probs when nothing truncates.

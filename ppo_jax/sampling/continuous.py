@@ -1,0 +1,223 @@
+"""The continuous-batching decode engine: `sample_continuous` decodes a fixed number of slots, fed
+from a queue of the R = B * n output rows, instead of all R rows at once. Pure and jittable (one
+program, no host round-trip: the queue, the inserts and the decode steps are one `lax.while_loop`).
+
+Conventions as in `loop.py`: B prompts, n samples each (output row r = prompt r // n, sample r % n),
+Lq prompt length (left-padded), N = max_new_tokens, C = Lq + N - 1 cache slots per row, V vocabulary;
+S decode slots (`SamplingConfig.slots`), P prompts per prefill (`SamplingConfig.prefill_batch`).
+
+How it runs. While slots are free and prompts remain, the next P prompts are prefilled together
+(prefill-then-insert: one forward over [P, Lq] into a fresh [P, Lq] cache, each prompt once, its n
+samples' rows copied into n free slots) and each row's first token is chosen from the prefill's
+logits. Then every slot decodes one token at its own cache slot and position (a per-row KV index,
+`KVCache.index` [S]); a row that stops (a stop token, or its limit) frees its slot at once. The
+cache holds S rows, not R: memory follows the slots, and a decode step pays for S rows however
+long the longest row runs.
+
+Randomness is scheduling-invariant: row r's token at response position t is drawn with the uniform
+(r, t) of `response_uniforms`, the same one the static engine uses, so for the same key both
+engines give the same tokens; its log-probs equal the static engine's to float round-off (the same
+row's logits, computed in batches of other sizes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from ppo_jax.models import forward
+from ppo_jax.models.cache import KVCache, init_cache, split_cache
+from ppo_jax.models.transformer import CausalLM, last_token_index, positions_from_mask, split_layer_params
+from ppo_jax.sampling.config import SampleOutput, SamplingConfig, validate_inputs
+from ppo_jax.sampling.loop import _constrain, _constrain_cache, _forward_last, is_stop_token
+from ppo_jax.sampling.token_choice import TokenChoice, choose_tokens, response_uniforms
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class Responses:
+    """The output buffers, by output row: tokens, logprobs, sampling_logprobs, mask [R, N] (filled at
+    (row, step) as slots choose), stopped [R] bool, finish_step [R] int32."""
+
+    tokens: Array
+    logprobs: Array
+    sampling_logprobs: Array
+    mask: Array
+    stopped: Array
+    finish_step: Array
+
+
+@flax.struct.dataclass
+class Slots:
+    """Carry of the engine (S slots).
+
+    row [S] int32: the output row a slot decodes, -1 when free; step [S] int32: tokens the row has;
+    last [S] int32: its last token (fed at the next step); prompt_length [S] int32: its real prompt
+    tokens; cache: KV cache [L, S, K, C, Dh] (or one [S, K, C, Dh] per layer, unrolled) with a
+    per-slot index; kv_mask [S, C]; next_prompt []: the first prompt not yet prefilled; clock []:
+    decode steps run; out: the Responses.
+    """
+
+    row: Array
+    step: Array
+    last: Array
+    prompt_length: Array
+    cache: KVCache | tuple[KVCache, ...]
+    kv_mask: Array
+    next_prompt: Array
+    clock: Array
+    out: Responses
+
+
+def _record(slots: Slots, rows: Array, steps: Array, choice: TokenChoice, limits: Array,
+            config: SamplingConfig) -> tuple[Array, Array]:
+    """Writes the choices of the `rows` [M] (-1: none) at response position `steps` [M] into the
+    Responses; returns (the updated Responses, which of the M rows finished [M] bool)."""
+    out = slots.out
+    live = rows >= 0
+    total = out.tokens.shape[0]
+    at = jnp.where(live, rows, total)  # an index past the end: the write is dropped
+    tokens = jnp.where(live, choice.tokens, config.pad_token_id)
+    is_stop = is_stop_token(tokens, config) & live
+    finished = live & (is_stop | (steps + 1 >= limits[jnp.maximum(rows, 0)]))
+
+    def put(buffer, values):
+        return buffer.at[at, steps].set(values.astype(buffer.dtype), mode="drop")
+
+    out = out.replace(
+        tokens=put(out.tokens, tokens), logprobs=put(out.logprobs, choice.logprobs),
+        sampling_logprobs=put(out.sampling_logprobs, choice.sampling_logprobs),
+        mask=put(out.mask, jnp.ones_like(tokens)),
+        stopped=out.stopped.at[at].set(is_stop, mode="drop"),
+        finish_step=out.finish_step.at[at].set(slots.clock, mode="drop"))
+    return out, finished
+
+
+def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
+                      model: CausalLM, config: SamplingConfig, adapters: Any = None,
+                      response_limits: Array | None = None) -> SampleOutput:
+    """`loop.sample` (same arguments, same SampleOutput, rows in prompt order) on `config.slots`
+    decode slots fed from a queue of the B * n rows."""
+    validate_inputs(model, config, prompt_tokens.shape, prompt_mask.shape)
+    mc = model.config
+    batch, prompt_len = prompt_tokens.shape
+    n, new, num_slots = config.num_samples, config.max_new_tokens, config.slots
+    rows, width = batch * n, prompt_len + new - 1
+    chunk = config.prefill_batch(batch)
+    prompt_tokens, prompt_mask = prompt_tokens.astype(jnp.int32), prompt_mask.astype(jnp.int32)
+    variables = forward.variables(params, adapters)
+    unroll = config.unroll_layers if config.unroll_layers is not None else jax.default_backend() != "tpu"
+    layer_params = split_layer_params(params) if unroll else None
+    layer_adapters = split_layer_params(adapters) if unroll and adapters is not None else None
+    uniforms = response_uniforms(key, rows, new)  # [R, N]: row r's draw at step t, wherever it runs
+    limits = jnp.full((rows,), new, jnp.int32) if response_limits is None else response_limits.astype(jnp.int32)
+
+    def constrain(x, names=("batch",)):
+        return _constrain(x, names + (None,) * (x.ndim - len(names)))
+
+    def choose(logits: Array, rows_: Array, steps: Array) -> TokenChoice:
+        draws = uniforms[jnp.maximum(rows_, 0), jnp.minimum(steps, new - 1)]
+        return choose_tokens(logits, steps, draws, config)
+
+    def insert(slots: Slots) -> Slots:
+        """Prefills the next `chunk` prompts and puts their rows into free slots."""
+        prompts = slots.next_prompt + jnp.arange(chunk)
+        valid = jnp.repeat(prompts < batch, n)  # [chunk * n]: a last short chunk's padding rows
+        prompts = jnp.minimum(prompts, batch - 1)
+        tokens, mask = prompt_tokens[prompts], prompt_mask[prompts]
+        cache = init_cache(mc, chunk, prompt_len, config.cache_dtype)
+        logits, cache = model.apply(variables, tokens, positions_from_mask(mask), mask, cache,
+                                    last_token_index(mask), method=_forward_last)
+        new_rows = jnp.where(valid, jnp.repeat(prompts, n) * n + jnp.tile(jnp.arange(n), chunk), -1)
+        # The free slots first (stable: in slot order); the valid rows are the chunk's first rows.
+        targets = jnp.argsort(slots.row >= 0, stable=True)[:chunk * n]
+        targets = jnp.where(valid, targets, num_slots)  # padding rows go nowhere
+        zero_steps = jnp.zeros((chunk * n,), jnp.int32)
+        choice = choose(jnp.repeat(logits, n, axis=0), new_rows, zero_steps)
+        out, finished = _record(slots, new_rows, zero_steps, choice, limits, config)
+
+        def put(buffer, values):  # rows of `values` [chunk * n, ...] into the target slots
+            return buffer.at[targets].set(values.astype(buffer.dtype), mode="drop")
+
+        def put_cache(layer_cache: KVCache, k: Array, v: Array) -> KVCache:  # k, v [chunk, K, Lq, Dh]
+            def fill(buffer, x):
+                return buffer.at[targets, :, :prompt_len].set(jnp.repeat(x, n, axis=0).astype(buffer.dtype),
+                                                                mode="drop")
+            return layer_cache.replace(k=fill(layer_cache.k, k), v=fill(layer_cache.v, v))
+
+        if unroll:
+            slot_cache = tuple(put_cache(c, cache.k[i], cache.v[i]) for i, c in enumerate(slots.cache))
+        else:
+            slot_cache = KVCache(
+                k=slots.cache.k.at[:, targets, :, :prompt_len].set(
+                    jnp.repeat(cache.k, n, axis=1).astype(slots.cache.k.dtype), mode="drop"),
+                v=slots.cache.v.at[:, targets, :, :prompt_len].set(
+                    jnp.repeat(cache.v, n, axis=1).astype(slots.cache.v.dtype), mode="drop"),
+                index=slots.cache.index)
+        row_mask = jnp.concatenate([jnp.repeat(mask, n, axis=0), jnp.zeros((chunk * n, new - 1), jnp.int32)], 1)
+        return slots.replace(
+            row=put(slots.row, jnp.where(finished, -1, new_rows)), step=put(slots.step, zero_steps + 1),
+            last=put(slots.last, choice.tokens), prompt_length=put(slots.prompt_length, jnp.repeat(mask.sum(-1), n)),
+            cache=slot_cache, kv_mask=put(slots.kv_mask, row_mask), next_prompt=slots.next_prompt + chunk,
+            out=out)
+
+    def can_insert(slots: Slots) -> Array:
+        needed = jnp.minimum(chunk, batch - slots.next_prompt) * n
+        return (slots.next_prompt < batch) & (jnp.sum(slots.row < 0) >= needed)
+
+    def fill(slots: Slots) -> Slots:
+        return jax.lax.while_loop(can_insert, insert, slots)
+
+    def decode(slots: Slots) -> Slots:
+        """One token for every slot, each at its own cache slot Lq + step - 1 and position."""
+        busy = slots.row >= 0
+        # A free slot decodes too (static shapes): it writes its own, masked slot and sits at
+        # position 0, so it moves no row's length-dependent rope (dynamic NTK, LongRoPE).
+        index = jnp.where(busy, prompt_len + slots.step - 1, width - 1)
+        kv_mask = slots.kv_mask.at[jnp.arange(num_slots), index].set(1)
+        positions = jnp.where(busy, slots.prompt_length + slots.step - 1, 0)[:, None]
+        if unroll:
+            cache = tuple(c.replace(index=index) for c in slots.cache)
+        else:
+            cache = slots.cache.replace(index=index)
+        logits, cache = model.apply(variables, slots.last[:, None], positions, kv_mask, cache,
+                                    jnp.zeros((num_slots,), jnp.int32), layer_params, layer_adapters,
+                                    method=_forward_last)
+        slots = slots.replace(cache=cache, kv_mask=kv_mask, clock=slots.clock + 1)
+        choice = choose(logits, slots.row, slots.step)
+        out, finished = _record(slots, slots.row, slots.step, choice, limits, config)
+        return slots.replace(row=jnp.where(finished, -1, slots.row), step=slots.step + busy, last=choice.tokens,
+                             out=out)
+
+    def slot_array(dtype, fill_value=0):
+        return constrain(jnp.full((num_slots,), fill_value, dtype))
+
+    cache = init_cache(mc, num_slots, width, config.cache_dtype)
+    cache = cache.replace(index=jnp.zeros((num_slots,), jnp.int32))
+    if unroll:
+        cache = tuple(_constrain_cache(layer) for layer in split_cache(cache))
+    else:
+        cache = _constrain_cache(cache)
+
+    def buffer(dtype, fill_value=0):
+        return constrain(jnp.full((rows, new), fill_value, dtype), ("batch", "length"))
+
+    slots = Slots(
+        row=slot_array(jnp.int32, -1), step=slot_array(jnp.int32), last=slot_array(jnp.int32),
+        prompt_length=slot_array(jnp.int32), cache=cache,
+        kv_mask=constrain(jnp.zeros((num_slots, width), jnp.int32)), next_prompt=jnp.zeros((), jnp.int32),
+        clock=jnp.zeros((), jnp.int32),
+        out=Responses(tokens=buffer(jnp.int32, config.pad_token_id), logprobs=buffer(jnp.float32),
+                      sampling_logprobs=buffer(jnp.float32), mask=buffer(jnp.int32),
+                      stopped=constrain(jnp.zeros((rows,), bool)), finish_step=constrain(jnp.zeros((rows,), jnp.int32))))
+    # After every fill, a slot is busy unless the queue is empty: "any row in a slot" is the condition.
+    slots = jax.lax.while_loop(lambda s: jnp.any(s.row >= 0), lambda s: fill(decode(s)), fill(slots))
+    out = slots.out
+    return SampleOutput(
+        prompt_tokens=jnp.repeat(prompt_tokens, n, axis=0), prompt_mask=jnp.repeat(prompt_mask, n, axis=0),
+        tokens=out.tokens, logprobs=out.logprobs, sampling_logprobs=out.sampling_logprobs, mask=out.mask,
+        lengths=out.mask.sum(axis=-1), stopped=out.stopped, finish_step=out.finish_step)
