@@ -335,7 +335,7 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
     batch = sharding.data_sharding(mesh)
     replicated = sharding.replicated(mesh)
     unroll_layers = decode_unrolled(s, mesh) if unroll_layers is None else unroll_layers
-    sampler_settings = sampling_config(s, stop_ids, pad_id, unroll_layers)
+    sampler_settings = sampling_config(s, stop_ids, pad_id, unroll_layers, sizes.decode_slots)
     if frozen_shardings.policy is None:
         sampler = sampling.make_sampler(modules.policy, sampler_settings, mesh, state_shardings.policy)
     else:  # LoRA: the rollout decodes the frozen base with the trainable adapters (no merged copy)

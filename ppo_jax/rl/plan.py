@@ -175,7 +175,7 @@ class MemoryPlan:
     batch: dict[str, int]  # prompts, samples, rows, prompt/response length, minibatch sizes
     params: dict[str, int]  # policy, reference, reward, value -> per-device bytes
     optimizer: dict[str, int]  # policy, value -> per-device bytes of the optax states
-    kv_cache_bytes: int  # the sampler's [L, rows, slots, K, Dh] k and v (inside its temps)
+    kv_cache_bytes: int  # the sampler's [L, rows (continuous: decode slots), K, Lq + Lr - 1, Dh] k and v (inside its temps)
     batch_arrays: dict[str, int]  # rollout, experience -> per-device bytes
     phases: tuple[PhaseMemory, ...]
 
@@ -370,8 +370,10 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
         experience = experience_lowered.out_info[0]
         update_lowered = steps.update_jit.lower(state, base, frozen.value, experience)
 
-    slots = s.data.prompt_length + s.rollout.response_length - 1
-    cache = jax.eval_shape(lambda: init_cache(policy_cfg, rows, slots, steps.sampling_config.cache_dtype))
+    # The static engine caches every row, the continuous one its decode slots only.
+    cache_rows = sizes.decode_slots or rows
+    width = s.data.prompt_length + s.rollout.response_length - 1
+    cache = jax.eval_shape(lambda: init_cache(policy_cfg, cache_rows, width, steps.sampling_config.cache_dtype))
     cache_sh = jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(KV_CACHE_AXES, cache.k.shape, mesh))
     kv_cache_bytes = 2 * device_bytes(jax.ShapeDtypeStruct(cache.k.shape, cache.k.dtype, sharding=cache_sh))
     batch_arrays = {"rollout": device_bytes(rollout), "experience": device_bytes(experience)}
@@ -402,6 +404,7 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
                "rows": sizes.rollout_rows, "prompt_length": s.data.prompt_length,
                "response_length": s.rollout.response_length,
                "minibatch_rows": sizes.minibatch_rows, "microbatch_rows": sizes.microbatch_rows,
-               "forward_rows": sizes.forward_rows, "epochs": s.ppo.epochs, "packed_rows": sizes.packed_rows},
+               "forward_rows": sizes.forward_rows, "epochs": s.ppo.epochs, "packed_rows": sizes.packed_rows,
+               "engine": s.rollout.engine, "decode_slots": sizes.decode_slots},
         params=params, optimizer=optimizer, kv_cache_bytes=kv_cache_bytes, batch_arrays=batch_arrays,
         phases=compiled)

@@ -52,7 +52,9 @@ def format_plan(plan: MemoryPlan, device_memory_bytes: float | None = None) -> s
         lines.append(f"  optimizer  {name:<12}{_gib(plan.optimizer[name])}")
     lines += [
         f"  total      params+opt  {_gib(plan.resident_bytes)}",
-        f"  KV cache   (sampler)   {_gib(plan.kv_cache_bytes)}   part of the sampler's temps",
+        f"  KV cache   (sampler)   {_gib(plan.kv_cache_bytes)}   part of the sampler's temps; "
+        + (f"continuous engine: {b['decode_slots']} decode slots" if b.get("decode_slots")
+           else f"static engine: all {b['rows']} rows"),
         f"  batch      rollout     {_gib(plan.batch_arrays['rollout'])}",
         f"  batch      experience  {_gib(plan.batch_arrays['experience'])}",
         "",

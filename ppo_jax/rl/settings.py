@@ -22,6 +22,7 @@ from ppo_jax.data.prompt_stream import PromptDataSettings
 from ppo_jax.distributed import DistributedSettings
 from ppo_jax.models.config import LoraConfig, ModelConfig
 from ppo_jax.sampling import SamplingConfig
+from ppo_jax.sampling.config import ENGINES
 
 ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
 # rollout.decode -> SamplingConfig.unroll_layers (None: decided by the backend).
@@ -106,6 +107,9 @@ class RolloutSettings:
     cache_dtype: str = ""  # KV cache dtype ("" = compute dtype; "bfloat16" halves it)
     decode: str = "auto"  # with scanned layers: "scan" them, "unrolled" (per-layer copies; 2x faster decode on CPU and GPU), "auto": unrolled except on TPU
     forward_microbatch: int = 0  # rows per forward pass in the experience step; 0 = whole batch
+    engine: str = "static"  # "static": all batch_size * num_samples rows decoded at once until the longest stops; "continuous": `slots` decode rows fed from a queue of them, a finished row's slot refilled by the next prompt (sampling/continuous.py; same tokens for the same key)
+    slots: int = 0  # continuous: decode rows held at once, a multiple of the data-parallel devices, <= the rows; 0 = half the rows
+    prefill_prompts: int = 0  # continuous: prompts prefilled together when slots free up; 0 = a quarter of the slots' worth
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +229,13 @@ class Settings(RunSettings):
               f"policy.reference_dtype={self.policy.reference_dtype!r} with a LoRA policy: the frozen base is the "
               "reference, held in the policy's dtype (policy.param_dtype); set policy.reference_dtype=\"\"")
         check(r.decode in DECODE_LOOPS, f"rollout.decode={r.decode!r}: use one of {sorted(DECODE_LOOPS)}")
+        check(r.engine in ENGINES, f"rollout.engine={r.engine!r}: use one of {', '.join(ENGINES)}")
+        check(r.slots >= 0 and r.prefill_prompts >= 0,
+              f"rollout.slots and rollout.prefill_prompts must be >= 0 (0 = automatic), got {r.slots} and "
+              f"{r.prefill_prompts}")
+        check(r.engine == "continuous" or not (r.slots or r.prefill_prompts),
+              f"rollout.slots={r.slots}, rollout.prefill_prompts={r.prefill_prompts} are settings of the continuous "
+              f"engine: set rollout.engine=continuous, or leave them 0")
         stop_token_ids(r, None)  # parses
         check(p.advantage_estimator in ESTIMATORS,
               f"ppo.advantage_estimator={p.advantage_estimator!r}: use one of {', '.join(ESTIMATORS)}")
@@ -298,6 +309,7 @@ class DerivedSizes:
     forward_rows: int
     packed_rows: int = 0  # packed rows per microbatch (M); 0 = packing off
     packed_length: int = 0  # slots per packed row (T = the padded row length)
+    decode_slots: int = 0  # the continuous engine's decode rows; 0 = the static engine
 
 
 def packing_on(packing: str, platform: str | None) -> bool:
@@ -346,7 +358,26 @@ def derive_sizes(s: Settings, *, batch_divisor: int = 1, max_positions: int | No
     if packing_on(p.packing, platform):
         packed_rows = packed_rows_per_microbatch(p.max_tokens_per_microbatch, length, micro, batch_divisor)
     return DerivedSizes(rollout_rows=rows, minibatch_rows=mini, microbatch_rows=micro, forward_rows=fwd,
-                        packed_rows=packed_rows, packed_length=length if packed_rows else 0)
+                        packed_rows=packed_rows, packed_length=length if packed_rows else 0,
+                        decode_slots=decode_slots(r, batch_divisor))
+
+
+def decode_slots(r: RolloutSettings, batch_divisor: int) -> int:
+    """The continuous engine's decode slots (rollout.slots; 0: half the rows, rounded up to a
+    multiple of the data-parallel devices), checked against the rows and the mesh; 0 for the static
+    engine."""
+    if r.engine != "continuous":
+        return 0
+    rows = r.batch_size * r.num_samples
+    slots = r.slots or -(-rows // 2 // batch_divisor) * batch_divisor
+    check(slots % batch_divisor == 0,
+          f"rollout.slots={slots} is not a multiple of the {batch_divisor} data-parallel devices (mesh data x fsdp "
+          f"x expert): every device decodes the same number of slots")
+    check(slots <= rows, f"rollout.slots={slots} is more than the {rows} rows of an iteration (rollout.batch_size * "
+          f"rollout.num_samples): use at most {rows}")
+    check(slots >= r.num_samples, f"rollout.slots={slots} is fewer than rollout.num_samples={r.num_samples}: a "
+          f"prompt's samples take their slots together")
+    return slots
 
 
 def packed_rows_per_microbatch(max_tokens: int, row_length: int, microbatch_rows: int, batch_divisor: int) -> int:
@@ -431,12 +462,14 @@ class PPOHyper:
 
 
 def sampling_config(s: Settings, stop_ids: Sequence[int], pad_id: int,
-                    unroll_layers: bool | None = None) -> SamplingConfig:
-    """The sampler settings of a run (rollout.*); unroll_layers, if given, overrides rollout.decode."""
+                    unroll_layers: bool | None = None, slots: int = 0) -> SamplingConfig:
+    """The sampler settings of a run (rollout.*); unroll_layers, if given, overrides rollout.decode;
+    slots: the continuous engine's (`DerivedSizes.decode_slots`)."""
     r = s.rollout
     if unroll_layers is None:
         unroll_layers = DECODE_LOOPS[r.decode]
     return SamplingConfig(
         max_new_tokens=r.response_length, min_new_tokens=r.min_new_tokens, temperature=r.temperature,
         top_k=r.top_k, top_p=r.top_p, stop_token_ids=tuple(stop_ids), pad_token_id=int(pad_id),
-        num_samples=r.num_samples, cache_dtype=r.cache_dtype or None, unroll_layers=unroll_layers)
+        num_samples=r.num_samples, cache_dtype=r.cache_dtype or None, engine=r.engine, slots=slots,
+        prefill_prompts=r.prefill_prompts, unroll_layers=unroll_layers)

@@ -252,7 +252,9 @@ class PPOTrainer(TrainerCheckpoints):
         with timer.measure("update"):
             self.state, upd_metrics = self._update(self.state, exp)
             jax.block_until_ready(upd_metrics)
-        scalars = {**jax.device_get(exp_metrics), **jax.device_get(upd_metrics), **timer.pop()}
+        occupancy = sampling.slot_occupancy(sample, self.steps.sampling_config, prompts=self.settings.rollout.batch_size)
+        scalars = {**jax.device_get(exp_metrics), **jax.device_get(upd_metrics), **timer.pop(),
+                   "perf/slot_occupancy": jax.device_get(occupancy)}
         total = sum(v for k, v in scalars.items() if k.startswith("time/"))
         tokens = float(scalars["response/length_mean"]) * self.sizes.rollout_rows
         scalars["time/iteration"] = total

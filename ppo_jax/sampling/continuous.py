@@ -214,8 +214,12 @@ def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key
         out=Responses(tokens=buffer(jnp.int32, config.pad_token_id), logprobs=buffer(jnp.float32),
                       sampling_logprobs=buffer(jnp.float32), mask=buffer(jnp.int32),
                       stopped=constrain(jnp.zeros((rows,), bool)), finish_step=constrain(jnp.zeros((rows,), jnp.int32))))
-    # After every fill, a slot is busy unless the queue is empty: "any row in a slot" is the condition.
-    slots = jax.lax.while_loop(lambda s: jnp.any(s.row >= 0), lambda s: fill(decode(s)), fill(slots))
+    def has_work(slots: Slots) -> Array:
+        return jnp.any(slots.row >= 0) | (slots.next_prompt < batch)
+
+    # One fill site in the program (the prefill compiles once). A fill leaves a slot busy unless every
+    # row it inserted stopped at once and the queue is empty; the decode after it then records nothing.
+    slots = jax.lax.while_loop(has_work, lambda s: decode(fill(s)), slots)
     out = slots.out
     return SampleOutput(
         prompt_tokens=jnp.repeat(prompt_tokens, n, axis=0), prompt_mask=jnp.repeat(prompt_mask, n, axis=0),
