@@ -83,6 +83,22 @@ def test_meshes_give_the_same_metrics(baseline, mesh_shape, tmp_path):
             np.testing.assert_allclose(got[key], value, rtol=2e-3, atol=2e-4, err_msg=key)
 
 
+def test_continuous_engine_on_a_mesh_gives_the_static_runs_metrics(baseline, tmp_path):
+    """The continuous engine samples the static engine's tokens (same key), so a PPO run on it logs
+    the same numbers, here on 8 devices too, and reports how busy its decode slots were."""
+    _, expected = baseline
+    config = tiny_config(**{"rollout.engine": "continuous", "rollout.slots": 8})
+    trainer, history = run(config, tmp_path, (2, 2, 2), iterations=2)
+    for want, got in zip(expected, history):
+        for key, value in want.items():
+            if key.startswith(("time/", "perf/")):
+                continue
+            np.testing.assert_allclose(got[key], value, rtol=2e-3, atol=2e-4, err_msg=key)
+        assert got["policy/rollout_logprob_diff_max"] < 1e-5
+        assert 0.5 < got["perf/slot_occupancy"] <= 1.0 and 0.5 < want["perf/slot_occupancy"] <= 1.0
+    assert trainer.sampler.trace_count == 1
+
+
 @pytest.mark.parametrize("estimator", ["gae", "grpo", "rloo"])
 def test_toy_task_score_at_least_doubles(estimator, tmp_path):
     overrides = {"ppo.advantage_estimator": estimator, "optim.policy_lr": 3e-3, "optim.value_lr": 3e-3,
@@ -130,6 +146,9 @@ INVALID = [
     ({"ppo.kl_estimator": "k4"}, "ppo.kl_estimator='k4'"),
     ({"data.truncation": "right"}, "data.truncation='right'"),
     ({"rollout.decode": "fast"}, "rollout.decode='fast'"),
+    ({"rollout.engine": "vllm"}, "rollout.engine='vllm': use one of static, continuous"),
+    ({"rollout.slots": 8}, "rollout.slots=8, rollout.prefill_prompts=0 are settings of the continuous engine"),
+    ({"rollout.engine": "continuous", "rollout.slots": 64}, "rollout.slots=64 is more than the 32 rows"),
 ]
 
 
@@ -148,6 +167,13 @@ def test_invalid_config_fails_before_compiling_with_its_message(overrides, messa
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         PPOTrainer(config, str(tmp_path / "run"), mesh=make_test_mesh((1, 1, 1)))
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_slots_not_divisible_by_devices(tmp_path):
+    config = tiny_config(**{"rollout.engine": "continuous", "rollout.slots": 12})
+    with pytest.raises(ConfigError, match="rollout.slots=12 is not a multiple of the 8 data-parallel devices"):
+        PPOTrainer(config, str(tmp_path / "run"), mesh=make_test_mesh((8, 1, 1)))
+    assert not (tmp_path / "run").exists()
 
 
 def test_batch_not_divisible_by_devices(tmp_path):
