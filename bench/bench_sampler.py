@@ -6,6 +6,7 @@ Run by hand (not a test), on an otherwise idle machine:
     python bench/bench_sampler.py --shapes tiny-moe --vocab 1024   # a tiny Qwen3-MoE (8 experts, top 2)
     python bench/bench_sampler.py --shapes tiny --vocab 1024       # override the vocabulary
     python bench/bench_sampler.py --threads 1 --xla-threads 1      # both sides single-threaded
+    python bench/bench_sampler.py --engines --shapes tiny gpt2-small  # static vs continuous engine (below)
 
 For each shape a GPT-2 (or Qwen3-MoE) model with random weights is built in transformers, saved with
 `save_pretrained` and read back with `ppo_jax.models.hf.load_model`, so both sides run the same
@@ -14,6 +15,15 @@ left-padded batch with stopping disabled, so both produce every token. Reported:
 (median of --repeats timed runs after a warm-up, the runs alternating so that both see the same
 background load), their ratio, our compile time separately, and the CPU seconds of each run (on a
 loaded machine the CPU time of a single-threaded run is the steadier measure of the work done).
+
+`--engines` compares ppo_jax's two rollout engines instead, on the same weights, prompts and key:
+the static engine (every row decoded until the longest stops) and the continuous one (`--slots`
+decode rows fed from the queue of rows). Response lengths are forced per row (`response_limits`,
+no stop tokens) by a schedule: `long-tailed` (lognormal, median 10% and 99th percentile 100% of
+`--new`), `spread` (uniform on 1..new) or `equal` (every row `--new`: nothing to gain, the
+continuous engine's overhead alone). Reported per schedule: generated tokens/s (median of
+--repeats), slot occupancy, and each program's memory (XLA's buffer assignment: arguments +
+outputs + temps), and how many rows' tokens differ from the static engine's (float round-off, above).
 """
 
 from __future__ import annotations
@@ -49,6 +59,14 @@ def parse_args():
                         help="transformers attention implementation (sdpa: its default)")
     parser.add_argument("--xla-threads", type=int, default=0,
                         help="1: run XLA single-threaded (default 0: XLA's own choice, all cores)")
+    parser.add_argument("--engines", action="store_true", help="static vs continuous engine (see above)")
+    parser.add_argument("--lengths", nargs="+", default=["long-tailed", "equal"],
+                        choices=["long-tailed", "spread", "equal"], help="--engines: length schedules")
+    parser.add_argument("--slots", type=int, nargs="+", default=[0],
+                        help="--engines: continuous decode slots to try (0: a quarter of the rows)")
+    parser.add_argument("--prefill", type=int, default=0, help="--engines: prompts per prefill (0: the default)")
+    parser.add_argument("--tail-halvings", type=int, default=None, help="--engines: SamplingConfig.tail_halvings "
+                        "(default: the library's)")
     return parser.parse_args()
 
 
@@ -184,6 +202,102 @@ def bench_shape(name: str, args) -> dict:
             "cpu_ratio": ours_summary["cpu_tps"] / theirs_summary[best]["cpu_tps"], "compile_s": compile_s}
 
 
+def response_lengths(schedule: str, rows: int, new: int, seed: int = 0):
+    """Per-row response lengths [rows] int32 in 1..new by `schedule` (see the module docstring)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    if schedule == "equal":
+        return np.full(rows, new, np.int32)
+    if schedule == "spread":
+        return rng.integers(1, new + 1, rows).astype(np.int32)
+    # Lognormal with median 0.1 * new and 99th percentile new: sigma = ln(10) / z_0.99.
+    sigma = np.log(10.0) / 2.3263
+    return np.clip(np.round(0.1 * new * np.exp(sigma * rng.standard_normal(rows))), 1, new).astype(np.int32)
+
+
+def engine_runner(model, params, prompts, config, limits):
+    """(compiled program's memory in bytes, run) for one engine; run(key) -> SampleOutput on host."""
+    import jax
+
+    from ppo_jax.sampling import sample, sample_continuous
+
+    engine = sample_continuous if config.engine == "continuous" else sample
+    jitted = jax.jit(lambda p, t, m, k, lim: engine(p, t, m, k, model=model, config=config, response_limits=lim))
+    compiled = jitted.lower(params, *prompts, jax.random.key(0), limits).compile()
+    memory = compiled.memory_analysis()
+    peak = memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
+    return peak, lambda key: jax.device_get(compiled(params, *prompts, key, limits))
+
+
+def bench_engines(name: str, args) -> list[dict]:
+    """Static vs continuous engine on one shape, for every length schedule and slot count."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from ppo_jax import sharding
+    from ppo_jax.models import CausalLM, ModelConfig, init_params
+    from ppo_jax.sampling import SamplingConfig, slot_occupancy
+
+    layers, hidden, heads, vocab = SHAPES[name]
+    vocab = args.vocab or vocab
+    config = ModelConfig(arch="gpt2", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                         max_position_embeddings=args.prompt + args.new)
+    model = CausalLM(config)
+    params, _ = init_params(model, jax.random.key(0), sharding.make_mesh((1, 1, 1), jax.devices()[:1]))
+    prompts = left_padded_prompts(args.batch, args.prompt, vocab)
+    static = SamplingConfig(max_new_tokens=args.new, pad_token_id=PAD, stop_token_ids=())
+    results = []
+    for schedule in args.lengths:
+        limits = response_lengths(schedule, args.batch, args.new)
+        engines = [("static", static)] + [
+            (f"continuous, {s or max(1, args.batch // 4)} slots", dataclasses.replace(
+                static, engine="continuous", slots=s or max(1, args.batch // 4), prefill_prompts=args.prefill,
+                **({} if args.tail_halvings is None else {"tail_halvings": args.tail_halvings})))
+            for s in args.slots]
+        runs = {label: engine_runner(model, params, prompts, cfg, limits) for label, cfg in engines}
+        # Warm-up, and each engine's tokens beside the static engine's: the same up to float round-off
+        # (a row's logits computed in another batch shape can differ in the last bit, which moves a
+        # draw across a token boundary now and then, and the row differs from there on).
+        reference = runs["static"][1](jax.random.key(1))
+        differing = {}
+        for label, (_, run) in runs.items():
+            out = run(jax.random.key(1))
+            assert np.array_equal(out.lengths, limits), label
+            differing[label] = int((out.tokens != reference.tokens).any(axis=1).sum())
+        times = {label: [] for label in runs}
+        for repeat in range(args.repeats):  # alternating, so every engine sees the same load
+            for label, (_, run) in runs.items():
+                times[label].append(time_once(lambda run=run, r=repeat: run(jax.random.key(2 + r)))[0])
+        generated = int(limits.sum())
+        for label, cfg in engines:
+            wall = statistics.median(times[label])
+            out = runs[label][1](jax.random.key(1))
+            results.append({"shape": f"{name} (vocab {vocab})", "lengths": schedule, "engine": label,
+                            "tokens_per_s": generated / wall, "runs": times[label],
+                            "occupancy": float(slot_occupancy(out, cfg, args.batch)),
+                            "memory_mib": runs[label][0] / 2**20, "generated": generated,
+                            "rows_differing": differing[label],
+                            "p50": int(np.median(limits)), "p90": int(np.quantile(limits, 0.9)),
+                            "max": int(limits.max())})
+    return results
+
+
+def print_engines(results: list[dict]) -> None:
+    base = {(r["shape"], r["lengths"]): r for r in results if r["engine"] == "static"}
+    for r in results:
+        static = base[(r["shape"], r["lengths"])]
+        runs = ", ".join(f"{w:.3f}" for w in r["runs"])
+        print(f"  {r['shape']}, {r['lengths']} lengths (p50 {r['p50']}, p90 {r['p90']}, max {r['max']}; "
+              f"{r['generated']} tokens), {r['engine']}: {r['tokens_per_s']:.0f} tok/s "
+              f"({r['tokens_per_s'] / static['tokens_per_s']:.2f}x static), occupancy {r['occupancy']:.3f}, "
+              f"memory {r['memory_mib']:.1f} MiB ({r['memory_mib'] / static['memory_mib']:.2f}x); rows whose "
+              f"tokens differ from static: {r['rows_differing']}; runs s: {runs}",
+              flush=True)
+
+
 def describe(label: str, s: dict) -> str:
     runs = ", ".join(f"{w:.2f}/{c:.2f}" for w, c in s["runs"])
     return f"{label}: {s['tps']:.1f} tok/s ({s['cpu_tps']:.1f} per CPU-second; runs wall/CPU s: {runs})"
@@ -202,6 +316,11 @@ def main():
     print(f"batch {args.batch}, prompt {args.prompt}, new tokens {args.new}, repeats {args.repeats}, "
           f"transformers attention {args.attention}")
     print(f"load average before: {load_average()}", flush=True)
+    if args.engines:
+        for name in args.shapes:
+            print_engines(bench_engines(name, args))
+        print(f"load average after: {load_average()}")
+        return
     for name in args.shapes:
         row = bench_shape(name, args)
         print(row["shape"])

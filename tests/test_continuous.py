@@ -84,45 +84,59 @@ def test_response_limits_end_rows_unstopped_in_both_engines(llama):
     np.testing.assert_array_equal(continuous.tokens[continuous.mask == 1], free.tokens[continuous.mask == 1])
 
 
-def _simulated_finish_steps(lengths, num_samples, slots, chunk):
+def _simulated_slot_steps(lengths, num_samples, slots, chunk, halvings):
     """The continuous engine's schedule, written plainly: prompts enter in order, `chunk` at a time,
     when their rows find free slots; a row's first token comes with its prefill, then one token per
-    decode step; a finished row frees its slot at once. Returns each row's finishing decode step."""
+    decode step; a finished row frees its slot at once. Once the queue is empty and at most half the
+    slots are busy, decoding goes on in half as many slots (at most `halvings` times). Returns the
+    slot-steps decoded when each row finished."""
+    sizes = [slots]
+    while len(sizes) <= halvings and sizes[-1] % 2 == 0:
+        sizes.append(sizes[-1] // 2)
     prompts = len(lengths) // num_samples
     remaining, finish = {}, {}
-    next_prompt, clock = 0, 0
-    while remaining or next_prompt < prompts:
-        while next_prompt < prompts and slots - len(remaining) >= min(chunk, prompts - next_prompt) * num_samples:
-            for p in range(next_prompt, min(next_prompt + chunk, prompts)):
-                for row in range(p * num_samples, (p + 1) * num_samples):
-                    if lengths[row] == 1:
-                        finish[row] = clock
-                    else:
-                        remaining[row] = lengths[row] - 1
-            next_prompt += chunk
-        clock += 1
+    next_prompt, work, stage = 0, 0, 0
+    while True:
+        following = sizes[stage + 1] if stage + 1 < len(sizes) else 0
+        if not (stage == 0 and next_prompt < prompts) and len(remaining) <= following:
+            if not following:
+                break
+            stage += 1
+            continue
+        if stage == 0:
+            while next_prompt < prompts and slots - len(remaining) >= min(chunk, prompts - next_prompt) * num_samples:
+                for p in range(next_prompt, min(next_prompt + chunk, prompts)):
+                    for row in range(p * num_samples, (p + 1) * num_samples):
+                        if lengths[row] == 1:
+                            finish[row] = work
+                        else:
+                            remaining[row] = lengths[row] - 1
+                next_prompt += chunk
+        work += sizes[stage]
         for row in list(remaining):
             remaining[row] -= 1
             if remaining[row] == 0:
-                finish[row] = clock
+                finish[row] = work
                 del remaining[row]
     return np.array([finish[r] for r in range(len(lengths))])
 
 
-@pytest.mark.parametrize("slots, prefill", [(2, 1), (6, 2), (8, 0)])
-def test_the_engine_runs_the_simulated_schedule_and_reports_its_occupancy(llama, slots, prefill):
+@pytest.mark.parametrize("slots, prefill, halvings", [(2, 1, 0), (6, 2, 2), (8, 0, 2), (16, 0, 3)])
+def test_the_engine_runs_the_simulated_schedule_and_reports_its_occupancy(llama, slots, prefill, halvings):
     model, params, _ = llama
-    config = dataclasses.replace(STOP_CONFIG, engine="continuous", slots=slots, prefill_prompts=prefill)
-    static, continuous = _both(model, params, STOP_CONFIG, slots=slots, prefill_prompts=prefill)
+    config = dataclasses.replace(STOP_CONFIG, engine="continuous", slots=slots, prefill_prompts=prefill,
+                                 tail_halvings=halvings)
+    static, continuous = _both(model, params, STOP_CONFIG, slots=slots, prefill_prompts=prefill,
+                               tail_halvings=halvings)
     chunk = config.prefill_batch(BATCH)
-    expected = _simulated_finish_steps(static.lengths, config.num_samples, slots, chunk)
-    np.testing.assert_array_equal(continuous.finish_step, expected)
-    # Occupancy: tokens over token choices computed (first tokens from prefills + slots x decode steps).
+    expected = _simulated_slot_steps(static.lengths, config.num_samples, slots, chunk, halvings)
+    np.testing.assert_array_equal(continuous.slot_steps_at_finish, expected)
+    # Occupancy: tokens over token choices computed (first tokens from prefills + every slot-step).
     rows = BATCH * config.num_samples
     prefilled = -(-BATCH // chunk) * chunk * config.num_samples
-    want = static.lengths.sum() / (prefilled + slots * expected.max())
+    want = static.lengths.sum() / (prefilled + expected.max())
     np.testing.assert_allclose(float(slot_occupancy(continuous, config, BATCH)), want, rtol=1e-6)
-    np.testing.assert_array_equal(static.finish_step, static.lengths - 1)
+    np.testing.assert_array_equal(static.slot_steps_at_finish, (static.lengths - 1) * rows)
     static_occupancy = static.lengths.sum() / (rows * static.lengths.max())
     np.testing.assert_allclose(float(slot_occupancy(static, STOP_CONFIG, BATCH)), static_occupancy, rtol=1e-6)
 
@@ -157,6 +171,7 @@ def test_slots_the_mesh_cannot_split_are_refused_before_compiling(llama):
     ({"engine": "continuous", "slots": 1}, "needs at least num_samples=2 slots"),
     ({"slots": 4}, "is for the continuous engine"),
     ({"engine": "continuous", "slots": 4, "prefill_prompts": -1}, "prefill_prompts must be >= 0"),
+    ({"engine": "continuous", "slots": 4, "tail_halvings": -1}, "tail_halvings must be >= 0"),
 ])
 def test_bad_engine_settings_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):

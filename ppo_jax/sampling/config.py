@@ -53,6 +53,8 @@ class SamplingConfig:
                     (Lq + N - 1) instead of R x that); 0 with the static engine.
     prefill_prompts: prompts the continuous engine prefills together when slots free up (their
                     n samples each take a slot); 0: a quarter of the slots' worth, at least one.
+    tail_halvings:  how many times the continuous engine may move its busy rows into half as many
+                    slots once no prompt is left to insert (each a decode program of its own).
     unroll_layers:  decode layer by layer on per-layer weights and caches instead of scanning the
                     stacked layers (`Transformer.unrolled`): this saves a copy of every layer's
                     weights and cache slab per token (GPT-2-small on CPU: 1.5x faster; TinyLlama on an
@@ -75,6 +77,7 @@ class SamplingConfig:
     engine: str = "static"
     slots: int = 0
     prefill_prompts: int = 0
+    tail_halvings: int = 2
     unroll_layers: bool | None = None
 
     def __post_init__(self):
@@ -110,6 +113,8 @@ class SamplingConfig:
         if self.engine == "static" and self.slots:
             raise ValueError(f"sampling.slots={self.slots} is for the continuous engine (engine='static' "
                              f"decodes every row at once)")
+        if self.tail_halvings < 0:
+            raise ValueError(f"sampling.tail_halvings must be >= 0, got {self.tail_halvings}")
         if self.prefill_prompts < 0:
             raise ValueError(f"sampling.prefill_prompts must be >= 0 (0: a quarter of the slots), got "
                              f"{self.prefill_prompts}")
@@ -140,9 +145,10 @@ class SampleOutput:
     mask [R, N] int32: 1 up to and including the first stop token.
     lengths [R] int32: response lengths (sum of mask).
     stopped [R] bool: the row produced a stop token (False: it ran to max_new_tokens).
-    finish_step [R] int32: the engine's decode step at which the row's last token was chosen (0: by
-        its prefill); the static engine's is length - 1, the continuous engine's counts from the
-        start of the call. `slot_occupancy` reads the slot-steps decoded from it.
+    slot_steps_at_finish [R] int32: slot-steps (one row's token position computed by a decode step)
+        the engine had decoded when the row's last token was chosen (its first token comes from its
+        prefill); the static engine's is (length - 1) * R. `slot_occupancy` reads the work done from
+        it: its maximum is every slot-step of the call.
     """
 
     prompt_tokens: Array
@@ -153,7 +159,7 @@ class SampleOutput:
     mask: Array
     lengths: Array
     stopped: Array
-    finish_step: Array
+    slot_steps_at_finish: Array
 
 
 def truncation_metrics(output: SampleOutput) -> dict[str, Array]:
@@ -175,17 +181,14 @@ def truncation_metrics(output: SampleOutput) -> dict[str, Array]:
 
 def slot_occupancy(output: SampleOutput, config: SamplingConfig, prompts: int) -> Array:
     """Tokens generated / token choices computed (a float []), for a call on `prompts` prompts: the
-    decode rows (R static, `slots` continuous) times the decode steps run, plus the first tokens,
-    chosen from the prefills' logits (every row static; every prefilled chunk's rows continuous,
-    padding rows of a last short chunk included)."""
-    decode_steps = output.finish_step.max()
+    slot-steps decoded plus the first tokens, chosen from the prefills' logits (every row static;
+    every prefilled chunk's rows continuous, padding rows of a last short chunk included)."""
     if config.engine == "static":
-        rows = prompts * config.num_samples
-        computed = rows + rows * decode_steps
+        first_tokens = prompts * config.num_samples
     else:
         chunk = config.prefill_batch(prompts)
-        computed = -(-prompts // chunk) * chunk * config.num_samples + config.slots * decode_steps
-    return output.lengths.sum() / computed
+        first_tokens = -(-prompts // chunk) * chunk * config.num_samples
+    return output.lengths.sum() / (first_tokens + output.slot_steps_at_finish.max())
 
 
 def validate_inputs(model: CausalLM, config: SamplingConfig, prompt_shape: tuple[int, ...],

@@ -12,7 +12,9 @@ samples' rows copied into n free slots) and each row's first token is chosen fro
 logits. Then every slot decodes one token at its own cache slot and position (a per-row KV index,
 `KVCache.index` [S]); a row that stops (a stop token, or its limit) frees its slot at once. The
 cache holds S rows, not R: memory follows the slots, and a decode step pays for S rows however
-long the longest row runs.
+long the longest row runs. Once the queue is empty and at most half the slots are busy, the busy
+rows move into half as many slots and decoding goes on there (`SamplingConfig.tail_halvings`
+times at most): the long tail of the last rows does not pay for the slots the short ones left.
 
 Randomness is scheduling-invariant: row r's token at response position t is drawn with the uniform
 (r, t) of `response_uniforms`, the same one the static engine uses, so for the same key both
@@ -28,6 +30,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from ppo_jax import sharding
 from ppo_jax.models import forward
 from ppo_jax.models.cache import KVCache, init_cache, split_cache
 from ppo_jax.models.transformer import CausalLM, last_token_index, positions_from_mask, split_layer_params
@@ -41,14 +44,14 @@ Array = jax.Array
 @flax.struct.dataclass
 class Responses:
     """The output buffers, by output row: tokens, logprobs, sampling_logprobs, mask [R, N] (filled at
-    (row, step) as slots choose), stopped [R] bool, finish_step [R] int32."""
+    (row, step) as slots choose), stopped [R] bool, slot_steps_at_finish [R] int32."""
 
     tokens: Array
     logprobs: Array
     sampling_logprobs: Array
     mask: Array
     stopped: Array
-    finish_step: Array
+    slot_steps_at_finish: Array
 
 
 @flax.struct.dataclass
@@ -59,7 +62,7 @@ class Slots:
     last [S] int32: its last token (fed at the next step); prompt_length [S] int32: its real prompt
     tokens; cache: KV cache [L, S, K, C, Dh] (or one [S, K, C, Dh] per layer, unrolled) with a
     per-slot index; kv_mask [S, C]; next_prompt []: the first prompt not yet prefilled; clock []:
-    decode steps run; out: the Responses.
+    slot-steps decoded (every decode step adds the slots it ran); out: the Responses.
     """
 
     row: Array
@@ -93,8 +96,37 @@ def _record(slots: Slots, rows: Array, steps: Array, choice: TokenChoice, limits
         sampling_logprobs=put(out.sampling_logprobs, choice.sampling_logprobs),
         mask=put(out.mask, jnp.ones_like(tokens)),
         stopped=out.stopped.at[at].set(is_stop, mode="drop"),
-        finish_step=out.finish_step.at[at].set(slots.clock, mode="drop"))
+        slot_steps_at_finish=out.slot_steps_at_finish.at[at].set(slots.clock, mode="drop"))
     return out, finished
+
+
+def stage_sizes(slots: int, halvings: int) -> tuple[int, ...]:
+    """Slot counts of the engine's stages: `slots`, then halved up to `halvings` times while the half
+    still splits evenly over the data-parallel devices of the mesh being traced for."""
+    mesh = jax.sharding.get_abstract_mesh()
+    divisor = 1 if mesh.empty else sharding.batch_divisor(mesh)
+    sizes = [slots]
+    while len(sizes) <= halvings and sizes[-1] % 2 == 0 and (sizes[-1] // 2) % divisor == 0:
+        sizes.append(sizes[-1] // 2)
+    return tuple(sizes)
+
+
+def _compact(slots: Slots, size: int) -> Slots:
+    """The busy slots (at most `size` of them) moved into the first `size` slots, the rest dropped."""
+    keep = jnp.argsort(slots.row < 0, stable=True)[:size]
+
+    def rows(x, axis=0):
+        x = jnp.take(x, keep, axis=axis)
+        return _constrain(x, (None,) * axis + ("batch",) + (None,) * (x.ndim - axis - 1))
+
+    if isinstance(slots.cache, tuple):
+        cache = tuple(_constrain_cache(c.replace(k=rows(c.k), v=rows(c.v), index=rows(c.index)))
+                      for c in slots.cache)
+    else:
+        cache = _constrain_cache(slots.cache.replace(k=rows(slots.cache.k, 1), v=rows(slots.cache.v, 1),
+                                                     index=rows(slots.cache.index)))
+    return slots.replace(row=rows(slots.row), step=rows(slots.step), last=rows(slots.last),
+                         prompt_length=rows(slots.prompt_length), cache=cache, kv_mask=rows(slots.kv_mask))
 
 
 def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
@@ -174,6 +206,7 @@ def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key
 
     def decode(slots: Slots) -> Slots:
         """One token for every slot, each at its own cache slot Lq + step - 1 and position."""
+        num_slots = slots.row.shape[0]  # this stage's
         busy = slots.row >= 0
         # A free slot decodes too (static shapes): it writes its own, masked slot and sits at
         # position 0, so it moves no row's length-dependent rope (dynamic NTK, LongRoPE).
@@ -187,7 +220,7 @@ def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key
         logits, cache = model.apply(variables, slots.last[:, None], positions, kv_mask, cache,
                                     jnp.zeros((num_slots,), jnp.int32), layer_params, layer_adapters,
                                     method=_forward_last)
-        slots = slots.replace(cache=cache, kv_mask=kv_mask, clock=slots.clock + 1)
+        slots = slots.replace(cache=cache, kv_mask=kv_mask, clock=slots.clock + num_slots)
         choice = choose(logits, slots.row, slots.step)
         out, finished = _record(slots, slots.row, slots.step, choice, limits, config)
         return slots.replace(row=jnp.where(finished, -1, slots.row), step=slots.step + busy, last=choice.tokens,
@@ -213,15 +246,28 @@ def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key
         clock=jnp.zeros((), jnp.int32),
         out=Responses(tokens=buffer(jnp.int32, config.pad_token_id), logprobs=buffer(jnp.float32),
                       sampling_logprobs=buffer(jnp.float32), mask=buffer(jnp.int32),
-                      stopped=constrain(jnp.zeros((rows,), bool)), finish_step=constrain(jnp.zeros((rows,), jnp.int32))))
-    def has_work(slots: Slots) -> Array:
-        return jnp.any(slots.row >= 0) | (slots.next_prompt < batch)
+                      stopped=constrain(jnp.zeros((rows,), bool)),
+                      slot_steps_at_finish=constrain(jnp.zeros((rows,), jnp.int32))))
 
-    # One fill site in the program (the prefill compiles once). A fill leaves a slot busy unless every
-    # row it inserted stopped at once and the queue is empty; the decode after it then records nothing.
-    slots = jax.lax.while_loop(has_work, lambda s: decode(fill(s)), slots)
+    def busy(slots: Slots) -> Array:
+        return jnp.sum(slots.row >= 0)
+
+    # Stage 0 inserts and decodes on all the slots until the queue is empty and at most the next
+    # stage's slots are busy (one fill site in the program: the prefill compiles once; a fill leaves a
+    # slot busy unless every row it inserted stopped at once and the queue is empty, and the decode
+    # after it then records nothing). Each later stage decodes on fewer slots, without inserts.
+    sizes = stage_sizes(num_slots, config.tail_halvings)
+    for stage, size in enumerate(sizes):
+        following = sizes[stage + 1] if stage + 1 < len(sizes) else 0
+        if stage == 0:
+            slots = jax.lax.while_loop(lambda s, f=following: (s.next_prompt < batch) | (busy(s) > f),
+                                       lambda s: decode(fill(s)), slots)
+        else:
+            slots = jax.lax.while_loop(lambda s, f=following: busy(s) > f, decode, slots)
+        if following:
+            slots = _compact(slots, following)
     out = slots.out
     return SampleOutput(
         prompt_tokens=jnp.repeat(prompt_tokens, n, axis=0), prompt_mask=jnp.repeat(prompt_mask, n, axis=0),
         tokens=out.tokens, logprobs=out.logprobs, sampling_logprobs=out.sampling_logprobs, mask=out.mask,
-        lengths=out.mask.sum(axis=-1), stopped=out.stopped, finish_step=out.finish_step)
+        lengths=out.mask.sum(axis=-1), stopped=out.stopped, slot_steps_at_finish=out.slot_steps_at_finish)

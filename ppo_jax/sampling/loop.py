@@ -186,4 +186,4 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
     return SampleOutput(
         prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=state.tokens, logprobs=state.logprobs,
         sampling_logprobs=state.sampling_logprobs, mask=state.mask, lengths=lengths, stopped=state.stopped,
-        finish_step=lengths - 1)
+        slot_steps_at_finish=(lengths - 1) * rows)

@@ -47,7 +47,7 @@ def _empty_output(prompt_length: int, max_new_tokens: int) -> SampleOutput:
         prompt_tokens=zeros((prompt_length,), np.int32), prompt_mask=zeros((prompt_length,), np.int32),
         tokens=zeros((max_new_tokens,), np.int32), logprobs=zeros((max_new_tokens,), np.float32),
         sampling_logprobs=zeros((max_new_tokens,), np.float32), mask=zeros((max_new_tokens,), np.int32),
-        lengths=zeros((), np.int32), stopped=zeros((), bool), finish_step=zeros((), np.int32))
+        lengths=zeros((), np.int32), stopped=zeros((), bool), slot_steps_at_finish=zeros((), np.int32))
 
 
 def sample_prompts(sampler: Sampler, params: Any, tokenizer: Any, prompts: Sequence[str],
