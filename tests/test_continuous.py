@@ -43,8 +43,8 @@ def _assert_same_samples(static, continuous):
 # Each case: a sampling config (stop tokens and 2 samples per prompt, min_new_tokens, top-p), slots,
 # prompts per prefill (0: the default), and the decode loop; 8 prompts of lengths 8 down to 1.
 CASES = [
-    (STOP_CONFIG, 2, 0, True),  # one prompt's two samples at a time: a queue of 8 inserts
-    (STOP_CONFIG, 6, 2, True),  # a chunk of 2 prompts needs 4 of the 6 slots
+    (STOP_CONFIG, 2, 0, True),  # one prompt's two samples at a time: a queue of 8 prefills
+    (STOP_CONFIG, 5, 2, True),  # a chunk of 2 prompts' 4 rows into 5 slots: samples of one prompt split
     (MIN_CONFIG, 4, 1, False),  # the scanned decode, per-row cache writes in the stacked cache
     (TOP_P_CONFIG, 16, 0, True),  # every row in a slot at once: the static schedule
 ]
@@ -85,33 +85,37 @@ def test_response_limits_end_rows_unstopped_in_both_engines(llama):
 
 
 def _simulated_slot_steps(lengths, num_samples, slots, chunk, halvings):
-    """The continuous engine's schedule, written plainly: prompts enter in order, `chunk` at a time,
-    when their rows find free slots; a row's first token comes with its prefill, then one token per
-    decode step; a finished row frees its slot at once. Once the queue is empty and at most half the
+    """The continuous engine's schedule, written plainly: prompts are prefilled in order, `chunk` at a
+    time, when a slot is free and no prefilled row waits; waiting rows take free slots in order; a
+    row's first token comes with its prefill, then one token per decode step; a finished row frees
+    its slot at once. Once the queue is empty and at most half the
     slots are busy, decoding goes on in half as many slots (at most `halvings` times). Returns the
     slot-steps decoded when each row finished."""
     sizes = [slots]
     while len(sizes) <= halvings and sizes[-1] % 2 == 0:
         sizes.append(sizes[-1] // 2)
     prompts = len(lengths) // num_samples
-    remaining, finish = {}, {}
+    remaining, finish, waiting = {}, {}, []
     next_prompt, work, stage = 0, 0, 0
     while True:
         following = sizes[stage + 1] if stage + 1 < len(sizes) else 0
-        if not (stage == 0 and next_prompt < prompts) and len(remaining) <= following:
+        if not (stage == 0 and (waiting or next_prompt < prompts)) and len(remaining) <= following:
             if not following:
                 break
             stage += 1
             continue
         if stage == 0:
-            while next_prompt < prompts and slots - len(remaining) >= min(chunk, prompts - next_prompt) * num_samples:
-                for p in range(next_prompt, min(next_prompt + chunk, prompts)):
-                    for row in range(p * num_samples, (p + 1) * num_samples):
+            while len(remaining) < slots and (waiting or next_prompt < prompts):
+                if not waiting:  # prefill the next chunk; a row whose first token ends it takes no slot
+                    for row in range(next_prompt * num_samples, min(next_prompt + chunk, prompts) * num_samples):
                         if lengths[row] == 1:
                             finish[row] = work
                         else:
-                            remaining[row] = lengths[row] - 1
-                next_prompt += chunk
+                            waiting.append(row)
+                    next_prompt += chunk
+                while waiting and len(remaining) < slots:
+                    row = waiting.pop(0)
+                    remaining[row] = lengths[row] - 1
         work += sizes[stage]
         for row in list(remaining):
             remaining[row] -= 1
@@ -121,7 +125,7 @@ def _simulated_slot_steps(lengths, num_samples, slots, chunk, halvings):
     return np.array([finish[r] for r in range(len(lengths))])
 
 
-@pytest.mark.parametrize("slots, prefill, halvings", [(2, 1, 0), (6, 2, 2), (8, 0, 2), (16, 0, 3)])
+@pytest.mark.parametrize("slots, prefill, halvings", [(1, 1, 0), (3, 2, 0), (6, 2, 2), (8, 0, 2), (16, 0, 3)])
 def test_the_engine_runs_the_simulated_schedule_and_reports_its_occupancy(llama, slots, prefill, halvings):
     model, params, _ = llama
     config = dataclasses.replace(STOP_CONFIG, engine="continuous", slots=slots, prefill_prompts=prefill,
@@ -168,7 +172,7 @@ def test_slots_the_mesh_cannot_split_are_refused_before_compiling(llama):
 
 @pytest.mark.parametrize("fields, message", [
     ({"engine": "paged"}, "sampling.engine='paged': use one of static, continuous"),
-    ({"engine": "continuous", "slots": 1}, "needs at least num_samples=2 slots"),
+    ({"engine": "continuous", "slots": 0}, "slots must be >= 1 with the continuous engine"),
     ({"slots": 4}, "is for the continuous engine"),
     ({"engine": "continuous", "slots": 4, "prefill_prompts": -1}, "prefill_prompts must be >= 0"),
     ({"engine": "continuous", "slots": 4, "tail_halvings": -1}, "tail_halvings must be >= 0"),

@@ -109,7 +109,7 @@ class RolloutSettings:
     forward_microbatch: int = 0  # rows per forward pass in the experience step; 0 = whole batch
     engine: str = "static"  # "static": all batch_size * num_samples rows decoded at once until the longest stops; "continuous": `slots` decode rows fed from a queue of them, a finished row's slot refilled by the next prompt (sampling/continuous.py; same tokens for the same key)
     slots: int = 0  # continuous: decode rows held at once, a multiple of the data-parallel devices, <= the rows; 0 = half the rows
-    prefill_prompts: int = 0  # continuous: prompts prefilled together when slots free up; 0 = a quarter of the slots' worth
+    prefill_prompts: int = 0  # continuous: prompts prefilled together when a slot is free and no prefilled row waits; 0 = a quarter of the slots' worth
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,8 +375,6 @@ def decode_slots(r: RolloutSettings, batch_divisor: int) -> int:
           f"x expert): every device decodes the same number of slots")
     check(slots <= rows, f"rollout.slots={slots} is more than the {rows} rows of an iteration (rollout.batch_size * "
           f"rollout.num_samples): use at most {rows}")
-    check(slots >= r.num_samples, f"rollout.slots={slots} is fewer than rollout.num_samples={r.num_samples}: a "
-          f"prompt's samples take their slots together")
     return slots
 
 

@@ -51,8 +51,9 @@ class SamplingConfig:
                     on its row index and step only).
     slots:          decode rows the continuous engine holds at once (its KV cache is slots x
                     (Lq + N - 1) instead of R x that); 0 with the static engine.
-    prefill_prompts: prompts the continuous engine prefills together when slots free up (their
-                    n samples each take a slot); 0: a quarter of the slots' worth, at least one.
+    prefill_prompts: prompts the continuous engine prefills together, when a slot is free and no
+                    prefilled row is left waiting (each of their n samples then takes the next free
+                    slot); 0: a quarter of the slots' worth, at least one.
     tail_halvings:  how many times the continuous engine may move its busy rows into half as many
                     slots once no prompt is left to insert (each a decode program of its own).
     unroll_layers:  decode layer by layer on per-layer weights and caches instead of scanning the
@@ -107,9 +108,8 @@ class SamplingConfig:
             to_dtype(self.cache_dtype)
         if self.engine not in ENGINES:
             raise ValueError(f"sampling.engine={self.engine!r}: use one of {', '.join(ENGINES)}")
-        if self.engine == "continuous" and self.slots < self.num_samples:
-            raise ValueError(f"sampling.slots={self.slots}: the continuous engine needs at least num_samples="
-                             f"{self.num_samples} slots (a prompt's samples are inserted together)")
+        if self.engine == "continuous" and self.slots < 1:
+            raise ValueError(f"sampling.slots must be >= 1 with the continuous engine, got {self.slots}")
         if self.engine == "static" and self.slots:
             raise ValueError(f"sampling.slots={self.slots} is for the continuous engine (engine='static' "
                              f"decodes every row at once)")
@@ -120,10 +120,10 @@ class SamplingConfig:
                              f"{self.prefill_prompts}")
 
     def prefill_batch(self, prompts: int) -> int:
-        """Prompts the continuous engine prefills at once, for a call of `prompts` prompts: never more
-        than the slots hold (slots // num_samples) or the call has."""
+        """Prompts the continuous engine prefills at once, for a call of `prompts` prompts (never more
+        than the call has)."""
         chunk = self.prefill_prompts or max(1, self.slots // (4 * self.num_samples))
-        return max(1, min(chunk, self.slots // self.num_samples, prompts))
+        return min(chunk, prompts)
 
     @property
     def truncates(self) -> bool:

@@ -6,10 +6,11 @@ Conventions as in `loop.py`: B prompts, n samples each (output row r = prompt r 
 Lq prompt length (left-padded), N = max_new_tokens, C = Lq + N - 1 cache slots per row, V vocabulary;
 S decode slots (`SamplingConfig.slots`), P prompts per prefill (`SamplingConfig.prefill_batch`).
 
-How it runs. While slots are free and prompts remain, the next P prompts are prefilled together
-(prefill-then-insert: one forward over [P, Lq] into a fresh [P, Lq] cache, each prompt once, its n
-samples' rows copied into n free slots) and each row's first token is chosen from the prefill's
-logits. Then every slot decodes one token at its own cache slot and position (a per-row KV index,
+How it runs. A free slot takes the next prefilled row waiting; when none waits and prompts remain,
+the next P prompts are prefilled together (prefill-then-insert: one forward over [P, Lq] into a
+[P, Lq] cache, each prompt once, each of its n samples' rows copied into a slot of its own when one
+is free) and each row's first token is chosen from the prefill's logits. So a slot idles only when
+nothing is left to insert, whatever P is. Then every slot decodes one token at its own cache slot and position (a per-row KV index,
 `KVCache.index` [S]); a row that stops (a stop token, or its limit) frees its slot at once. The
 cache holds S rows, not R: memory follows the slots, and a decode step pays for S rows however
 long the longest row runs. Once the queue is empty and at most half the slots are busy, the busy
@@ -55,14 +56,32 @@ class Responses:
 
 
 @flax.struct.dataclass
+class Prefilled:
+    """Rows prefilled and waiting for a slot (W = P * n of them, a prompt's n samples consecutive).
+
+    row [W] int32: the output row, -1 once it took a slot (or finished on its first token); last [W]:
+    its first token; prompt_length [W]; mask [W, Lq]; k, v [L, P, K, Lq, Dh]: the prefill's cache,
+    one per prompt (its samples share it until each is copied into its slot).
+    """
+
+    row: Array
+    last: Array
+    prompt_length: Array
+    mask: Array
+    k: Array
+    v: Array
+
+
+@flax.struct.dataclass
 class Slots:
     """Carry of the engine (S slots).
 
     row [S] int32: the output row a slot decodes, -1 when free; step [S] int32: tokens the row has;
     last [S] int32: its last token (fed at the next step); prompt_length [S] int32: its real prompt
     tokens; cache: KV cache [L, S, K, C, Dh] (or one [S, K, C, Dh] per layer, unrolled) with a
-    per-slot index; kv_mask [S, C]; next_prompt []: the first prompt not yet prefilled; clock []:
-    slot-steps decoded (every decode step adds the slots it ran); out: the Responses.
+    per-slot index; kv_mask [S, C]; waiting: the Prefilled rows; next_prompt []: the first prompt not
+    yet prefilled; clock []: slot-steps decoded (every decode step adds the slots it ran); out: the
+    Responses.
     """
 
     row: Array
@@ -71,6 +90,7 @@ class Slots:
     prompt_length: Array
     cache: KVCache | tuple[KVCache, ...]
     kv_mask: Array
+    waiting: Prefilled
     next_prompt: Array
     clock: Array
     out: Responses
@@ -155,54 +175,68 @@ def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key
         draws = uniforms[jnp.maximum(rows_, 0), jnp.minimum(steps, new - 1)]
         return choose_tokens(logits, steps, draws, config)
 
-    def insert(slots: Slots) -> Slots:
-        """Prefills the next `chunk` prompts and puts their rows into free slots."""
+    def prefill(slots: Slots) -> Slots:
+        """Prefills the next `chunk` prompts into `waiting` (empty when called), their rows' first
+        tokens chosen and recorded."""
         prompts = slots.next_prompt + jnp.arange(chunk)
-        valid = jnp.repeat(prompts < batch, n)  # [chunk * n]: a last short chunk's padding rows
+        valid = jnp.repeat(prompts < batch, n)  # [W]: a last short chunk's padding rows
         prompts = jnp.minimum(prompts, batch - 1)
         tokens, mask = prompt_tokens[prompts], prompt_mask[prompts]
         cache = init_cache(mc, chunk, prompt_len, config.cache_dtype)
         logits, cache = model.apply(variables, tokens, positions_from_mask(mask), mask, cache,
                                     last_token_index(mask), method=_forward_last)
         new_rows = jnp.where(valid, jnp.repeat(prompts, n) * n + jnp.tile(jnp.arange(n), chunk), -1)
-        # The free slots first (stable: in slot order); the valid rows are the chunk's first rows.
-        targets = jnp.argsort(slots.row >= 0, stable=True)[:chunk * n]
-        targets = jnp.where(valid, targets, num_slots)  # padding rows go nowhere
-        zero_steps = jnp.zeros((chunk * n,), jnp.int32)
-        choice = choose(jnp.repeat(logits, n, axis=0), new_rows, zero_steps)
-        out, finished = _record(slots, new_rows, zero_steps, choice, limits, config)
+        first_steps = jnp.zeros((chunk * n,), jnp.int32)
+        choice = choose(jnp.repeat(logits, n, axis=0), new_rows, first_steps)
+        out, finished = _record(slots, new_rows, first_steps, choice, limits, config)
+        waiting = Prefilled(row=jnp.where(finished, -1, new_rows), last=choice.tokens,
+                            prompt_length=jnp.repeat(mask.sum(-1), n), mask=jnp.repeat(mask, n, axis=0),
+                            k=cache.k, v=cache.v)
+        return slots.replace(waiting=waiting, next_prompt=slots.next_prompt + chunk, out=out)
 
-        def put(buffer, values):  # rows of `values` [chunk * n, ...] into the target slots
+    def insert(slots: Slots) -> Slots:
+        """Moves waiting rows, in order, into the free slots, as many as both allow."""
+        num_slots, width_waiting = slots.row.shape[0], chunk * n
+        pairs = min(num_slots, width_waiting)
+        free = jnp.argsort(slots.row >= 0, stable=True)[:pairs]  # free slots first, in slot order
+        ready = jnp.argsort(slots.waiting.row < 0, stable=True)[:pairs]  # waiting rows first, in order
+        moves = jnp.minimum(jnp.sum(slots.row < 0), jnp.sum(slots.waiting.row >= 0))
+        moving = jnp.arange(pairs) < moves
+        targets = jnp.where(moving, free, num_slots)  # past the end: dropped
+        w = slots.waiting
+
+        def put(buffer, values):  # values [pairs, ...] into the target slots
             return buffer.at[targets].set(values.astype(buffer.dtype), mode="drop")
 
-        def put_cache(layer_cache: KVCache, k: Array, v: Array) -> KVCache:  # k, v [chunk, K, Lq, Dh]
-            def fill(buffer, x):
-                return buffer.at[targets, :, :prompt_len].set(jnp.repeat(x, n, axis=0).astype(buffer.dtype),
-                                                                mode="drop")
-            return layer_cache.replace(k=fill(layer_cache.k, k), v=fill(layer_cache.v, v))
+        def copy_prompt(buffer, source, layer_axis):  # a [.., P, K, Lq, Dh] prefill cache into slots
+            source = jnp.take(source, ready // n, axis=layer_axis).astype(buffer.dtype)
+            if layer_axis:
+                return buffer.at[:, targets, :, :prompt_len].set(source, mode="drop")
+            return buffer.at[targets, :, :prompt_len].set(source, mode="drop")
 
         if unroll:
-            slot_cache = tuple(put_cache(c, cache.k[i], cache.v[i]) for i, c in enumerate(slots.cache))
+            cache = tuple(c.replace(k=copy_prompt(c.k, w.k[i], 0), v=copy_prompt(c.v, w.v[i], 0))
+                          for i, c in enumerate(slots.cache))
         else:
-            slot_cache = KVCache(
-                k=slots.cache.k.at[:, targets, :, :prompt_len].set(
-                    jnp.repeat(cache.k, n, axis=1).astype(slots.cache.k.dtype), mode="drop"),
-                v=slots.cache.v.at[:, targets, :, :prompt_len].set(
-                    jnp.repeat(cache.v, n, axis=1).astype(slots.cache.v.dtype), mode="drop"),
-                index=slots.cache.index)
-        row_mask = jnp.concatenate([jnp.repeat(mask, n, axis=0), jnp.zeros((chunk * n, new - 1), jnp.int32)], 1)
+            cache = slots.cache.replace(k=copy_prompt(slots.cache.k, w.k, 1), v=copy_prompt(slots.cache.v, w.v, 1))
+        kv_mask = jnp.concatenate([w.mask[ready], jnp.zeros((pairs, new - 1), jnp.int32)], axis=1)
+        consumed = w.row.at[jnp.where(moving, ready, width_waiting)].set(-1, mode="drop")
         return slots.replace(
-            row=put(slots.row, jnp.where(finished, -1, new_rows)), step=put(slots.step, zero_steps + 1),
-            last=put(slots.last, choice.tokens), prompt_length=put(slots.prompt_length, jnp.repeat(mask.sum(-1), n)),
-            cache=slot_cache, kv_mask=put(slots.kv_mask, row_mask), next_prompt=slots.next_prompt + chunk,
-            out=out)
+            row=put(slots.row, w.row[ready]), step=put(slots.step, jnp.ones((pairs,), jnp.int32)),
+            last=put(slots.last, w.last[ready]), prompt_length=put(slots.prompt_length, w.prompt_length[ready]),
+            cache=cache, kv_mask=put(slots.kv_mask, kv_mask), waiting=w.replace(row=consumed))
 
-    def can_insert(slots: Slots) -> Array:
-        needed = jnp.minimum(chunk, batch - slots.next_prompt) * n
-        return (slots.next_prompt < batch) & (jnp.sum(slots.row < 0) >= needed)
+    def to_insert(slots: Slots) -> Array:
+        """Rows waiting, or prompts left to prefill."""
+        return jnp.any(slots.waiting.row >= 0) | (slots.next_prompt < batch)
 
     def fill(slots: Slots) -> Slots:
-        return jax.lax.while_loop(can_insert, insert, slots)
+        """Free slots take waiting rows; when none wait, the next prompts are prefilled first."""
+        def step(slots: Slots) -> Slots:
+            slots = jax.lax.cond(jnp.any(slots.waiting.row >= 0), lambda s: s, prefill, slots)
+            return insert(slots)
+
+        return jax.lax.while_loop(lambda s: jnp.any(s.row < 0) & to_insert(s), step, slots)
 
     def decode(slots: Slots) -> Slots:
         """One token for every slot, each at its own cache slot Lq + step - 1 and position."""
@@ -239,9 +273,13 @@ def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key
     def buffer(dtype, fill_value=0):
         return constrain(jnp.full((rows, new), fill_value, dtype), ("batch", "length"))
 
+    waiting_cache = init_cache(mc, chunk, prompt_len, config.cache_dtype)
+    waiting = Prefilled(row=jnp.full((chunk * n,), -1, jnp.int32), last=jnp.zeros((chunk * n,), jnp.int32),
+                        prompt_length=jnp.zeros((chunk * n,), jnp.int32),
+                        mask=jnp.zeros((chunk * n, prompt_len), jnp.int32), k=waiting_cache.k, v=waiting_cache.v)
     slots = Slots(
         row=slot_array(jnp.int32, -1), step=slot_array(jnp.int32), last=slot_array(jnp.int32),
-        prompt_length=slot_array(jnp.int32), cache=cache,
+        prompt_length=slot_array(jnp.int32), cache=cache, waiting=waiting,
         kv_mask=constrain(jnp.zeros((num_slots, width), jnp.int32)), next_prompt=jnp.zeros((), jnp.int32),
         clock=jnp.zeros((), jnp.int32),
         out=Responses(tokens=buffer(jnp.int32, config.pad_token_id), logprobs=buffer(jnp.float32),
@@ -252,15 +290,15 @@ def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key
     def busy(slots: Slots) -> Array:
         return jnp.sum(slots.row >= 0)
 
-    # Stage 0 inserts and decodes on all the slots until the queue is empty and at most the next
-    # stage's slots are busy (one fill site in the program: the prefill compiles once; a fill leaves a
-    # slot busy unless every row it inserted stopped at once and the queue is empty, and the decode
-    # after it then records nothing). Each later stage decodes on fewer slots, without inserts.
+    # Stage 0 inserts and decodes on all the slots until nothing is left to insert and at most the
+    # next stage's slots are busy (one fill site in the program: the prefill compiles once; a fill
+    # leaves a slot busy unless every row it prefilled stopped at once and nothing is left, and the
+    # decode after it then records nothing). Each later stage decodes on fewer slots, no inserts.
     sizes = stage_sizes(num_slots, config.tail_halvings)
     for stage, size in enumerate(sizes):
         following = sizes[stage + 1] if stage + 1 < len(sizes) else 0
         if stage == 0:
-            slots = jax.lax.while_loop(lambda s, f=following: (s.next_prompt < batch) | (busy(s) > f),
+            slots = jax.lax.while_loop(lambda s, f=following: to_insert(s) | (busy(s) > f),
                                        lambda s: decode(fill(s)), slots)
         else:
             slots = jax.lax.while_loop(lambda s, f=following: busy(s) > f, decode, slots)
