@@ -42,12 +42,15 @@ SHAPES = {
 }
 # Qwen3-MoE shapes: (experts, experts per token, expert MLP width).
 MOE_SHAPES = {"tiny-moe": (8, 2, 128)}
+# Llama shapes for --engines only (no transformers peer): (layers, hidden, heads, kv heads, MLP, vocab).
+ENGINE_SHAPES = {"tinyllama": (22, 2048, 32, 4, 5632, 32000)}
 PAD = 0
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=["tiny", "gpt2-small"], choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=["tiny", "gpt2-small"], choices=[*SHAPES, *ENGINE_SHAPES],
+                        help="model shapes (tinyllama: --engines only, for an accelerator)")
     parser.add_argument("--vocab", type=int, default=0, help="override the shapes' vocabulary size")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=64)
@@ -65,14 +68,17 @@ def parse_args():
     parser.add_argument("--slots", type=int, nargs="+", default=[0],
                         help="--engines: continuous decode slots to try (0: a quarter of the rows)")
     parser.add_argument("--prefill", type=int, default=0, help="--engines: prompts per prefill (0: the default)")
+    parser.add_argument("--dtype", default="float32", help="--engines: params and compute dtype (bfloat16 on a GPU)")
     parser.add_argument("--tail-halvings", type=int, default=None, help="--engines: SamplingConfig.tail_halvings "
                         "(default: the library's)")
     return parser.parse_args()
 
 
-def configure_jax(xla_threads: int) -> None:
-    """Environment for JAX; must run before jax is imported."""
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+def configure_jax(xla_threads: int, accelerator: bool = False) -> None:
+    """Environment for JAX; must run before jax is imported. The transformers comparison runs on the
+    CPU (its peer does); `accelerator`: leave JAX its default backend (--engines on a GPU)."""
+    if not accelerator:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if xla_threads == 1:
         flags = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
@@ -241,10 +247,17 @@ def bench_engines(name: str, args) -> list[dict]:
     from ppo_jax.models import CausalLM, ModelConfig, init_params
     from ppo_jax.sampling import SamplingConfig, slot_occupancy
 
-    layers, hidden, heads, vocab = SHAPES[name]
-    vocab = args.vocab or vocab
-    config = ModelConfig(arch="gpt2", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
-                         max_position_embeddings=args.prompt + args.new)
+    common = dict(max_position_embeddings=args.prompt + args.new, param_dtype=args.dtype, dtype=args.dtype)
+    if name in ENGINE_SHAPES:
+        layers, hidden, heads, kv_heads, mlp, vocab = ENGINE_SHAPES[name]
+        vocab = args.vocab or vocab
+        config = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                             num_kv_heads=kv_heads, intermediate_size=mlp, tie_word_embeddings=False, **common)
+    else:
+        layers, hidden, heads, vocab = SHAPES[name]
+        vocab = args.vocab or vocab
+        config = ModelConfig(arch="gpt2", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                             **common)
     model = CausalLM(config)
     params, _ = init_params(model, jax.random.key(0), sharding.make_mesh((1, 1, 1), jax.devices()[:1]))
     prompts = left_padded_prompts(args.batch, args.prompt, vocab)
@@ -305,8 +318,17 @@ def describe(label: str, s: dict) -> str:
 
 def main():
     args = parse_args()
-    configure_jax(args.xla_threads)
+    configure_jax(args.xla_threads, accelerator=args.engines)
     import jax
+
+    if args.engines:  # ppo_jax alone: no torch needed
+        print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {args.dtype}; batch {args.batch}, prompt "
+              f"{args.prompt}, new tokens {args.new}, repeats {args.repeats}; load average {load_average()}",
+              flush=True)
+        for name in args.shapes:
+            print_engines(bench_engines(name, args))
+        print(f"load average after: {load_average()}")
+        return
     import torch
     import transformers
 
@@ -316,11 +338,6 @@ def main():
     print(f"batch {args.batch}, prompt {args.prompt}, new tokens {args.new}, repeats {args.repeats}, "
           f"transformers attention {args.attention}")
     print(f"load average before: {load_average()}", flush=True)
-    if args.engines:
-        for name in args.shapes:
-            print_engines(bench_engines(name, args))
-        print(f"load average after: {load_average()}")
-        return
     for name in args.shapes:
         row = bench_shape(name, args)
         print(row["shape"])
