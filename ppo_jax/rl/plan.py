@@ -48,7 +48,8 @@ from ppo_jax.accelerators.hlo import ProgramStructure
 from ppo_jax.config import ConfigError, from_config, model_config_dict
 from ppo_jax.models import KV_CACHE_AXES, ModelConfig, boxed_params, init_cache
 from ppo_jax.rl import build
-from ppo_jax.rl.settings import PPOHyper, Settings, derive_sizes, stop_token_ids
+from ppo_jax.rl.settings import PPOHyper, Settings, stop_token_ids
+from ppo_jax.rl.sizes import derive_sizes
 from ppo_jax.rl.state import Rollout, policy_variables
 
 GB = 10**9

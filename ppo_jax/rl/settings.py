@@ -1,6 +1,6 @@
 """PPO settings: the schema of a PPO config (every field with its default and a one-line comment),
-its validation, and what follows from it (derived batch sizes, the hyper-parameters the steps close
-over, the sampler settings).
+its validation, and what follows from it (the hyper-parameters the steps close over, the sampler
+settings; the batch sizes on a mesh are `rl/sizes.py`).
 
 `ppo_config()` is the ConfigDict that files under `configs/` start from; `Settings.from_config`
 converts one, once, at the edge (`PPOTrainer`, `plan_memory`), and validates every value here.
@@ -11,18 +11,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import jax
 import ml_collections
 
 from ppo_jax.config import (HF_MODEL_DIR, HF_REWARD_DIR, PEFT_ADAPTER_DIR,
                             AdamWSettings, ComputeSettings, ConfigError, LoraSettings, MeshSettings, RunSettings, check,
-                            check_positions, config_dict)
+                            config_dict)
 from ppo_jax.data.prompt_stream import PromptDataSettings
 from ppo_jax.distributed import DistributedSettings
 from ppo_jax.models.config import LoraConfig, ModelConfig
 from ppo_jax.sampling import SamplingConfig
 from ppo_jax.sampling.config import ENGINES
+
+if TYPE_CHECKING:
+    from ppo_jax.rl.sizes import DerivedSizes
 
 ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
 # rollout.decode -> SamplingConfig.unroll_layers (None: decided by the backend).
@@ -297,103 +300,6 @@ def stop_token_ids(rollout: RolloutSettings, default_eos: int | None) -> tuple[i
         except ValueError:
             raise ConfigError(f"rollout.stop_token_ids={spec!r}: use comma-separated integers") from None
     return (default_eos,) if default_eos is not None else ()
-
-
-@dataclasses.dataclass(frozen=True)
-class DerivedSizes:
-    """Sizes that follow from the settings and the mesh."""
-
-    rollout_rows: int  # prompts * samples per prompt
-    minibatch_rows: int
-    microbatch_rows: int
-    forward_rows: int
-    packed_rows: int = 0  # packed rows per microbatch (M); 0 = packing off
-    packed_length: int = 0  # slots per packed row (T = the padded row length)
-    decode_slots: int = 0  # the continuous engine's decode rows; 0 = the static engine
-
-
-def packing_on(packing: str, platform: str | None) -> bool:
-    """ppo.packing resolved for the devices' platform (None: this process's backend). "auto" packs on
-    a CPU only: there it was measured 1.7x faster at long-tailed lengths and 5% slower without padding;
-    on an H200 (TinyLlama shape, no padding) the packed experience and update were 1.44x and 1.52x
-    slower than padded, their eight small microbatches a minibatch paying the per-microbatch costs
-    eight times (docs/benchmarks.md, "The library on an H200"). GPU and TPU gains at long-tailed
-    lengths are unmeasured: "on" packs anywhere."""
-    if packing != "auto":
-        return packing == "on"
-    return (platform or jax.default_backend()) == "cpu"
-
-
-def derive_sizes(s: Settings, *, batch_divisor: int = 1, max_positions: int | None = None,
-                 vocab_size: int | None = None, platform: str | None = None) -> DerivedSizes:
-    """The batch sizes of a run on a mesh with `batch_divisor` data-parallel devices on `platform`
-    ("cpu", "gpu", "tpu"; None: this process's backend), checked against the mesh and the model
-    (before any compile)."""
-    r, p = s.rollout, s.ppo
-    rows = r.batch_size * r.num_samples
-    check(rows % p.num_minibatches == 0,
-          f"rollout.batch_size * rollout.num_samples = {rows} is not divisible by ppo.num_minibatches="
-          f"{p.num_minibatches}; change one of them")
-    mini = rows // p.num_minibatches
-    check(mini % p.num_microbatches == 0,
-          f"a minibatch of {mini} rows is not divisible by ppo.num_microbatches={p.num_microbatches}")
-    micro = mini // p.num_microbatches
-    check(micro % batch_divisor == 0,
-          f"a microbatch of {micro} rows does not split over the {batch_divisor} data-parallel devices "
-          f"(mesh data x fsdp x expert); make rollout.batch_size * rollout.num_samples / (ppo.num_minibatches * "
-          f"ppo.num_microbatches) a multiple of {batch_divisor}")
-    check(r.batch_size % batch_divisor == 0,
-          f"rollout.batch_size={r.batch_size} is not a multiple of the {batch_divisor} data-parallel devices")
-    fwd = r.forward_microbatch or rows
-    check(rows % fwd == 0 and fwd % batch_divisor == 0,
-          f"rollout.forward_microbatch={r.forward_microbatch} must divide {rows} rows and be a multiple of "
-          f"{batch_divisor}")
-    if max_positions is not None:
-        check_positions({"data.prompt_length": s.data.prompt_length, "rollout.response_length": r.response_length},
-                        max_positions)
-    if vocab_size is not None:
-        for t in stop_token_ids(r, None):
-            check(0 <= t < vocab_size, f"rollout.stop_token_ids: {t} is outside the vocabulary (size {vocab_size})")
-    packed_rows, length = 0, s.data.prompt_length + r.response_length
-    if packing_on(p.packing, platform):
-        packed_rows = packed_rows_per_microbatch(p.max_tokens_per_microbatch, length, micro, batch_divisor)
-    return DerivedSizes(rollout_rows=rows, minibatch_rows=mini, microbatch_rows=micro, forward_rows=fwd,
-                        packed_rows=packed_rows, packed_length=length if packed_rows else 0,
-                        decode_slots=decode_slots(r, batch_divisor))
-
-
-def decode_slots(r: RolloutSettings, batch_divisor: int) -> int:
-    """The continuous engine's decode slots (rollout.slots; 0: half the rows, rounded up to a
-    multiple of the data-parallel devices), checked against the rows and the mesh; 0 for the static
-    engine."""
-    if r.engine != "continuous":
-        return 0
-    rows = r.batch_size * r.num_samples
-    slots = r.slots or -(-rows // 2 // batch_divisor) * batch_divisor
-    check(slots % batch_divisor == 0,
-          f"rollout.slots={slots} is not a multiple of the {batch_divisor} data-parallel devices (mesh data x fsdp "
-          f"x expert): every device decodes the same number of slots")
-    check(slots <= rows, f"rollout.slots={slots} is more than the {rows} rows of an iteration (rollout.batch_size * "
-          f"rollout.num_samples): use at most {rows}")
-    return slots
-
-
-def packed_rows_per_microbatch(max_tokens: int, row_length: int, microbatch_rows: int, batch_divisor: int) -> int:
-    """Packed rows per microbatch (M): ppo.max_tokens_per_microbatch // one row's slots, or (0) an eighth
-    of a padded microbatch's rows; rounded down to a multiple of the data-parallel devices (each
-    holds the same number of packed rows). Raises ConfigError for a budget below one row per device.
-
-    The default's granularity: a packed minibatch computes whole microbatches, so on average half of
-    its last one is empty. An eighth reached 0.90 token efficiency and 1.57x (experience + update)
-    on CPU at uniform response lengths, where a quarter reached 0.75 and 1.45x; with no padding at
-    all it costs 14% (smaller matmuls), a quarter 3% (docs/benchmarks.md, "Packing")."""
-    if max_tokens == 0:
-        return max(batch_divisor, microbatch_rows // 8 // batch_divisor * batch_divisor)
-    check(max_tokens >= row_length * batch_divisor,
-          f"ppo.max_tokens_per_microbatch={max_tokens} is smaller than one packed row per data-parallel device: "
-          f"a row holds data.prompt_length + rollout.response_length = {row_length} tokens and {batch_divisor} "
-          f"device(s) split each microbatch, so use at least {row_length * batch_divisor}")
-    return max_tokens // row_length // batch_divisor * batch_divisor
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,8 @@ from ppo_jax.models import hf
 from ppo_jax.rl import build
 from ppo_jax.rl.errors import PREEMPTION_NOTICE, NonFiniteError, RunFailedError
 from ppo_jax.rl.experience import make_scoring_fn
-from ppo_jax.rl.settings import PPOHyper, Settings, derive_sizes, stop_token_ids
+from ppo_jax.rl.settings import PPOHyper, Settings, stop_token_ids
+from ppo_jax.rl.sizes import derive_sizes
 from ppo_jax.rl.state import Rollout, policy_variables
 from ppo_jax.rl.trainer_checkpoints import TrainerCheckpoints
 
