@@ -22,8 +22,7 @@ from ppo_jax.models import rope
 from ppo_jax.models import CausalLM, LoraConfig, ModelConfig, ScalarModel, boxed_params, hf, init_adapters, init_params
 from ppo_jax.optim import make_optimizer
 from ppo_jax.rl.experience import make_experience_fn
-from ppo_jax.rl.settings import DECODE_LOOPS, PolicyLoraSettings, PPOHyper, Settings, sampling_config
-from ppo_jax.rl.sizes import DerivedSizes
+from ppo_jax.rl.settings import DECODE_LOOPS, DerivedSizes, PolicyLoraSettings, PPOHyper, Settings, sampling_config
 from ppo_jax.rl.state import Experience, FrozenParams, Rollout, TrainState
 from ppo_jax.rl.update import make_update_fn
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import ml_collections
 
@@ -23,9 +22,6 @@ from ppo_jax.distributed import DistributedSettings
 from ppo_jax.models.config import LoraConfig, ModelConfig
 from ppo_jax.sampling import SamplingConfig
 from ppo_jax.sampling.config import ENGINES
-
-if TYPE_CHECKING:
-    from ppo_jax.rl.sizes import DerivedSizes
 
 ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
 # rollout.decode -> SamplingConfig.unroll_layers (None: decided by the backend).
@@ -300,6 +296,19 @@ def stop_token_ids(rollout: RolloutSettings, default_eos: int | None) -> tuple[i
         except ValueError:
             raise ConfigError(f"rollout.stop_token_ids={spec!r}: use comma-separated integers") from None
     return (default_eos,) if default_eos is not None else ()
+
+
+@dataclasses.dataclass(frozen=True)
+class DerivedSizes:
+    """Sizes that follow from the settings and the mesh (`rl/sizes.derive_sizes` makes them)."""
+
+    rollout_rows: int  # prompts * samples per prompt
+    minibatch_rows: int
+    microbatch_rows: int
+    forward_rows: int
+    packed_rows: int = 0  # packed rows per microbatch (M); 0 = packing off
+    packed_length: int = 0  # slots per packed row (T = the padded row length)
+    decode_slots: int = 0  # the continuous engine's decode rows; 0 = the static engine
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,25 +4,10 @@ settings, the mesh and the model before anything compiles (a ConfigError naming 
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 
 from ppo_jax.config import check, check_positions
-from ppo_jax.rl.settings import RolloutSettings, Settings, stop_token_ids
-
-
-@dataclasses.dataclass(frozen=True)
-class DerivedSizes:
-    """Sizes that follow from the settings and the mesh."""
-
-    rollout_rows: int  # prompts * samples per prompt
-    minibatch_rows: int
-    microbatch_rows: int
-    forward_rows: int
-    packed_rows: int = 0  # packed rows per microbatch (M); 0 = packing off
-    packed_length: int = 0  # slots per packed row (T = the padded row length)
-    decode_slots: int = 0  # the continuous engine's decode rows; 0 = the static engine
+from ppo_jax.rl.settings import DerivedSizes, RolloutSettings, Settings, stop_token_ids
 
 
 def packing_on(packing: str, platform: str | None) -> bool:
