@@ -45,8 +45,9 @@ def _assert_same_samples(static, continuous):
 CASES = [
     (STOP_CONFIG, 2, 0, True),  # one prompt's two samples at a time: a queue of 8 prefills
     (STOP_CONFIG, 5, 2, True),  # a chunk of 2 prompts' 4 rows into 5 slots: samples of one prompt split
-    (MIN_CONFIG, 4, 1, False),  # the scanned decode, per-row cache writes in the stacked cache
+    (MIN_CONFIG, 4, 1, False),  # the scanned decode (no halvings), per-row writes in the stacked cache
     (TOP_P_CONFIG, 16, 0, True),  # every row in a slot at once: the static schedule
+    (dataclasses.replace(MIN_CONFIG, tail_halvings=2), 8, 0, False),  # halvings of the stacked cache
 ]
 
 

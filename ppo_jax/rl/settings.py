@@ -109,6 +109,7 @@ class RolloutSettings:
     engine: str = "static"  # "static": all batch_size * num_samples rows decoded at once until the longest stops; "continuous": `slots` decode rows fed from a queue of them, a finished row's slot refilled by the next prompt (sampling/continuous.py; same tokens for the same key)
     slots: int = 0  # continuous: decode rows held at once, a multiple of the data-parallel devices, <= the rows; 0 = half the rows
     prefill_prompts: int = 0  # continuous: prompts prefilled together when a slot is free and no prefilled row waits; 0 = a quarter of the slots' worth
+    tail_halvings: int = -1  # continuous: times the busy rows may move into half as many slots once nothing is left to insert (each a decode program of its own); -1 = 2 with the unrolled decode, 0 with the scanned one (TPU), whose stage caches cost memory there
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,6 +233,8 @@ class Settings(RunSettings):
         check(r.slots >= 0 and r.prefill_prompts >= 0,
               f"rollout.slots and rollout.prefill_prompts must be >= 0 (0 = automatic), got {r.slots} and "
               f"{r.prefill_prompts}")
+        check(r.tail_halvings >= -1, f"rollout.tail_halvings must be >= 0 (or -1: by the decode loop), got "
+              f"{r.tail_halvings}")
         check(r.engine == "continuous" or not (r.slots or r.prefill_prompts),
               f"rollout.slots={r.slots}, rollout.prefill_prompts={r.prefill_prompts} are settings of the continuous "
               f"engine: set rollout.engine=continuous, or leave them 0")
@@ -385,4 +388,5 @@ def sampling_config(s: Settings, stop_ids: Sequence[int], pad_id: int,
         max_new_tokens=r.response_length, min_new_tokens=r.min_new_tokens, temperature=r.temperature,
         top_k=r.top_k, top_p=r.top_p, stop_token_ids=tuple(stop_ids), pad_token_id=int(pad_id),
         num_samples=r.num_samples, cache_dtype=r.cache_dtype or None, engine=r.engine, slots=slots,
-        prefill_prompts=r.prefill_prompts, unroll_layers=unroll_layers)
+        prefill_prompts=r.prefill_prompts, tail_halvings=None if r.tail_halvings < 0 else r.tail_halvings,
+        unroll_layers=unroll_layers)

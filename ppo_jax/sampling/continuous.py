@@ -15,7 +15,8 @@ nothing is left to insert, whatever P is. Then every slot decodes one token at i
 cache holds S rows, not R: memory follows the slots, and a decode step pays for S rows however
 long the longest row runs. Once the queue is empty and at most half the slots are busy, the busy
 rows move into half as many slots and decoding goes on there (`SamplingConfig.tail_halvings`
-times at most): the long tail of the last rows does not pay for the slots the short ones left.
+times at most; by default twice with the unrolled decode, never with the scanned one): the long
+tail of the last rows does not pay for the slots the short ones left.
 
 Randomness is scheduling-invariant: row r's token at response position t is drawn with the uniform
 (r, t) of `response_uniforms`, the same one the static engine uses, so for the same key both
@@ -96,11 +97,11 @@ class Slots:
     out: Responses
 
 
-def _record(slots: Slots, rows: Array, steps: Array, choice: TokenChoice, limits: Array,
-            config: SamplingConfig) -> tuple[Array, Array]:
+def _record(out: Responses, clock: Array, rows: Array, steps: Array, choice: TokenChoice, limits: Array,
+            config: SamplingConfig) -> tuple[Responses, Array]:
     """Writes the choices of the `rows` [M] (-1: none) at response position `steps` [M] into the
-    Responses; returns (the updated Responses, which of the M rows finished [M] bool)."""
-    out = slots.out
+    Responses, at slot-step `clock`; returns (the updated Responses, which of the M rows finished [M]
+    bool)."""
     live = rows >= 0
     total = out.tokens.shape[0]
     at = jnp.where(live, rows, total)  # an index past the end: the write is dropped
@@ -116,7 +117,7 @@ def _record(slots: Slots, rows: Array, steps: Array, choice: TokenChoice, limits
         sampling_logprobs=put(out.sampling_logprobs, choice.sampling_logprobs),
         mask=put(out.mask, jnp.ones_like(tokens)),
         stopped=out.stopped.at[at].set(is_stop, mode="drop"),
-        slot_steps_at_finish=out.slot_steps_at_finish.at[at].set(slots.clock, mode="drop"))
+        slot_steps_at_finish=out.slot_steps_at_finish.at[at].set(clock, mode="drop"))
     return out, finished
 
 
@@ -175,10 +176,11 @@ def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key
         draws = uniforms[jnp.maximum(rows_, 0), jnp.minimum(steps, new - 1)]
         return choose_tokens(logits, steps, draws, config)
 
-    def prefill(slots: Slots) -> Slots:
-        """Prefills the next `chunk` prompts into `waiting` (empty when called), their rows' first
-        tokens chosen and recorded."""
-        prompts = slots.next_prompt + jnp.arange(chunk)
+    def prefill(next_prompt: Array, out: Responses, clock: Array) -> tuple[Prefilled, Responses]:
+        """The next `chunk` prompts prefilled (to wait for slots), their rows' first tokens chosen
+        and recorded. Takes and returns no slot state: under `lax.cond` every operand passes through
+        both branches, and the slots' KV cache would be copied on the way."""
+        prompts = next_prompt + jnp.arange(chunk)
         valid = jnp.repeat(prompts < batch, n)  # [W]: a last short chunk's padding rows
         prompts = jnp.minimum(prompts, batch - 1)
         tokens, mask = prompt_tokens[prompts], prompt_mask[prompts]
@@ -188,11 +190,11 @@ def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key
         new_rows = jnp.where(valid, jnp.repeat(prompts, n) * n + jnp.tile(jnp.arange(n), chunk), -1)
         first_steps = jnp.zeros((chunk * n,), jnp.int32)
         choice = choose(jnp.repeat(logits, n, axis=0), new_rows, first_steps)
-        out, finished = _record(slots, new_rows, first_steps, choice, limits, config)
+        out, finished = _record(out, clock, new_rows, first_steps, choice, limits, config)
         waiting = Prefilled(row=jnp.where(finished, -1, new_rows), last=choice.tokens,
                             prompt_length=jnp.repeat(mask.sum(-1), n), mask=jnp.repeat(mask, n, axis=0),
                             k=cache.k, v=cache.v)
-        return slots.replace(waiting=waiting, next_prompt=slots.next_prompt + chunk, out=out)
+        return waiting, out
 
     def insert(slots: Slots) -> Slots:
         """Moves waiting rows, in order, into the free slots, as many as both allow."""
@@ -233,8 +235,12 @@ def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key
     def fill(slots: Slots) -> Slots:
         """Free slots take waiting rows; when none wait, the next prompts are prefilled first."""
         def step(slots: Slots) -> Slots:
-            slots = jax.lax.cond(jnp.any(slots.waiting.row >= 0), lambda s: s, prefill, slots)
-            return insert(slots)
+            some_wait = jnp.any(slots.waiting.row >= 0)
+            waiting, out = jax.lax.cond(some_wait, lambda w, o, p, c: (w, o),
+                                        lambda w, o, p, c: prefill(p, o, c),
+                                        slots.waiting, slots.out, slots.next_prompt, slots.clock)
+            next_prompt = slots.next_prompt + jnp.where(some_wait, 0, chunk)
+            return insert(slots.replace(waiting=waiting, out=out, next_prompt=next_prompt))
 
         return jax.lax.while_loop(lambda s: jnp.any(s.row < 0) & to_insert(s), step, slots)
 
@@ -256,7 +262,7 @@ def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key
                                     method=_forward_last)
         slots = slots.replace(cache=cache, kv_mask=kv_mask, clock=slots.clock + num_slots)
         choice = choose(logits, slots.row, slots.step)
-        out, finished = _record(slots, slots.row, slots.step, choice, limits, config)
+        out, finished = _record(slots.out, slots.clock, slots.row, slots.step, choice, limits, config)
         return slots.replace(row=jnp.where(finished, -1, slots.row), step=slots.step + busy, last=choice.tokens,
                              out=out)
 
@@ -294,7 +300,8 @@ def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key
     # next stage's slots are busy (one fill site in the program: the prefill compiles once; a fill
     # leaves a slot busy unless every row it prefilled stopped at once and nothing is left, and the
     # decode after it then records nothing). Each later stage decodes on fewer slots, no inserts.
-    sizes = stage_sizes(num_slots, config.tail_halvings)
+    halvings = config.tail_halvings if config.tail_halvings is not None else (2 if unroll else 0)
+    sizes = stage_sizes(num_slots, halvings)
     for stage, size in enumerate(sizes):
         following = sizes[stage + 1] if stage + 1 < len(sizes) else 0
         if stage == 0:
