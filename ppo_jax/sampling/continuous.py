@@ -10,10 +10,10 @@ How it runs. A free slot takes the next prefilled row waiting; when none waits a
 the next P prompts are prefilled together (prefill-then-insert: one forward over [P, Lq] into a
 [P, Lq] cache, each prompt once, each of its n samples' rows copied into a slot of its own when one
 is free) and each row's first token is chosen from the prefill's logits. So a slot idles only when
-nothing is left to insert, whatever P is. Then every slot decodes one token at its own cache slot and position (a per-row KV index,
-`KVCache.index` [S]); a row that stops (a stop token, or its limit) frees its slot at once. The
-cache holds S rows, not R: memory follows the slots, and a decode step pays for S rows however
-long the longest row runs. Once the queue is empty and at most half the slots are busy, the busy
+nothing is left to insert, whatever P is. Then every slot decodes one token at its own cache slot
+and position (a per-row KV index, `KVCache.index` [S]); a row that stops (a stop token, or its
+limit) frees its slot at once. The cache holds S rows, not R: memory follows the slots, and a
+decode step pays for S rows however long the longest row runs. Once the queue is empty and at most half the slots are busy, the busy
 rows move into half as many slots and decoding goes on there (`SamplingConfig.tail_halvings`
 times at most; by default twice with the unrolled decode, never with the scanned one): the long
 tail of the last rows does not pay for the slots the short ones left.
@@ -35,9 +35,10 @@ import jax.numpy as jnp
 from ppo_jax import sharding
 from ppo_jax.models import forward
 from ppo_jax.models.cache import KVCache, init_cache, split_cache
-from ppo_jax.models.transformer import CausalLM, last_token_index, positions_from_mask, split_layer_params
+from ppo_jax.models.transformer import CausalLM, last_token_index, positions_from_mask
 from ppo_jax.sampling.config import SampleOutput, SamplingConfig, validate_inputs
-from ppo_jax.sampling.loop import _constrain, _constrain_cache, _forward_last, is_stop_token
+from ppo_jax.sampling.loop import (constrain, constrain_cache, decode_layers, forward_last, is_stop_token,
+                                   row_limits)
 from ppo_jax.sampling.token_choice import TokenChoice, choose_tokens, response_uniforms
 
 Array = jax.Array
@@ -138,13 +139,13 @@ def _compact(slots: Slots, size: int) -> Slots:
 
     def rows(x, axis=0):
         x = jnp.take(x, keep, axis=axis)
-        return _constrain(x, (None,) * axis + ("batch",) + (None,) * (x.ndim - axis - 1))
+        return constrain(x, (None,) * axis + ("batch",) + (None,) * (x.ndim - axis - 1))
 
     if isinstance(slots.cache, tuple):
-        cache = tuple(_constrain_cache(c.replace(k=rows(c.k), v=rows(c.v), index=rows(c.index)))
+        cache = tuple(constrain_cache(c.replace(k=rows(c.k), v=rows(c.v), index=rows(c.index)))
                       for c in slots.cache)
     else:
-        cache = _constrain_cache(slots.cache.replace(k=rows(slots.cache.k, 1), v=rows(slots.cache.v, 1),
+        cache = constrain_cache(slots.cache.replace(k=rows(slots.cache.k, 1), v=rows(slots.cache.v, 1),
                                                      index=rows(slots.cache.index)))
     return slots.replace(row=rows(slots.row), step=rows(slots.step), last=rows(slots.last),
                          prompt_length=rows(slots.prompt_length), cache=cache, kv_mask=rows(slots.kv_mask))
@@ -163,14 +164,13 @@ def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key
     chunk = config.prefill_batch(batch)
     prompt_tokens, prompt_mask = prompt_tokens.astype(jnp.int32), prompt_mask.astype(jnp.int32)
     variables = forward.variables(params, adapters)
-    unroll = config.unroll_layers if config.unroll_layers is not None else jax.default_backend() != "tpu"
-    layer_params = split_layer_params(params) if unroll else None
-    layer_adapters = split_layer_params(adapters) if unroll and adapters is not None else None
+    layers = decode_layers(params, adapters, config)
+    unroll = layers.unroll
     uniforms = response_uniforms(key, rows, new)  # [R, N]: row r's draw at step t, wherever it runs
-    limits = jnp.full((rows,), new, jnp.int32) if response_limits is None else response_limits.astype(jnp.int32)
+    limits = row_limits(response_limits, rows, config)
 
-    def constrain(x, names=("batch",)):
-        return _constrain(x, names + (None,) * (x.ndim - len(names)))
+    def by_rows(x, names=("batch",)):  # split over the batch axes by its first axis (or `names`)
+        return constrain(x, names + (None,) * (x.ndim - len(names)))
 
     def choose(logits: Array, rows_: Array, steps: Array) -> TokenChoice:
         draws = uniforms[jnp.maximum(rows_, 0), jnp.minimum(steps, new - 1)]
@@ -186,7 +186,7 @@ def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key
         tokens, mask = prompt_tokens[prompts], prompt_mask[prompts]
         cache = init_cache(mc, chunk, prompt_len, config.cache_dtype)
         logits, cache = model.apply(variables, tokens, positions_from_mask(mask), mask, cache,
-                                    last_token_index(mask), method=_forward_last)
+                                    last_token_index(mask), method=forward_last)
         new_rows = jnp.where(valid, jnp.repeat(prompts, n) * n + jnp.tile(jnp.arange(n), chunk), -1)
         first_steps = jnp.zeros((chunk * n,), jnp.int32)
         choice = choose(jnp.repeat(logits, n, axis=0), new_rows, first_steps)
@@ -198,7 +198,7 @@ def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key
 
     def insert(slots: Slots) -> Slots:
         """Moves waiting rows, in order, into the free slots, as many as both allow."""
-        num_slots, width_waiting = slots.row.shape[0], chunk * n
+        width_waiting = chunk * n  # inserts happen in the first stage only: num_slots slots
         pairs = min(num_slots, width_waiting)
         free = jnp.argsort(slots.row >= 0, stable=True)[:pairs]  # free slots first, in slot order
         ready = jnp.argsort(slots.waiting.row < 0, stable=True)[:pairs]  # waiting rows first, in order
@@ -246,38 +246,38 @@ def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key
 
     def decode(slots: Slots) -> Slots:
         """One token for every slot, each at its own cache slot Lq + step - 1 and position."""
-        num_slots = slots.row.shape[0]  # this stage's
+        size = slots.row.shape[0]  # this stage's slots
         busy = slots.row >= 0
         # A free slot decodes too (static shapes): it writes its own, masked slot and sits at
         # position 0, so it moves no row's length-dependent rope (dynamic NTK, LongRoPE).
         index = jnp.where(busy, prompt_len + slots.step - 1, width - 1)
-        kv_mask = slots.kv_mask.at[jnp.arange(num_slots), index].set(1)
+        kv_mask = slots.kv_mask.at[jnp.arange(size), index].set(1)
         positions = jnp.where(busy, slots.prompt_length + slots.step - 1, 0)[:, None]
         if unroll:
             cache = tuple(c.replace(index=index) for c in slots.cache)
         else:
             cache = slots.cache.replace(index=index)
         logits, cache = model.apply(variables, slots.last[:, None], positions, kv_mask, cache,
-                                    jnp.zeros((num_slots,), jnp.int32), layer_params, layer_adapters,
-                                    method=_forward_last)
-        slots = slots.replace(cache=cache, kv_mask=kv_mask, clock=slots.clock + num_slots)
+                                    jnp.zeros((size,), jnp.int32), layers.params, layers.adapters,
+                                    method=forward_last)
+        slots = slots.replace(cache=cache, kv_mask=kv_mask, clock=slots.clock + size)
         choice = choose(logits, slots.row, slots.step)
         out, finished = _record(slots.out, slots.clock, slots.row, slots.step, choice, limits, config)
         return slots.replace(row=jnp.where(finished, -1, slots.row), step=slots.step + busy, last=choice.tokens,
                              out=out)
 
     def slot_array(dtype, fill_value=0):
-        return constrain(jnp.full((num_slots,), fill_value, dtype))
+        return by_rows(jnp.full((num_slots,), fill_value, dtype))
 
     cache = init_cache(mc, num_slots, width, config.cache_dtype)
     cache = cache.replace(index=jnp.zeros((num_slots,), jnp.int32))
     if unroll:
-        cache = tuple(_constrain_cache(layer) for layer in split_cache(cache))
+        cache = tuple(constrain_cache(layer) for layer in split_cache(cache))
     else:
-        cache = _constrain_cache(cache)
+        cache = constrain_cache(cache)
 
     def buffer(dtype, fill_value=0):
-        return constrain(jnp.full((rows, new), fill_value, dtype), ("batch", "length"))
+        return by_rows(jnp.full((rows, new), fill_value, dtype), ("batch", "length"))
 
     waiting_cache = init_cache(mc, chunk, prompt_len, config.cache_dtype)
     waiting = Prefilled(row=jnp.full((chunk * n,), -1, jnp.int32), last=jnp.zeros((chunk * n,), jnp.int32),
@@ -286,14 +286,14 @@ def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key
     slots = Slots(
         row=slot_array(jnp.int32, -1), step=slot_array(jnp.int32), last=slot_array(jnp.int32),
         prompt_length=slot_array(jnp.int32), cache=cache, waiting=waiting,
-        kv_mask=constrain(jnp.zeros((num_slots, width), jnp.int32)), next_prompt=jnp.zeros((), jnp.int32),
+        kv_mask=by_rows(jnp.zeros((num_slots, width), jnp.int32)), next_prompt=jnp.zeros((), jnp.int32),
         clock=jnp.zeros((), jnp.int32),
         out=Responses(tokens=buffer(jnp.int32, config.pad_token_id), logprobs=buffer(jnp.float32),
                       sampling_logprobs=buffer(jnp.float32), mask=buffer(jnp.int32),
-                      stopped=constrain(jnp.zeros((rows,), bool)),
-                      slot_steps_at_finish=constrain(jnp.zeros((rows,), jnp.int32))))
+                      stopped=by_rows(jnp.zeros((rows,), bool)),
+                      slot_steps_at_finish=by_rows(jnp.zeros((rows,), jnp.int32))))
 
-    def busy(slots: Slots) -> Array:
+    def busy_count(slots: Slots) -> Array:
         return jnp.sum(slots.row >= 0)
 
     # Stage 0 inserts and decodes on all the slots until nothing is left to insert and at most the
@@ -305,10 +305,10 @@ def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key
     for stage, size in enumerate(sizes):
         following = sizes[stage + 1] if stage + 1 < len(sizes) else 0
         if stage == 0:
-            slots = jax.lax.while_loop(lambda s, f=following: to_insert(s) | (busy(s) > f),
+            slots = jax.lax.while_loop(lambda s, f=following: to_insert(s) | (busy_count(s) > f),
                                        lambda s: decode(fill(s)), slots)
         else:
-            slots = jax.lax.while_loop(lambda s, f=following: busy(s) > f, decode, slots)
+            slots = jax.lax.while_loop(lambda s, f=following: busy_count(s) > f, decode, slots)
         if following:
             slots = _compact(slots, following)
     out = slots.out

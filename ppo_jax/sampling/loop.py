@@ -17,6 +17,7 @@ cache next to the R-row decode cache.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.struct
@@ -53,7 +54,7 @@ class DecodeState:
     mask: Array
 
 
-def _constrain(x: Array, logical_names: tuple[str | None, ...]) -> Array:
+def constrain(x: Array, logical_names: tuple[str | None, ...]) -> Array:
     """Pins an intermediate's sharding by logical names under the current mesh (no-op without one)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
@@ -61,12 +62,13 @@ def _constrain(x: Array, logical_names: tuple[str | None, ...]) -> Array:
     return jax.lax.with_sharding_constraint(x, sharding.logical_to_spec(logical_names, x.shape, mesh))
 
 
-def _constrain_cache(cache: KVCache) -> KVCache:
+def constrain_cache(cache: KVCache) -> KVCache:
+    """`constrain` for a KV cache, stacked [L, B, K, S, Dh] or one layer's [B, K, S, Dh]."""
     names = KV_CACHE_AXES[-cache.k.ndim:]  # a per-layer cache has no layers axis
-    return cache.replace(k=_constrain(cache.k, names), v=_constrain(cache.v, names))
+    return cache.replace(k=constrain(cache.k, names), v=constrain(cache.v, names))
 
 
-def _forward_last(module: CausalLM, tokens, positions, kv_mask, cache, last_index, layer_params=None,
+def forward_last(module: CausalLM, tokens, positions, kv_mask, cache, last_index, layer_params=None,
                   layer_adapters=None):
     """Logits [B, V] at slot `last_index [B]` only: the prompt's [B, Lq, V] logits are never built.
 
@@ -80,6 +82,31 @@ def _forward_last(module: CausalLM, tokens, positions, kv_mask, cache, last_inde
                                                     layer_adapters)
     last_hidden = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)
     return module.project(last_hidden)[:, 0], cache
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLayers:
+    """How a decode loop runs its layers: `unroll` (per-layer weights and caches, `Transformer.unrolled`)
+    with the per-layer parameter and adapter trees it then reads (None when scanning, or without
+    adapters)."""
+
+    unroll: bool
+    params: Any = None
+    adapters: Any = None
+
+
+def decode_layers(params: Any, adapters: Any, config: SamplingConfig) -> DecodeLayers:
+    """`config.unroll_layers` resolved (None: on except on TPU), and the per-layer trees it needs."""
+    unroll = config.unroll_layers if config.unroll_layers is not None else jax.default_backend() != "tpu"
+    return DecodeLayers(unroll=unroll, params=split_layer_params(params) if unroll else None,
+                        adapters=split_layer_params(adapters) if unroll and adapters is not None else None)
+
+
+def row_limits(response_limits: Array | None, rows: int, config: SamplingConfig) -> Array:
+    """Each output row's own max_new_tokens [R] int32: `response_limits`, or N for every row."""
+    if response_limits is None:
+        return jnp.full((rows,), config.max_new_tokens, jnp.int32)
+    return response_limits.astype(jnp.int32)
 
 
 def is_stop_token(tokens: Array, config: SamplingConfig) -> Array:
@@ -132,33 +159,31 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
     prompt_mask = prompt_mask.astype(jnp.int32)
 
     # Prefill once per prompt (not per sample), into slots [0, Lq) of the cache.
-    cache = _constrain_cache(init_cache(mc, batch, slots, config.cache_dtype))
+    cache = constrain_cache(init_cache(mc, batch, slots, config.cache_dtype))
     kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((batch, new - 1), jnp.int32)], axis=1)
     variables = forward.variables(params, adapters)
     logits, cache = model.apply(variables, prompt_tokens, positions_from_mask(prompt_mask), kv_mask,
-                                cache, last_token_index(prompt_mask), method=_forward_last)
+                                cache, last_token_index(prompt_mask), method=forward_last)
     if n > 1:
         def repeat(x, axis=0):
             return jnp.repeat(x, n, axis=axis)
 
         prompt_tokens, prompt_mask, kv_mask, logits = map(repeat, (prompt_tokens, prompt_mask, kv_mask, logits))
-        cache = _constrain_cache(cache.replace(k=repeat(cache.k, 1), v=repeat(cache.v, 1)))
+        cache = constrain_cache(cache.replace(k=repeat(cache.k, 1), v=repeat(cache.v, 1)))
     rows = batch * n
     prompt_lengths = prompt_mask.sum(axis=-1)
-    unroll = config.unroll_layers if config.unroll_layers is not None else jax.default_backend() != "tpu"
-    layer_params = split_layer_params(params) if unroll else None
-    layer_adapters = split_layer_params(adapters) if unroll and adapters is not None else None
-    if unroll:
-        cache = tuple(_constrain_cache(layer) for layer in split_cache(cache))
-    uniforms = _constrain(response_uniforms(key, rows, new), ("batch", "length"))
-    limits = jnp.full((rows,), new, jnp.int32) if response_limits is None else response_limits.astype(jnp.int32)
+    layers = decode_layers(params, adapters, config)
+    if layers.unroll:
+        cache = tuple(constrain_cache(layer) for layer in split_cache(cache))
+    uniforms = constrain(response_uniforms(key, rows, new), ("batch", "length"))
+    limits = row_limits(response_limits, rows, config)
 
     def choose(logits: Array, step: Array) -> TokenChoice:
         column = jax.lax.dynamic_index_in_dim(uniforms, step, axis=1, keepdims=False)
         return choose_tokens(logits, step, column, config)
 
     def zeros(dtype):
-        return _constrain(jnp.zeros((rows, new), dtype), ("batch", "length"))
+        return constrain(jnp.zeros((rows, new), dtype), ("batch", "length"))
 
     state = DecodeState(
         step=jnp.zeros((), jnp.int32), cache=cache, kv_mask=kv_mask, stopped=jnp.zeros((rows,), bool),
@@ -176,8 +201,8 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
         kv_mask = jax.lax.dynamic_update_slice(state.kv_mask, jnp.ones((rows, 1), jnp.int32), (0, slot))
         positions = (prompt_lengths + state.step - 1)[:, None]
         logits, cache = model.apply(variables, previous, positions, kv_mask, state.cache,
-                                    jnp.zeros((rows,), jnp.int32), layer_params, layer_adapters,
-                                    method=_forward_last)
+                                    jnp.zeros((rows,), jnp.int32), layers.params, layers.adapters,
+                                    method=forward_last)
         state = state.replace(cache=cache, kv_mask=kv_mask)
         return _record(state, choose(logits, state.step), config, limits)
 
