@@ -13,6 +13,7 @@ replicated).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -220,6 +221,83 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
 def copy_tree(params: Any, shardings: Any) -> Any:
     """A real copy on the given shardings (a reference aliasing the policy would die on donation)."""
     return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(params)
+
+
+def same_devices(a: jax.sharding.Sharding, b: jax.sharding.Sharding) -> bool:
+    return a.device_set == b.device_set
+
+
+def reshard(tree: Any, shardings: Any) -> Any:
+    """`tree`'s arrays on `shardings` (another layout, mesh or device set: a sampler's, from the
+    trainer's), leaving the inputs as they are. An array already on its target is returned as it is
+    (no copy).
+
+    One process moves anything with `jax.device_put`. Several processes can `device_put` only within
+    one device set, so between two disjoint sets of equal size (disaggregated roles, `rl/roles.py`)
+    the arrays travel through one program over both sets (`_reshard_across`).
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    targets = treedef.flatten_up_to(shardings)
+    moved = [i for i, (x, t) in enumerate(zip(leaves, targets)) if x.sharding != t]
+    across = [i for i in moved if jax.process_count() > 1 and not same_devices(leaves[i].sharding, targets[i])]
+    local = [i for i in moved if i not in across]
+    out = list(leaves)
+    if local:
+        for i, y in zip(local, jax.device_put([leaves[i] for i in local], [targets[i] for i in local])):
+            out[i] = y
+    if across:
+        for i, y in zip(across, _reshard_across([leaves[i] for i in across], [targets[i] for i in across])):
+            out[i] = y
+    return jax.tree.unflatten(treedef, out)
+
+
+def _union_mesh(first: Mesh, second: Mesh, shape_of: Mesh) -> Mesh:
+    """A mesh over both device sets, `first`'s devices then `second`'s, as a leading "role" axis of 2
+    over `shape_of`'s axes."""
+    devices = np.array(list(first.devices.flat) + list(second.devices.flat)).reshape((2,) + shape_of.devices.shape)
+    return Mesh(devices, ("role",) + tuple(shape_of.axis_names), axis_types=(AxisType.Auto,) * (devices.ndim))
+
+
+@functools.cache
+def _broadcast_first_role(out_shardings):
+    """Jitted [2, ...] -> [2, ...] with both halves the first: the cross-set copy, as XLA's collectives."""
+    return jax.jit(lambda xs: [jnp.broadcast_to(x[:1], x.shape) for x in xs], out_shardings=list(out_shardings))
+
+
+def _reshard_across(xs: list, targets: list) -> list:
+    """Arrays moved between two disjoint device sets of equal size, across processes.
+
+    Each array becomes the first half of a [2, ...] array over both sets (the second half, on the
+    target's devices, is filler), one program copies the first half into the second in the target's
+    layout, and the target's shards of that are the result. The copy on the source's devices is
+    dropped at once. Raises ValueError for sets of different sizes (no such program exists).
+    """
+    out_shardings, inputs = [], []
+    for x, target in zip(xs, targets):
+        src = x.sharding
+        if not (isinstance(src, NamedSharding) and isinstance(target, NamedSharding)):
+            raise ValueError("arrays move between device sets only with NamedShardings")
+        if src.mesh.size != target.mesh.size or src.device_set & target.device_set:
+            raise ValueError(f"arrays move across processes only between disjoint device sets of equal size; got "
+                             f"{src.mesh.size} and {target.mesh.size} devices")
+        in_sh = NamedSharding(_union_mesh(src.mesh, target.mesh, src.mesh), P("role", *src.spec))
+        out_shardings.append(NamedSharding(_union_mesh(src.mesh, target.mesh, target.mesh), P("role", *target.spec)))
+        shape = (2,) + x.shape
+        own = {s.device: s.data[None] for s in x.addressable_shards}
+        parts = []
+        for device, index in in_sh.addressable_devices_indices_map(shape).items():
+            if device in own:
+                parts.append(own[device])
+            else:
+                part_shape = tuple(len(range(*sl.indices(n))) for sl, n in zip(index, shape))
+                parts.append(jax.device_put(np.zeros(part_shape, x.dtype), device))
+        inputs.append(jax.make_array_from_single_device_arrays(shape, in_sh, parts))
+    copied = _broadcast_first_role(tuple(out_shardings))(inputs)
+    results = []
+    for y, target in zip(copied, targets):
+        mine = [s.data.reshape(s.data.shape[1:]) for s in y.addressable_shards if s.device in target.device_set]
+        results.append(jax.make_array_from_single_device_arrays(y.shape[1:], target, mine))
+    return results
 
 
 def to_host(tree: Any) -> Any:

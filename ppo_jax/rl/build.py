@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -324,23 +325,47 @@ class Steps:
     experience_jit: Callable
     update_jit: Callable
     trace_counts: dict[str, int]
+    sampler_shardings: SamplerShardings
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerShardings:
+    """Where the sampler reads the policy: `params` (the full params, with LoRA the frozen base) and
+    `adapters` (LoRA's, else None) on the sampler's mesh; the trainer's own shardings when the
+    sampler shares its mesh."""
+
+    params: Any
+    adapters: Any
+
+
+def sampler_shardings(modules: Modules, state_shardings: TrainState, frozen_shardings: FrozenParams,
+                      sampler_mesh, shared: bool) -> SamplerShardings:
+    """The policy's shardings on the sampler's mesh (`rl/roles.py`), by the same logical rules."""
+    lora = frozen_shardings.policy is not None
+    if shared:
+        return SamplerShardings(frozen_shardings.policy if lora else state_shardings.policy,
+                                state_shardings.policy if lora else None)
+    params = base_shardings(modules, sampler_mesh)
+    adapters = sharding.tree_shardings(boxed_params(modules.policy, collection="lora"), sampler_mesh) if lora else None
+    return SamplerShardings(params, adapters)
 
 
 def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: Modules, policy_tx, value_tx,
                 state_shardings, frozen_shardings, stop_ids: Sequence[int], pad_id: int,
-                unroll_layers: bool | None = None) -> Steps:
+                unroll_layers: bool | None = None, sampler_mesh=None) -> Steps:
     """The sampler and the jitted experience and update steps of a run (also what `ppo_jax.rl.plan`
     lowers and measures, so the planner sees exactly the programs a run compiles). unroll_layers:
-    overrides rollout.decode (see `settings.sampling_config`)."""
+    overrides rollout.decode (see `settings.sampling_config`); sampler_mesh: the sampler's own mesh
+    (`rl/roles.py`; None: `mesh`), `sizes.decode_slots` derived for it."""
     batch = sharding.data_sharding(mesh)
     replicated = sharding.replicated(mesh)
-    unroll_layers = decode_unrolled(s, mesh) if unroll_layers is None else unroll_layers
+    sampler_mesh = mesh if sampler_mesh is None else sampler_mesh
+    unroll_layers = decode_unrolled(s, sampler_mesh) if unroll_layers is None else unroll_layers
     sampler_settings = sampling_config(s, stop_ids, pad_id, unroll_layers, sizes.decode_slots)
-    if frozen_shardings.policy is None:
-        sampler = sampling.make_sampler(modules.policy, sampler_settings, mesh, state_shardings.policy)
-    else:  # LoRA: the rollout decodes the frozen base with the trainable adapters (no merged copy)
-        sampler = sampling.make_sampler(modules.policy, sampler_settings, mesh, frozen_shardings.policy,
-                                        adapter_shardings=state_shardings.policy)
+    # LoRA: the rollout decodes the frozen base with the trainable adapters (no merged copy).
+    where = sampler_shardings(modules, state_shardings, frozen_shardings, sampler_mesh, sampler_mesh is mesh)
+    sampler = sampling.make_sampler(modules.policy, sampler_settings, sampler_mesh, where.params,
+                                    adapter_shardings=where.adapters)
     experience = make_experience_fn(modules.policy, modules.value, modules.reward, hp, batch)
     update = make_update_fn(modules.policy, modules.value, policy_tx, value_tx, hp, sizes.rollout_rows, batch)
     rollout_sh = jax.tree.map(lambda _: batch, Rollout(*([0] * len(dataclasses.fields(Rollout)))))
@@ -360,7 +385,7 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
     update_jit = jax.jit(traced("update", update),
                          in_shardings=(state_shardings, frozen_shardings.policy, frozen_shardings.value, exp_sh),
                          out_shardings=(state_shardings, replicated), donate_argnums=(0,))
-    return Steps(sampler_settings, sampler, experience_jit, update_jit, trace_counts)
+    return Steps(sampler_settings, sampler, experience_jit, update_jit, trace_counts, where)
 
 
 def frozen_params(s: Settings, modules: Modules, reference, reward, base) -> FrozenParams:

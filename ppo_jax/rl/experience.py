@@ -64,6 +64,36 @@ def explained_variance(values, returns, mask):
     return 1.0 - ppo.masked_var(returns - values, mask) / jnp.maximum(var_returns, 1e-8)
 
 
+def off_policy_correction(hp: PPOHyper, logp, behaviour_logp, mask):
+    """How the update corrects for rollouts sampled by older weights (rollout.off_policy_steps=1):
+    (the log-probs the PPO ratio divides by [B, Lr], per-token advantage weights [B, Lr], metrics).
+
+    logp: the recomputed log-probs of the weights about to be updated; behaviour_logp: the sampler's
+    (the weights one update older). On-policy both are the same weights: the recomputed log-probs and
+    weight 1. "behaviour": the ratio to the behaviour policy itself, so PPO's clip bounds the step
+    from the policy that sampled. "truncated_is" (decoupled PPO, Hilton et al. 2021; the async peers'
+    truncated importance sampling): the ratio to the recomputed policy, which keeps ratio == 1 on the
+    first minibatch, and each token's advantage weighted by min(pi / pi_behaviour, is_cap), a
+    constant of the update. Weighting the advantage equals weighting the token's clipped loss (the
+    weight is positive), and leaves the value targets alone.
+    """
+    ones = jnp.ones_like(logp)
+    if not hp.off_policy_ratio:
+        return logp, ones, {}
+    log_w = (logp - behaviour_logp) * mask
+    weights = jnp.exp(log_w)
+    metrics = {
+        # k1 estimate of KL(behaviour || current) per token, under the behaviour's samples.
+        "off_policy/behaviour_kl": ppo.masked_mean(-log_w, mask),
+        "off_policy/is_weight_mean": ppo.masked_mean(weights, mask),
+        "off_policy/is_weight_max": (weights * mask).max(),
+        "off_policy/is_truncated_frac": ppo.masked_mean((weights > hp.is_cap).astype(jnp.float32), mask),
+    }
+    if hp.off_policy_ratio == "behaviour":
+        return behaviour_logp * mask, ones, metrics
+    return logp, jax.lax.stop_gradient(jnp.minimum(weights, hp.is_cap)), metrics
+
+
 def make_experience_fn(policy_model: CausalLM, value_model: ScalarModel | None,
                        reward_model: ScalarModel | None, hp: PPOHyper,
                        batch_sharding: NamedSharding | None = None) -> Callable:
@@ -142,10 +172,11 @@ def make_experience_fn(policy_model: CausalLM, value_model: ScalarModel | None,
             # Critic-free estimators normalise in their own way (group or batch statistics).
             whiten=hp.whiten_advantages if hp.estimator == "gae" else None)
         advantages, returns = adv
+        ratio_logp, is_weights, off_policy_metrics = off_policy_correction(hp, old_logp, rollout.sampler_logprobs, mask)
         exp = Experience(
             prompt_tokens=rollout.prompt_tokens, prompt_mask=rollout.prompt_mask,
-            tokens=rollout.tokens, mask=rollout.mask, old_logprobs=old_logp, ref_logprobs=ref_logp,
-            values=values, advantages=advantages * mask, returns=returns * mask, scores=scores)
+            tokens=rollout.tokens, mask=rollout.mask, old_logprobs=ratio_logp, ref_logprobs=ref_logp,
+            values=values, advantages=advantages * is_weights * mask, returns=returns * mask, scores=scores)
 
         lengths = mask.sum(-1)
         seq_kl = kl.sum(-1)
@@ -174,6 +205,7 @@ def make_experience_fn(policy_model: CausalLM, value_model: ScalarModel | None,
             "returns/mean": ppo.masked_mean(returns, mask),
             "returns/std": jnp.sqrt(ppo.masked_var(returns, mask)),
         }
+        metrics.update(off_policy_metrics)
         if hp.uses_critic:
             metrics.update({
                 "values/mean": ppo.masked_mean(values, mask),

@@ -20,6 +20,7 @@ from ppo_jax.config import (HF_MODEL_DIR, HF_REWARD_DIR, PEFT_ADAPTER_DIR,
 from ppo_jax.data.prompt_stream import PromptDataSettings
 from ppo_jax.distributed import DistributedSettings
 from ppo_jax.models.config import LoraConfig, ModelConfig
+from ppo_jax.rl.roles import RolesSettings
 from ppo_jax.sampling import SamplingConfig
 from ppo_jax.sampling.config import ENGINES
 
@@ -28,6 +29,7 @@ ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
 DECODE_LOOPS = {"auto": None, "scan": False, "unrolled": True}
 REFERENCE_DTYPES = ("", "bfloat16", "float16", "float32")
 PACKING = ("auto", "on", "off")
+OFF_POLICY_RATIOS = ("behaviour", "truncated_is")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +111,7 @@ class RolloutSettings:
     engine: str = "static"  # "static": all batch_size * num_samples rows decoded at once until the longest stops; "continuous": `slots` decode rows fed from a queue of them, a finished row's slot refilled by the next prompt (sampling/continuous.py; same tokens for the same key)
     slots: int = 0  # continuous: decode rows held at once, a multiple of the data-parallel devices, <= the rows; 0 = half the rows
     prefill_prompts: int = 0  # continuous: prompts prefilled together when a slot is free and no prefilled row waits; 0 = a quarter of the slots' worth
+    off_policy_steps: int = 0  # 0: each rollout samples the policy being updated; 1: the sampler generates batch k+1 with the weights before update k while the trainer updates on batch k (overlapped on disaggregated roles; the ratio: ppo.off_policy_ratio)
     tail_halvings: int = -1  # continuous: times the busy rows may move into half as many slots once nothing is left to insert (each a decode program of its own); -1 = 2 with the unrolled decode, 0 with the scanned one (TPU), whose stage caches cost memory there
 
 
@@ -122,6 +125,8 @@ class PPOLossSettings:
     num_microbatches: int = 1  # gradient-accumulation slices per minibatch (padded rows; packed: see max_tokens_per_microbatch)
     packing: str = "auto"  # "on": experience forwards and update on packed rows, only the real tokens computed (models/packing.py); "off": padded rows; "auto": on a CPU only (measured faster there whenever the rows hold padding; on an H200 the default granularity made a no-padding iteration 1.5x slower, long-tailed lengths unmeasured: docs/benchmarks.md). rollout.forward_microbatch applies to padded rows only
     max_tokens_per_microbatch: int = 0  # packed: token slots per update microbatch and per experience forward chunk, a multiple of data.prompt_length + rollout.response_length (one row); 0 = an eighth of a padded microbatch's (bench/bench_packing.py: 0.90 token efficiency, 1.57x on CPU at uniform lengths)
+    off_policy_ratio: str = "behaviour"  # rollout.off_policy_steps=1: "behaviour": the ratio's denominator is the sampler's log-probs (the weights one update old); "truncated_is": the ratio to the recomputed log-probs of the weights being updated, each token's advantage weighted by min(pi_recomputed / pi_sampler, ppo.is_cap) (decoupled PPO, as the async peers' truncated importance sampling)
+    is_cap: float = 2.0  # "truncated_is": the cap of the per-token importance weight (>= 1)
     clip_eps: float = 0.2  # policy ratio clip (lower side, and upper side unless clip_eps_high is set)
     clip_eps_high: float = 0.0  # upper ratio clip for asymmetric clipping; 0 = same as clip_eps
     dual_clip: float = 0.0  # dual-clip constant c > 1 for negative advantages; 0 = off
@@ -181,6 +186,7 @@ class Settings(RunSettings):
 
     seed: int = 0  # seeds parameter init, data order and sampling
     mesh: MeshSettings = MeshSettings()
+    roles: RolesSettings = RolesSettings()  # where the sampler runs (rl/roles.py); training uses mesh.shape
     compute: ComputeSettings = ComputeSettings()  # kernels, layer loop and remat of all four models
     distributed: DistributedSettings = DistributedSettings()
     policy: PolicySettings = PolicySettings()
@@ -239,6 +245,15 @@ class Settings(RunSettings):
               f"rollout.slots={r.slots}, rollout.prefill_prompts={r.prefill_prompts} are settings of the continuous "
               f"engine: set rollout.engine=continuous, or leave them 0")
         stop_token_ids(r, None)  # parses
+        self.roles.validate()
+        check(r.off_policy_steps in (0, 1), f"rollout.off_policy_steps={r.off_policy_steps}: use 0 (on-policy) or 1 "
+              "(one-step off-policy)")
+        check(p.off_policy_ratio in OFF_POLICY_RATIOS,
+              f"ppo.off_policy_ratio={p.off_policy_ratio!r}: use one of {', '.join(OFF_POLICY_RATIOS)}")
+        check(r.off_policy_steps == 1 or (p.off_policy_ratio, p.is_cap) == ("behaviour", 2.0),
+              f"ppo.off_policy_ratio={p.off_policy_ratio!r}, ppo.is_cap={p.is_cap} correct one-step off-policy "
+              "rollouts: set rollout.off_policy_steps=1, or leave them at their defaults")
+        check(p.is_cap >= 1 and math.isfinite(p.is_cap), f"ppo.is_cap must be a finite number >= 1, got {p.is_cap}")
         check(p.advantage_estimator in ESTIMATORS,
               f"ppo.advantage_estimator={p.advantage_estimator!r}: use one of {', '.join(ESTIMATORS)}")
         if p.advantage_estimator in ("grpo", "rloo"):
@@ -347,6 +362,8 @@ class PPOHyper:
     router_z_coef: float = 0.0
     packed_rows: int = 0  # packed rows per microbatch (M); 0 = padded rows
     packed_length: int = 0  # slots per packed row (T)
+    off_policy_ratio: str = ""  # "" = on-policy rollouts; "behaviour" or "truncated_is" (rollout.off_policy_steps=1)
+    is_cap: float = 2.0
 
     @property
     def packed(self) -> bool:
@@ -370,7 +387,8 @@ class PPOHyper:
             clip_eps_high=p.clip_eps_high or None, dual_clip=p.dual_clip or None, value_clip=p.value_clip,
             vf_coef=p.vf_coef, ent_coef=p.ent_coef, router_aux_coef=p.router_aux_coef,
             router_z_coef=p.router_z_coef, packed_rows=sizes.packed_rows,
-            packed_length=sizes.packed_length)
+            packed_length=sizes.packed_length,
+            off_policy_ratio=p.off_policy_ratio if s.rollout.off_policy_steps else "", is_cap=p.is_cap)
 
     @property
     def uses_critic(self) -> bool:

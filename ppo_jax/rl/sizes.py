@@ -23,11 +23,18 @@ def packing_on(packing: str, platform: str | None) -> bool:
 
 
 def derive_sizes(s: Settings, *, batch_divisor: int = 1, max_positions: int | None = None,
-                 vocab_size: int | None = None, platform: str | None = None) -> DerivedSizes:
+                 vocab_size: int | None = None, platform: str | None = None,
+                 sampler_divisor: int | None = None) -> DerivedSizes:
     """The batch sizes of a run on a mesh with `batch_divisor` data-parallel devices on `platform`
     ("cpu", "gpu", "tpu"; None: this process's backend), checked against the mesh and the model
-    (before any compile)."""
+    (before any compile). sampler_divisor: the sampler mesh's data-parallel devices when it has its
+    own (`rl/roles.py`; None: the same mesh)."""
     r, p = s.rollout, s.ppo
+    if sampler_divisor is not None and sampler_divisor != batch_divisor:
+        check(r.batch_size % sampler_divisor == 0,
+              f"rollout.batch_size={r.batch_size} is not a multiple of the sampler's {sampler_divisor} data-parallel "
+              "devices (roles.sampler_mesh: data x fsdp x expert)")
+    sampler_divisor = batch_divisor if sampler_divisor is None else sampler_divisor
     rows = r.batch_size * r.num_samples
     check(rows % p.num_minibatches == 0,
           f"rollout.batch_size * rollout.num_samples = {rows} is not divisible by ppo.num_minibatches="
@@ -57,7 +64,7 @@ def derive_sizes(s: Settings, *, batch_divisor: int = 1, max_positions: int | No
         packed_rows = packed_rows_per_microbatch(p.max_tokens_per_microbatch, length, micro, batch_divisor)
     return DerivedSizes(rollout_rows=rows, minibatch_rows=mini, microbatch_rows=micro, forward_rows=fwd,
                         packed_rows=packed_rows, packed_length=length if packed_rows else 0,
-                        decode_slots=decode_slots(r, batch_divisor))
+                        decode_slots=decode_slots(r, sampler_divisor))
 
 
 def decode_slots(r: RolloutSettings, batch_divisor: int) -> int:

@@ -27,20 +27,19 @@ from ppo_jax.config import ConfigError
 from ppo_jax.data import toy
 from ppo_jax.data.prompt_stream import PromptStream
 from ppo_jax.models import hf
-from ppo_jax.rl import build
+from ppo_jax.rl import build, roles
 from ppo_jax.rl.errors import PREEMPTION_NOTICE, NonFiniteError, RunFailedError
-from ppo_jax.rl.experience import make_scoring_fn
 from ppo_jax.rl.settings import PPOHyper, Settings, stop_token_ids
 from ppo_jax.rl.sizes import derive_sizes
-from ppo_jax.rl.state import Rollout, policy_variables
 from ppo_jax.rl.trainer_checkpoints import TrainerCheckpoints
+from ppo_jax.rl.trainer_rollouts import TrainerRollouts
 
 Array = jax.Array
 SAMPLES_FILE = "samples.jsonl"
 NONFINITE_SAMPLES_FILE = "nonfinite_samples.jsonl"
 
 
-class PPOTrainer(TrainerCheckpoints):
+class PPOTrainer(TrainerCheckpoints, TrainerRollouts):
     """Builds everything once from a config, then runs PPO iterations.
 
     A workdir that already holds a checkpoint is resumed from its newest complete step: trainable
@@ -55,7 +54,8 @@ class PPOTrainer(TrainerCheckpoints):
         the paths and names the config gives."""
         s = self.settings = Settings.from_config(config, reward_in_code=bool(reward_functions))
         self.workdir = str(workdir)
-        self.mesh = mesh or sharding.make_mesh(s.mesh.shape)
+        self.meshes = roles.make_role_meshes(s.roles, s.mesh.shape, trainer_mesh=mesh)
+        self.mesh = self.meshes.trainer  # the experience forwards and the update; the sampler's: self.meshes.sampler
         s.compute.enable_compilation_cache()
         keys = build.run_keys(s.seed)
         init_key, self._sample_key, state_key = keys.init, keys.sample, keys.state
@@ -69,7 +69,8 @@ class PPOTrainer(TrainerCheckpoints):
         self.sizes = derive_sizes(s, batch_divisor=sharding.batch_divisor(self.mesh),
                                   max_positions=self.policy_config.max_position_embeddings,
                                   vocab_size=self.policy_config.vocab_size,
-                                  platform=build.mesh_platform(self.mesh)[0])
+                                  platform=build.mesh_platform(self.mesh)[0],
+                                  sampler_divisor=sharding.batch_divisor(self.meshes.sampler))
         self._check_tokenizers()
         self.hp = PPOHyper.from_settings(s, self.sizes)
         self.stop_ids = stop_token_ids(s.rollout, self._eos_id())
@@ -106,6 +107,7 @@ class PPOTrainer(TrainerCheckpoints):
         self.resumed_from: int | None = None
         self._init_key = init_key  # rebuilds the reference (or the LoRA base) from its source
         base = None
+        self._in_flight: sampling.SampleOutput | None = None  # off-policy: the next iteration's sample, started
         self._recorded: dict = {}  # the frozen checksums of the checkpoint resumed from
         if self.checkpoints is not None and self.checkpoints.all_steps():
             self.state, reference, base, self.resumed_from = self._restore()
@@ -134,7 +136,8 @@ class PPOTrainer(TrainerCheckpoints):
                                                        self.base_shardings)
         self.steps = build.build_steps(s, self.mesh, self.sizes, self.hp, self.modules, self.policy_tx,
                                        self.value_tx, self.state_shardings, self.frozen_shardings, self.stop_ids,
-                                       int(self.tokenizer.pad_token_id))
+                                       int(self.tokenizer.pad_token_id), sampler_mesh=self.meshes.sampler)
+        self._init_rollouts()
         self.writer = metrics_lib.MetricWriter(self.workdir, resume_step=self.resumed_from or 0)
         if jax.process_index() == 0:
             for name in (SAMPLES_FILE, NONFINITE_SAMPLES_FILE):  # sample logs restart with the steps too
@@ -192,60 +195,11 @@ class PPOTrainer(TrainerCheckpoints):
 
     # ------------------------------------------------------------------ the loop
 
-    def sample(self, prompt_tokens, prompt_mask, key) -> sampling.SampleOutput:
-        """Responses of the current policy (its adapters applied, with LoRA) to batch-sharded prompts
-        [B, Lq] (global arrays, e.g. `sharding.put_batch`), with a replicated key."""
-        params, adapters = policy_variables(self.state.policy, self.frozen.policy)
-        return self.steps.sampler(params, prompt_tokens, prompt_mask, key, adapters=adapters)
-
-    def rollout(self, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key) -> tuple[Rollout, Any]:
-        """Samples responses and scores them with the Python reward functions (host)."""
-        toks, mask = sharding.put_local_batch((prompt_tokens, prompt_mask), self.mesh)
-        out = self.sample(toks, mask, sharding.replicate(key, self.mesh))
-        if self.reward_functions:
-            host = sharding.to_host({"pt": out.prompt_tokens, "pm": out.prompt_mask, "t": out.tokens,
-                                     "m": out.mask})
-            prompts_text, responses_text = self.decode(host["pt"], host["pm"], host["t"], host["m"])
-            host_scores = rewards.combined_scores(self.reward_functions, prompts_text, responses_text)
-        else:
-            host_scores = np.zeros(out.tokens.shape[0], np.float32)
-        rollout = Rollout(
-            prompt_tokens=out.prompt_tokens, prompt_mask=out.prompt_mask, tokens=out.tokens,
-            mask=out.mask, sampler_logprobs=out.logprobs, stopped=out.stopped,
-            host_scores=sharding.put_batch(host_scores, self.mesh))
-        return rollout, out
-
-    def score_responses(self, prompt_tokens, prompt_mask, tokens, mask) -> tuple[Array, Array]:
-        """Reference log-probs [B, Lr] and reward-model scores [B] (gain and bias applied) of responses
-        to prompts, by the run's frozen models: batch-sharded global arrays in, the same out (e.g. a
-        `sampler` output's fields). Compiled once per shape on first use."""
-        if self._score_jit is None:
-            data = sharding.data_sharding(self.mesh)
-            self._score_jit = jax.jit(make_scoring_fn(self.modules.policy, self.modules.reward, self.hp),
-                                      in_shardings=(self.frozen_shardings,) + (data,) * 4,
-                                      out_shardings=(data, data))
-        with sharding.mesh_context(self.mesh):
-            return self._score_jit(self.frozen, prompt_tokens, prompt_mask, tokens, mask)
-
-    def decode(self, prompt_tokens, prompt_mask, tokens, mask) -> tuple[list[str], list[str]]:
-        """Host arrays -> prompt and response texts (stop tokens and padding dropped)."""
-        stop = set(self.stop_ids)
-        prompts = [self.tokenizer.decode([int(t) for t, m in zip(row, rm) if m], skip_special_tokens=True)
-                   for row, rm in zip(prompt_tokens, prompt_mask)]
-        responses = [self.tokenizer.decode([int(t) for t, m in zip(row, rm) if m and int(t) not in stop],
-                                           skip_special_tokens=True)
-                     for row, rm in zip(tokens, mask)]
-        return prompts, responses
-
-    def iteration_key(self, iteration: int):
-        return jax.random.fold_in(self._sample_key, iteration)
-
     def run_iteration(self) -> dict[str, float]:
         timer = metrics_lib.PhaseTimer()
         iteration = int(self.state.step)
-        prompt_tokens, prompt_mask = self.prompts.next_batch()
-        with timer.measure("generate"):
-            rollout, sample = self.rollout(prompt_tokens, prompt_mask, self.iteration_key(iteration))
+        with timer.measure("generate"):  # off-policy: only the wait for the sample started last iteration
+            rollout, sample = self.next_rollout(iteration)
             jax.block_until_ready(rollout.tokens)
         with timer.measure("experience"):
             exp, exp_metrics = self._experience(self.state, self.frozen, rollout)
@@ -256,6 +210,9 @@ class PPOTrainer(TrainerCheckpoints):
         occupancy = sampling.slot_occupancy(sample, self.steps.sampling_config, prompts=self.settings.rollout.batch_size)
         scalars = {**jax.device_get(exp_metrics), **jax.device_get(upd_metrics), **timer.pop(),
                    "perf/slot_occupancy": jax.device_get(occupancy)}
+        sync = self.pop_sync_metrics()  # it ran inside "generate": time it once
+        scalars["time/generate"] -= sync["time/weight_sync"]
+        scalars.update(sync)
         total = sum(v for k, v in scalars.items() if k.startswith("time/"))
         tokens = float(scalars["response/length_mean"]) * self.sizes.rollout_rows
         scalars["time/iteration"] = total

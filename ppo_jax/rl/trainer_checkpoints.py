@@ -14,6 +14,7 @@ from ppo_jax.checkpoint import verify
 from ppo_jax.config import ConfigError, to_dict
 from ppo_jax.models import hf
 from ppo_jax.rl import build
+from ppo_jax.rl.trainer_rollouts import IN_FLIGHT_ITEM
 
 
 class TrainerCheckpoints:
@@ -53,6 +54,7 @@ class TrainerCheckpoints:
         else:
             reference, base = self._restore_reference(recorded.get("reference")), None
         self.prompts.restore(extra["data"])
+        self.restore_in_flight(extra.get(IN_FLIGHT_ITEM))
         if self.eval_prompts is not None and extra.get("eval_data"):
             self.eval_prompts.restore(extra["eval_data"])
         return restored.state, reference, base, restored.step
@@ -145,6 +147,8 @@ class TrainerCheckpoints:
             "reward_source": self._reward_source(),
             # Ties the steps to the frozen tree they were trained against (checked on resume and export).
             "frozen_checksums": frozen_checksums,
+            # Off-policy: the sample started with the weights before this step's update (waits for it).
+            IN_FLIGHT_ITEM: self.in_flight_record(),
         }
         metrics = self.history[-1] if self.history else None
         best = self.settings.train.best_metric

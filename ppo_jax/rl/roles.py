@@ -1,0 +1,153 @@
+"""Where each role of a PPO run computes (issue 31): the sampler on its own mesh, colocated with
+training (all devices, another layout) or disaggregated (a device subset of its own), and the weight
+sync that copies the policy from the training layout to the sampler's after every update.
+
+Roles: the *sampler* (rollout decoding) and the *trainer* (the experience forwards of policy,
+reference, value and reward model, and the update). Scoring stays with the trainer: the experience
+step runs all four forwards in one program on the trainer's mesh.
+
+    roles.sampler_devices = 0, roles.sampler_mesh = ()       one mesh for everything (the default)
+    roles.sampler_devices = 0, roles.sampler_mesh = (1,1,8)  colocated: all devices, the sampler
+                                                              tensor-parallel, training FSDP
+    roles.sampler_devices = 4                                 disaggregated: 4 devices decode, the
+                                                              rest train (each process gives its last
+                                                              sampler_devices / processes devices)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from ppo_jax import sharding
+from ppo_jax.config import check
+
+
+@dataclasses.dataclass(frozen=True)
+class RolesSettings:
+    """Per-role placement: where the sampler runs (training, scoring and the update use mesh.shape)."""
+
+    sampler_devices: int = 0  # 0 = the sampler shares all devices with training (colocated); k > 0 = k devices of its own (the last k / processes of each process's), training on the rest
+    sampler_mesh: tuple = ()  # the sampler's (data, fsdp, tensor[, expert]) on its devices, one entry may be -1; () = mesh.shape (colocated: the very same mesh, no weight sync)
+
+    def validate(self) -> None:
+        check(self.sampler_devices >= 0, f"roles.sampler_devices must be >= 0 (0 = all devices, colocated), got "
+              f"{self.sampler_devices}")
+        if self.sampler_mesh:
+            check(len(self.sampler_mesh) in (3, 4) and all(isinstance(n, int) and (n > 0 or n == -1)
+                                                          for n in self.sampler_mesh)
+                  and list(self.sampler_mesh).count(-1) <= 1,
+                  f"roles.sampler_mesh={tuple(self.sampler_mesh)}: give 3 or 4 positive sizes (data, fsdp, tensor"
+                  "[, expert]), at most one of them -1")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleMeshes:
+    """The meshes of a run's roles: `trainer` (experience forwards and update), `sampler` (rollouts).
+    The same Mesh object when the sampler shares training's (no weight sync)."""
+
+    trainer: Mesh
+    sampler: Mesh
+
+    @property
+    def shared(self) -> bool:
+        return self.sampler is self.trainer
+
+    @property
+    def disaggregated(self) -> bool:
+        return not (set(self.trainer.devices.flat) & set(self.sampler.devices.flat))
+
+    def describe(self) -> str:
+        """'trainer (1, 8, 1, 1) on 8 devices; sampler (1, 1, 8, 1) on the same devices'."""
+        where = ("the same mesh" if self.shared else f"its own {self.sampler.size} devices" if self.disaggregated
+                 else "the same devices")
+        return (f"trainer {tuple(self.trainer.devices.shape)} on {self.trainer.size} devices; sampler "
+                f"{tuple(self.sampler.devices.shape)} on {where}")
+
+
+def _role_mesh(shape: Sequence[int], devices: list, field: str, role: str) -> Mesh:
+    """sharding.make_mesh with the error naming the config field that sets this role's shape."""
+    shape = list(shape)
+    known = math.prod(n for n in shape if n != -1)
+    fits = len(devices) % known == 0 if -1 in shape else known == len(devices)
+    check(fits, f"{field}={tuple(shape)} does not fit the {role}'s {len(devices)} devices: use sizes whose product "
+          f"is {len(devices)} (one may be -1)")
+    return sharding.make_mesh(shape, devices)
+
+
+def split_devices(sampler_devices: int, devices: Sequence[jax.Device]) -> tuple[list, list]:
+    """(trainer devices, sampler devices): each process gives its last sampler_devices / processes
+    local devices to the sampler, so both roles span every process (each loads its own rows of
+    both). Raises ConfigError when that split is impossible."""
+    devices = list(devices)
+    processes = sorted({d.process_index for d in devices})
+    k, n = sampler_devices, len(devices)
+    check(0 < k < n, f"roles.sampler_devices={k} leaves no devices for training: use 1 to {n - 1} of the {n} "
+          "devices (or 0: the sampler shares them)")
+    check(k % len(processes) == 0,
+          f"roles.sampler_devices={k} does not split over the {len(processes)} processes: each gives the sampler "
+          f"the same number of its devices, so use a multiple of {len(processes)}")
+    if len(processes) > 1:
+        # jax moves arrays between hosts only within one device set, or (sharding.reshard) between two
+        # disjoint sets of equal size.
+        check(2 * k == n, f"roles.sampler_devices={k}: across {len(processes)} processes the sampler and the trainer "
+              f"must hold the same number of devices (the weight sync copies between equal device sets); use {n // 2}")
+    per_process = k // len(processes)
+    trainer, sampler = [], []
+    for p in processes:
+        local = sorted((d for d in devices if d.process_index == p), key=lambda d: d.id)
+        trainer += local[:len(local) - per_process]
+        sampler += local[len(local) - per_process:]
+    return trainer, sampler
+
+
+def make_role_meshes(roles: RolesSettings, mesh_shape: Sequence[int], devices: Sequence[jax.Device] | None = None,
+                     trainer_mesh: Mesh | None = None) -> RoleMeshes:
+    """The trainer's mesh (mesh.shape, or `trainer_mesh` when the caller made it) and the sampler's.
+    Errors name the field to change."""
+    devices = list(devices if devices is not None else jax.devices())
+    if roles.sampler_devices:
+        check(trainer_mesh is None, "roles.sampler_devices picks the trainer's devices itself; pass no mesh")
+        trainer_devices, sampler_devices = split_devices(roles.sampler_devices, devices)
+        trainer = _role_mesh(mesh_shape, trainer_devices, "mesh.shape", "trainer")
+        return RoleMeshes(trainer, _role_mesh(roles.sampler_mesh or mesh_shape, sampler_devices,
+                                              "roles.sampler_mesh" if roles.sampler_mesh else "mesh.shape (the "
+                                              "sampler's shape when roles.sampler_mesh is unset)", "sampler"))
+    if trainer_mesh is None:
+        trainer_mesh = _role_mesh(mesh_shape, devices, "mesh.shape", "trainer")
+    if not roles.sampler_mesh:
+        return RoleMeshes(trainer_mesh, trainer_mesh)
+    return RoleMeshes(trainer_mesh, _role_mesh(roles.sampler_mesh, list(trainer_mesh.devices.flat),
+                                               "roles.sampler_mesh", "sampler"))
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncedWeights:
+    """The policy on the sampler's mesh after one sync: what the sampler decodes with."""
+
+    step: int  # the train step whose weights these are
+    params: Any  # full params (the LoRA base, synced once, with LoRA)
+    adapters: Any  # LoRA adapters (None without LoRA)
+    seconds: float  # wall time of the copy (0 when nothing moved)
+    bytes: int  # bytes copied (global)
+
+
+def tree_bytes(tree: Any) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def sync_to(tree: Any, shardings: Any) -> tuple[Any, float, int]:
+    """(tree on `shardings`, seconds until the copy finished, bytes copied): the weight sync."""
+    moved = sum(tree_bytes(x) for x, sh in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)) if x.sharding != sh)
+    if not moved:
+        return tree, 0.0, 0
+    start = time.perf_counter()
+    out = jax.block_until_ready(sharding.reshard(tree, shardings))
+    return out, time.perf_counter() - start, moved
+
