@@ -1,0 +1,216 @@
+"""Issue 31: the sampler on its own mesh (colocated with another layout, or on devices of its own),
+the weight sync, and one-step off-policy rollouts. On 8 CPU devices: every layout logs the
+one-mesh run's metrics; the sampler's weights equal the trainer's bit for bit; the pipelined
+off-policy run equals a plain loop written here; a SIGTERM mid-pipeline resumes exactly."""
+
+import os
+import signal
+
+import jax
+import numpy as np
+import pytest
+from conftest import make_test_mesh
+from tiny_configs import tiny_config
+
+from ppo_jax import rewards as reward_fns
+from ppo_jax import sharding
+from ppo_jax.config import ConfigError
+from ppo_jax.rl import roles
+from ppo_jax.rl.state import Rollout, policy_variables
+from ppo_jax.rl.trainer import PPOTrainer
+
+# name -> (mesh.shape, roles overrides): the trainer's mesh, and where the sampler runs.
+LAYOUTS = {
+    "colocated_tensor": ((1, 8, 1), {"roles.sampler_mesh": (1, 1, 8)}),
+    "disaggregated": ((4, 1, 1), {"roles.sampler_devices": 4, "roles.sampler_mesh": (1, 2, 2)}),
+}
+LORA = {"policy.lora.rank": 4, "policy.lora.alpha": 8.0, "value.lora.rank": 4, "value.lora.alpha": 8.0}
+
+
+def comparable(row):
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "perf/"))}
+
+
+def assert_same_metrics(expected, history, rtol=2e-3, atol=2e-4):
+    assert len(expected) == len(history)
+    for want, got in zip(expected, history):
+        for key, value in comparable(want).items():
+            np.testing.assert_allclose(got[key], value, rtol=rtol, atol=atol, err_msg=key)
+
+
+def layout_trainer(layout, workdir, reward_functions=None, **overrides):
+    shape, placement = LAYOUTS[layout]
+    config = tiny_config(**{"train.iterations": 2, "mesh.shape": shape, **placement, **overrides})
+    return PPOTrainer(config, str(workdir), reward_functions=reward_functions)
+
+
+@pytest.fixture(scope="module")
+def one_mesh(tmp_path_factory):
+    """Two iterations with everything on one device: what every layout must log."""
+    runs = {}
+    for name, overrides in (("full", {}), ("lora", LORA)):
+        trainer = PPOTrainer(tiny_config(**{"train.iterations": 2, **overrides}),
+                             str(tmp_path_factory.mktemp(name)), mesh=make_test_mesh((1, 1, 1)))
+        runs[name] = trainer.train()
+    return runs
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_logs_the_one_mesh_metrics_and_syncs_exact_weights(one_mesh, layout, lora, tmp_path):
+    trainer = layout_trainer(layout, tmp_path, **(LORA if lora else {}))
+    assert not trainer.meshes.shared
+    assert trainer.meshes.disaggregated == (layout == "disaggregated")
+    history = trainer.train()
+    assert_same_metrics(one_mesh["lora" if lora else "full"], history)
+    for row in history:  # the sampler decodes exactly the weights being trained
+        assert row["policy/rollout_logprob_diff_max"] < 1e-5
+        assert row["perf/weight_sync_bytes"] > 0
+    # The weight sync: the sampler's copy equals the trainer's weights bit for bit, on the sampler's mesh.
+    synced = trainer.sampler_weights()
+    params, adapters = policy_variables(trainer.state.policy, trainer.frozen.policy)
+    pairs = [(synced.params, params)] + ([(synced.adapters, adapters)] if lora else [])
+    sampler_devices = set(trainer.meshes.sampler.devices.flat)
+    for theirs, ours in pairs:
+        for a, b in zip(jax.tree.leaves(theirs), jax.tree.leaves(ours)):
+            assert a.sharding.device_set == sampler_devices
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # LoRA moves only the adapters each step; the frozen base went to the sampler once.
+    adapter_bytes = roles.tree_bytes(adapters if lora else params)
+    assert history[-1]["perf/weight_sync_bytes"] == adapter_bytes
+    trainer.close()
+
+
+def test_the_default_layout_shares_one_mesh_and_copies_nothing(tmp_path):
+    trainer = PPOTrainer(tiny_config(**{"train.iterations": 1}), str(tmp_path), mesh=make_test_mesh((2, 2, 2)))
+    assert trainer.meshes.shared
+    row = trainer.train()[0]
+    assert row["perf/weight_sync_bytes"] == 0 and row["time/weight_sync"] == 0
+    synced = trainer.sampler_weights()
+    for a, b in zip(jax.tree.leaves(synced.params), jax.tree.leaves(trainer.state.policy)):
+        assert a is b  # the trainer's own arrays: no copy
+    trainer.close()
+
+
+def test_devices_split_per_process_and_bad_layouts_fail_in_one_line():
+    devices = jax.devices()
+    trainer, sampler = roles.split_devices(2, devices)
+    assert sampler == devices[6:] and trainer == devices[:6]
+    meshes = roles.make_role_meshes(roles.RolesSettings(sampler_devices=2), (-1, 1, 1), devices)
+    assert meshes.trainer.size == 6 and meshes.sampler.size == 2 and meshes.disaggregated
+    for placement, shape, message in [
+        (dict(sampler_devices=8), (-1, 1, 1), "leaves no devices for training"),
+        (dict(sampler_devices=4), (1, 8, 1), "mesh.shape=(1, 8, 1) does not fit the trainer's 4 devices"),
+        (dict(sampler_devices=4, sampler_mesh=(1, 1, 8)), (-1, 1, 1),
+         "roles.sampler_mesh=(1, 1, 8) does not fit the sampler's 4 devices"),
+        (dict(sampler_mesh=(3, 1, 1)), (8, 1, 1), "roles.sampler_mesh=(3, 1, 1) does not fit the sampler's 8"),
+    ]:
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            roles.make_role_meshes(roles.RolesSettings(**placement), shape, devices)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"roles.sampler_devices": -1}, "roles.sampler_devices must be >= 0"),
+    ({"roles.sampler_mesh": (1, 0, 8)}, "roles.sampler_mesh=(1, 0, 8): give 3 or 4 positive sizes"),
+    ({"rollout.off_policy_steps": 2}, "rollout.off_policy_steps=2: use 0 (on-policy) or 1"),
+    ({"ppo.off_policy_ratio": "clipped"}, "ppo.off_policy_ratio='clipped': use one of behaviour, truncated_is"),
+    ({"ppo.off_policy_ratio": "truncated_is"}, "set rollout.off_policy_steps=1"),
+    ({"rollout.off_policy_steps": 1, "ppo.is_cap": 0.5}, "ppo.is_cap must be a finite number >= 1"),
+    ({"roles.sampler_devices": 4, "rollout.batch_size": 6, "mesh.shape": (1, 1, 4), "roles.sampler_mesh": (4, 1, 1)},
+     "rollout.batch_size=6 is not a multiple of the sampler's 4 data-parallel devices"),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_bad_role_settings_fail_before_compiling(overrides, message, tmp_path):
+    overrides = {"rollout.forward_microbatch": 0, "ppo.num_microbatches": 1, **overrides}
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        PPOTrainer(tiny_config(**overrides), str(tmp_path))
+    assert not os.listdir(tmp_path)  # nothing written
+
+
+# ---------------------------------------------------------------------------------------- off-policy
+
+OFF_POLICY = {"rollout.off_policy_steps": 1, "train.iterations": 3}
+
+
+def plain_off_policy_loop(trainer: PPOTrainer, iterations: int) -> list[dict]:
+    """One-step off-policy written out plainly, one phase after another: batch k is sampled with the
+    weights from before update k - 1 (the initial weights for batches 0 and 1), prompts and keys in
+    the order an on-policy run draws them; the experience and update steps are the trainer's."""
+    behaviour = sharding.copy_tree(trainer.state.policy, trainer.state_shardings.policy)  # θ_0
+    history = []
+    for k in range(iterations):
+        prompt_tokens, prompt_mask = trainer.prompts.next_batch()
+        toks, mask = sharding.put_local_batch((prompt_tokens, prompt_mask), trainer.mesh)
+        params, adapters = policy_variables(behaviour, trainer.frozen.policy)
+        out = trainer.steps.sampler(params, toks, mask, sharding.replicate(trainer.iteration_key(k), trainer.mesh),
+                                    adapters=adapters)
+        host = jax.device_get({"pt": out.prompt_tokens, "pm": out.prompt_mask, "t": out.tokens, "m": out.mask})
+        prompts, responses = trainer.decode(host["pt"], host["pm"], host["t"], host["m"])
+        scores = np.asarray(reward_fns.toy_target_count(prompts, responses), np.float32)
+        rollout = Rollout(prompt_tokens=out.prompt_tokens, prompt_mask=out.prompt_mask, tokens=out.tokens,
+                          mask=out.mask, sampler_logprobs=out.logprobs, stopped=out.stopped,
+                          host_scores=sharding.put_batch(scores, trainer.mesh))
+        # Batch k + 1 samples the weights before update k.
+        behaviour = sharding.copy_tree(trainer.state.policy, trainer.state_shardings.policy)
+        with sharding.mesh_context(trainer.mesh):
+            exp, exp_metrics = trainer.steps.experience_jit(trainer.state, trainer.frozen, rollout)
+            trainer.state, upd_metrics = trainer.steps.update_jit(trainer.state, trainer.frozen.policy,
+                                                                  trainer.frozen.value, exp)
+        history.append({k: float(v) for k, v in {**jax.device_get(exp_metrics), **jax.device_get(upd_metrics)}.items()})
+    return history
+
+
+@pytest.mark.parametrize("ratio", ["behaviour", "truncated_is"])
+def test_pipelined_off_policy_equals_the_plain_loop(ratio, tmp_path):
+    overrides = {**OFF_POLICY, "ppo.off_policy_ratio": ratio, "ppo.is_cap": 1.5}
+    reference = PPOTrainer(tiny_config(**overrides), str(tmp_path / "plain"), mesh=make_test_mesh((1, 1, 1)))
+    expected = plain_off_policy_loop(reference, 3)
+    trainer = layout_trainer("disaggregated", tmp_path / "pipelined", **overrides)
+    history = trainer.train()
+    assert_same_metrics(expected, [{k: v for k, v in row.items() if k in expected[0]} for row in history])
+    # Batches 0 and 1 come from the initial weights; batch 1 is then one update old.
+    assert history[0]["off_policy/is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert abs(history[1]["off_policy/behaviour_kl"]) > 1e-4
+    first = history[1]["first_minibatch/ratio"]
+    if ratio == "behaviour":  # the ratio divides by the sampler's log-probs: not 1 on a stale batch
+        assert abs(first - 1.0) > 1e-4
+    else:  # the ratio to the recomputed policy (1 on the first minibatch), the staleness in the weights
+        assert abs(first - 1.0) < 1e-6 and history[1]["off_policy/is_weight_max"] > 1.0
+    assert trainer._in_flight is None  # the last iteration started no sample
+    trainer.close()
+
+
+def _toy_reward_then_sigterm_at(call: int):
+    calls = {"n": 0}
+
+    def reward(prompts, responses):
+        calls["n"] += 1
+        if calls["n"] == call:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return reward_fns.toy_target_count(prompts, responses)
+
+    return reward
+
+
+def test_sigterm_mid_pipeline_resumes_exactly(tmp_path):
+    """The checkpoint holds the sample in flight (started with the weights before the last update),
+    so the resumed run uses that very batch: identical metrics and parameters."""
+    overrides = {**OFF_POLICY, "train.iterations": 4}
+    toy = [(reward_fns.toy_target_count, 1.0)]
+    straight = layout_trainer("disaggregated", tmp_path / "straight", toy, **overrides)
+    expected = straight.train()
+    expected_policy = jax.device_get(straight.state.policy)
+    straight.close()
+
+    workdir = tmp_path / "interrupted"
+    first = layout_trainer("disaggregated", workdir, [(_toy_reward_then_sigterm_at(2), 1.0)], **overrides)
+    partial = first.train()
+    assert first.stopped_by == "SIGTERM" and len(partial) == 2
+    first.close()
+    resumed = layout_trainer("disaggregated", workdir, toy, **overrides)
+    assert resumed.resumed_from == 2 and resumed._in_flight is not None
+    rest = resumed.train()
+    for want, got in zip(expected[2:], rest):
+        assert comparable(got) == comparable(want)  # bitwise
+    for a, b in zip(jax.tree.leaves(expected_policy), jax.tree.leaves(jax.device_get(resumed.state.policy))):
+        np.testing.assert_array_equal(a, b)
+    resumed.close()
