@@ -16,7 +16,6 @@ import time
 import numpy as np
 from absl import flags
 
-from ppo_jax import sharding
 from ppo_jax.accelerators import GPU_KINDS, planning_devices
 from ppo_jax.cli.common import config_command
 from ppo_jax.config import ConfigError
@@ -41,6 +40,21 @@ def mesh_size(shape, num_devices: int | None) -> int:
     if num_devices is not None and num_devices != size:
         raise ConfigError(f"mesh.shape={shape} needs {size} devices, but --num_devices={num_devices}")
     return size
+
+
+def planned_devices(shape, sampler_devices: int, num_devices: int | None) -> int:
+    """Devices a plan compiles for: mesh.shape's (the trainer's), plus roles.sampler_devices of the
+    sampler's own (`ppo_jax.rl.roles`); --num_devices counts both."""
+    k = int(sampler_devices)
+    if not k:
+        return mesh_size(shape, num_devices)
+    if num_devices is not None and num_devices <= k:
+        raise ConfigError(f"roles.sampler_devices={k} leaves none of --num_devices={num_devices} for training")
+    trainer = mesh_size(shape, None if num_devices is None or -1 not in tuple(shape) else num_devices - k)
+    if num_devices is not None and trainer + k != num_devices:
+        raise ConfigError(f"mesh.shape={tuple(shape)} (the trainer's {trainer} devices) + roles.sampler_devices={k} "
+                          f"need {trainer + k} devices, but --num_devices={num_devices}")
+    return trainer + k
 
 
 def main(argv=None) -> None:
@@ -69,11 +83,11 @@ def main(argv=None) -> None:
                   memory_gib.value * GIB if memory_gib.value is not None else None)
         if memory is not None and memory <= 0:
             raise ConfigError("device memory must be positive")
-        n = mesh_size(config.mesh.shape, num_devices.value)
+        n = planned_devices(config.mesh.shape, config.roles.sampler_devices, num_devices.value)
         devices = planning_devices(platform.value, n, tpu_topology=tpu_topology.value, gpu=gpu.value)
-        mesh = sharding.make_mesh(tuple(config.mesh.shape), devices)
         start = time.perf_counter()
-        result = plan_memory(config, mesh, tuple(phases.value))
+        # The planner splits the devices between the roles as a run would (roles.sampler_devices).
+        result = plan_memory(config, phases=tuple(phases.value), devices=devices)
         seconds = time.perf_counter() - start
         if as_json.value:
             return json.dumps(dict(result.to_dict(memory), planning_seconds=round(seconds, 1)), indent=2)

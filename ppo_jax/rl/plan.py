@@ -28,6 +28,11 @@ What the numbers mean:
     phase's batch inputs and the previous iteration's rollout and experience, which it keeps for
     samples), by shape arithmetic. Not the compiler's argument bytes: jit prunes arguments a program
     does not read (the experience step never reads the optimizer states), yet they stay in memory.
+  * With roles.* (issue 31) the sampler is lowered on its own mesh, with its own copy of the policy
+    (`rl/plan_roles.py`), and each phase's live bytes are those of the devices that run it: colocated
+    (roles.sampler_mesh), the trainer's trees and the sampler's copy share every device; disaggregated
+    (roles.sampler_devices), the sampler's devices hold its copy, prompts and samples only.
+    `MemoryPlan.roles` reports each role's bytes per device.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ from ppo_jax import sharding
 from ppo_jax.accelerators.hlo import ProgramStructure
 from ppo_jax.config import ConfigError, from_config
 from ppo_jax.models import KV_CACHE_AXES, ModelConfig, boxed_params, init_cache
-from ppo_jax.rl import build
+from ppo_jax.rl import build, plan_roles
+from ppo_jax.rl.plan_roles import RolesPlan
 from ppo_jax.rl.plan_shapes import MODEL_SHAPES, model_shape  # noqa: F401 (configs import them from here)
 from ppo_jax.rl.settings import PPOHyper, Settings, stop_token_ids
 from ppo_jax.rl.sizes import derive_sizes
@@ -103,9 +109,11 @@ class ModelSummary:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-    """Per-device memory of a PPO run on one mesh (bytes unless named otherwise)."""
+    """Per-device memory of a PPO run (bytes unless named otherwise). Trees, batch arrays and the
+    experience / update phases are the trainer's mesh's; the KV cache and the sampler phase the
+    sampler's mesh's (the same mesh unless `roles` says otherwise)."""
 
-    mesh_shape: tuple[int, ...]  # (data, fsdp, tensor, expert)
+    mesh_shape: tuple[int, ...]  # (data, fsdp, tensor, expert): the trainer's (mesh.shape)
     platform: str  # the compiler whose temp bytes these are ("cpu", "tpu", "gpu")
     device_kind: str  # e.g. "cpu", "TPU v5" (v5p)
     compiler_options: dict[str, Any]  # XLA options the phases were compiled with
@@ -122,6 +130,7 @@ class MemoryPlan:
     kv_cache_bytes: int  # the sampler's [L, rows (continuous: decode slots), K, Lq + Lr - 1, Dh] k and v (inside its temps)
     batch_arrays: dict[str, int]  # rollout, experience -> per-device bytes
     phases: tuple[PhaseMemory, ...]
+    roles: RolesPlan | None = None  # per-role memory when the sampler has its own mesh (roles.*)
 
     @property
     def resident_bytes(self) -> int:
@@ -138,10 +147,12 @@ class MemoryPlan:
 
     @property
     def num_devices(self) -> int:
+        """The trainer's devices (with a disaggregated sampler: plus roles.sampler.num_devices)."""
         return int(np.prod(self.mesh_shape))
 
     def fits(self, device_memory_bytes: float) -> bool:
-        """Whether every phase's peak fits in `device_memory_bytes` per device."""
+        """Whether every phase's peak fits in `device_memory_bytes` per device (each phase's peak is
+        on the devices that run it, so this holds for both roles' devices)."""
         return self.peak_bytes <= device_memory_bytes
 
     def to_dict(self, device_memory_bytes: float | None = None) -> dict[str, Any]:
@@ -153,6 +164,8 @@ class MemoryPlan:
         d["num_devices"] = self.num_devices
         d["device_memory_bytes"] = device_memory_bytes
         d["fits"] = None if device_memory_bytes is None else self.fits(device_memory_bytes)
+        if self.roles is None:
+            del d["roles"]  # a one-mesh plan's JSON is what it was before roles existed
         return d
 
 
@@ -171,6 +184,20 @@ def device_bytes(tree: Any) -> int:
         shard = leaf.sharding.shard_shape(leaf.shape)
         total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
     return total
+
+
+def global_bytes(tree: Any) -> int:
+    """Bytes of a tree of ShapeDtypeStructs over all devices (one copy, however it is sharded)."""
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _placed(tree: Any, shardings: Any) -> Any:
+    """A tree of ShapeDtypeStructs on other shardings (a tree of them, or one for every leaf)."""
+    if tree is None:
+        return None
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, tree)
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings)
 
 
 def _summary(cfg: ModelConfig) -> ModelSummary:
@@ -240,9 +267,11 @@ PHASES = ("sampler", "experience", "update")
 
 
 def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
-                inspect: Callable[[str, Any], None] | None = None) -> MemoryPlan:
-    """Plans a PPO run of `config` (a ConfigDict or Settings) on `mesh` (default: mesh.shape over this
-    process's devices).
+                inspect: Callable[[str, Any], None] | None = None, devices=None) -> MemoryPlan:
+    """Plans a PPO run of `config` (a ConfigDict or Settings) on `mesh` (the trainer's; default:
+    mesh.shape over `devices`, default this process's). With roles.* the sampler gets its own mesh as a
+    run would make it (`rl/roles.py`): roles.sampler_mesh on the same devices, or roles.sampler_devices
+    of `devices` (then pass `devices`, not `mesh`: the split picks the trainer's).
 
     `phases`: the programs to compile (all three by default; the peak is over these). `inspect`, if
     given, sees each (phase name, compiled program) before it is dropped (tests read its HLO). Raises
@@ -252,7 +281,8 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
     if unknown or not phases:
         raise ConfigError(f"phases {list(phases)}: name one or more of {', '.join(PHASES)}")
     s = planned_settings(config)
-    mesh = mesh if mesh is not None else sharding.make_mesh(s.mesh.shape)
+    meshes = plan_roles.plan_meshes(s, mesh, devices)
+    mesh, sampler_mesh = meshes.trainer, meshes.sampler
     # "auto" execution choices (attention kernel, layer loop, decode loop) resolve for the devices
     # compiled for, not this host: a GPU plan made on a CPU machine compiles a GPU run's programs.
     platform = mesh.devices.flat[0].platform
@@ -260,7 +290,7 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
     reward_cfg, reward_source = planned_reward_config(s, policy_cfg, mesh)
     sizes = derive_sizes(s, batch_divisor=sharding.batch_divisor(mesh),
                          max_positions=policy_cfg.max_position_embeddings, vocab_size=policy_cfg.vocab_size,
-                         platform=platform)
+                         platform=platform, sampler_divisor=sharding.batch_divisor(sampler_mesh))
     hp = PPOHyper.from_settings(s, sizes)
 
     modules = build.make_modules(s, policy_cfg, reward_cfg)
@@ -292,22 +322,28 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
     # an accelerator run does not make).
     unroll = False if platform == "cpu" and s.rollout.decode == "auto" else None
     steps = build.build_steps(s, mesh, sizes, hp, modules, policy_tx, value_tx, state_shardings,
-                              frozen_shardings, stop_ids, pad_id, unroll_layers=unroll)
+                              frozen_shardings, stop_ids, pad_id, unroll_layers=unroll, sampler_mesh=sampler_mesh)
 
-    # Sampler: prompts [B, Lq] in, SampleOutput with R = B * n rows out.
+    # Sampler, on its mesh: prompts [B, Lq] in, SampleOutput with R = B * n rows out. It reads the
+    # trainer's own policy when it shares the mesh, else its copy (synced there after every update).
     batch_sh = sharding.data_sharding(mesh)
     prompts = jax.ShapeDtypeStruct((s.rollout.batch_size, s.data.prompt_length),
-                                   jnp.int32, sharding=batch_sh)
+                                   jnp.int32, sharding=sharding.data_sharding(sampler_mesh))
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
-                               sharding=sharding.replicated(mesh))
+                               sharding=sharding.replicated(sampler_mesh))
     sampler_params, sampler_adapters = policy_variables(state.policy, base)
+    if not meshes.shared:
+        sampler_params = _placed(sampler_params, steps.sampler_shardings.params)
+        sampler_adapters = _placed(sampler_adapters, steps.sampler_shardings.adapters)
     sampler_lowered = steps.sampler.lower(sampler_params, prompts, prompts, key, adapters=sampler_adapters)
     sample = sampler_lowered.out_info
     rows = sample.tokens.shape[0]
+    # The trainer scores the sample on its own mesh (moved there when the sampler has its own).
     rollout = Rollout(
         prompt_tokens=sample.prompt_tokens, prompt_mask=sample.prompt_mask, tokens=sample.tokens,
         mask=sample.mask, sampler_logprobs=sample.logprobs, stopped=sample.stopped,
         host_scores=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=batch_sh))
+    rollout = rollout if meshes.shared else _placed(rollout, batch_sh)
 
     with sharding.mesh_context(mesh):
         experience_lowered = steps.experience_jit.lower(state, frozen, rollout)
@@ -318,7 +354,8 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
     cache_rows = sizes.decode_slots or rows
     width = s.data.prompt_length + s.rollout.response_length - 1
     cache = jax.eval_shape(lambda: init_cache(policy_cfg, cache_rows, width, steps.sampling_config.cache_dtype))
-    cache_sh = jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(KV_CACHE_AXES, cache.k.shape, mesh))
+    cache_sh = jax.sharding.NamedSharding(sampler_mesh, sharding.logical_to_spec(KV_CACHE_AXES, cache.k.shape,
+                                                                                 sampler_mesh))
     kv_cache_bytes = 2 * device_bytes(jax.ShapeDtypeStruct(cache.k.shape, cache.k.dtype, sharding=cache_sh))
     batch_arrays = {"rollout": device_bytes(rollout), "experience": device_bytes(experience)}
 
@@ -326,16 +363,24 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
     # previous iteration's (rollout, experience) that the trainer keeps for samples, and the phase's
     # batch inputs (the update runs while the current rollout is still referenced).
     key_data = jax.eval_shape(jax.random.key_data, state.key)  # the key is replicated: every device holds it
-    resident = (sum(params.values()) + sum(optimizer.values()) + device_bytes((state.step, state.kl))
-                + math.prod(key_data.shape) * key_data.dtype.itemsize)
-    held = batch_arrays["rollout"] + batch_arrays["experience"]
-    programs = {
-        "sampler": (sampler_lowered, resident + held + device_bytes((prompts, prompts))),
-        "experience": (experience_lowered, resident + held + batch_arrays["rollout"]),
-        "update": (update_lowered, resident + held + batch_arrays["rollout"] + batch_arrays["experience"]),
-    }
+    scalars = device_bytes((state.step, state.kl)) + math.prod(key_data.shape) * key_data.dtype.itemsize
+    holdings = plan_roles.Holdings(
+        trainer_resident=sum(params.values()) + sum(optimizer.values()) + scalars,
+        held=batch_arrays["rollout"] + batch_arrays["experience"], rollout=batch_arrays["rollout"],
+        experience=batch_arrays["experience"], prompts=device_bytes((prompts, prompts)),
+        policy_copy=0 if meshes.shared else device_bytes((sampler_params, sampler_adapters)),
+        sample=device_bytes(sample))
+    live = plan_roles.phase_live(holdings, plan_roles.layout(meshes), s.rollout.off_policy_steps == 1)
+    lowered = {"sampler": sampler_lowered, "experience": experience_lowered, "update": update_lowered}
     options = dict(CPU_COMPILER_OPTIONS) if platform == "cpu" else {}
-    compiled = tuple(_compile(name, *programs[name], options, inspect) for name in PHASES if name in phases)
+    compiled = tuple(_compile(name, lowered[name], live[name], options, inspect) for name in PHASES if name in phases)
+    trainable = params["policy"] - (device_bytes(base) if base is not None else 0) + params["value"]
+    roles = plan_roles.roles_plan(
+        meshes, compiled, holdings, train_state=trainable + sum(optimizer.values()) + scalars,
+        frozen=holdings.trainer_resident - trainable - sum(optimizer.values()) - scalars,
+        kv_cache=kv_cache_bytes,
+        sync_bytes=global_bytes(state.policy),  # the trainable policy: full params, or with LoRA the adapters
+        base_sync_bytes=global_bytes(base) if base is not None else 0)
     return MemoryPlan(
         mesh_shape=tuple(int(mesh.shape[a]) for a in sharding.MESH_AXES),
         platform=platform, device_kind=mesh.devices.flat[0].device_kind, compiler_options=options,
@@ -351,4 +396,4 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
                "forward_rows": sizes.forward_rows, "epochs": s.ppo.epochs, "packed_rows": sizes.packed_rows,
                "engine": s.rollout.engine, "decode_slots": sizes.decode_slots},
         params=params, optimizer=optimizer, kv_cache_bytes=kv_cache_bytes, batch_arrays=batch_arrays,
-        phases=compiled)
+        phases=compiled, roles=roles)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ppo_jax import sharding
 from ppo_jax.rl.plan import GB, GIB, PHASES, MemoryPlan, ModelSummary
+from ppo_jax.rl.plan_roles import RoleMemory, RolesPlan
 
 
 def _gib(n: float) -> str:
@@ -24,13 +25,44 @@ def _reference_note(reference: str) -> str:
             }.get(reference, f"  (reference: a {reference})")
 
 
+def _role_line(r: RoleMemory) -> str:
+    def cell(n: int) -> str:
+        return _gib(n) if n else f"{'-':>10}"
+
+    return (f"  {r.role:<9}{str(r.mesh_shape):>14}{r.num_devices:>5} {cell(r.train_state_bytes)} "
+            f"{cell(r.frozen_bytes)} {cell(r.policy_copy_bytes)} {cell(r.kv_cache_bytes)} {_gib(r.temp_bytes)} {_gib(r.peak_bytes)}   "
+            + (r.peak_phase or "(no phase compiled)"))
+
+
+def format_roles(roles: RolesPlan) -> list[str]:
+    """The per-role table of a plan whose sampler has its own mesh."""
+    same = roles.layout == "colocated"
+    lines = [
+        "",
+        f"Roles ({roles.layout}): {roles.description}",
+        "Per device of each role (GiB)          trees: shape arithmetic; temps: the role's own programs' largest",
+        f"  {'role':<9}{'mesh':>14}{'devs':>5} {'train state':>10} {'frozen':>10} {'policy cp.':>10} "
+        f"{'KV cache':>10} {'temps':>10} {'peak':>10}   (phase)",
+        _role_line(roles.trainer),
+        _role_line(roles.sampler),
+        ("  Colocated: the same devices hold the trainer's trees and the sampler's copy, so both roles' peak is "
+         "the devices' one peak." if same else
+         "  Disaggregated: each role's peak is over its own devices' phases (sampler: the sampler phase; trainer: "
+         "experience, update)."),
+        f"  Weight sync: {roles.sync_bytes / GIB:.3f} GiB per train step (all devices: the trainable policy"
+        + (f"; the LoRA base, {roles.base_sync_bytes / GIB:.3f} GiB, once)" if roles.base_sync_bytes else ")"),
+    ]
+    return lines
+
+
 def format_plan(plan: MemoryPlan, device_memory_bytes: float | None = None) -> str:
     """A human-readable table (GiB = 2^30 bytes per device)."""
     b = plan.batch
     axes = ", ".join(f"{name}={n}" for name, n in zip(sharding.MESH_AXES, plan.mesh_shape))
     lines = [
         f"Memory plan: mesh ({axes}) = {plan.num_devices} devices; "
-        f"compiled by XLA:{plan.platform.upper()} for {plan.device_kind}",
+        f"compiled by XLA:{plan.platform.upper()} for {plan.device_kind}"
+        + (" (the trainer's; the sampler's: see Roles)" if plan.roles is not None else ""),
         _model_line("policy", plan.policy_model) + _reference_note(plan.reference),
         _model_line("reward", plan.reward_model) + f"  ({plan.reward_source})",
         (_model_line("value", plan.value_model) + f"  (from the {plan.value_init}"
@@ -65,6 +97,8 @@ def format_plan(plan: MemoryPlan, device_memory_bytes: float | None = None) -> s
     for p in plan.phases:
         lines.append(f"  {p.name:<11}{_gib(p.live_bytes)} {_gib(p.output_bytes)} {_gib(p.alias_bytes)} "
                      f"{_gib(p.temp_bytes)} {_gib(p.peak_bytes)}   {_gib(p.argument_bytes)} {p.compile_seconds:9.1f}")
+    if plan.roles is not None:
+        lines += format_roles(plan.roles)
     lines += ["", "Programs (optimised HLO)   fused attention calls  transposes    copies  while loops"]
     for p in plan.phases:
         st = p.structure

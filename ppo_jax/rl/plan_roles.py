@@ -1,0 +1,154 @@
+"""The memory planner's roles (issue 31): what each device holds when the sampler has its own mesh.
+
+`rl/roles.py` places the sampler (rollout decoding) on its own mesh: colocated (all devices, another
+layout: `roles.sampler_mesh`) or disaggregated (a device subset of its own: `roles.sampler_devices`).
+The planner then lowers the sampler on the sampler's mesh (its own copy of the policy, KV cache and
+temps) and the experience / update on the trainer's, and reports per role:
+
+    trainer devices: train state (trainable params + optimizer states) + frozen trees + the larger of
+                     the experience / update temps
+    sampler devices: the sampler's copy of the policy (with LoRA: the base + adapters) + KV cache
+                     (inside the sampler's temps) + the sampler's temps
+
+Colocated, both roles' trees sit on the same devices: every phase's live bytes count the trainer's
+trees and the sampler's copy, so both roles report the same per-device peak. Disaggregated, each
+role's peak is over the phases its own devices run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+
+from ppo_jax.rl import roles as roles_lib
+
+SAMPLER_PHASES = ("sampler",)
+TRAINER_PHASES = ("experience", "update")
+
+
+def plan_meshes(s, mesh=None, devices: Sequence[jax.Device] | None = None) -> roles_lib.RoleMeshes:
+    """The trainer's and the sampler's meshes of settings `s` over `devices` (fake CPU, compile-only
+    GPU / TPU devices or this machine's; None: this process's), or with the trainer's `mesh` given
+    (shared or colocated only: a disaggregated split picks the trainer's devices itself). The split
+    a run makes (`roles.make_role_meshes`); a ConfigError names the field, before any compile."""
+    return roles_lib.make_role_meshes(s.roles, s.mesh.shape, devices, trainer_mesh=mesh)
+
+
+def layout(meshes: roles_lib.RoleMeshes) -> str:
+    """"shared" (one mesh), "colocated" (same devices, another layout) or "disaggregated"."""
+    return "shared" if meshes.shared else "disaggregated" if meshes.disaggregated else "colocated"
+
+
+@dataclasses.dataclass(frozen=True)
+class Holdings:
+    """Per-device bytes a run holds outside a phase's own arguments, by shape arithmetic.
+
+    trainer_resident: trees + state scalars (trainer's devices); held: the previous iteration's
+    rollout + experience, kept for samples (trainer's devices); rollout / experience: this
+    iteration's batch (trainer's devices); prompts: [B, Lq] tokens and mask (sampler's devices);
+    policy_copy: the sampler's copy of the policy (0 on the trainer's own mesh); sample: one
+    SampleOutput on the sampler's mesh (on a shared mesh these are the rollout's own arrays).
+    """
+
+    trainer_resident: int
+    held: int
+    rollout: int
+    experience: int
+    prompts: int
+    policy_copy: int
+    sample: int
+
+
+def phase_live(h: Holdings, where: str, off_policy: bool) -> dict[str, int]:
+    """Per-device live bytes when each phase starts, on the devices that run it.
+
+    The trainer keeps the sample it scores (on the sampler's mesh) until its iteration ends, and
+    with one-step off-policy rollouts the next sample is in flight during the experience and
+    update, and the current one still referenced while the next one decodes.
+    """
+    in_flight = h.sample if off_policy else 0
+    scored = h.sample if where != "shared" else 0  # shared: the rollout *is* the sample
+    trainer = h.trainer_resident + h.held
+    sampler_own = h.policy_copy + h.prompts + in_flight
+    colocated = h.policy_copy + scored + in_flight if where != "disaggregated" else 0
+    return {
+        "sampler": sampler_own + (trainer if where != "disaggregated" else 0),
+        "experience": trainer + h.rollout + colocated,
+        "update": trainer + h.rollout + h.experience + colocated,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleMemory:
+    """Per-device bytes on one role's devices (colocated: the same devices for both roles).
+
+    train_state / frozen: the trainer's (0 for the sampler); policy_copy / kv_cache: the sampler's
+    (0 for the trainer). temp_bytes: the largest temps among `phases`, the programs this role runs;
+    peak_bytes: the largest phase peak on these devices (colocated: the other role's phases too, on
+    the same devices), in `peak_phase` ("" if none was compiled: then peak_bytes is what the devices
+    hold between phases).
+    """
+
+    role: str  # "trainer" or "sampler"
+    mesh_shape: tuple[int, ...]  # (data, fsdp, tensor, expert)
+    num_devices: int
+    train_state_bytes: int  # trainable params + optimizer states + step / KL / key
+    frozen_bytes: int  # reference, reward model, LoRA base
+    policy_copy_bytes: int  # the sampler's own copy of the policy
+    kv_cache_bytes: int  # inside the sampler's temps
+    phases: tuple[str, ...]
+    temp_bytes: int
+    peak_bytes: int
+    peak_phase: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RolesPlan:
+    """Per-role memory of a run whose sampler has its own mesh (None in a plan when it shares)."""
+
+    layout: str  # "colocated" or "disaggregated"
+    description: str  # RoleMeshes.describe()
+    trainer: RoleMemory
+    sampler: RoleMemory
+    sync_bytes: int  # global bytes the weight sync copies per train step (LoRA: the adapters)
+    base_sync_bytes: int  # global bytes of the LoRA base, copied once (0 without LoRA)
+
+
+def _mesh_shape(mesh) -> tuple[int, ...]:
+    return tuple(int(n) for n in mesh.devices.shape)
+
+
+def role_memory(role: str, mesh, phases, names: tuple[str, ...], on_devices: tuple[str, ...], idle_bytes: int,
+                **trees: int) -> RoleMemory:
+    """One role's figures from the compiled phases (PhaseMemory): `names` are its own programs,
+    `on_devices` every program its devices run. idle_bytes: what the devices hold when none of
+    those was compiled."""
+    own = [p for p in phases if p.name in names]
+    peak = max((p for p in phases if p.name in on_devices), key=lambda p: p.peak_bytes, default=None)
+    return RoleMemory(role=role, mesh_shape=_mesh_shape(mesh), num_devices=int(mesh.size), phases=names,
+                      temp_bytes=max((p.temp_bytes for p in own), default=0),
+                      peak_bytes=peak.peak_bytes if peak else idle_bytes, peak_phase=peak.name if peak else "",
+                      **{f"{k}_bytes": v for k, v in trees.items()})
+
+
+def roles_plan(meshes: roles_lib.RoleMeshes, phases, h: Holdings, train_state: int, frozen: int,
+               kv_cache: int, sync_bytes: int, base_sync_bytes: int) -> RolesPlan | None:
+    """The per-role report of a plan's compiled `phases`; None when the sampler shares the trainer's
+    mesh (the plan's own figures are then the whole story)."""
+    where = layout(meshes)
+    if where == "shared":
+        return None
+    # Colocated: the devices run every phase, so both roles' peaks are the devices' one peak.
+    everything = SAMPLER_PHASES + TRAINER_PHASES
+    trainer_on = TRAINER_PHASES if where == "disaggregated" else everything
+    sampler_on = SAMPLER_PHASES if where == "disaggregated" else everything
+    idle_trainer = h.trainer_resident + h.held + (h.policy_copy if where == "colocated" else 0)
+    idle_sampler = h.policy_copy + (h.trainer_resident + h.held if where == "colocated" else 0)
+    trainer = role_memory("trainer", meshes.trainer, phases, TRAINER_PHASES, trainer_on, idle_trainer,
+                          train_state=train_state, frozen=frozen, policy_copy=0, kv_cache=0)
+    sampler = role_memory("sampler", meshes.sampler, phases, SAMPLER_PHASES, sampler_on, idle_sampler,
+                          train_state=0, frozen=0, policy_copy=h.policy_copy, kv_cache=kv_cache)
+    return RolesPlan(layout=where, description=meshes.describe(), trainer=trainer, sampler=sampler,
+                     sync_bytes=sync_bytes, base_sync_bytes=base_sync_bytes)
