@@ -3,8 +3,9 @@
 Parameter, optimizer and batch bytes in a plan are shape arithmetic on the shardings (per-device shard
 shape x itemsize); phase bytes come from `compiled.memory_analysis()`. The tests check the first
 against the second, the parameter counts against ModelConfig.num_params, that 8-way fsdp divides
-parameter + optimizer memory, that the verdict flips exactly at the peak, and that the CLI plans a
-mesh bigger than this process's 8 devices.
+parameter + optimizer memory, that the verdict flips exactly at the peak, that the CLI plans a
+mesh bigger than this process's 8 devices, and each role's bytes when the sampler has its own mesh
+(colocated or on devices of its own) against arithmetic on the shapes.
 """
 
 import importlib.util
@@ -14,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 from conftest import make_test_mesh
 
@@ -152,6 +154,123 @@ def test_cli_plans_a_mesh_larger_than_this_process(plans):
     assert 0 <= update["alias_bytes"] - trainable <= SMALL_STATE_BYTES
     # The sampler's temps hold at least its KV cache.
     assert out["phases"][0]["temp_bytes"] >= out["kv_cache_bytes"] > 0
+
+
+def role_config(**roles):
+    config = tiny_config()
+    for name, value in roles.items():
+        setattr(config.roles, name, value)
+    return config
+
+
+def sample_bytes(rows: int, config) -> int:
+    """One SampleOutput's bytes for `rows` rows: prompt tokens and mask [R, Lq] int32; tokens, mask,
+    log-probs and sampling log-probs [R, Lr] 4 bytes; lengths and slot steps [R] int32, stopped [R] bool."""
+    return rows * (2 * config.data.prompt_length * 4 + 4 * config.rollout.response_length * 4 + 4 + 4 + 1)
+
+
+def kv_cache_bytes(config, rows: int, kv_heads: int) -> int:
+    """k and v [L, rows, K, Lq + Lr - 1, Dh] float32 on one device."""
+    m = config.policy.model
+    width = config.data.prompt_length + config.rollout.response_length - 1
+    return 2 * m.num_layers * rows * kv_heads * width * (m.hidden_size // m.num_heads) * 4
+
+
+def test_colocated_sampler_holds_its_copy_beside_the_trainers_trees(plans):
+    """roles.sampler_mesh=(8,1,1) beside FSDP training (1,8,1) on the same 8 devices: every device holds
+    the trainer's shards and a whole data-parallel copy of the policy, both in every phase's live
+    bytes; both roles report the devices' one peak."""
+    config = role_config(sampler_mesh=(8, 1, 1))
+    config.mesh.shape = (1, 8, 1)
+    plan = plan_lib.plan_memory(config, phases=("sampler", "experience"))
+    roles, shared = plan.roles, plans[(1, 8, 1)]
+    assert roles.layout == "colocated" and "on the same devices" in roles.description
+    policy = model_config_from_dict(config.policy.model)
+    assert roles.sampler.policy_copy_bytes == 4 * policy.num_params() == roles.sync_bytes
+    assert roles.trainer.policy_copy_bytes == roles.sampler.train_state_bytes == roles.sampler.frozen_bytes == 0
+    trainer_trees = roles.trainer.train_state_bytes + roles.trainer.frozen_bytes
+    assert 0 <= trainer_trees - params_and_optimizer(shared) <= SMALL_STATE_BYTES  # roles move no trainer tree
+    # The trainer's devices before its experience step, as on one mesh, plus the sampler's copy and the
+    # sample it scores (kept on the sampler's mesh, 2 of the 16 rows a device); the sampler starts
+    # beside the trainer's trees and its previous batch, with its prompts (2 rows of tokens + mask).
+    (one_mesh,) = shared.phases
+    sampler, experience = plan.phases
+    copy = roles.sampler.policy_copy_bytes
+    assert experience.live_bytes == one_mesh.live_bytes + copy + sample_bytes(2, config)
+    trainer_between_phases = one_mesh.live_bytes - plan.batch_arrays["rollout"]
+    assert sampler.live_bytes == trainer_between_phases + copy + 2 * 2 * config.data.prompt_length * 4
+    assert roles.trainer.temp_bytes == experience.temp_bytes
+    assert roles.sampler.temp_bytes == sampler.temp_bytes >= plan.kv_cache_bytes
+    assert plan.kv_cache_bytes == roles.sampler.kv_cache_bytes == kv_cache_bytes(config, rows=2, kv_heads=2)
+    assert roles.trainer.peak_bytes == roles.sampler.peak_bytes == plan.peak_bytes
+    assert "Roles (colocated)" in format_plan(plan)
+
+
+def test_disaggregated_sampler_devices_hold_only_the_samplers_copy():
+    """roles.sampler_devices=4: FSDP training (1,4,1) on 4 devices, a tensor-parallel sampler (1,1,4) on
+    the other 4. The sampler's devices hold its copy (every matrix split 4 ways, the norm scales
+    whole), prompts and KV cache, and no optimizer state; the trainer's no copy."""
+    config = role_config(sampler_devices=4, sampler_mesh=(1, 1, 4))
+    config.mesh.shape = (1, 4, 1)
+    config.policy.model.num_kv_heads = 4  # so the tensor axis splits k and v too
+    plan = plan_lib.plan_memory(config, phases=("sampler", "experience"), devices=jax.devices())
+    roles = plan.roles
+    assert roles.layout == "disaggregated" and "its own 4 devices" in roles.description
+    assert (roles.trainer.num_devices, roles.sampler.num_devices) == (4, 4)
+    policy = model_config_from_dict(config.policy.model)
+    full = 4 * policy.num_params()
+    norms = 4 * (2 * policy.num_layers + 1) * policy.hidden_size
+    assert roles.sync_bytes == full
+    assert roles.sampler.policy_copy_bytes == (full - norms) // 4 + norms
+    sampler, experience = plan.phases
+    # Batch divisor 1 on the sampler's mesh: all 16 prompt rows (tokens + mask) on every device.
+    prompts = 2 * 16 * config.data.prompt_length * 4
+    assert sampler.live_bytes == roles.sampler.policy_copy_bytes + prompts
+    assert 0 <= sampler.argument_bytes - sampler.live_bytes <= SMALL_STATE_BYTES  # the compiler agrees (+ key)
+    assert roles.sampler.train_state_bytes == roles.sampler.frozen_bytes == 0
+    assert plan.kv_cache_bytes == roles.sampler.kv_cache_bytes == kv_cache_bytes(config, rows=16, kv_heads=1)
+    assert roles.sampler.temp_bytes == sampler.temp_bytes >= plan.kv_cache_bytes
+    assert (roles.sampler.peak_bytes, roles.sampler.peak_phase) == (sampler.peak_bytes, "sampler")
+    # The trainer's devices: its trees, the previous iteration's batch and this rollout; no copy.
+    batch = plan.batch_arrays
+    trainer_trees = roles.trainer.train_state_bytes + roles.trainer.frozen_bytes
+    assert 0 <= trainer_trees - params_and_optimizer(plan) <= SMALL_STATE_BYTES
+    assert experience.live_bytes == trainer_trees + 2 * batch["rollout"] + batch["experience"]
+    assert (roles.trainer.peak_bytes, roles.trainer.peak_phase) == (experience.peak_bytes, "experience")
+    assert plan.peak_bytes == max(sampler.peak_bytes, experience.peak_bytes)
+    assert "Roles (disaggregated)" in format_plan(plan)
+    assert plan.to_dict()["roles"]["sampler"]["policy_copy_bytes"] == roles.sampler.policy_copy_bytes
+
+
+def test_one_mesh_plans_report_no_roles(plans):
+    plan = plans[(1, 8, 1)]
+    assert plan.roles is None and "roles" not in plan.to_dict() and "Roles" not in format_plan(plan)
+
+
+@pytest.mark.parametrize("roles, mesh_shape, batch_size, match", [
+    (dict(sampler_devices=8), (1, 8, 1), 16, "leaves no devices for training"),
+    (dict(sampler_mesh=(1, 1, 3)), (1, 8, 1), 16, r"roles.sampler_mesh=\(1, 1, 3\) does not fit the sampler's 8"),
+    (dict(sampler_mesh=(8, 1, 1)), (1, 4, 2), 12, "not a multiple of the sampler's 8 data-parallel devices"),
+    (dict(sampler_devices=4, sampler_mesh=(1, 1, 3)), (1, 4, 1), 16, "does not fit the sampler's 4 devices"),
+])
+def test_bad_roles_fail_in_one_line_before_compiling(roles, mesh_shape, batch_size, match):
+    config = role_config(**roles)
+    config.mesh.shape = mesh_shape
+    config.rollout.batch_size = batch_size
+    compiled = []
+    with pytest.raises(ConfigError, match=match) as err:
+        plan_lib.plan_memory(config, devices=jax.devices(), inspect=lambda *a: compiled.append(a))
+    assert "\n" not in str(err.value) and not compiled
+
+
+def test_cli_counts_the_samplers_own_devices():
+    assert plan_cli.planned_devices((1, 4, 1), 4, None) == 8
+    assert plan_cli.planned_devices((1, -1, 1), 4, 8) == 8  # -1: the trainer takes what the sampler leaves
+    assert plan_cli.planned_devices((1, 8, 1), 0, None) == 8
+    with pytest.raises(ConfigError, match="need 8 devices, but --num_devices=6"):
+        plan_cli.planned_devices((1, 4, 1), 4, 6)
+    with pytest.raises(ConfigError, match="leaves none of --num_devices=4"):
+        plan_cli.planned_devices((1, -1, 1), 4, 4)
 
 
 def test_bad_input_fails_before_compiling():
