@@ -1,7 +1,8 @@
 """One process of a real multi-process PPO run on CPU (started by test_multihost.py).
 
-argv: process_id num_processes port workdir out_json
-Each process has 4 CPU devices; together they form one (2, 2, 2) mesh over gloo collectives.
+argv: process_id num_processes port workdir out_json [overrides_json]
+Each process has 4 CPU devices; together they form one (2, 2, 2) mesh over gloo collectives (unless
+the overrides, {"section.field": value}, say otherwise, e.g. disaggregated roles).
 """
 
 import json
@@ -20,13 +21,15 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 def main():
     process_id, num_processes, port, workdir, out = sys.argv[1:6]
+    overrides = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
+    overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
     from tiny_configs import tiny_config
 
     from ppo_jax import distributed, sharding
     from ppo_jax.rl.settings import Settings
     from ppo_jax.rl.trainer import PPOTrainer
 
-    config = tiny_config(**{"train.iterations": 2, "mesh.shape": (2, 2, 2)})
+    config = tiny_config(**{"train.iterations": 2, "mesh.shape": (2, 2, 2), **overrides})
     config.distributed.coordinator_address = f"127.0.0.1:{port}"
     config.distributed.num_processes = int(num_processes)
     config.distributed.process_id = int(process_id)

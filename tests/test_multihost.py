@@ -23,18 +23,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_match_one_process_and_checkpoint_restores(tmp_path):
-    workdir, out = tmp_path / "multi", tmp_path / "multi.json"
+def run_two_processes(workdir, out, overrides=None) -> dict:
+    """Runs multihost_worker.py as 2 processes x 4 devices; its JSON output."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    extra = [json.dumps(overrides)] if overrides else []
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_worker.py"), str(i), "2",
-                               str(port), str(workdir), str(out)],
+                               str(port), str(workdir), str(out), *extra],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
              for i in range(2)]
     logs = [p.communicate(timeout=900)[0] for p in procs]
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
-    multi = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_two_processes_match_one_process_and_checkpoint_restores(tmp_path):
+    workdir, out = tmp_path / "multi", tmp_path / "multi.json"
+    multi = run_two_processes(workdir, out)
 
     # The same run in this one process over 8 devices.
     single = PPOTrainer(tiny_config(**{"train.iterations": 2}), str(tmp_path / "single"),
@@ -55,3 +61,25 @@ def test_two_processes_match_one_process_and_checkpoint_restores(tmp_path):
     for name, value in restored.items():
         np.testing.assert_array_equal(value, np.asarray(multi["policy"][name], value.dtype), err_msg=name)
     resumed.close()
+
+
+def test_disaggregated_roles_across_two_processes_with_off_policy_rollouts(tmp_path):
+    """Each process gives 2 of its 4 devices to the sampler: the weight sync and the rollouts cross
+    between the processes' device sets (sharding.reshard's program over both), pipelined one step
+    off-policy; the metrics are those of the same run in one process."""
+    overrides = {"mesh.shape": [2, 2, 1], "roles.sampler_devices": 4, "roles.sampler_mesh": [1, 2, 2],
+                 "rollout.off_policy_steps": 1, "ppo.off_policy_ratio": "truncated_is"}
+    multi = run_two_processes(tmp_path / "multi", tmp_path / "multi.json", overrides)
+    config = tiny_config(**{"train.iterations": 2, **{k: tuple(v) if isinstance(v, list) else v
+                                                      for k, v in overrides.items()}})
+    single = PPOTrainer(config, str(tmp_path / "single"))
+    history = single.train()
+    single.close()
+    for want, got in zip(history, multi["history"]):
+        for key, value in want.items():
+            if not key.startswith(("time/", "perf/")):
+                np.testing.assert_allclose(got[key], value, rtol=2e-3, atol=2e-4, err_msg=key)
+        assert got["perf/weight_sync_bytes"] == want["perf/weight_sync_bytes"]
+    # The first iteration synced the initial weights (its sample and the next one's share them); the
+    # last one starts no sample, so syncs nothing.
+    assert multi["history"][0]["perf/weight_sync_bytes"] > 0 == multi["history"][1]["perf/weight_sync_bytes"]
