@@ -221,9 +221,9 @@ def test_timeline_model_overlaps_only_what_runs_on_separate_hardware():
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     import timeline
 
-    p = timeline.parse_phases("G=3,H=0.5,E=1,U=2,S=0.25")
-    assert timeline.predict(p, off_policy=False, disaggregated=True) == 6.75  # everything in turn
-    assert timeline.predict(p, off_policy=True, disaggregated=True) == 3.25  # S + max(G, H + E + U)
-    assert timeline.predict(p, off_policy=True, disaggregated=False) == 6.25  # only the host overlaps G
+    p = timeline.parse_phases("G=4,H=0.5,E=1,U=2,S=0.25")
+    assert timeline.predict(p, off_policy=False, disaggregated=True) == 7.75  # everything in turn
+    assert timeline.predict(p, off_policy=True, disaggregated=True) == 4.25  # S + max(G, H + E + U)
+    assert timeline.predict(p, off_policy=True, disaggregated=False) == 7.25  # only the host overlaps G
     slow_trainer = timeline.Phases(G=1, H=0.5, E=1, U=2)
     assert timeline.predict(slow_trainer, off_policy=True, disaggregated=True) == 3.5
