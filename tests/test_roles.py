@@ -16,6 +16,7 @@ from tiny_configs import tiny_config
 from ppo_jax import rewards as reward_fns
 from ppo_jax import sharding
 from ppo_jax.config import ConfigError
+from ppo_jax.models import lora as lora_lib
 from ppo_jax.rl import roles
 from ppo_jax.rl.state import Rollout, policy_variables
 from ppo_jax.rl.trainer import PPOTrainer
@@ -82,6 +83,30 @@ def test_every_layout_logs_the_one_mesh_metrics_and_syncs_exact_weights(one_mesh
     trainer.close()
 
 
+@pytest.mark.parametrize("layout", ["disaggregated", "shared"])
+def test_merged_lora_sync_decodes_the_merged_weights(one_mesh, layout, tmp_path):
+    """roles.lora_sync="merged": only the adapters travel; the sampler folds them into its own
+    decoding copy (the same function, so the same metrics up to matmul round-off)."""
+    overrides = {**LORA, "roles.lora_sync": "merged"}
+    if layout == "shared":
+        trainer = PPOTrainer(tiny_config(**{"train.iterations": 2, **overrides}), str(tmp_path),
+                             mesh=make_test_mesh((2, 2, 2)))
+    else:
+        trainer = layout_trainer(layout, tmp_path, **overrides)
+    assert trainer.sampler.takes_adapters is False
+    history = trainer.train()
+    assert_same_metrics(one_mesh["lora"], history)
+    synced = trainer.sampler_weights()
+    assert synced.adapters is None
+    params, adapters = policy_variables(trainer.state.policy, trainer.frozen.policy)
+    assert history[0]["perf/weight_sync_bytes"] == (roles.tree_bytes(adapters) if layout != "shared" else 0)
+    merged = jax.device_get(lora_lib.merge_lora(jax.device_get(params), jax.device_get(adapters),
+                                                trainer.policy_config.lora))
+    for a, b in zip(jax.tree.leaves(synced.params), jax.tree.leaves(merged)):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-6, atol=1e-7)
+    trainer.close()
+
+
 def test_the_default_layout_shares_one_mesh_and_copies_nothing(tmp_path):
     trainer = PPOTrainer(tiny_config(**{"train.iterations": 1}), str(tmp_path), mesh=make_test_mesh((2, 2, 2)))
     assert trainer.meshes.shared
@@ -113,6 +138,8 @@ def test_devices_split_per_process_and_bad_layouts_fail_in_one_line():
 @pytest.mark.parametrize("overrides,message", [
     ({"roles.sampler_devices": -1}, "roles.sampler_devices must be >= 0"),
     ({"roles.sampler_mesh": (1, 0, 8)}, "roles.sampler_mesh=(1, 0, 8): give 3 or 4 positive sizes"),
+    ({"roles.lora_sync": "folded"}, "roles.lora_sync='folded': use one of adapters, merged"),
+    ({"roles.lora_sync": "merged"}, "roles.lora_sync='merged' applies to a LoRA policy"),
     ({"rollout.off_policy_steps": 2}, "rollout.off_policy_steps=2: use 0 (on-policy) or 1"),
     ({"ppo.off_policy_ratio": "clipped"}, "ppo.off_policy_ratio='clipped': use one of behaviour, truncated_is"),
     ({"ppo.off_policy_ratio": "truncated_is"}, "set rollout.off_policy_steps=1"),

@@ -330,24 +330,29 @@ class Steps:
 
 @dataclasses.dataclass(frozen=True)
 class SamplerShardings:
-    """Where the sampler reads the policy: `params` (the full params, with LoRA the frozen base) and
-    `adapters` (LoRA's, else None) on the sampler's mesh; the trainer's own shardings when the
-    sampler shares its mesh."""
+    """Where the sampler reads the policy: `params` (full params: with LoRA the frozen base, or with
+    roles.lora_sync="merged" the merged copy) and `adapters` (what the sampler is called with: LoRA's
+    adapters, None without LoRA or merged), on the sampler's mesh; the trainer's own shardings when
+    the sampler shares its mesh. `synced_adapters`: where a LoRA policy's adapters travel each step
+    (None without LoRA)."""
 
     params: Any
     adapters: Any
+    synced_adapters: Any = None
+    merged: bool = False
 
 
 def sampler_shardings(modules: Modules, state_shardings: TrainState, frozen_shardings: FrozenParams,
-                      sampler_mesh, shared: bool) -> SamplerShardings:
-    """The policy's shardings on the sampler's mesh (`rl/roles.py`), by the same logical rules."""
+                      sampler_mesh, shared: bool, merged: bool = False) -> SamplerShardings:
+    """The policy's shardings on the sampler's mesh (`rl/roles.py`), by the same logical rules;
+    merged: the sampler decodes a merged copy of a LoRA policy (roles.lora_sync)."""
     lora = frozen_shardings.policy is not None
-    if shared:
-        return SamplerShardings(frozen_shardings.policy if lora else state_shardings.policy,
-                                state_shardings.policy if lora else None)
-    params = base_shardings(modules, sampler_mesh)
-    adapters = sharding.tree_shardings(boxed_params(modules.policy, collection="lora"), sampler_mesh) if lora else None
-    return SamplerShardings(params, adapters)
+    if not lora:
+        return SamplerShardings(state_shardings.policy if shared else base_shardings(modules, sampler_mesh), None)
+    params = frozen_shardings.policy if shared else base_shardings(modules, sampler_mesh)
+    adapters = (state_shardings.policy if shared else
+                sharding.tree_shardings(boxed_params(modules.policy, collection="lora"), sampler_mesh))
+    return SamplerShardings(params, None if merged else adapters, synced_adapters=adapters, merged=merged)
 
 
 def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: Modules, policy_tx, value_tx,
@@ -363,7 +368,8 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
     unroll_layers = decode_unrolled(s, sampler_mesh) if unroll_layers is None else unroll_layers
     sampler_settings = sampling_config(s, stop_ids, pad_id, unroll_layers, sizes.decode_slots)
     # LoRA: the rollout decodes the frozen base with the trainable adapters (no merged copy).
-    where = sampler_shardings(modules, state_shardings, frozen_shardings, sampler_mesh, sampler_mesh is mesh)
+    where = sampler_shardings(modules, state_shardings, frozen_shardings, sampler_mesh, sampler_mesh is mesh,
+                              merged=s.roles.lora_sync == "merged")
     sampler = sampling.make_sampler(modules.policy, sampler_settings, sampler_mesh, where.params,
                                     adapter_shardings=where.adapters)
     experience = make_experience_fn(modules.policy, modules.value, modules.reward, hp, batch)

@@ -29,16 +29,21 @@ from ppo_jax import sharding
 from ppo_jax.config import check
 
 
+LORA_SYNC = ("adapters", "merged")
+
+
 @dataclasses.dataclass(frozen=True)
 class RolesSettings:
     """Per-role placement: where the sampler runs (training, scoring and the update use mesh.shape)."""
 
     sampler_devices: int = 0  # 0 = the sampler shares all devices with training (colocated); k > 0 = k devices of its own (the last k / processes of each process's), training on the rest
+    lora_sync: str = "adapters"  # a LoRA policy on the sampler: "adapters" (the sampler decodes its base copy + the synced adapters) or "merged" (the adapters travel and are folded into a decoding copy there: no low-rank matmuls in the decode, one more copy of the weights on the sampler's devices)
     sampler_mesh: tuple = ()  # the sampler's (data, fsdp, tensor[, expert]) on its devices, one entry may be -1; () = mesh.shape (colocated: the very same mesh, no weight sync)
 
     def validate(self) -> None:
         check(self.sampler_devices >= 0, f"roles.sampler_devices must be >= 0 (0 = all devices, colocated), got "
               f"{self.sampler_devices}")
+        check(self.lora_sync in LORA_SYNC, f"roles.lora_sync={self.lora_sync!r}: use one of {', '.join(LORA_SYNC)}")
         if self.sampler_mesh:
             check(len(self.sampler_mesh) in (3, 4) and all(isinstance(n, int) and (n > 0 or n == -1)
                                                           for n in self.sampler_mesh)

@@ -246,6 +246,8 @@ class Settings(RunSettings):
               f"engine: set rollout.engine=continuous, or leave them 0")
         stop_token_ids(r, None)  # parses
         self.roles.validate()
+        check(self.roles.lora_sync == "adapters" or self.policy.lora.rank > 0 or bool(self.policy.lora.init_from),
+              f"roles.lora_sync={self.roles.lora_sync!r} applies to a LoRA policy (policy.lora.rank > 0)")
         check(r.off_policy_steps in (0, 1), f"rollout.off_policy_steps={r.off_policy_steps}: use 0 (on-policy) or 1 "
               "(one-step off-policy)")
         check(p.off_policy_ratio in OFF_POLICY_RATIOS,

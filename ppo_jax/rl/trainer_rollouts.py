@@ -25,6 +25,7 @@ import numpy as np
 
 from ppo_jax import metrics as metrics_lib
 from ppo_jax import rewards, sampling, sharding
+from ppo_jax.models import lora as lora_lib
 from ppo_jax.rl import roles
 from ppo_jax.rl.experience import make_scoring_fn
 from ppo_jax.rl.state import Rollout, policy_variables
@@ -52,11 +53,21 @@ class TrainerRollouts:
         self._synced: roles.SyncedWeights | None = None
         self._sync_log: list[tuple[float, int]] = []  # (seconds, bytes) of the syncs since the last iteration
         self._sampler_base = None
+        self._merge_jit = None
         if self.lora:
             self._sampler_base, seconds, nbytes = roles.sync_to(self.frozen.policy, self.steps.sampler_shardings.params)
             if nbytes:
                 metrics_lib.warn(f"copied the frozen LoRA base to the sampler's mesh once ({nbytes / 2**30:.3f} GiB, "
                                  f"{seconds:.2f} s); each iteration syncs only the adapters")
+
+    def _merge_adapters(self, base, adapters):
+        """base + scale * A @ B on the sampler's shardings (roles.lora_sync="merged")."""
+        if self._merge_jit is None:
+            config = self.policy_config.lora
+            self._merge_jit = jax.jit(lambda p, a: lora_lib.merge_lora(p, a, config),
+                                      out_shardings=self.steps.sampler_shardings.params)
+        with sharding.mesh_context(self.meshes.sampler):
+            return self._merge_jit(base, adapters)
 
     @property
     def off_policy(self) -> bool:
@@ -72,8 +83,10 @@ class TrainerRollouts:
         where = self.steps.sampler_shardings
         params, adapters = policy_variables(self.state.policy, self.frozen.policy)
         if self.lora:
+            adapters, seconds, nbytes = roles.sync_to(adapters, where.synced_adapters)
             params = self._sampler_base
-            adapters, seconds, nbytes = roles.sync_to(adapters, where.adapters)
+            if where.merged:  # folded into the decoding copy on the sampler's devices (the base stays)
+                params, adapters = self._merge_adapters(params, adapters), None
         else:
             params, seconds, nbytes = roles.sync_to(params, where.params)
         self._sync_log.append((seconds, nbytes))
