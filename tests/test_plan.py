@@ -242,6 +242,41 @@ def test_disaggregated_sampler_devices_hold_only_the_samplers_copy():
     assert plan.to_dict()["roles"]["sampler"]["policy_copy_bytes"] == roles.sampler.policy_copy_bytes
 
 
+def test_lora_sampler_copy_is_the_base_and_its_adapters():
+    """With LoRA the sampler decodes its own copy of the frozen base (synced once) with a copy of the
+    adapters (synced every step): a data-parallel sampler holds both whole on every device."""
+    config = role_config(sampler_mesh=(8, 1, 1))
+    config.mesh.shape = (1, 8, 1)
+    config.policy.lora.rank = 4
+    config.policy.lora.targets = "q,v"
+    plan = plan_lib.plan_memory(config, phases=("sampler",))
+    m = config.policy.model
+    base = 4 * model_config_from_dict(m).num_params()
+    head_dim = m.hidden_size // m.num_heads
+    # q: A [D, r], B [r, H * Dh]; v: A [D, r], B [r, K * Dh]; float32, every layer.
+    adapters = 4 * m.num_layers * 4 * (2 * m.hidden_size + (m.num_heads + m.num_kv_heads) * head_dim)
+    assert (plan.roles.base_sync_bytes, plan.roles.sync_bytes) == (base, adapters)
+    assert plan.roles.sampler.policy_copy_bytes == base + adapters
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="compiling for a TPU slice needs libtpu")
+def test_disaggregated_plan_on_a_multi_host_tpu_slice():
+    """v5p:2x4x1 (8 chips, 2 hosts of 2x2): each host gives its last 2 chips to the sampler (as a run
+    splits them), leaving the trainer rows y=0 and y=2 of the torus, a set jax's TPU mesh builder
+    rejects (it wants the devices to fill their bounding box): the planner lays each role's mesh out
+    in split order. The sampler's bytes are as on CPU."""
+    from ppo_jax import accelerators
+
+    config = role_config(sampler_devices=4, sampler_mesh=(4, 1, 1))
+    config.mesh.shape = (1, 4, 1)
+    plan = plan_lib.plan_memory(config, phases=("sampler",), devices=accelerators.tpu_devices("v5p:2x4x1"))
+    roles = plan.roles
+    assert roles.layout == "disaggregated" and plan.platform == "tpu"
+    assert roles.sampler.policy_copy_bytes == 4 * model_config_from_dict(config.policy.model).num_params()
+    (sampler,) = plan.phases
+    assert sampler.live_bytes == roles.sampler.policy_copy_bytes + 2 * 4 * config.data.prompt_length * 4
+
+
 def test_one_mesh_plans_report_no_roles(plans):
     plan = plans[(1, 8, 1)]
     assert plan.roles is None and "roles" not in plan.to_dict() and "Roles" not in format_plan(plan)
