@@ -200,6 +200,36 @@ def _placed(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings)
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplerInputs:
+    """What the sampler decodes with (ShapeDtypeStructs on its shardings) and the per-device bytes its
+    devices hold for it beyond the trainer's own trees."""
+
+    params: Any
+    adapters: Any  # None without LoRA or with a merged copy
+    copy_bytes: int
+
+
+def sampler_inputs(policy: Any, base: Any, where: build.SamplerShardings, shared: bool) -> SamplerInputs:
+    """The sampler's policy as a run holds it (`trainer_rollouts.sampler_weights`). `policy`: the
+    trainable tree (full params, or LoRA adapters on `base`). On the trainer's own mesh the sampler
+    reads the trainer's trees; on its own mesh it keeps a copy (with LoRA: of the base, synced once,
+    and of the adapters, synced each step). roles.lora_sync="merged" decodes a merged copy of the
+    base's shapes instead of the adapters (kept beside the base copy it is rebuilt from)."""
+    params, adapters = policy_variables(policy, base)
+    if base is None:
+        params = params if shared else _placed(params, where.params)
+        return SamplerInputs(params, None, 0 if shared else device_bytes(params))
+    base_copy = 0 if shared else device_bytes(_placed(base, where.params))
+    if where.merged:
+        merged = _placed(base, where.params)
+        return SamplerInputs(merged, None, base_copy + device_bytes(merged))
+    if shared:
+        return SamplerInputs(params, adapters, 0)
+    adapters = _placed(adapters, where.synced_adapters)
+    return SamplerInputs(_placed(base, where.params), adapters, base_copy + device_bytes(adapters))
+
+
 def _summary(cfg: ModelConfig) -> ModelSummary:
     return ModelSummary(arch=cfg.arch, num_params=cfg.num_params(), param_dtype=cfg.param_dtype,
                         dtype=cfg.dtype, remat=cfg.remat)
@@ -331,11 +361,8 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
                                    jnp.int32, sharding=sharding.data_sharding(sampler_mesh))
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                                sharding=sharding.replicated(sampler_mesh))
-    sampler_params, sampler_adapters = policy_variables(state.policy, base)
-    if not meshes.shared:
-        sampler_params = _placed(sampler_params, steps.sampler_shardings.params)
-        sampler_adapters = _placed(sampler_adapters, steps.sampler_shardings.adapters)
-    sampler_lowered = steps.sampler.lower(sampler_params, prompts, prompts, key, adapters=sampler_adapters)
+    decoded = sampler_inputs(state.policy, base, steps.sampler_shardings, meshes.shared)
+    sampler_lowered = steps.sampler.lower(decoded.params, prompts, prompts, key, adapters=decoded.adapters)
     sample = sampler_lowered.out_info
     rows = sample.tokens.shape[0]
     # The trainer scores the sample on its own mesh (moved there when the sampler has its own).
@@ -368,7 +395,7 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
         trainer_resident=sum(params.values()) + sum(optimizer.values()) + scalars,
         held=batch_arrays["rollout"] + batch_arrays["experience"], rollout=batch_arrays["rollout"],
         experience=batch_arrays["experience"], prompts=device_bytes((prompts, prompts)),
-        policy_copy=0 if meshes.shared else device_bytes((sampler_params, sampler_adapters)),
+        policy_copy=decoded.copy_bytes,
         sample=device_bytes(sample))
     live = plan_roles.phase_live(holdings, plan_roles.layout(meshes), s.rollout.off_policy_steps == 1)
     lowered = {"sampler": sampler_lowered, "experience": experience_lowered, "update": update_lowered}

@@ -36,7 +36,6 @@ def _role_line(r: RoleMemory) -> str:
 
 def format_roles(roles: RolesPlan) -> list[str]:
     """The per-role table of a plan whose sampler has its own mesh."""
-    same = roles.layout == "colocated"
     lines = [
         "",
         f"Roles ({roles.layout}): {roles.description}",
@@ -46,7 +45,7 @@ def format_roles(roles: RolesPlan) -> list[str]:
         _role_line(roles.trainer),
         _role_line(roles.sampler),
         ("  Colocated: the same devices hold the trainer's trees and the sampler's copy, so both roles' peak is "
-         "the devices' one peak." if same else
+         "the devices' one peak." if roles.layout != "disaggregated" else
          "  Disaggregated: each role's peak is over its own devices' phases (sampler: the sampler phase; trainer: "
          "experience, update)."),
         f"  Weight sync: {roles.sync_bytes / GIB:.3f} GiB per train step (all devices: the trainable policy"

@@ -77,7 +77,7 @@ class Holdings:
     trainer_resident: trees + state scalars (trainer's devices); held: the previous iteration's
     rollout + experience, kept for samples (trainer's devices); rollout / experience: this
     iteration's batch (trainer's devices); prompts: [B, Lq] tokens and mask (sampler's devices);
-    policy_copy: the sampler's copy of the policy (0 on the trainer's own mesh); sample: one
+    policy_copy: the sampler's copy of the policy (0 when it reads the trainer's); sample: one
     SampleOutput on the sampler's mesh (on a shared mesh these are the rollout's own arrays).
     """
 
@@ -101,11 +101,12 @@ def phase_live(h: Holdings, where: str, off_policy: bool) -> dict[str, int]:
     scored = h.sample if where != "shared" else 0  # shared: the rollout *is* the sample
     trainer = h.trainer_resident + h.held
     sampler_own = h.policy_copy + h.prompts + in_flight
-    colocated = h.policy_copy + scored + in_flight if where != "disaggregated" else 0
+    # The sampler's own holdings on the trainer's devices, unless it has devices of its own.
+    beside = h.policy_copy + scored + in_flight if where != "disaggregated" else 0
     return {
         "sampler": sampler_own + (trainer if where != "disaggregated" else 0),
-        "experience": trainer + h.rollout + colocated,
-        "update": trainer + h.rollout + h.experience + colocated,
+        "experience": trainer + h.rollout + beside,
+        "update": trainer + h.rollout + h.experience + beside,
     }
 
 
@@ -137,7 +138,7 @@ class RoleMemory:
 class RolesPlan:
     """Per-role memory of a run whose sampler has its own mesh (None in a plan when it shares)."""
 
-    layout: str  # "colocated" or "disaggregated"
+    layout: str  # "colocated", "disaggregated" or "shared" (one mesh, with a merged LoRA copy)
     description: str  # RoleMeshes.describe()
     trainer: RoleMemory
     sampler: RoleMemory
@@ -165,16 +166,17 @@ def role_memory(role: str, mesh, phases, names: tuple[str, ...], on_devices: tup
 def roles_plan(meshes: roles_lib.RoleMeshes, phases, h: Holdings, train_state: int, frozen: int,
                kv_cache: int, sync_bytes: int, base_sync_bytes: int) -> RolesPlan | None:
     """The per-role report of a plan's compiled `phases`; None when the sampler shares the trainer's
-    mesh (the plan's own figures are then the whole story)."""
+    mesh and its trees (the plan's own figures are then the whole story; a merged LoRA copy,
+    roles.lora_sync="merged", is reported even there)."""
     where = layout(meshes)
-    if where == "shared":
+    if where == "shared" and not h.policy_copy:
         return None
     # Colocated: the devices run every phase, so both roles' peaks are the devices' one peak.
     everything = SAMPLER_PHASES + TRAINER_PHASES
     trainer_on = TRAINER_PHASES if where == "disaggregated" else everything
     sampler_on = SAMPLER_PHASES if where == "disaggregated" else everything
-    idle_trainer = h.trainer_resident + h.held + (h.policy_copy if where == "colocated" else 0)
-    idle_sampler = h.policy_copy + (h.trainer_resident + h.held if where == "colocated" else 0)
+    idle_trainer = h.trainer_resident + h.held + (h.policy_copy if where != "disaggregated" else 0)
+    idle_sampler = h.policy_copy + (h.trainer_resident + h.held if where != "disaggregated" else 0)
     trainer = role_memory("trainer", meshes.trainer, phases, TRAINER_PHASES, trainer_on, idle_trainer,
                           train_state=train_state, frozen=frozen, policy_copy=0, kv_cache=0)
     sampler = role_memory("sampler", meshes.sampler, phases, SAMPLER_PHASES, sampler_on, idle_sampler,
