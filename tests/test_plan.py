@@ -257,6 +257,16 @@ def test_lora_sampler_copy_is_the_base_and_its_adapters():
     adapters = 4 * m.num_layers * 4 * (2 * m.hidden_size + (m.num_heads + m.num_kv_heads) * head_dim)
     assert (plan.roles.base_sync_bytes, plan.roles.sync_bytes) == (base, adapters)
     assert plan.roles.sampler.policy_copy_bytes == base + adapters
+    # roles.lora_sync="merged": the adapters are folded into a decoding copy beside the base copy; on
+    # the trainer's own mesh the merged copy (on the base's shardings) is the only one.
+    config.roles.lora_sync = "merged"
+    merged = plan_lib.plan_memory(config, phases=("sampler",))
+    assert merged.roles.sampler.policy_copy_bytes == 2 * base
+    config.roles.sampler_mesh = ()
+    shared = plan_lib.plan_memory(config, phases=("sampler",))
+    base_shard = shared.roles.trainer.frozen_bytes - shared.params["reward"]  # the base is the reference
+    assert shared.roles.layout == "shared" and shared.roles.sampler.policy_copy_bytes == base_shard
+    assert base / 8 <= base_shard <= 1.15 * base / 8  # on the trainer's 8-way FSDP shardings
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="compiling for a TPU slice needs libtpu")
