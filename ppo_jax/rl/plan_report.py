@@ -30,7 +30,8 @@ def _role_line(r: RoleMemory) -> str:
         return _gib(n) if n else f"{'-':>10}"
 
     return (f"  {r.role:<9}{str(r.mesh_shape):>14}{r.num_devices:>5} {cell(r.train_state_bytes)} "
-            f"{cell(r.frozen_bytes)} {cell(r.policy_copy_bytes)} {cell(r.kv_cache_bytes)} {_gib(r.temp_bytes)} {_gib(r.peak_bytes)}   "
+            f"{cell(r.frozen_bytes)} {cell(r.policy_copy_bytes)} {cell(r.kv_cache_bytes)} {_gib(r.temp_bytes)} "
+            f"{_gib(r.peak_bytes)}   "
             + (r.peak_phase or "(no phase compiled)"))
 
 
