@@ -4,9 +4,12 @@ anything (see `ppo_jax.rl.plan` for what the numbers mean).
 
     ppo-jax-plan --config=configs/plan_tinyllama.py --platform=gpu --gpu=h100 --device_memory_gb=80
     ppo-jax-plan --config=configs/plan_llama7b.py --platform=tpu --tpu_topology=v5p:2x4x4
+    ppo-jax-plan --config=configs/plan_llama3_8b.py --platform=gpu --gpu=h100 --config.mesh.shape=1,4,1 \
+        --config.roles.sampler_devices=4 --config.roles.sampler_mesh=1,1,4   # 4 trainer + 4 sampler GPUs
 
 `--platform=gpu --gpu=KIND` and `--platform=tpu --tpu_topology=...` compile for accelerators this
-machine does not have (`ppo_jax.accelerators`)."""
+machine does not have (`ppo_jax.accelerators`). With roles.sampler_devices the planned devices are
+mesh.shape's (the trainer's) plus the sampler's own; the report then has a per-role table."""
 
 from __future__ import annotations
 
