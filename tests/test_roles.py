@@ -16,7 +16,11 @@ from tiny_configs import tiny_config
 from ppo_jax import rewards as reward_fns
 from ppo_jax import sharding
 from ppo_jax.config import ConfigError
+from ppo_jax.data import toy
+from ppo_jax.models import ScalarModel, hf, init_params
 from ppo_jax.models import lora as lora_lib
+from ppo_jax.rl import build
+from ppo_jax.rl.settings import Settings
 from ppo_jax.rl import roles
 from ppo_jax.rl.state import Rollout, policy_variables
 from ppo_jax.rl.trainer import PPOTrainer
@@ -107,6 +111,53 @@ def test_merged_lora_sync_decodes_the_merged_weights(one_mesh, layout, tmp_path)
     trainer.close()
 
 
+@pytest.fixture(scope="module")
+def reward_dir(tmp_path_factory):
+    """A random tiny GPT-2 reward model (ForSequenceClassification) with the toy tokenizer."""
+    s = Settings.from_config(tiny_config())
+    cfg = build.policy_model_config(s)
+    params, _ = init_params(ScalarModel(cfg, head_init="reward"), jax.random.key(7), make_test_mesh((1, 1, 1)))
+    return str(hf.export_model(tmp_path_factory.mktemp("rm") / "rm", cfg, params, kind="reward",
+                               tokenizer=toy.tokenizer(cfg.vocab_size)))
+
+
+@pytest.fixture(scope="module")
+def with_reward_model(reward_dir, tmp_path_factory):
+    """(overrides, one-device history) of a run scored by a reward model and the toy function, its
+    value model started from the reward model."""
+    overrides = {"reward.path": reward_dir, "value.init": "reward", "train.iterations": 2}
+    trainer = PPOTrainer(tiny_config(**overrides), str(tmp_path_factory.mktemp("rm_run")), mesh=make_test_mesh((1, 1, 1)))
+    return overrides, trainer.train()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_scoring_on_the_sampler_mesh_logs_the_same_metrics_and_frees_the_trainer(with_reward_model, layout, tmp_path):
+    """roles.scoring="sampler": the reference and the reward model live on the sampler's mesh and
+    score each rollout there; the trainer's devices hold neither."""
+    overrides, expected = with_reward_model
+    trainer = layout_trainer(layout, tmp_path, **overrides, **{"roles.scoring": "sampler"})
+    assert trainer.frozen.reference is None and trainer.frozen.reward is None
+    sampler_devices = set(trainer.meshes.sampler.devices.flat)
+    for leaf in jax.tree.leaves((trainer.scorer.reference, trainer.scorer.reward)):
+        assert leaf.sharding.device_set == sampler_devices
+    history = trainer.train()
+    assert_same_metrics(expected, history)
+    # Evaluation-side scoring reads the same trees (its inputs moved to the sampler's mesh).
+    rollout, _ = trainer._last_rollout
+    ref, scores = trainer.score_responses(rollout.prompt_tokens, rollout.prompt_mask, rollout.tokens, rollout.mask)
+    assert ref.shape == rollout.tokens.shape and scores.shape == rollout.tokens.shape[:1]
+    trainer.close()
+
+
+def test_scoring_on_the_sampler_mesh_with_lora(one_mesh, tmp_path):
+    trainer = layout_trainer("disaggregated", tmp_path, **{**LORA, "value.lora.rank": 0, "roles.scoring": "sampler"})
+    lora_full_value = PPOTrainer(tiny_config(**{**LORA, "value.lora.rank": 0, "train.iterations": 2}),
+                                 str(tmp_path / "one"), mesh=make_test_mesh((1, 1, 1))).train()
+    assert_same_metrics(lora_full_value, trainer.train())
+    assert trainer.scorer.policy is trainer._sampler_base  # the reference is the sampler's base copy
+    trainer.close()
+
+
 def test_the_default_layout_shares_one_mesh_and_copies_nothing(tmp_path):
     trainer = PPOTrainer(tiny_config(**{"train.iterations": 1}), str(tmp_path), mesh=make_test_mesh((2, 2, 2)))
     assert trainer.meshes.shared
@@ -138,6 +189,10 @@ def test_devices_split_per_process_and_bad_layouts_fail_in_one_line():
 @pytest.mark.parametrize("overrides,message", [
     ({"roles.sampler_devices": -1}, "roles.sampler_devices must be >= 0"),
     ({"roles.sampler_mesh": (1, 0, 8)}, "roles.sampler_mesh=(1, 0, 8): give 3 or 4 positive sizes"),
+    ({"roles.scoring": "reward"}, "roles.scoring='reward': use one of trainer, sampler"),
+    ({"roles.scoring": "sampler"}, "roles.scoring=sampler scores on the sampler's own mesh"),
+    ({"roles.scoring": "sampler", "roles.sampler_devices": 4, "value.lora.rank": 4},
+     "the LoRA value model's frozen base is the reference's transformer"),
     ({"roles.lora_sync": "folded"}, "roles.lora_sync='folded': use one of adapters, merged"),
     ({"roles.lora_sync": "merged"}, "roles.lora_sync='merged' applies to a LoRA policy"),
     ({"rollout.off_policy_steps": 2}, "rollout.off_policy_steps=2: use 0 (on-policy) or 1"),
@@ -219,10 +274,14 @@ def _toy_reward_then_sigterm_at(call: int):
     return reward
 
 
-def test_sigterm_mid_pipeline_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("scoring", ["trainer", "sampler"])
+def test_sigterm_mid_pipeline_resumes_exactly(scoring, request, tmp_path):
     """The checkpoint holds the sample in flight (started with the weights before the last update),
-    so the resumed run uses that very batch: identical metrics and parameters."""
-    overrides = {**OFF_POLICY, "train.iterations": 4}
+    so the resumed run uses that very batch: identical metrics and parameters. Scored on the
+    sampler's mesh (by a reward model there), the restored sample is scored again, bit for bit."""
+    overrides = {**OFF_POLICY, "train.iterations": 4, "roles.scoring": scoring}
+    if scoring == "sampler":
+        overrides["reward.path"] = request.getfixturevalue("reward_dir")
     toy = [(reward_fns.toy_target_count, 1.0)]
     straight = layout_trainer("disaggregated", tmp_path / "straight", toy, **overrides)
     expected = straight.train()

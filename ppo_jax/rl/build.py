@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -22,7 +21,8 @@ from ppo_jax.models import lora as lora_lib
 from ppo_jax.models import rope
 from ppo_jax.models import CausalLM, LoraConfig, ModelConfig, ScalarModel, boxed_params, hf, init_adapters, init_params
 from ppo_jax.optim import make_optimizer
-from ppo_jax.rl.experience import make_experience_fn
+from ppo_jax.rl import roles
+from ppo_jax.rl.experience import make_experience_fn, make_scoring_fn
 from ppo_jax.rl.settings import DECODE_LOOPS, DerivedSizes, PolicyLoraSettings, PPOHyper, Settings, sampling_config
 from ppo_jax.rl.state import Experience, FrozenParams, Rollout, TrainState
 from ppo_jax.rl.update import make_update_fn
@@ -325,34 +325,12 @@ class Steps:
     experience_jit: Callable
     update_jit: Callable
     trace_counts: dict[str, int]
-    sampler_shardings: SamplerShardings
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplerShardings:
-    """Where the sampler reads the policy: `params` (full params: with LoRA the frozen base, or with
-    roles.lora_sync="merged" the merged copy) and `adapters` (what the sampler is called with: LoRA's
-    adapters, None without LoRA or merged), on the sampler's mesh; the trainer's own shardings when
-    the sampler shares its mesh. `synced_adapters`: where a LoRA policy's adapters travel each step
-    (None without LoRA)."""
-
-    params: Any
-    adapters: Any
-    synced_adapters: Any = None
-    merged: bool = False
-
-
-def sampler_shardings(modules: Modules, state_shardings: TrainState, frozen_shardings: FrozenParams,
-                      sampler_mesh, shared: bool, merged: bool = False) -> SamplerShardings:
-    """The policy's shardings on the sampler's mesh (`rl/roles.py`), by the same logical rules;
-    merged: the sampler decodes a merged copy of a LoRA policy (roles.lora_sync)."""
-    lora = frozen_shardings.policy is not None
-    if not lora:
-        return SamplerShardings(state_shardings.policy if shared else base_shardings(modules, sampler_mesh), None)
-    params = frozen_shardings.policy if shared else base_shardings(modules, sampler_mesh)
-    adapters = (state_shardings.policy if shared else
-                sharding.tree_shardings(boxed_params(modules.policy, collection="lora"), sampler_mesh))
-    return SamplerShardings(params, None if merged else adapters, synced_adapters=adapters, merged=merged)
+    sampler_shardings: roles.SamplerShardings
+    # roles.scoring="sampler": scoring_jit(scorer_frozen, prompt_tokens, prompt_mask, tokens, mask) ->
+    # (reference log-probs [B, Lr], raw model scores [B]) on the sampler's mesh; the scorer's trees'
+    # shardings. None when the experience step scores.
+    scoring_jit: Callable | None = None
+    scorer_shardings: FrozenParams | None = None
 
 
 def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: Modules, policy_tx, value_tx,
@@ -368,13 +346,22 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
     unroll_layers = decode_unrolled(s, sampler_mesh) if unroll_layers is None else unroll_layers
     sampler_settings = sampling_config(s, stop_ids, pad_id, unroll_layers, sizes.decode_slots)
     # LoRA: the rollout decodes the frozen base with the trainable adapters (no merged copy).
-    where = sampler_shardings(modules, state_shardings, frozen_shardings, sampler_mesh, sampler_mesh is mesh,
-                              merged=s.roles.lora_sync == "merged")
+    where = roles.sampler_shardings(modules, state_shardings, frozen_shardings, sampler_mesh, sampler_mesh is mesh,
+                                    merged=s.roles.lora_sync == "merged")
     sampler = sampling.make_sampler(modules.policy, sampler_settings, sampler_mesh, where.params,
                                     adapter_shardings=where.adapters)
     experience = make_experience_fn(modules.policy, modules.value, modules.reward, hp, batch)
     update = make_update_fn(modules.policy, modules.value, policy_tx, value_tx, hp, sizes.rollout_rows, batch)
     rollout_sh = jax.tree.map(lambda _: batch, Rollout(*([0] * len(dataclasses.fields(Rollout)))))
+    scoring_jit, scorer_sh = None, None
+    if hp.scored_outside:  # roles.scoring="sampler": the frozen models score on the sampler's mesh
+        scorer_sh = roles.scorer_shardings(modules, frozen_shardings, where, sampler_mesh)
+        frozen_shardings = roles.trainer_frozen(frozen_shardings)
+        sampler_batch = sharding.data_sharding(sampler_mesh)
+        scoring_jit = jax.jit(make_scoring_fn(modules.policy, modules.reward, hp, raw=True),
+                              in_shardings=(scorer_sh,) + (sampler_batch,) * 4, out_shardings=(sampler_batch,) * 2)
+    else:
+        rollout_sh = rollout_sh.replace(ref_logprobs=None, model_scores=None)
     exp_sh = jax.tree.map(lambda _: batch, Experience(*([0] * len(dataclasses.fields(Experience)))))
     trace_counts = {"experience": 0, "update": 0}
 
@@ -391,7 +378,7 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
     update_jit = jax.jit(traced("update", update),
                          in_shardings=(state_shardings, frozen_shardings.policy, frozen_shardings.value, exp_sh),
                          out_shardings=(state_shardings, replicated), donate_argnums=(0,))
-    return Steps(sampler_settings, sampler, experience_jit, update_jit, trace_counts, where)
+    return Steps(sampler_settings, sampler, experience_jit, update_jit, trace_counts, where, scoring_jit, scorer_sh)
 
 
 def frozen_params(s: Settings, modules: Modules, reference, reward, base) -> FrozenParams:

@@ -110,10 +110,12 @@ def make_experience_fn(policy_model: CausalLM, value_model: ScalarModel | None,
         logits = response_logits(policy_model, params, pt, pm, tokens, mask, hp.temperature, adapters=adapters)
         old_logp = token_logprobs(logits, tokens, mask)
         entropy = ppo.entropy_from_logits(logits, mask)
-        ref_params, ref_adapters = reference
-        ref_logits = response_logits(policy_model, ref_params, pt, pm, tokens, mask, hp.temperature,
-                                     adapters=ref_adapters)
-        ref_logp = token_logprobs(ref_logits, tokens, mask)
+        ref_logp = jnp.zeros(tokens.shape, jnp.float32)  # scored on the sampler's mesh (roles.scoring)
+        if reference is not None:
+            ref_params, ref_adapters = reference
+            ref_logits = response_logits(policy_model, ref_params, pt, pm, tokens, mask, hp.temperature,
+                                         adapters=ref_adapters)
+            ref_logp = token_logprobs(ref_logits, tokens, mask)
         value_params, value_adapters = value_variables(value, value_base)
         values = (response_values(value_model, value_params, pt, pm, tokens, mask, adapters=value_adapters)
                   if value is not None else jnp.zeros(tokens.shape, jnp.float32))
@@ -130,9 +132,11 @@ def make_experience_fn(policy_model: CausalLM, value_model: ScalarModel | None,
         logits = packing.next_token_logits(policy_model, params, rows, hp.temperature, adapters)
         logp = packing.next_token_logprobs(logits, rows.tokens)
         entropy = ppo.entropy_from_logits(logits)
-        ref_params, ref_adapters = reference
-        ref_logp = packing.next_token_logprobs(
-            packing.next_token_logits(policy_model, ref_params, rows, hp.temperature, ref_adapters), rows.tokens)
+        ref_logp = jnp.zeros(rows.tokens.shape, jnp.float32)
+        if reference is not None:
+            ref_params, ref_adapters = reference
+            ref_logp = packing.next_token_logprobs(
+                packing.next_token_logits(policy_model, ref_params, rows, hp.temperature, ref_adapters), rows.tokens)
         value_params, value_adapters = value_variables(value, value_base)
         values = (packing.scalar_outputs(value_model, value_params, rows, value_adapters)
                   if value is not None else jnp.zeros(rows.tokens.shape, jnp.float32))
@@ -141,17 +145,25 @@ def make_experience_fn(policy_model: CausalLM, value_model: ScalarModel | None,
         return logp, ref_logp, entropy, values, rewards
 
     def run_forwards(state: TrainState, frozen: FrozenParams, rollout: Rollout):
-        """(old_logp, ref_logp, entropy, values) [B, Lr], model scores [B], token efficiency []."""
-        models = (state.policy, frozen.policy, reference_variables(frozen), state.value, frozen.value,
-                  frozen.reward)
+        """(old_logp, ref_logp, entropy, values) [B, Lr], model scores [B], token efficiency [].
+        With hp.scored_outside the reference log-probs and model scores come with the rollout (the
+        sampler's mesh computed them: roles.scoring) and only the policy and value forwards run."""
+        scored = hp.scored_outside
+        models = (state.policy, frozen.policy, None if scored else reference_variables(frozen), state.value,
+                  frozen.value, None if scored else frozen.reward)
         if not hp.packed:
             outputs = microbatched(lambda *a: forwards(*models, *a), hp.forward_microbatches,
                                    rollout.prompt_tokens, rollout.prompt_mask, rollout.tokens, rollout.mask)
-            return outputs, packing.padded_token_efficiency(rollout.prompt_mask, rollout.mask)
-        (logp, ref_logp, entropy, values), scores, layout = packed_outputs(
-            lambda rows: packed_forwards(*models, rows), hp, rollout.prompt_tokens, rollout.prompt_mask,
-            rollout.tokens, rollout.mask)
-        return (logp, ref_logp, entropy, values, scores), layout.token_efficiency
+            efficiency = packing.padded_token_efficiency(rollout.prompt_mask, rollout.mask)
+        else:
+            (logp, ref_logp, entropy, values), scores, layout = packed_outputs(
+                lambda rows: packed_forwards(*models, rows), hp, rollout.prompt_tokens, rollout.prompt_mask,
+                rollout.tokens, rollout.mask)
+            outputs, efficiency = (logp, ref_logp, entropy, values, scores), layout.token_efficiency
+        if scored:
+            logp, _, entropy, values, _ = outputs
+            outputs = (logp, rollout.ref_logprobs, entropy, values, rollout.model_scores)
+        return outputs, efficiency
 
     def experience(state: TrainState, frozen: FrozenParams, rollout: Rollout):
         mask = rollout.mask.astype(jnp.float32)
@@ -218,11 +230,14 @@ def make_experience_fn(policy_model: CausalLM, value_model: ScalarModel | None,
 
 
 
-def make_scoring_fn(policy_model: CausalLM, reward_model: ScalarModel | None, hp: PPOHyper) -> Callable:
+def make_scoring_fn(policy_model: CausalLM, reward_model: ScalarModel | None, hp: PPOHyper,
+                    raw: bool = False) -> Callable:
     """Pure scoring of given responses by the frozen models: (frozen, rollout-like arrays) ->
     (reference log-probs [B, Lr] under the rollout temperature, reward-model scores [B] with the
     configured gain and bias, 0 without a reward model). The reference and reward forwards of the
-    experience step (packed when it is), for evaluation outside the training loop."""
+    experience step (packed when it is), for evaluation outside the training loop, and (raw: the
+    scores without gain and bias, as the experience step takes them) for roles.scoring="sampler"."""
+    gain, bias = (1.0, 0.0) if raw else (hp.score_gain, hp.score_bias)
 
     def packed_score(frozen: FrozenParams, prompt_tokens, prompt_mask, tokens, mask):
         """`score` on packed rows, as the packed experience step computes them."""
@@ -235,7 +250,7 @@ def make_scoring_fn(policy_model: CausalLM, reward_model: ScalarModel | None, hp
             return packing.next_token_logprobs(logits, rows.tokens), rewards
 
         (ref_logp,), scores, _ = packed_outputs(forward, hp, prompt_tokens, prompt_mask, tokens, mask)
-        return ref_logp, scores * hp.score_gain + hp.score_bias if reward_model is not None else scores
+        return ref_logp, scores * gain + bias if reward_model is not None else scores
 
     def score(frozen: FrozenParams, prompt_tokens, prompt_mask, tokens, mask):
         if hp.packed:
@@ -247,6 +262,6 @@ def make_scoring_fn(policy_model: CausalLM, reward_model: ScalarModel | None, hp
         if reward_model is None:
             return ref_logp, jnp.zeros(tokens.shape[:1], jnp.float32)
         scores = response_scores(reward_model, frozen.reward, prompt_tokens, prompt_mask, tokens, mask)
-        return ref_logp, scores * hp.score_gain + hp.score_bias
+        return ref_logp, scores * gain + bias
 
     return score

@@ -27,9 +27,12 @@ from jax.sharding import Mesh
 
 from ppo_jax import sharding
 from ppo_jax.config import check
+from ppo_jax.models import boxed_params
+from ppo_jax.rl.state import FrozenParams, TrainState
 
 
 LORA_SYNC = ("adapters", "merged")
+SCORING = ("trainer", "sampler")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +41,17 @@ class RolesSettings:
 
     sampler_devices: int = 0  # 0 = the sampler shares all devices with training (colocated); k > 0 = k devices of its own (the last k / processes of each process's), training on the rest
     lora_sync: str = "adapters"  # a LoRA policy on the sampler: "adapters" (the sampler decodes its base copy + the synced adapters) or "merged" (the adapters travel and are folded into a decoding copy there: no low-rank matmuls in the decode, one more copy of the weights on the sampler's devices)
+    scoring: str = "trainer"  # where the reference and reward-model forwards run: "trainer" (in the experience step) or "sampler" (the frozen trees live on the sampler's mesh, each rollout scored there as soon as it is sampled: the trainer's devices hold neither; needs a sampler mesh of its own)
     sampler_mesh: tuple = ()  # the sampler's (data, fsdp, tensor[, expert]) on its devices, one entry may be -1; () = mesh.shape (colocated: the very same mesh, no weight sync)
 
     def validate(self) -> None:
         check(self.sampler_devices >= 0, f"roles.sampler_devices must be >= 0 (0 = all devices, colocated), got "
               f"{self.sampler_devices}")
         check(self.lora_sync in LORA_SYNC, f"roles.lora_sync={self.lora_sync!r}: use one of {', '.join(LORA_SYNC)}")
+        check(self.scoring in SCORING, f"roles.scoring={self.scoring!r}: use one of {', '.join(SCORING)}")
+        check(self.scoring == "trainer" or self.sampler_devices or self.sampler_mesh,
+              "roles.scoring=sampler scores on the sampler's own mesh, and the sampler shares the trainer's: set "
+              "roles.sampler_devices or roles.sampler_mesh")
         if self.sampler_mesh:
             check(len(self.sampler_mesh) in (3, 4) and all(isinstance(n, int) and (n > 0 or n == -1)
                                                           for n in self.sampler_mesh)
@@ -156,3 +164,59 @@ def sync_to(tree: Any, shardings: Any) -> tuple[Any, float, int]:
     out = jax.block_until_ready(sharding.reshard(tree, shardings))
     return out, time.perf_counter() - start, moved
 
+
+# ------------------------------------------------------------------ shardings of the roles' trees
+# (`modules`: `rl.build.Modules`)
+
+def _policy_shardings(modules, mesh):
+    """The policy's full params (with LoRA: its frozen base) on `mesh`, by the logical rules."""
+    return sharding.tree_shardings(boxed_params(modules.policy), mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerShardings:
+    """Where the sampler reads the policy: `params` (full params: with LoRA the frozen base, or with
+    roles.lora_sync="merged" the merged copy) and `adapters` (what the sampler is called with: LoRA's
+    adapters, None without LoRA or merged), on the sampler's mesh; the trainer's own shardings when
+    the sampler shares its mesh. `synced_adapters`: where a LoRA policy's adapters travel each step
+    (None without LoRA)."""
+
+    params: Any
+    adapters: Any
+    synced_adapters: Any = None
+    merged: bool = False
+
+
+def sampler_shardings(modules, state_shardings: TrainState, frozen_shardings: FrozenParams,
+                      sampler_mesh, shared: bool, merged: bool = False) -> SamplerShardings:
+    """The policy's shardings on the sampler's mesh (`rl/roles.py`), by the same logical rules;
+    merged: the sampler decodes a merged copy of a LoRA policy (roles.lora_sync)."""
+    lora = frozen_shardings.policy is not None
+    if not lora:
+        return SamplerShardings(state_shardings.policy if shared else _policy_shardings(modules, sampler_mesh), None)
+    params = frozen_shardings.policy if shared else _policy_shardings(modules, sampler_mesh)
+    adapters = (state_shardings.policy if shared else
+                sharding.tree_shardings(boxed_params(modules.policy, collection="lora"), sampler_mesh))
+    return SamplerShardings(params, None if merged else adapters, synced_adapters=adapters, merged=merged)
+
+
+def trainer_frozen(frozen: FrozenParams) -> FrozenParams:
+    """The frozen trees the trainer keeps when the sampler's mesh scores (roles.scoring="sampler"):
+    no reference (nor imported reference adapters) and no reward model; a LoRA base stays (the
+    policy trains on it), and so does a LoRA value base (settings refuse one inside the others)."""
+    return frozen.replace(reference=None, reward=None)
+
+
+def scorer_shardings(modules, frozen_shardings: FrozenParams, where: SamplerShardings,
+                     sampler_mesh) -> FrozenParams:
+    """Shardings of the scorer's frozen trees on the sampler's mesh: the reference (with LoRA the
+    sampler's base copy, and imported reference adapters laid out as the synced ones), the reward
+    model."""
+    lora = frozen_shardings.policy is not None
+    if lora:
+        reference = where.synced_adapters if frozen_shardings.reference is not None else None
+    else:
+        reference = _policy_shardings(modules, sampler_mesh)
+    reward = (sharding.tree_shardings(boxed_params(modules.reward), sampler_mesh)
+              if frozen_shardings.reward is not None else None)
+    return FrozenParams(reference=reference, reward=reward, policy=where.params if lora else None)

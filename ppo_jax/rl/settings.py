@@ -246,6 +246,11 @@ class Settings(RunSettings):
               f"engine: set rollout.engine=continuous, or leave them 0")
         stop_token_ids(r, None)  # parses
         self.roles.validate()
+        check(self.roles.scoring == "trainer" or not (self.value.lora.rank and self.uses_critic and (
+              self.value.init == "reward" or not (self.policy.lora.rank or self.policy.lora.init_from))),
+              "roles.scoring=sampler moves the reference and reward model to the sampler's mesh, but the LoRA value "
+              f"model's frozen base is {'the reward model' if self.value.init == 'reward' else 'the reference'}'s "
+              "transformer, which the trainer needs; use a full value model (value.lora.rank=0) or roles.scoring=trainer")
         check(self.roles.lora_sync == "adapters" or self.policy.lora.rank > 0 or bool(self.policy.lora.init_from),
               f"roles.lora_sync={self.roles.lora_sync!r} applies to a LoRA policy (policy.lora.rank > 0)")
         check(r.off_policy_steps in (0, 1), f"rollout.off_policy_steps={r.off_policy_steps}: use 0 (on-policy) or 1 "
@@ -366,6 +371,7 @@ class PPOHyper:
     packed_length: int = 0  # slots per packed row (T)
     off_policy_ratio: str = ""  # "" = on-policy rollouts; "behaviour" or "truncated_is" (rollout.off_policy_steps=1)
     is_cap: float = 2.0
+    scored_outside: bool = False  # roles.scoring="sampler": reference log-probs and model scores come with the rollout
 
     @property
     def packed(self) -> bool:
@@ -390,7 +396,8 @@ class PPOHyper:
             vf_coef=p.vf_coef, ent_coef=p.ent_coef, router_aux_coef=p.router_aux_coef,
             router_z_coef=p.router_z_coef, packed_rows=sizes.packed_rows,
             packed_length=sizes.packed_length,
-            off_policy_ratio=p.off_policy_ratio if s.rollout.off_policy_steps else "", is_cap=p.is_cap)
+            off_policy_ratio=p.off_policy_ratio if s.rollout.off_policy_steps else "", is_cap=p.is_cap,
+            scored_outside=s.roles.scoring == "sampler")
 
     @property
     def uses_critic(self) -> bool:

@@ -86,6 +86,10 @@ class Rollout:
     sampler_logprobs: Array  # [B, Lr], the sampler's own log-probs (for the mismatch metric)
     stopped: Array  # [B] bool
     host_scores: Array  # [B] float32, weighted Python reward functions (0 when none)
+    # roles.scoring="sampler": the frozen models' outputs, computed on the sampler's mesh (else None:
+    # the experience step computes them).
+    ref_logprobs: Array | None = None  # [B, Lr]
+    model_scores: Array | None = None  # [B] the reward model's, before gain and bias
 
 
 @flax.struct.dataclass

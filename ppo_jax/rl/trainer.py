@@ -107,7 +107,7 @@ class PPOTrainer(TrainerCheckpoints, TrainerRollouts):
         self.resumed_from: int | None = None
         self._init_key = init_key  # rebuilds the reference (or the LoRA base) from its source
         base = None
-        self._in_flight: sampling.SampleOutput | None = None  # off-policy: the next iteration's sample, started
+        self._in_flight = None  # off-policy: the next iteration's StartedRollout
         self._recorded: dict = {}  # the frozen checksums of the checkpoint resumed from
         if self.checkpoints is not None and self.checkpoints.all_steps():
             self.state, reference, base, self.resumed_from = self._restore()
@@ -137,7 +137,7 @@ class PPOTrainer(TrainerCheckpoints, TrainerRollouts):
         self.steps = build.build_steps(s, self.mesh, self.sizes, self.hp, self.modules, self.policy_tx,
                                        self.value_tx, self.state_shardings, self.frozen_shardings, self.stop_ids,
                                        int(self.tokenizer.pad_token_id), sampler_mesh=self.meshes.sampler)
-        self._init_rollouts()
+        self._init_rollouts()  # after this, with roles.scoring="sampler", the reference and reward live there
         self.writer = metrics_lib.MetricWriter(self.workdir, resume_step=self.resumed_from or 0)
         if jax.process_index() == 0:
             for name in (SAMPLES_FILE, NONFINITE_SAMPLES_FILE):  # sample logs restart with the steps too

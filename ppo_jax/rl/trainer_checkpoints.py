@@ -132,7 +132,7 @@ class TrainerCheckpoints:
                 frozen_checksums["policy_init_adapters"] = self._imported_record
         else:
             if not self._reference_saved:
-                self._reference_record = self.checkpoints.save_frozen("reference", self.frozen.reference)
+                self._reference_record = self.checkpoints.save_frozen("reference", self.reference_params)
                 self._reference_saved = True
             frozen_checksums = {"reference": self._reference_record}
         if self.value_lora:

@@ -28,7 +28,7 @@ from ppo_jax import rewards, sampling, sharding
 from ppo_jax.models import lora as lora_lib
 from ppo_jax.rl import roles
 from ppo_jax.rl.experience import make_scoring_fn
-from ppo_jax.rl.state import Rollout, policy_variables
+from ppo_jax.rl.state import FrozenParams, Rollout, policy_variables
 
 IN_FLIGHT_ITEM = "in_flight_rollout"
 
@@ -44,12 +44,24 @@ def decode_arrays(record: dict[str, dict]) -> dict[str, np.ndarray]:
             for name, v in record.items()}
 
 
+@dataclasses.dataclass
+class StartedRollout:
+    """A rollout dispatched to the sampler's mesh: its sample and, with roles.scoring="sampler",
+    the frozen models' outputs there (reference log-probs [B, Lr], raw model scores [B])."""
+
+    sample: sampling.SampleOutput
+    ref_logprobs: jax.Array | None = None
+    model_scores: jax.Array | None = None
+
+
 class TrainerRollouts:
     """Sampling and rollouts of a `PPOTrainer` (settings, meshes, steps, state, frozen trees,
     prompts and reward functions are the trainer's)."""
 
     def _init_rollouts(self) -> None:
-        """After the steps are built: the LoRA base on the sampler's mesh (once: it never changes)."""
+        """After the steps are built: the LoRA base on the sampler's mesh (once: it never changes);
+        with roles.scoring="sampler" the reference and reward model moved there (the trainer keeps
+        neither: `self.scorer` holds them)."""
         self._synced: roles.SyncedWeights | None = None
         self._sync_log: list[tuple[float, int]] = []  # (seconds, bytes) of the syncs since the last iteration
         self._sampler_base = None
@@ -59,6 +71,22 @@ class TrainerRollouts:
             if nbytes:
                 metrics_lib.warn(f"copied the frozen LoRA base to the sampler's mesh once ({nbytes / 2**30:.3f} GiB, "
                                  f"{seconds:.2f} s); each iteration syncs only the adapters")
+        self.scorer: FrozenParams | None = None
+        if self.hp.scored_outside:
+            where, frozen = self.steps.scorer_shardings, self.frozen
+            self.scorer = FrozenParams(
+                reference=None if frozen.reference is None else sharding.reshard(frozen.reference, where.reference),
+                reward=None if frozen.reward is None else sharding.reshard(frozen.reward, where.reward),
+                policy=self._sampler_base)
+            self.frozen = roles.trainer_frozen(frozen)
+            self.frozen_shardings = roles.trainer_frozen(self.frozen_shardings)
+        if self._in_flight is not None:  # restored from a checkpoint, unscored
+            self._in_flight = self._scored(self._in_flight.sample)
+
+    @property
+    def reference_params(self):
+        """The frozen reference tree, wherever it lives (the trainer's or the scorer's)."""
+        return (self.scorer or self.frozen).reference
 
     def _merge_adapters(self, base, adapters):
         """base + scale * A @ B on the sampler's shardings (roles.lora_sync="merged")."""
@@ -100,15 +128,25 @@ class TrainerRollouts:
         weights = self.sampler_weights()
         return self.steps.sampler(weights.params, prompt_tokens, prompt_mask, key, adapters=weights.adapters)
 
-    def start_rollout(self, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key) -> sampling.SampleOutput:
-        """Dispatches the sampling of this process's prompt rows (host arrays) and returns at once."""
+    def start_rollout(self, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key) -> StartedRollout:
+        """Dispatches the sampling of this process's prompt rows (host arrays), and with
+        roles.scoring="sampler" its scoring, and returns at once."""
         mesh = self.meshes.sampler
         toks, mask = sharding.put_local_batch((prompt_tokens, prompt_mask), mesh)
-        return self.sample(toks, mask, sharding.replicate(key, mesh))
+        return self._scored(self.sample(toks, mask, sharding.replicate(key, mesh)))
 
-    def finish_rollout(self, out: sampling.SampleOutput) -> Rollout:
+    def _scored(self, out: sampling.SampleOutput) -> StartedRollout:
+        if self.scorer is None:
+            return StartedRollout(out)
+        with sharding.mesh_context(self.meshes.sampler):
+            ref_logprobs, model_scores = self.steps.scoring_jit(self.scorer, out.prompt_tokens, out.prompt_mask,
+                                                                out.tokens, out.mask)
+        return StartedRollout(out, ref_logprobs, model_scores)
+
+    def finish_rollout(self, started: StartedRollout) -> Rollout:
         """A sample scored by the Python reward functions (on the host; this waits for it) and moved to
         the trainer's mesh."""
+        out = started.sample
         if self.reward_functions:
             host = sharding.to_host({"pt": out.prompt_tokens, "pm": out.prompt_mask, "t": out.tokens, "m": out.mask})
             prompts_text, responses_text = self.decode(host["pt"], host["pm"], host["t"], host["m"])
@@ -117,6 +155,8 @@ class TrainerRollouts:
             host_scores = np.zeros(out.tokens.shape[0], np.float32)
         fields = dict(prompt_tokens=out.prompt_tokens, prompt_mask=out.prompt_mask, tokens=out.tokens,
                       mask=out.mask, sampler_logprobs=out.logprobs, stopped=out.stopped)
+        if started.ref_logprobs is not None:
+            fields.update(ref_logprobs=started.ref_logprobs, model_scores=started.model_scores)
         if not self.meshes.shared:
             data = sharding.data_sharding(self.mesh)
             fields = sharding.reshard(fields, {k: data for k in fields})
@@ -124,8 +164,8 @@ class TrainerRollouts:
 
     def rollout(self, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key) -> tuple[Rollout, Any]:
         """Samples responses with the current policy and scores them with the Python reward functions."""
-        out = self.start_rollout(prompt_tokens, prompt_mask, key)
-        return self.finish_rollout(out), out
+        started = self.start_rollout(prompt_tokens, prompt_mask, key)
+        return self.finish_rollout(started), started.sample
 
     def iteration_key(self, iteration: int):
         return jax.random.fold_in(self._sample_key, iteration)
@@ -142,7 +182,7 @@ class TrainerRollouts:
         self._in_flight = None
         if iteration + 1 < self.settings.train.iterations:
             self._in_flight = self.start_rollout(*self.prompts.next_batch(), self.iteration_key(iteration + 1))
-        return self.finish_rollout(current), current
+        return self.finish_rollout(current), current.sample
 
     def pop_sync_metrics(self) -> dict[str, float]:
         seconds = sum(s for s, _ in self._sync_log)
@@ -156,7 +196,7 @@ class TrainerRollouts:
         """The sample in flight as JSON values (waits for it), or None."""
         if self._in_flight is None:
             return None
-        out = self._in_flight
+        out = self._in_flight.sample  # its scores are recomputed on restore: the same program on the same inputs
         host = sharding.to_host({f.name: getattr(out, f.name) for f in dataclasses.fields(out)})
         return encode_arrays({k: np.asarray(v) for k, v in host.items()})
 
@@ -170,22 +210,27 @@ class TrainerRollouts:
                              "is on-policy: that batch of prompts is skipped")
             return
         arrays = decode_arrays(record)
-        self._in_flight = sampling.SampleOutput(**sharding.put_batch(arrays, self.meshes.sampler))
+        # Scored (roles.scoring="sampler") once the scorer is in place: `_init_rollouts`.
+        self._in_flight = StartedRollout(sampling.SampleOutput(**sharding.put_batch(arrays, self.meshes.sampler)))
 
     # ------------------------------------------------------------------ scoring and decoding
 
     def score_responses(self, prompt_tokens, prompt_mask, tokens, mask) -> tuple[jax.Array, jax.Array]:
         """Reference log-probs [B, Lr] and reward-model scores [B] (gain and bias applied) of responses
-        to prompts, by the run's frozen models: batch-sharded global arrays on the trainer's mesh in,
-        the same out (a `sampler` output's fields, moved with `sharding.reshard` when the sampler has
-        its own mesh). Compiled once per shape on first use."""
+        to prompts, by the run's frozen models: batch-sharded global arrays in (e.g. a `sampler`
+        output's fields; moved to the mesh the frozen models live on), the same out, on that mesh.
+        Compiled once per shape on first use."""
+        scorer = self.scorer is not None  # roles.scoring="sampler": the frozen models are on the sampler's mesh
+        mesh = self.meshes.sampler if scorer else self.mesh
+        data = sharding.data_sharding(mesh)
         if self._score_jit is None:
-            data = sharding.data_sharding(self.mesh)
+            frozen_shardings = self.steps.scorer_shardings if scorer else self.frozen_shardings
             self._score_jit = jax.jit(make_scoring_fn(self.modules.policy, self.modules.reward, self.hp),
-                                      in_shardings=(self.frozen_shardings,) + (data,) * 4,
+                                      in_shardings=(frozen_shardings,) + (data,) * 4,
                                       out_shardings=(data, data))
-        with sharding.mesh_context(self.mesh):
-            return self._score_jit(self.frozen, prompt_tokens, prompt_mask, tokens, mask)
+        inputs = sharding.reshard((prompt_tokens, prompt_mask, tokens, mask), (data,) * 4)
+        with sharding.mesh_context(mesh):
+            return self._score_jit(self.scorer if scorer else self.frozen, *inputs)
 
     def decode(self, prompt_tokens, prompt_mask, tokens, mask) -> tuple[list[str], list[str]]:
         """Host arrays -> prompt and response texts (stop tokens and padding dropped)."""
