@@ -6,6 +6,7 @@ off-policy run equals a plain loop written here; a SIGTERM mid-pipeline resumes 
 import os
 import signal
 import sys
+from unittest import mock
 
 import jax
 import numpy as np
@@ -175,6 +176,12 @@ def test_devices_split_per_process_and_bad_layouts_fail_in_one_line():
     assert sampler == devices[6:] and trainer == devices[:6]
     meshes = roles.make_role_meshes(roles.RolesSettings(sampler_devices=2), (-1, 1, 1), devices)
     assert meshes.trainer.size == 6 and meshes.sampler.size == 2 and meshes.disaggregated
+    # A TPU slice's mesh builder refuses device sets that do not fill their torus box (the last
+    # chips of every host): the role's mesh then keeps the split order.
+    with mock.patch.object(sharding.jax, "make_mesh", side_effect=AssertionError("bounding box")):
+        meshes = roles.make_role_meshes(roles.RolesSettings(sampler_devices=4, sampler_mesh=(1, 2, -1)), (-1, 1, 1),
+                                        devices)
+    assert list(meshes.sampler.devices.flat) == devices[4:] and meshes.sampler.devices.shape == (1, 2, 2, 1)
     for placement, shape, message in [
         (dict(sampler_devices=8), (-1, 1, 1), "leaves no devices for training"),
         (dict(sampler_devices=4), (1, 8, 1), "mesh.shape=(1, 8, 1) does not fit the trainer's 4 devices"),

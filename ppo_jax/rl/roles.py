@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
+import numpy as np
+from jax.sharding import AxisType, Mesh
 
 from ppo_jax import sharding
 from ppo_jax.config import check
@@ -91,7 +92,17 @@ def _role_mesh(shape: Sequence[int], devices: list, field: str, role: str) -> Me
     fits = len(devices) % known == 0 if -1 in shape else known == len(devices)
     check(fits, f"{field}={tuple(shape)} does not fit the {role}'s {len(devices)} devices: use sizes whose product "
           f"is {len(devices)} (one may be -1)")
-    return sharding.make_mesh(shape, devices)
+    try:
+        return sharding.make_mesh(shape, devices)
+    except AssertionError:
+        # jax's TPU mesh builder asserts that the devices fill their bounding box in the torus; a
+        # disaggregated split (the last chips of every host) does not. Lay the role out in split
+        # order: device order moves collectives' speed, not correctness.
+        shape += [1] * (len(sharding.MESH_AXES) - len(shape))
+        if -1 in shape:
+            shape[shape.index(-1)] = len(devices) // known
+        return Mesh(np.asarray(devices).reshape(shape), sharding.MESH_AXES,
+                    axis_types=(AxisType.Auto,) * len(sharding.MESH_AXES))
 
 
 def split_devices(sampler_devices: int, devices: Sequence[jax.Device]) -> tuple[list, list]:
