@@ -52,7 +52,7 @@ from ppo_jax import sharding
 from ppo_jax.accelerators.hlo import ProgramStructure
 from ppo_jax.config import ConfigError, from_config
 from ppo_jax.models import KV_CACHE_AXES, ModelConfig, boxed_params, init_cache
-from ppo_jax.rl import build, plan_roles
+from ppo_jax.rl import build, plan_roles, roles
 from ppo_jax.rl.plan_roles import RolesPlan
 from ppo_jax.rl.plan_shapes import MODEL_SHAPES, model_shape  # noqa: F401 (configs import them from here)
 from ppo_jax.rl.settings import PPOHyper, Settings, stop_token_ids
@@ -311,7 +311,12 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
     if unknown or not phases:
         raise ConfigError(f"phases {list(phases)}: name one or more of {', '.join(PHASES)}")
     s = planned_settings(config)
-    meshes = plan_roles.plan_meshes(s, mesh, devices)
+    if s.roles.scoring != "trainer":
+        raise ConfigError(f"roles.scoring={s.roles.scoring!r}: the planner does not plan the sampler's scoring program "
+                          "yet; plan with roles.scoring=trainer (the frozen trees then count on the trainer's devices)")
+    # The split a run makes (a ConfigError names the field, before any compile): fake CPU,
+    # compile-only GPU / TPU devices or this machine's; a disaggregated split picks the trainer's.
+    meshes = roles.make_role_meshes(s.roles, s.mesh.shape, devices, trainer_mesh=mesh)
     mesh, sampler_mesh = meshes.trainer, meshes.sampler
     # "auto" execution choices (attention kernel, layer loop, decode loop) resolve for the devices
     # compiled for, not this host: a GPU plan made on a CPU machine compiles a GPU run's programs.
@@ -402,7 +407,7 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
     options = dict(CPU_COMPILER_OPTIONS) if platform == "cpu" else {}
     compiled = tuple(_compile(name, lowered[name], live[name], options, inspect) for name in PHASES if name in phases)
     trainable = params["policy"] - (device_bytes(base) if base is not None else 0) + params["value"]
-    roles = plan_roles.roles_plan(
+    role_plan = plan_roles.roles_plan(
         meshes, compiled, holdings, train_state=trainable + sum(optimizer.values()) + scalars,
         frozen=holdings.trainer_resident - trainable - sum(optimizer.values()) - scalars,
         kv_cache=kv_cache_bytes,
@@ -423,4 +428,4 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
                "forward_rows": sizes.forward_rows, "epochs": s.ppo.epochs, "packed_rows": sizes.packed_rows,
                "engine": s.rollout.engine, "decode_slots": sizes.decode_slots},
         params=params, optimizer=optimizer, kv_cache_bytes=kv_cache_bytes, batch_arrays=batch_arrays,
-        phases=compiled, roles=roles)
+        phases=compiled, roles=role_plan)

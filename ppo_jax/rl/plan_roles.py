@@ -18,51 +18,11 @@ role's peak is over the phases its own devices run.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
-import math
-
-import jax
-import numpy as np
-from jax.sharding import AxisType, Mesh
-
-from ppo_jax import sharding
-from ppo_jax.config import check
 from ppo_jax.rl import roles as roles_lib
 
 SAMPLER_PHASES = ("sampler",)
 TRAINER_PHASES = ("experience", "update")
-
-
-def plan_meshes(s, mesh=None, devices: Sequence[jax.Device] | None = None) -> roles_lib.RoleMeshes:
-    """The trainer's and the sampler's meshes of settings `s` over `devices` (fake CPU, compile-only
-    GPU / TPU devices or this machine's; None: this process's), or with the trainer's `mesh` given
-    (shared or colocated only: a disaggregated split picks the trainer's devices itself). The split
-    a run makes (`roles.make_role_meshes`); a ConfigError names the field, before any compile."""
-    try:
-        return roles_lib.make_role_meshes(s.roles, s.mesh.shape, devices, trainer_mesh=mesh)
-    except AssertionError:
-        # jax's TPU mesh builder (mesh_utils._get_physical_tpu_mesh) asserts that the devices fill
-        # their bounding box in the torus; a disaggregated split (the last chips of every host) does
-        # not. Device order changes collectives' speed, not bytes: plan on the devices in split order.
-        if not s.roles.sampler_devices or mesh is not None:
-            raise
-        trainer, sampler = roles_lib.split_devices(s.roles.sampler_devices,
-                                                   list(devices) if devices is not None else jax.devices())
-        return roles_lib.RoleMeshes(
-            ordered_mesh(s.mesh.shape, trainer, "mesh.shape"),
-            ordered_mesh(s.roles.sampler_mesh or s.mesh.shape, sampler,
-                         "roles.sampler_mesh" if s.roles.sampler_mesh else "mesh.shape"))
-
-
-def ordered_mesh(shape: Sequence[int], devices: list, field: str) -> Mesh:
-    """A (data, fsdp, tensor[, expert]) mesh over `devices` in their order (one entry may be -1)."""
-    shape = list(shape) + [1] * (len(sharding.MESH_AXES) - len(shape))
-    if -1 in shape:
-        shape[shape.index(-1)] = len(devices) // math.prod(n for n in shape if n != -1)
-    check(math.prod(shape) == len(devices), f"{field}={tuple(shape)} does not fit its role's {len(devices)} devices")
-    return Mesh(np.asarray(devices).reshape(shape), sharding.MESH_AXES,
-                axis_types=(AxisType.Auto,) * len(sharding.MESH_AXES))
 
 
 def layout(meshes: roles_lib.RoleMeshes) -> str:
