@@ -273,8 +273,8 @@ def test_lora_sampler_copy_is_the_base_and_its_adapters():
 def test_disaggregated_plan_on_a_multi_host_tpu_slice():
     """v5p:2x4x1 (8 chips, 2 hosts of 2x2): each host gives its last 2 chips to the sampler (as a run
     splits them), leaving the trainer rows y=0 and y=2 of the torus, a set jax's TPU mesh builder
-    rejects (it wants the devices to fill their bounding box): the planner lays each role's mesh out
-    in split order. The sampler's bytes are as on CPU."""
+    rejects (it wants the devices to fill their bounding box): the roles' meshes keep the split order
+    (`roles._role_mesh`). The sampler's bytes are as on CPU."""
     from ppo_jax import accelerators
 
     config = role_config(sampler_devices=4, sampler_mesh=(4, 1, 1))
@@ -297,6 +297,7 @@ def test_one_mesh_plans_report_no_roles(plans):
     (dict(sampler_mesh=(1, 1, 3)), (1, 8, 1), 16, r"roles.sampler_mesh=\(1, 1, 3\) does not fit the sampler's 8"),
     (dict(sampler_mesh=(8, 1, 1)), (1, 4, 2), 12, "not a multiple of the sampler's 8 data-parallel devices"),
     (dict(sampler_devices=4, sampler_mesh=(1, 1, 3)), (1, 4, 1), 16, "does not fit the sampler's 4 devices"),
+    (dict(sampler_devices=4, scoring="sampler"), (1, 4, 1), 16, "the planner does not plan the sampler's scoring"),
 ])
 def test_bad_roles_fail_in_one_line_before_compiling(roles, mesh_shape, batch_size, match):
     config = role_config(**roles)
