@@ -75,7 +75,8 @@ def main(argv=None) -> None:
                                        "without TPUs, e.g. 'v5p:2x4x4' (v5p-64, 32 chips); needs libtpu.")
     gpu = flags.DEFINE_string("gpu", "", f"With --platform=gpu: compile for N GPUs of this kind without GPUs "
                               f"({', '.join(GPU_KINDS)}; N = the mesh size); needs the cuda12 extra.")
-    phases = flags.DEFINE_list("phases", list(PHASES), "Programs to compile (the peak is over these).")
+    phases = flags.DEFINE_list("phases", list(PHASES), "Programs to compile (the peak is over these; scoring: only "
+                               "with roles.scoring=sampler).")
     as_json = flags.DEFINE_bool("json", False, "Print the plan as JSON instead of a table.")
 
     def plan(config, workdir) -> str:

@@ -6,7 +6,7 @@
 
 Nothing is allocated. The planner builds the trainer's own modules, optimizers, abstract train state
 (shapes, dtypes and shardings from the logical axis rules) and the trainer's own jitted programs
-(sampler, experience, update), lowers them on abstract inputs, compiles them, and reads
+(sampler, [scoring,] experience, update), lowers them on abstract inputs, compiles them, and reads
 `compiled.memory_analysis()`, which is per device.
 
 What the numbers mean:
@@ -32,7 +32,11 @@ What the numbers mean:
     (`rl/plan_roles.py`), and each phase's live bytes are those of the devices that run it: colocated
     (roles.sampler_mesh), the trainer's trees and the sampler's copy share every device; disaggregated
     (roles.sampler_devices), the sampler's devices hold its copy, prompts and samples only.
-    `MemoryPlan.roles` reports each role's bytes per device.
+    `MemoryPlan.roles` reports each role's bytes per device. With roles.scoring=sampler the reference
+    and reward model sit on the sampler's mesh too (`rl/plan_inputs.py`) and score each sample there,
+    a fourth program, the "scoring" phase, counted with the sampler's role; the trainer's devices keep
+    no frozen tree but a LoRA base, and `params` (the trainer's devices) shows the reference and
+    reward model at 0.
 """
 
 from __future__ import annotations
@@ -53,11 +57,12 @@ from ppo_jax.accelerators.hlo import ProgramStructure
 from ppo_jax.config import ConfigError, from_config
 from ppo_jax.models import KV_CACHE_AXES, ModelConfig, boxed_params, init_cache
 from ppo_jax.rl import build, plan_roles, roles
+from ppo_jax.rl.plan_inputs import device_bytes, global_bytes, placed, sampler_inputs, scorer_inputs
 from ppo_jax.rl.plan_roles import RolesPlan
 from ppo_jax.rl.plan_shapes import MODEL_SHAPES, model_shape  # noqa: F401 (configs import them from here)
 from ppo_jax.rl.settings import PPOHyper, Settings, stop_token_ids
 from ppo_jax.rl.sizes import derive_sizes
-from ppo_jax.rl.state import Rollout, policy_variables
+from ppo_jax.rl.state import Rollout
 
 GB = 10**9
 GIB = 2**30
@@ -110,8 +115,8 @@ class ModelSummary:
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """Per-device memory of a PPO run (bytes unless named otherwise). Trees, batch arrays and the
-    experience / update phases are the trainer's mesh's; the KV cache and the sampler phase the
-    sampler's mesh's (the same mesh unless `roles` says otherwise)."""
+    experience / update phases are the trainer's mesh's; the KV cache and the sampler (and scoring)
+    phases the sampler's mesh's (the same mesh unless `roles` says otherwise)."""
 
     mesh_shape: tuple[int, ...]  # (data, fsdp, tensor, expert): the trainer's (mesh.shape)
     platform: str  # the compiler whose temp bytes these are ("cpu", "tpu", "gpu")
@@ -125,7 +130,9 @@ class MemoryPlan:
     reference: str  # how the reference is held: "copy" (of the policy), "<dtype> copy", "lora base", "lora base + imported"
     value_lora: bool  # adapters + head on a frozen base shared with the policy / reference / reward model
     batch: dict[str, int]  # prompts, samples, rows, prompt/response length, minibatch sizes
-    params: dict[str, int]  # policy, reference, reward, value -> per-device bytes
+    # policy, reference, reward, value -> per-device bytes (roles.scoring=sampler: reference and reward 0,
+    # held on the sampler's mesh instead: roles.sampler.frozen_bytes)
+    params: dict[str, int]
     optimizer: dict[str, int]  # policy, value -> per-device bytes of the optax states
     kv_cache_bytes: int  # the sampler's [L, rows (continuous: decode slots), K, Lq + Lr - 1, Dh] k and v (inside its temps)
     batch_arrays: dict[str, int]  # rollout, experience -> per-device bytes
@@ -133,8 +140,18 @@ class MemoryPlan:
     roles: RolesPlan | None = None  # per-role memory when the sampler has its own mesh (roles.*)
 
     @property
+    def scored_by_sampler(self) -> bool:
+        """roles.scoring="sampler": the reference and reward model score on the sampler's mesh."""
+        return self.roles is not None and self.roles.scoring == "sampler"
+
+    @property
+    def run_phases(self) -> tuple[str, ...]:
+        """The programs this run compiles (`phases` holds those the plan compiled of them)."""
+        return run_phases(self.scored_by_sampler)
+
+    @property
     def resident_bytes(self) -> int:
-        """Trees that stay on the devices for the whole run."""
+        """Trees that stay on the trainer's devices for the whole run."""
         return sum(self.params.values()) + sum(self.optimizer.values())
 
     @property
@@ -166,68 +183,9 @@ class MemoryPlan:
         d["fits"] = None if device_memory_bytes is None else self.fits(device_memory_bytes)
         if self.roles is None:
             del d["roles"]  # a one-mesh plan's JSON is what it was before roles existed
+        elif not self.scored_by_sampler:
+            del d["roles"]["scoring"]  # nor does a plan whose trainer scores change with roles.scoring
         return d
-
-
-# ----------------------------------------------------------------------------------------------
-# Shape arithmetic on shardings (exact).
-
-
-def device_bytes(tree: Any) -> int:
-    """Bytes one device holds of a tree of ShapeDtypeStructs with shardings.
-
-    Every device holds the same shard shape (sharding.logical_to_spec only uses mesh axes that divide),
-    so the first device's shard is every device's.
-    """
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        shard = leaf.sharding.shard_shape(leaf.shape)
-        total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
-    return total
-
-
-def global_bytes(tree: Any) -> int:
-    """Bytes of a tree of ShapeDtypeStructs over all devices (one copy, however it is sharded)."""
-    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
-
-def _placed(tree: Any, shardings: Any) -> Any:
-    """A tree of ShapeDtypeStructs on other shardings (a tree of them, or one for every leaf)."""
-    if tree is None:
-        return None
-    if isinstance(shardings, jax.sharding.Sharding):
-        shardings = jax.tree.map(lambda _: shardings, tree)
-    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings)
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplerInputs:
-    """What the sampler decodes with (ShapeDtypeStructs on its shardings) and the per-device bytes its
-    devices hold for it beyond the trainer's own trees."""
-
-    params: Any
-    adapters: Any  # None without LoRA or with a merged copy
-    copy_bytes: int
-
-
-def sampler_inputs(policy: Any, base: Any, where: build.SamplerShardings, shared: bool) -> SamplerInputs:
-    """The sampler's policy as a run holds it (`trainer_rollouts.sampler_weights`). `policy`: the
-    trainable tree (full params, or LoRA adapters on `base`). On the trainer's own mesh the sampler
-    reads the trainer's trees; on its own mesh it keeps a copy (with LoRA: of the base, synced once,
-    and of the adapters, synced each step). roles.lora_sync="merged" decodes a merged copy of the
-    base's shapes instead of the adapters (kept beside the base copy it is rebuilt from)."""
-    params, adapters = policy_variables(policy, base)
-    if base is None:
-        params = params if shared else _placed(params, where.params)
-        return SamplerInputs(params, None, 0 if shared else device_bytes(params))
-    base_copy = 0 if shared else device_bytes(_placed(base, where.params))
-    if where.merged:
-        merged = _placed(base, where.params)
-        return SamplerInputs(merged, None, base_copy + device_bytes(merged))
-    if shared:
-        return SamplerInputs(params, adapters, 0)
-    adapters = _placed(adapters, where.synced_adapters)
-    return SamplerInputs(_placed(base, where.params), adapters, base_copy + device_bytes(adapters))
 
 
 def _summary(cfg: ModelConfig) -> ModelSummary:
@@ -293,7 +251,14 @@ def _compile(name: str, lowered, live: int, compiler_options: dict[str, Any], in
 # The plan.
 
 
-PHASES = ("sampler", "experience", "update")
+# In the order an iteration runs them; "scoring" only with roles.scoring="sampler" (the reference and
+# reward model score each sample on the sampler's mesh: `Steps.scoring_jit`).
+PHASES = ("sampler", "scoring", "experience", "update")
+
+
+def run_phases(scored_outside: bool) -> tuple[str, ...]:
+    """The programs a run compiles: PHASES, without "scoring" when the experience step scores."""
+    return PHASES if scored_outside else tuple(p for p in PHASES if p != "scoring")
 
 
 def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
@@ -303,7 +268,7 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
     run would make it (`rl/roles.py`): roles.sampler_mesh on the same devices, or roles.sampler_devices
     of `devices` (then pass `devices`, not `mesh`: the split picks the trainer's).
 
-    `phases`: the programs to compile (all three by default; the peak is over these). `inspect`, if
+    `phases`: the programs to compile (all the run has by default; the peak is over these). `inspect`, if
     given, sees each (phase name, compiled program) before it is dropped (tests read its HLO). Raises
     ConfigError for a config that cannot run, before anything is compiled.
     """
@@ -311,9 +276,10 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
     if unknown or not phases:
         raise ConfigError(f"phases {list(phases)}: name one or more of {', '.join(PHASES)}")
     s = planned_settings(config)
-    if s.roles.scoring != "trainer":
-        raise ConfigError(f"roles.scoring={s.roles.scoring!r}: the planner does not plan the sampler's scoring program "
-                          "yet; plan with roles.scoring=trainer (the frozen trees then count on the trainer's devices)")
+    programs = run_phases(s.roles.scoring == "sampler")
+    if not set(phases) & set(programs):
+        raise ConfigError(f"phases {list(phases)}: this run has no such program (roles.scoring={s.roles.scoring}); "
+                          f"name one or more of {', '.join(programs)}")
     # The split a run makes (a ConfigError names the field, before any compile): fake CPU,
     # compile-only GPU / TPU devices or this machine's; a disaggregated split picks the trainer's.
     meshes = roles.make_role_meshes(s.roles, s.mesh.shape, devices, trainer_mesh=mesh)
@@ -340,11 +306,14 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
                  else state.policy if s.policy.lora.init_from else None)
     frozen = build.frozen_params(s, modules, reference, reward, base)
     frozen_shardings = jax.tree.map(lambda s: s.sharding, frozen)
+    # roles.scoring="sampler": the reference and reward model live on the sampler's mesh; the trainer
+    # keeps the rest (a LoRA base, a LoRA value base), and `params` counts the trainer's devices.
+    kept = roles.trainer_frozen(frozen) if hp.scored_outside else frozen
 
     policy_bytes = device_bytes(state.policy) + (device_bytes(base) if base is not None else 0)
     params = {"policy": policy_bytes,
-              "reference": device_bytes(frozen.reference) if frozen.reference is not None else 0,
-              "reward": device_bytes(frozen.reward),
+              "reference": device_bytes(kept.reference) if kept.reference is not None else 0,
+              "reward": device_bytes(kept.reward),
               # With value LoRA: its adapters + head (the trainable tree), no base of its own.
               "value": device_bytes(state.value) if state.value is not None else 0}
     optimizer = {"policy": device_bytes(state.policy_opt),
@@ -370,15 +339,25 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
     sampler_lowered = steps.sampler.lower(decoded.params, prompts, prompts, key, adapters=decoded.adapters)
     sample = sampler_lowered.out_info
     rows = sample.tokens.shape[0]
+    lowered = {"sampler": sampler_lowered}
+    # roles.scoring="sampler": the scorer's trees score the sample on the sampler's mesh, and its
+    # reference log-probs [R, Lr] and model scores [R] travel with the rollout.
+    scorer, scored = None, {}
+    if hp.scored_outside:
+        scorer = scorer_inputs(frozen, steps.scorer_shardings)
+        with sharding.mesh_context(sampler_mesh):
+            lowered["scoring"] = steps.scoring_jit.lower(scorer.frozen, sample.prompt_tokens, sample.prompt_mask,
+                                                         sample.tokens, sample.mask)
+        scored = dict(zip(("ref_logprobs", "model_scores"), lowered["scoring"].out_info))
     # The trainer scores the sample on its own mesh (moved there when the sampler has its own).
     rollout = Rollout(
         prompt_tokens=sample.prompt_tokens, prompt_mask=sample.prompt_mask, tokens=sample.tokens,
         mask=sample.mask, sampler_logprobs=sample.logprobs, stopped=sample.stopped,
-        host_scores=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=batch_sh))
-    rollout = rollout if meshes.shared else _placed(rollout, batch_sh)
+        host_scores=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=batch_sh), **scored)
+    rollout = rollout if meshes.shared else placed(rollout, batch_sh)
 
     with sharding.mesh_context(mesh):
-        experience_lowered = steps.experience_jit.lower(state, frozen, rollout)
+        experience_lowered = steps.experience_jit.lower(state, kept, rollout)
         experience = experience_lowered.out_info[0]
         update_lowered = steps.update_jit.lower(state, base, frozen.value, experience)
 
@@ -401,18 +380,19 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
         held=batch_arrays["rollout"] + batch_arrays["experience"], rollout=batch_arrays["rollout"],
         experience=batch_arrays["experience"], prompts=device_bytes((prompts, prompts)),
         policy_copy=decoded.copy_bytes,
-        sample=device_bytes(sample))
+        sample=device_bytes(sample), scorer_frozen=scorer.frozen_bytes if scorer else 0,
+        scores=device_bytes(tuple(scored.values())))
     live = plan_roles.phase_live(holdings, plan_roles.layout(meshes), s.rollout.off_policy_steps == 1)
-    lowered = {"sampler": sampler_lowered, "experience": experience_lowered, "update": update_lowered}
+    lowered.update(experience=experience_lowered, update=update_lowered)
     options = dict(CPU_COMPILER_OPTIONS) if platform == "cpu" else {}
-    compiled = tuple(_compile(name, lowered[name], live[name], options, inspect) for name in PHASES if name in phases)
+    compiled = tuple(_compile(name, lowered[name], live[name], options, inspect) for name in programs if name in phases)
     trainable = params["policy"] - (device_bytes(base) if base is not None else 0) + params["value"]
     role_plan = plan_roles.roles_plan(
         meshes, compiled, holdings, train_state=trainable + sum(optimizer.values()) + scalars,
         frozen=holdings.trainer_resident - trainable - sum(optimizer.values()) - scalars,
         kv_cache=kv_cache_bytes,
         sync_bytes=global_bytes(state.policy),  # the trainable policy: full params, or with LoRA the adapters
-        base_sync_bytes=global_bytes(base) if base is not None else 0)
+        base_sync_bytes=global_bytes(base) if base is not None else 0, scoring=s.roles.scoring)
     return MemoryPlan(
         mesh_shape=tuple(int(mesh.shape[a]) for a in sharding.MESH_AXES),
         platform=platform, device_kind=mesh.devices.flat[0].device_kind, compiler_options=options,

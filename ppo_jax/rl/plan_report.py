@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ppo_jax import sharding
-from ppo_jax.rl.plan import GB, GIB, PHASES, MemoryPlan, ModelSummary
+from ppo_jax.rl.plan import GB, GIB, MemoryPlan, ModelSummary
 from ppo_jax.rl.plan_roles import RoleMemory, RolesPlan
 
 
@@ -35,6 +35,26 @@ def _role_line(r: RoleMemory) -> str:
             + (r.peak_phase or "(no phase compiled)"))
 
 
+def _layout_note(roles: RolesPlan) -> str:
+    scoring = roles.scoring == "sampler"
+    if roles.layout != "disaggregated":
+        return ("  Colocated: the same devices hold the trainer's trees and the sampler's copy"
+                + (" and frozen trees" if scoring else "") + ", so both roles' peak is the devices' one peak.")
+    return ("  Disaggregated: each role's peak is over its own devices' phases (sampler: the sampler"
+            + (" and scoring phases" if scoring else " phase") + "; trainer: experience, update).")
+
+
+def _scoring_note(roles: RolesPlan) -> list[str]:
+    if roles.scoring != "sampler":
+        return []
+    kept = (f"keeps {roles.trainer.frozen_bytes / GIB:.3f} GiB of frozen trees (the LoRA base)"
+            if roles.trainer.frozen_bytes else "keeps no frozen tree")
+    where = "on the sampler's devices" if roles.layout == "disaggregated" else "in the sampler's layout"
+    return [f"  Scoring (roles.scoring=sampler): the reference and reward model "
+            f"({roles.sampler.frozen_bytes / GIB:.3f} GiB) score each sample {where} (the scoring phase); "
+            f"the trainer {kept}."]
+
+
 def format_roles(roles: RolesPlan) -> list[str]:
     """The per-role table of a plan whose sampler has its own mesh."""
     lines = [
@@ -45,10 +65,8 @@ def format_roles(roles: RolesPlan) -> list[str]:
         f"{'KV cache':>10} {'temps':>10} {'peak':>10}   (phase)",
         _role_line(roles.trainer),
         _role_line(roles.sampler),
-        ("  Colocated: the same devices hold the trainer's trees and the sampler's copy, so both roles' peak is "
-         "the devices' one peak." if roles.layout != "disaggregated" else
-         "  Disaggregated: each role's peak is over its own devices' phases (sampler: the sampler phase; trainer: "
-         "experience, update)."),
+        _layout_note(roles),
+        *_scoring_note(roles),
         f"  Weight sync: {roles.sync_bytes / GIB:.3f} GiB per train step (all devices: the trainable policy"
         + (f"; the LoRA base, {roles.base_sync_bytes / GIB:.3f} GiB, once)" if roles.base_sync_bytes else ")"),
     ]
@@ -79,7 +97,9 @@ def format_plan(plan: MemoryPlan, device_memory_bytes: float | None = None) -> s
         "Per device (GiB)                       bytes are exact shape arithmetic on the shardings",
     ]
     for name in ("policy", "reference", "reward", "value"):
-        lines.append(f"  params     {name:<12}{_gib(plan.params[name])}")
+        elsewhere = plan.scored_by_sampler and name in ("reference", "reward")
+        lines.append(f"  params     {name:<12}{_gib(plan.params[name])}"
+                     + ("   on the sampler's devices (roles.scoring=sampler): see Roles" if elsewhere else ""))
     for name in ("policy", "value"):
         lines.append(f"  optimizer  {name:<12}{_gib(plan.optimizer[name])}")
     lines += [
@@ -105,7 +125,7 @@ def format_plan(plan: MemoryPlan, device_memory_bytes: float | None = None) -> s
         lines.append(f"  {p.name:<11}{st.fused_attention_calls:>28} {st.transposes:>11} {st.copies:>9} {st.while_loops:>12}")
     peak = plan.peak_phase
     lines.append("")
-    if len(plan.phases) < len(PHASES):
+    if len(plan.phases) < len(plan.run_phases):
         lines.append(f"Only {', '.join(p.name for p in plan.phases)} compiled (--phases): the peak is over those.")
     summary = (f"Peak {plan.peak_bytes / GIB:.3f} GiB ({plan.peak_bytes / GB:.2f} GB) per device, "
                f"in the {peak.name} phase")

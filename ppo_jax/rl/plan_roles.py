@@ -10,6 +10,12 @@ temps) and the experience / update on the trainer's, and reports per role:
     sampler devices: the sampler's copy of the policy (with LoRA: the base + adapters) + KV cache
                      (inside the sampler's temps) + the sampler's temps
 
+With roles.scoring="sampler" the reference and reward model move from the trainer's frozen trees to
+the sampler's devices (the sampler's "frozen"; with LoRA the reference is the sampler's base copy),
+and the scoring program that runs them there right after each sample is the sampler role's second
+phase, "scoring": a program of its own, with its own temps (the reference's logits, the reward
+model's activations), so its row shows whether decoding or scoring sets the sampler devices' peak.
+
 Colocated, both roles' trees sit on the same devices: every phase's live bytes count the trainer's
 trees and the sampler's copy, so both roles report the same per-device peak. Disaggregated, each
 role's peak is over the phases its own devices run.
@@ -21,7 +27,7 @@ import dataclasses
 
 from ppo_jax.rl import roles as roles_lib
 
-SAMPLER_PHASES = ("sampler",)
+SAMPLER_PHASES = ("sampler", "scoring")  # "scoring" only with roles.scoring="sampler"
 TRAINER_PHASES = ("experience", "update")
 
 
@@ -38,7 +44,9 @@ class Holdings:
     rollout + experience, kept for samples (trainer's devices); rollout / experience: this
     iteration's batch (trainer's devices); prompts: [B, Lq] tokens and mask (sampler's devices);
     policy_copy: the sampler's copy of the policy (0 when it reads the trainer's); sample: one
-    SampleOutput on the sampler's mesh (on a shared mesh these are the rollout's own arrays).
+    SampleOutput on the sampler's mesh (on a shared mesh these are the rollout's own arrays);
+    roles.scoring="sampler" (else 0): scorer_frozen, the reference and reward model on the sampler's
+    mesh; scores, one sample's reference log-probs [R, Lr] and model scores [R] there.
     """
 
     trainer_resident: int
@@ -48,23 +56,28 @@ class Holdings:
     prompts: int
     policy_copy: int
     sample: int
+    scorer_frozen: int = 0
+    scores: int = 0
 
 
 def phase_live(h: Holdings, where: str, off_policy: bool) -> dict[str, int]:
     """Per-device live bytes when each phase starts, on the devices that run it.
 
     The trainer keeps the sample it scores (on the sampler's mesh) until its iteration ends, and
-    with one-step off-policy rollouts the next sample is in flight during the experience and
-    update, and the current one still referenced while the next one decodes.
+    with one-step off-policy rollouts the next sample (with its scores) is in flight during the
+    experience and update, and the current one still referenced while the next one decodes and is
+    scored. The scoring program starts with the sampler's holdings and the sample it scores.
     """
-    in_flight = h.sample if off_policy else 0
+    in_flight = h.sample + h.scores if off_policy else 0
     scored = h.sample if where != "shared" else 0  # shared: the rollout *is* the sample
     trainer = h.trainer_resident + h.held
-    sampler_own = h.policy_copy + h.prompts + in_flight
+    sampler_own = h.policy_copy + h.scorer_frozen + h.prompts + in_flight
     # The sampler's own holdings on the trainer's devices, unless it has devices of its own.
-    beside = h.policy_copy + scored + in_flight if where != "disaggregated" else 0
+    beside = h.policy_copy + h.scorer_frozen + scored + in_flight if where != "disaggregated" else 0
+    sampler = sampler_own + (trainer if where != "disaggregated" else 0)
     return {
-        "sampler": sampler_own + (trainer if where != "disaggregated" else 0),
+        "sampler": sampler,
+        "scoring": sampler + h.sample,
         "experience": trainer + h.rollout + beside,
         "update": trainer + h.rollout + h.experience + beside,
     }
@@ -74,8 +87,10 @@ def phase_live(h: Holdings, where: str, off_policy: bool) -> dict[str, int]:
 class RoleMemory:
     """Per-device bytes on one role's devices (colocated: the same devices for both roles).
 
-    train_state / frozen: the trainer's (0 for the sampler); policy_copy / kv_cache: the sampler's
-    (0 for the trainer). temp_bytes: the largest temps among `phases`, the programs this role runs;
+    train_state: the trainer's (0 for the sampler); frozen: the trainer's, or with
+    roles.scoring="sampler" the sampler's (the reference and reward model; the trainer keeps a LoRA
+    base only); policy_copy / kv_cache: the sampler's (0 for the trainer). temp_bytes: the largest
+    temps among `phases`, the programs this role runs;
     peak_bytes: the largest phase peak on these devices (colocated: the other role's phases too, on
     the same devices), in `peak_phase` ("" if none was compiled: then peak_bytes is what the devices
     hold between phases).
@@ -85,7 +100,7 @@ class RoleMemory:
     mesh_shape: tuple[int, ...]  # (data, fsdp, tensor, expert)
     num_devices: int
     train_state_bytes: int  # trainable params + optimizer states + step / KL / key
-    frozen_bytes: int  # reference, reward model, LoRA base
+    frozen_bytes: int  # reference, reward model, LoRA base (roles.scoring=sampler: reference + reward on the sampler)
     policy_copy_bytes: int  # the sampler's own copy of the policy
     kv_cache_bytes: int  # inside the sampler's temps
     phases: tuple[str, ...]
@@ -104,6 +119,7 @@ class RolesPlan:
     sampler: RoleMemory
     sync_bytes: int  # global bytes the weight sync copies per train step (LoRA: the adapters)
     base_sync_bytes: int  # global bytes of the LoRA base, copied once (0 without LoRA)
+    scoring: str = "trainer"  # where the reference and reward model run (roles.scoring)
 
 
 def _mesh_shape(mesh) -> tuple[int, ...]:
@@ -124,22 +140,25 @@ def role_memory(role: str, mesh, phases, names: tuple[str, ...], on_devices: tup
 
 
 def roles_plan(meshes: roles_lib.RoleMeshes, phases, h: Holdings, train_state: int, frozen: int,
-               kv_cache: int, sync_bytes: int, base_sync_bytes: int) -> RolesPlan | None:
+               kv_cache: int, sync_bytes: int, base_sync_bytes: int, scoring: str = "trainer") -> RolesPlan | None:
     """The per-role report of a plan's compiled `phases`; None when the sampler shares the trainer's
     mesh and its trees (the plan's own figures are then the whole story; a merged LoRA copy,
-    roles.lora_sync="merged", is reported even there)."""
+    roles.lora_sync="merged", is reported even there). frozen: the trainer's frozen trees (the
+    sampler's are h.scorer_frozen); scoring: roles.scoring."""
     where = layout(meshes)
     if where == "shared" and not h.policy_copy:
         return None
+    sampler_phases = SAMPLER_PHASES if scoring == "sampler" else SAMPLER_PHASES[:1]
     # Colocated: the devices run every phase, so both roles' peaks are the devices' one peak.
-    everything = SAMPLER_PHASES + TRAINER_PHASES
+    everything = sampler_phases + TRAINER_PHASES
     trainer_on = TRAINER_PHASES if where == "disaggregated" else everything
-    sampler_on = SAMPLER_PHASES if where == "disaggregated" else everything
-    idle_trainer = h.trainer_resident + h.held + (h.policy_copy if where != "disaggregated" else 0)
-    idle_sampler = h.policy_copy + (h.trainer_resident + h.held if where != "disaggregated" else 0)
+    sampler_on = sampler_phases if where == "disaggregated" else everything
+    sampler_trees = h.policy_copy + h.scorer_frozen
+    idle_trainer = h.trainer_resident + h.held + (sampler_trees if where != "disaggregated" else 0)
+    idle_sampler = sampler_trees + (h.trainer_resident + h.held if where != "disaggregated" else 0)
     trainer = role_memory("trainer", meshes.trainer, phases, TRAINER_PHASES, trainer_on, idle_trainer,
                           train_state=train_state, frozen=frozen, policy_copy=0, kv_cache=0)
-    sampler = role_memory("sampler", meshes.sampler, phases, SAMPLER_PHASES, sampler_on, idle_sampler,
-                          train_state=0, frozen=0, policy_copy=h.policy_copy, kv_cache=kv_cache)
+    sampler = role_memory("sampler", meshes.sampler, phases, sampler_phases, sampler_on, idle_sampler,
+                          train_state=0, frozen=h.scorer_frozen, policy_copy=h.policy_copy, kv_cache=kv_cache)
     return RolesPlan(layout=where, description=meshes.describe(), trainer=trainer, sampler=sampler,
-                     sync_bytes=sync_bytes, base_sync_bytes=base_sync_bytes)
+                     sync_bytes=sync_bytes, base_sync_bytes=base_sync_bytes, scoring=scoring)

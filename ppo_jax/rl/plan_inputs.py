@@ -1,0 +1,94 @@
+"""What the memory planner (`ppo_jax.rl.plan`) lowers each role's programs with: abstract trees
+(ShapeDtypeStructs carrying shardings) placed on the mesh the run holds them on, and the per-device
+bytes they add there, by shape arithmetic (exact, whatever the compiler).
+
+    sampler_inputs: the sampler's policy (its own copy on its own mesh; with LoRA the base and adapters)
+    scorer_inputs:  roles.scoring="sampler": the reference and reward model on the sampler's mesh
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from ppo_jax.rl import roles
+from ppo_jax.rl.state import FrozenParams, policy_variables
+
+
+def device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of ShapeDtypeStructs with shardings.
+
+    Every device holds the same shard shape (sharding.logical_to_spec only uses mesh axes that divide),
+    so the first device's shard is every device's.
+    """
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shard = leaf.sharding.shard_shape(leaf.shape)
+        total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def global_bytes(tree: Any) -> int:
+    """Bytes of a tree of ShapeDtypeStructs over all devices (one copy, however it is sharded)."""
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def placed(tree: Any, shardings: Any) -> Any:
+    """A tree of ShapeDtypeStructs on other shardings (a tree of them, or one for every leaf)."""
+    if tree is None:
+        return None
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, tree)
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerInputs:
+    """What the sampler decodes with (ShapeDtypeStructs on its shardings) and the per-device bytes its
+    devices hold for it beyond the trainer's own trees."""
+
+    params: Any
+    adapters: Any  # None without LoRA or with a merged copy
+    copy_bytes: int
+
+
+def sampler_inputs(policy: Any, base: Any, where: roles.SamplerShardings, shared: bool) -> SamplerInputs:
+    """The sampler's policy as a run holds it (`trainer_rollouts.sampler_weights`). `policy`: the
+    trainable tree (full params, or LoRA adapters on `base`). On the trainer's own mesh the sampler
+    reads the trainer's trees; on its own mesh it keeps a copy (with LoRA: of the base, synced once,
+    and of the adapters, synced each step). roles.lora_sync="merged" decodes a merged copy of the
+    base's shapes instead of the adapters (kept beside the base copy it is rebuilt from)."""
+    params, adapters = policy_variables(policy, base)
+    if base is None:
+        params = params if shared else placed(params, where.params)
+        return SamplerInputs(params, None, 0 if shared else device_bytes(params))
+    base_copy = 0 if shared else device_bytes(placed(base, where.params))
+    if where.merged:
+        merged = placed(base, where.params)
+        return SamplerInputs(merged, None, base_copy + device_bytes(merged))
+    if shared:
+        return SamplerInputs(params, adapters, 0)
+    adapters = placed(adapters, where.synced_adapters)
+    return SamplerInputs(placed(base, where.params), adapters, base_copy + device_bytes(adapters))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScorerInputs:
+    """What the scoring program reads on the sampler's mesh (roles.scoring="sampler"; ShapeDtypeStructs
+    on `Steps.scorer_shardings`) and the per-device bytes its frozen trees add to the sampler's devices."""
+
+    frozen: FrozenParams
+    frozen_bytes: int  # reference (with LoRA: imported reference adapters, if any) + reward model
+
+
+def scorer_inputs(frozen: FrozenParams, shardings: FrozenParams) -> ScorerInputs:
+    """The scorer's trees as a run moves them (`trainer_rollouts._init_rollouts`): `frozen`, the run's
+    frozen trees (on the trainer's shardings), placed on the scorer's `shardings`. With LoRA the
+    reference is the sampler's own base copy (already the sampler's policy copy, so not counted
+    again); a LoRA value base never goes (the trainer's value forward reads it)."""
+    scorer = placed(FrozenParams(reference=frozen.reference, reward=frozen.reward, policy=frozen.policy), shardings)
+    return ScorerInputs(scorer, device_bytes((scorer.reference, scorer.reward)))
