@@ -269,6 +269,83 @@ def test_lora_sampler_copy_is_the_base_and_its_adapters():
     assert base / 8 <= base_shard <= 1.15 * base / 8  # on the trainer's 8-way FSDP shardings
 
 
+def tensor_split_bytes(params: int, norms: int, ways: int) -> int:
+    """float32 bytes of a tree on a tensor-parallel mesh: every matrix split `ways` ways, norm scales whole."""
+    return 4 * ((params - norms) // ways + norms)
+
+
+def scoring_config(scoring: str):
+    """Disaggregated: FSDP training (1,4,1) on 4 devices, a tensor-parallel sampler (1,1,4) on the other 4."""
+    config = role_config(sampler_devices=4, sampler_mesh=(1, 1, 4), scoring=scoring)
+    config.mesh.shape = (1, 4, 1)
+    config.policy.model.num_kv_heads = 4  # so the tensor axis splits k and v too
+    return config
+
+
+def test_disaggregated_sampler_scoring_holds_the_reference_and_reward_model():
+    """roles.scoring=sampler: the reference and reward model live on the sampler's 4 devices (split 4
+    ways like its copy), where a scoring program of their own scores each sample; the trainer's devices
+    hold no frozen tree, and its experience step reads neither (its arguments drop by both trees, less
+    the reference log-probs [R, Lr] and model scores [R] that now come with the rollout)."""
+    config = scoring_config("sampler")
+    plan = plan_lib.plan_memory(config, phases=("sampler", "scoring", "experience"), devices=jax.devices())
+    roles = plan.roles
+    assert roles.scoring == "sampler" and roles.sampler.phases == ("sampler", "scoring")
+    policy = model_config_from_dict(config.policy.model)
+    norms = (2 * policy.num_layers + 1) * policy.hidden_size
+    reference = tensor_split_bytes(policy.num_params(), norms, 4)
+    # The reward model: the policy's transformer (no LM head) split like it, its scalar head whole.
+    reward = tensor_split_bytes(policy.num_params(with_lm_head=False), norms, 4) + 4 * (policy.hidden_size + 1)
+    assert roles.sampler.frozen_bytes == reference + reward
+    assert roles.trainer.frozen_bytes == plan.params["reference"] == plan.params["reward"] == 0
+    assert roles.sampler.policy_copy_bytes == reference  # the copy it decodes, beside the reference
+    sampler, scoring, experience = plan.phases
+    prompts = 2 * 16 * config.data.prompt_length * 4  # all 16 rows on every device (batch divisor 1)
+    assert sampler.live_bytes == roles.sampler.policy_copy_bytes + roles.sampler.frozen_bytes + prompts
+    assert scoring.live_bytes == sampler.live_bytes + sample_bytes(16, config)
+    # The compiler agrees: the scoring program reads both trees, prompts and responses (tokens + masks).
+    responses = 2 * 16 * config.rollout.response_length * 4
+    assert scoring.argument_bytes == roles.sampler.frozen_bytes + prompts + responses
+    assert roles.sampler.peak_bytes == max(sampler.peak_bytes, scoring.peak_bytes)
+    assert roles.sampler.temp_bytes == max(sampler.temp_bytes, scoring.temp_bytes)
+
+    trainer_scored = plan_lib.plan_memory(scoring_config("trainer"), phases=("experience",), devices=jax.devices())
+    (trainer_experience,) = trainer_scored.phases
+    frozen = trainer_scored.params["reference"] + trainer_scored.params["reward"]
+    assert trainer_scored.roles.trainer.frozen_bytes == frozen > 0
+    # 16 rows over 4 data-parallel trainer devices: 4 rows of log-probs [Lr] and a score each, float32.
+    scores = 4 * (config.rollout.response_length + 1) * 4
+    assert plan.batch_arrays["rollout"] - trainer_scored.batch_arrays["rollout"] == scores
+    assert trainer_experience.argument_bytes - experience.argument_bytes == frozen - scores
+    assert trainer_experience.live_bytes - experience.live_bytes == frozen - 2 * scores  # this + last rollout
+    assert plan.to_dict()["roles"]["scoring"] == "sampler" and "scoring" not in trainer_scored.to_dict()["roles"]
+    report = format_plan(plan)
+    assert "Scoring (roles.scoring=sampler)" in report and "the trainer keeps no frozen tree" in report
+
+
+def test_lora_sampler_scoring_reads_the_samplers_base_copy():
+    """LoRA with roles.scoring=sampler, colocated: the reference is the base, and the scorer reads the
+    sampler's own base copy, so the sampler's frozen trees are the reward model alone (data-parallel:
+    whole on every device); the trainer keeps its FSDP base shard to train on."""
+    config = role_config(sampler_mesh=(8, 1, 1), scoring="sampler")
+    config.mesh.shape = (1, 8, 1)
+    config.policy.lora.rank = 4
+    config.policy.lora.targets = "q,v"
+    plan = plan_lib.plan_memory(config, phases=("scoring",))
+    roles = plan.roles
+    policy = model_config_from_dict(config.policy.model)
+    base = 4 * policy.num_params()
+    reward = 4 * (policy.num_params(with_lm_head=False) + policy.hidden_size + 1)
+    assert roles.sampler.frozen_bytes == reward and plan.params["reward"] == 0
+    assert base / 8 <= roles.trainer.frozen_bytes <= 1.15 * base / 8  # the LoRA base, on the trainer's FSDP
+    assert roles.sampler.policy_copy_bytes - base == roles.sync_bytes  # base + adapters, as without scoring
+    (scoring,) = plan.phases
+    # It reads the base copy and the reward model, prompts and responses of 2 rows a device; no more.
+    inputs = 2 * 2 * (config.data.prompt_length + config.rollout.response_length) * 4
+    assert scoring.argument_bytes == base + reward + inputs
+    assert roles.layout == "colocated" and roles.trainer.peak_bytes == roles.sampler.peak_bytes == scoring.peak_bytes
+
+
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="compiling for a TPU slice needs libtpu")
 def test_disaggregated_plan_on_a_multi_host_tpu_slice():
     """v5p:2x4x1 (8 chips, 2 hosts of 2x2): each host gives its last 2 chips to the sampler (as a run
@@ -297,15 +374,18 @@ def test_one_mesh_plans_report_no_roles(plans):
     (dict(sampler_mesh=(1, 1, 3)), (1, 8, 1), 16, r"roles.sampler_mesh=\(1, 1, 3\) does not fit the sampler's 8"),
     (dict(sampler_mesh=(8, 1, 1)), (1, 4, 2), 12, "not a multiple of the sampler's 8 data-parallel devices"),
     (dict(sampler_devices=4, sampler_mesh=(1, 1, 3)), (1, 4, 1), 16, "does not fit the sampler's 4 devices"),
-    (dict(sampler_devices=4, scoring="sampler"), (1, 4, 1), 16, "the planner does not plan the sampler's scoring"),
+    (dict(sampler_devices=4, scoring="sampler", phases=("value",)), (1, 4, 1), 16, "name one or more of sampler"),
+    (dict(sampler_devices=4, phases=("scoring",)), (1, 4, 1), 16, r"no such program \(roles.scoring=trainer\)"),
 ])
 def test_bad_roles_fail_in_one_line_before_compiling(roles, mesh_shape, batch_size, match):
+    roles = dict(roles)
+    phases = roles.pop("phases", plan_lib.PHASES)
     config = role_config(**roles)
     config.mesh.shape = mesh_shape
     config.rollout.batch_size = batch_size
     compiled = []
     with pytest.raises(ConfigError, match=match) as err:
-        plan_lib.plan_memory(config, devices=jax.devices(), inspect=lambda *a: compiled.append(a))
+        plan_lib.plan_memory(config, phases=phases, devices=jax.devices(), inspect=lambda *a: compiled.append(a))
     assert "\n" not in str(err.value) and not compiled
 
 
