@@ -2,9 +2,11 @@
 training (all devices, another layout) or disaggregated (a device subset of its own), and the weight
 sync that copies the policy from the training layout to the sampler's after every update.
 
-Roles: the *sampler* (rollout decoding) and the *trainer* (the experience forwards of policy,
-reference, value and reward model, and the update). Scoring stays with the trainer: the experience
-step runs all four forwards in one program on the trainer's mesh.
+Roles: the *sampler* (rollout decoding), the *scorer* (the frozen reference and reward model's
+forwards) and the *trainer* (the policy and value forwards of the experience step, and the update).
+The scorer runs with the trainer by default (the experience step runs all four forwards in one
+program), or with roles.scoring="sampler" on the sampler's mesh, each rollout scored there as soon
+as it is sampled, so the trainer's devices hold neither frozen tree.
 
     roles.sampler_devices = 0, roles.sampler_mesh = ()       one mesh for everything (the default)
     roles.sampler_devices = 0, roles.sampler_mesh = (1,1,8)  colocated: all devices, the sampler
@@ -12,6 +14,7 @@ step runs all four forwards in one program on the trainer's mesh.
     roles.sampler_devices = 4                                 disaggregated: 4 devices decode, the
                                                               rest train (each process gives its last
                                                               sampler_devices / processes devices)
+    roles.sampler_devices = 4, roles.scoring = "sampler"     ... and the 4 also score
 """
 
 from __future__ import annotations
