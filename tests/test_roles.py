@@ -4,7 +4,6 @@ one-mesh run's metrics; the sampler's weights equal the trainer's bit for bit; t
 off-policy run equals a plain loop written here; a SIGTERM mid-pipeline resumes exactly."""
 
 import os
-import signal
 import sys
 from unittest import mock
 
@@ -12,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import make_test_mesh
+from test_reliability import _toy_reward_then_sigterm_at
 from tiny_configs import tiny_config
 
 from ppo_jax import rewards as reward_fns
@@ -267,18 +267,6 @@ def test_pipelined_off_policy_equals_the_plain_loop(ratio, tmp_path):
         assert abs(first - 1.0) < 1e-6 and history[1]["off_policy/is_weight_max"] > 1.0
     assert trainer._in_flight is None  # the last iteration started no sample
     trainer.close()
-
-
-def _toy_reward_then_sigterm_at(call: int):
-    calls = {"n": 0}
-
-    def reward(prompts, responses):
-        calls["n"] += 1
-        if calls["n"] == call:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return reward_fns.toy_target_count(prompts, responses)
-
-    return reward
 
 
 @pytest.mark.parametrize("scoring", ["trainer", "sampler"])
