@@ -21,6 +21,7 @@ from ppo_jax.data import toy
 from ppo_jax.models import ScalarModel, hf, init_params
 from ppo_jax.models import lora as lora_lib
 from ppo_jax.rl import build
+from ppo_jax.rl.held_out import HeldOutSampler
 from ppo_jax.rl.settings import Settings
 from ppo_jax.rl import roles
 from ppo_jax.rl.state import Rollout, policy_variables
@@ -143,10 +144,13 @@ def test_scoring_on_the_sampler_mesh_logs_the_same_metrics_and_frees_the_trainer
         assert leaf.sharding.device_set == sampler_devices
     history = trainer.train()
     assert_same_metrics(expected, history)
-    # Evaluation-side scoring reads the same trees (its inputs moved to the sampler's mesh).
-    rollout, _ = trainer._last_rollout
+    # Held-out evaluation (the demo's and the verifiable task's) samples on the sampler's mesh and
+    # scores with the scorer's trees: the KL it reports is the trainer's experience step's.
+    held_out = HeldOutSampler(trainer, [f"w{i} w{i + 1}" for i in range(32)], seed=3)()
+    rollout, exp = trainer._last_rollout
     ref, scores = trainer.score_responses(rollout.prompt_tokens, rollout.prompt_mask, rollout.tokens, rollout.mask)
-    assert ref.shape == rollout.tokens.shape and scores.shape == rollout.tokens.shape[:1]
+    np.testing.assert_allclose(np.asarray(ref), np.asarray(exp.ref_logprobs), atol=1e-6)
+    assert len(held_out) == 32 and all(np.isfinite([s.kl for s in held_out]))
     trainer.close()
 
 

@@ -4,7 +4,8 @@ own way.
 
 The prompts are tokenised and placed once; each batch has its own fixed key, so successive
 evaluations differ only because the policy did. Only the trainer's public API is used: `settings`,
-`tokenizer`, `mesh`, `sample` and `score_responses` (reference log-probs and reward-model scores).
+`tokenizer`, `meshes` (the prompts live on the sampler's), `sample` and `score_responses`
+(reference log-probs and reward-model scores).
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ class HeldOutSampler:
         self.trainer, self.prompts = trainer, list(prompts)
         b, length = trainer.settings.rollout.batch_size, trainer.settings.data.prompt_length
         encoder = PromptTokenizer(trainer.tokenizer, max_prompt_length=length)
+        mesh = trainer.meshes.sampler
         self.batches = []
         for start in range(0, len(self.prompts), b):
             batch = encoder.prompts(self.prompts[start:start + b], length=length)
-            self.batches.append(sharding.put_batch((batch.tokens, batch.mask), trainer.mesh))
-        self.keys = [sharding.replicate(jax.random.fold_in(jax.random.key(seed), 1000 + i), trainer.mesh)
+            self.batches.append(sharding.put_batch((batch.tokens, batch.mask), mesh))
+        self.keys = [sharding.replicate(jax.random.fold_in(jax.random.key(seed), 1000 + i), mesh)
                      for i in range(len(self.batches))]
 
     def __call__(self) -> list[HeldOutSample]:
