@@ -137,7 +137,8 @@ def test_the_gold_evaluation_reads_every_sample_of_a_grouped_rollout():
     trainer = types.SimpleNamespace(
         settings=types.SimpleNamespace(rollout=types.SimpleNamespace(batch_size=2, num_samples=n),
                                        data=types.SimpleNamespace(prompt_length=10)),
-        tokenizer=tok, mesh=make_test_mesh((1, 1, 1)), stop_ids=(tok.eos_token_id,), sample=sample,
+        tokenizer=tok, meshes=types.SimpleNamespace(sampler=make_test_mesh((1, 1, 1))), stop_ids=(tok.eos_token_id,),
+        sample=sample,
         score_responses=lambda *a: (jnp.zeros(rows.shape), jnp.zeros(len(rows))))
     point, judged = PolicyEvaluator(trainer, world, prompts, seed=0)(0)
     assert [r["prompt"] for r in judged] == [prompts[0]] * n + [prompts[1]] * n
