@@ -312,3 +312,15 @@ def test_timeline_model_overlaps_only_what_runs_on_separate_hardware():
     assert timeline.predict(p, off_policy=True, disaggregated=False) == 7.25  # only the host overlaps G
     slow_trainer = timeline.Phases(G=1, H=0.5, E=1, U=2)
     assert timeline.predict(slow_trainer, off_policy=True, disaggregated=True) == 3.5
+
+
+def test_the_roles_preset_config_validates_and_splits_8_devices():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "ppo_roles.py")
+    spec = importlib.util.spec_from_file_location("ppo_roles", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    s = Settings.from_config(module.get_config())
+    meshes = roles.make_role_meshes(s.roles, s.mesh.shape)
+    assert meshes.disaggregated and meshes.trainer.shape["fsdp"] == 4 and meshes.sampler.shape["tensor"] == 2
