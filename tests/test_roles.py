@@ -270,6 +270,7 @@ def test_pipelined_off_policy_equals_the_plain_loop(ratio, tmp_path):
     else:  # the ratio to the recomputed policy (1 on the first minibatch), the staleness in the weights
         assert abs(first - 1.0) < 1e-6 and history[1]["off_policy/is_weight_max"] > 1.0
     assert trainer._in_flight is None  # the last iteration started no sample
+    assert trainer.trace_counts == {"experience": 1, "update": 1} and trainer.sampler.trace_count == 1
     trainer.close()
 
 
