@@ -68,7 +68,14 @@ def make_mesh(shape: Sequence[int] = (1, -1, 1), devices: Sequence[jax.Device] |
         raise ValueError(
             f"mesh shape {tuple(shape)} needs {int(np.prod(shape))} devices but {len(devices)} are "
             f"available; set mesh.shape so that its product is {len(devices)} (one entry may be -1)")
-    return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    try:
+        return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=axis_types, devices=devices)
+    except AssertionError:
+        # jax's TPU mesh builder asserts that the devices fill their bounding box in the torus; a
+        # subset such as a disaggregated role's (the last chips of every host, rl/roles.py) does not.
+        # Lay it out in the given order: device order moves collectives' speed, not correctness.
+        return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=axis_types)
 
 
 def expert_axis_size(mesh) -> int:
@@ -223,10 +230,6 @@ def copy_tree(params: Any, shardings: Any) -> Any:
     return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(params)
 
 
-def same_devices(a: jax.sharding.Sharding, b: jax.sharding.Sharding) -> bool:
-    return a.device_set == b.device_set
-
-
 def reshard(tree: Any, shardings: Any) -> Any:
     """`tree`'s arrays on `shardings` (another layout, mesh or device set: a sampler's, from the
     trainer's), leaving the inputs as they are. An array already on its target is returned as it is
@@ -239,8 +242,9 @@ def reshard(tree: Any, shardings: Any) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
     targets = treedef.flatten_up_to(shardings)
     moved = [i for i, (x, t) in enumerate(zip(leaves, targets)) if x.sharding != t]
-    across = [i for i in moved if jax.process_count() > 1 and not same_devices(leaves[i].sharding, targets[i])]
+    across = {i for i in moved if jax.process_count() > 1 and leaves[i].sharding.device_set != targets[i].device_set}
     local = [i for i in moved if i not in across]
+    across = sorted(across)
     out = list(leaves)
     if local:
         for i, y in zip(local, jax.device_put([leaves[i] for i in local], [targets[i] for i in local])):
@@ -290,7 +294,7 @@ def _reshard_across(xs: list, targets: list) -> list:
                 parts.append(own[device])
             else:
                 part_shape = tuple(len(range(*sl.indices(n))) for sl, n in zip(index, shape))
-                parts.append(jax.device_put(np.zeros(part_shape, x.dtype), device))
+                parts.append(jnp.zeros(part_shape, x.dtype, device=device))
         inputs.append(jax.make_array_from_single_device_arrays(shape, in_sh, parts))
     copied = _broadcast_first_role(tuple(out_shardings))(inputs)
     results = []

@@ -159,7 +159,7 @@ def abstract_train_state(s: Settings, modules: Modules, policy_tx, value_tx, mes
 
     Built once from `jax.eval_shape` and the logical axis rules: the shardings every step is
     jitted with, and the target a checkpoint restores onto (whatever mesh it was saved on). With LoRA
-    the trainable policy is the adapters (the base: `base_shardings`).
+    the trainable policy is the adapters (the base: `roles.policy_shardings`).
     """
     lora = modules.policy.config.lora is not None
     policy = boxed_params(modules.policy, collection="lora" if lora else "params")
@@ -233,11 +233,6 @@ def shared_value_base(s: Settings, modules: Modules, frozen: FrozenParams):
     return (frozen.policy if frozen.policy is not None else frozen.reference)["transformer"]
 
 
-def base_shardings(modules: Modules, mesh):
-    """Shardings of the policy's full params (with LoRA: of its frozen base)."""
-    return sharding.tree_shardings(boxed_params(modules.policy), mesh)
-
-
 def initial_policy(s: Settings, modules: Modules, param_shardings, mesh, key):
     """The policy's starting params (also the frozen reference; with LoRA, the frozen base):
     policy.path (Hugging Face) or a random init from `key`; the same tree every time it is built."""
@@ -253,7 +248,7 @@ def rebuild_lora_base(s: Settings, modules: Modules, mesh, init_key, recorded: d
     """The frozen base a LoRA run's adapters were trained on. Checkpoints hold its checksums, not a
     copy (it is policy.path or the seed's init, unchanged): rebuilt from that source and adopted only
     if the checksums match. recorded: `frozen_checksums["policy_base"]` of a checkpoint in `where`."""
-    base = initial_policy(s, modules, base_shardings(modules, mesh), mesh, init_key)
+    base = initial_policy(s, modules, roles.policy_shardings(modules, mesh), mesh, init_key)
     source = f"policy.path={s.policy.path}" if s.policy.path else f"seed={s.seed}"
     verify.check_rebuilt(base, recorded, where, "a LoRA base", "base policy", source, "use the original policy and seed")
     return base
@@ -279,7 +274,7 @@ def initial_params(s: Settings, modules: Modules, shardings: TrainState, mesh, k
     """Fresh policy and value params: from policy.path (Hugging Face) or a random init. With LoRA
     the policy returned is the base (frozen); the trainable adapters come from `initial_adapters`."""
     lora = modules.policy.config.lora is not None
-    policy = initial_policy(s, modules, base_shardings(modules, mesh) if lora else shardings.policy, mesh, key)
+    policy = initial_policy(s, modules, roles.policy_shardings(modules, mesh) if lora else shardings.policy, mesh, key)
     value = None
     if value_lora(modules):  # adapters (B = 0) + head; the frozen transformer is shared, not copied
         adapters, _ = init_adapters(modules.value, jax.random.fold_in(key, 2), mesh)

@@ -57,7 +57,7 @@ from ppo_jax.accelerators.hlo import ProgramStructure
 from ppo_jax.config import ConfigError, from_config
 from ppo_jax.models import KV_CACHE_AXES, ModelConfig, boxed_params, init_cache
 from ppo_jax.rl import build, plan_roles, roles
-from ppo_jax.rl.plan_inputs import device_bytes, global_bytes, placed, sampler_inputs, scorer_inputs
+from ppo_jax.rl.plan_inputs import device_bytes, placed, sampler_inputs, scorer_inputs
 from ppo_jax.rl.plan_roles import RolesPlan
 from ppo_jax.rl.plan_shapes import MODEL_SHAPES, model_shape  # noqa: F401 (configs import them from here)
 from ppo_jax.rl.settings import PPOHyper, Settings, stop_token_ids
@@ -391,8 +391,8 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
         meshes, compiled, holdings, train_state=trainable + sum(optimizer.values()) + scalars,
         frozen=holdings.trainer_resident - trainable - sum(optimizer.values()) - scalars,
         kv_cache=kv_cache_bytes,
-        sync_bytes=global_bytes(state.policy),  # the trainable policy: full params, or with LoRA the adapters
-        base_sync_bytes=global_bytes(base) if base is not None else 0, scoring=s.roles.scoring)
+        sync_bytes=roles.tree_bytes(state.policy),  # the trainable policy: full params, or with LoRA the adapters
+        base_sync_bytes=roles.tree_bytes(base) if base is not None else 0, scoring=s.roles.scoring)
     return MemoryPlan(
         mesh_shape=tuple(int(mesh.shape[a]) for a in sharding.MESH_AXES),
         platform=platform, device_kind=mesh.devices.flat[0].device_kind, compiler_options=options,

@@ -32,11 +32,6 @@ def device_bytes(tree: Any) -> int:
     return total
 
 
-def global_bytes(tree: Any) -> int:
-    """Bytes of a tree of ShapeDtypeStructs over all devices (one copy, however it is sharded)."""
-    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
-
 def placed(tree: Any, shardings: Any) -> Any:
     """A tree of ShapeDtypeStructs on other shardings (a tree of them, or one for every leaf)."""
     if tree is None:

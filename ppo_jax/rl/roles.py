@@ -26,8 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
 
 from ppo_jax import sharding
 from ppo_jax.config import check
@@ -95,17 +94,7 @@ def _role_mesh(shape: Sequence[int], devices: list, field: str, role: str) -> Me
     fits = len(devices) % known == 0 if -1 in shape else known == len(devices)
     check(fits, f"{field}={tuple(shape)} does not fit the {role}'s {len(devices)} devices: use sizes whose product "
           f"is {len(devices)} (one may be -1)")
-    try:
-        return sharding.make_mesh(shape, devices)
-    except AssertionError:
-        # jax's TPU mesh builder asserts that the devices fill their bounding box in the torus; a
-        # disaggregated split (the last chips of every host) does not. Lay the role out in split
-        # order: device order moves collectives' speed, not correctness.
-        shape += [1] * (len(sharding.MESH_AXES) - len(shape))
-        if -1 in shape:
-            shape[shape.index(-1)] = len(devices) // known
-        return Mesh(np.asarray(devices).reshape(shape), sharding.MESH_AXES,
-                    axis_types=(AxisType.Auto,) * len(sharding.MESH_AXES))
+    return sharding.make_mesh(shape, devices)
 
 
 def split_devices(sampler_devices: int, devices: Sequence[jax.Device]) -> tuple[list, list]:
@@ -159,10 +148,8 @@ class SyncedWeights:
     """The policy on the sampler's mesh after one sync: what the sampler decodes with."""
 
     step: int  # the train step whose weights these are
-    params: Any  # full params (the LoRA base, synced once, with LoRA)
-    adapters: Any  # LoRA adapters (None without LoRA)
-    seconds: float  # wall time of the copy (0 when nothing moved)
-    bytes: int  # bytes copied (global)
+    params: Any  # full params (the LoRA base, synced once, with LoRA; or the merged copy)
+    adapters: Any  # LoRA adapters (None without LoRA, or merged)
 
 
 def tree_bytes(tree: Any) -> int:
@@ -182,7 +169,7 @@ def sync_to(tree: Any, shardings: Any) -> tuple[Any, float, int]:
 # ------------------------------------------------------------------ shardings of the roles' trees
 # (`modules`: `rl.build.Modules`)
 
-def _policy_shardings(modules, mesh):
+def policy_shardings(modules, mesh):
     """The policy's full params (with LoRA: its frozen base) on `mesh`, by the logical rules."""
     return sharding.tree_shardings(boxed_params(modules.policy), mesh)
 
@@ -207,8 +194,8 @@ def sampler_shardings(modules, state_shardings: TrainState, frozen_shardings: Fr
     merged: the sampler decodes a merged copy of a LoRA policy (roles.lora_sync)."""
     lora = frozen_shardings.policy is not None
     if not lora:
-        return SamplerShardings(state_shardings.policy if shared else _policy_shardings(modules, sampler_mesh), None)
-    params = frozen_shardings.policy if shared else _policy_shardings(modules, sampler_mesh)
+        return SamplerShardings(state_shardings.policy if shared else policy_shardings(modules, sampler_mesh), None)
+    params = frozen_shardings.policy if shared else policy_shardings(modules, sampler_mesh)
     adapters = (state_shardings.policy if shared else
                 sharding.tree_shardings(boxed_params(modules.policy, collection="lora"), sampler_mesh))
     return SamplerShardings(params, None if merged else adapters, synced_adapters=adapters, merged=merged)
@@ -230,7 +217,7 @@ def scorer_shardings(modules, frozen_shardings: FrozenParams, where: SamplerShar
     if lora:
         reference = where.synced_adapters if frozen_shardings.reference is not None else None
     else:
-        reference = _policy_shardings(modules, sampler_mesh)
+        reference = policy_shardings(modules, sampler_mesh)
     reward = (sharding.tree_shardings(boxed_params(modules.reward), sampler_mesh)
               if frozen_shardings.reward is not None else None)
     return FrozenParams(reference=reference, reward=reward, policy=where.params if lora else None)

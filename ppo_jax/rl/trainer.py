@@ -94,7 +94,7 @@ class PPOTrainer(TrainerCheckpoints, TrainerRollouts):
         self.lora = self.policy_config.lora is not None
         self.imported = bool(s.policy.lora.init_from)
         self.value_lora = build.value_lora(self.modules)  # adapters + head on a shared frozen transformer
-        self.base_shardings = build.base_shardings(self.modules, self.mesh) if self.lora else None
+        self.base_shardings = roles.policy_shardings(self.modules, self.mesh) if self.lora else None
 
         # -- Weights: the frozen reward model, then a checkpoint to resume or fresh trainable state.
         reward_params = None

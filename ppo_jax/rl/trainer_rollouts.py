@@ -118,7 +118,7 @@ class TrainerRollouts:
         else:
             params, seconds, nbytes = roles.sync_to(params, where.params)
         self._sync_log.append((seconds, nbytes))
-        self._synced = roles.SyncedWeights(step, params, adapters, seconds, nbytes)
+        self._synced = roles.SyncedWeights(step, params, adapters)
         return self._synced
 
     def sample(self, prompt_tokens, prompt_mask, key) -> sampling.SampleOutput:
@@ -157,9 +157,8 @@ class TrainerRollouts:
                       mask=out.mask, sampler_logprobs=out.logprobs, stopped=out.stopped)
         if started.ref_logprobs is not None:
             fields.update(ref_logprobs=started.ref_logprobs, model_scores=started.model_scores)
-        if not self.meshes.shared:
-            data = sharding.data_sharding(self.mesh)
-            fields = sharding.reshard(fields, {k: data for k in fields})
+        data = sharding.data_sharding(self.mesh)  # a no-op when the sampler shares the trainer's mesh
+        fields = sharding.reshard(fields, {k: data for k in fields})
         return Rollout(**fields, host_scores=sharding.put_batch(host_scores, self.mesh))
 
     def rollout(self, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key) -> tuple[Rollout, Any]:
