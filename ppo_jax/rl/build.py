@@ -353,7 +353,7 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
         scorer_sh = roles.scorer_shardings(modules, frozen_shardings, where, sampler_mesh)
         frozen_shardings = roles.trainer_frozen(frozen_shardings)
         sampler_batch = sharding.data_sharding(sampler_mesh)
-        scoring_jit = jax.jit(make_scoring_fn(modules.policy, modules.reward, hp, raw=True),
+        scoring_jit = jax.jit(make_scoring_fn(modules.policy, modules.reward, hp),
                               in_shardings=(scorer_sh,) + (sampler_batch,) * 4, out_shardings=(sampler_batch,) * 2)
     else:
         rollout_sh = rollout_sh.replace(ref_logprobs=None, model_scores=None)

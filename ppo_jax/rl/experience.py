@@ -230,14 +230,12 @@ def make_experience_fn(policy_model: CausalLM, value_model: ScalarModel | None,
 
 
 
-def make_scoring_fn(policy_model: CausalLM, reward_model: ScalarModel | None, hp: PPOHyper,
-                    raw: bool = False) -> Callable:
+def make_scoring_fn(policy_model: CausalLM, reward_model: ScalarModel | None, hp: PPOHyper) -> Callable:
     """Pure scoring of given responses by the frozen models: (frozen, rollout-like arrays) ->
-    (reference log-probs [B, Lr] under the rollout temperature, reward-model scores [B] with the
-    configured gain and bias, 0 without a reward model). The reference and reward forwards of the
-    experience step (packed when it is), for evaluation outside the training loop, and (raw: the
-    scores without gain and bias, as the experience step takes them) for roles.scoring="sampler"."""
-    gain, bias = (1.0, 0.0) if raw else (hp.score_gain, hp.score_bias)
+    (reference log-probs [B, Lr] under the rollout temperature, the reward model's raw scores [B],
+    before gain and bias as the experience step takes them; 0 without a reward model). The reference
+    and reward forwards of the experience step (packed when it is): its scorer with
+    roles.scoring="sampler", and evaluation outside the training loop."""
 
     def packed_score(frozen: FrozenParams, prompt_tokens, prompt_mask, tokens, mask):
         """`score` on packed rows, as the packed experience step computes them."""
@@ -250,7 +248,7 @@ def make_scoring_fn(policy_model: CausalLM, reward_model: ScalarModel | None, hp
             return packing.next_token_logprobs(logits, rows.tokens), rewards
 
         (ref_logp,), scores, _ = packed_outputs(forward, hp, prompt_tokens, prompt_mask, tokens, mask)
-        return ref_logp, scores * gain + bias if reward_model is not None else scores
+        return ref_logp, scores
 
     def score(frozen: FrozenParams, prompt_tokens, prompt_mask, tokens, mask):
         if hp.packed:
@@ -261,7 +259,6 @@ def make_scoring_fn(policy_model: CausalLM, reward_model: ScalarModel | None, hp
         ref_logp = token_logprobs(ref_logits, tokens, mask)
         if reward_model is None:
             return ref_logp, jnp.zeros(tokens.shape[:1], jnp.float32)
-        scores = response_scores(reward_model, frozen.reward, prompt_tokens, prompt_mask, tokens, mask)
-        return ref_logp, scores * gain + bias
+        return ref_logp, response_scores(reward_model, frozen.reward, prompt_tokens, prompt_mask, tokens, mask)
 
     return score

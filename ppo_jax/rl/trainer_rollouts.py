@@ -218,18 +218,22 @@ class TrainerRollouts:
         """Reference log-probs [B, Lr] and reward-model scores [B] (gain and bias applied) of responses
         to prompts, by the run's frozen models: batch-sharded global arrays in (e.g. a `sampler`
         output's fields; moved to the mesh the frozen models live on), the same out, on that mesh.
-        Compiled once per shape on first use."""
+        With roles.scoring="sampler" this is the rollouts' own scoring program; else it is compiled
+        once per shape on first use."""
         scorer = self.scorer is not None  # roles.scoring="sampler": the frozen models are on the sampler's mesh
         mesh = self.meshes.sampler if scorer else self.mesh
         data = sharding.data_sharding(mesh)
-        if self._score_jit is None:
-            frozen_shardings = self.steps.scorer_shardings if scorer else self.frozen_shardings
+        if scorer:
+            self._score_jit = self.steps.scoring_jit
+        elif self._score_jit is None:
             self._score_jit = jax.jit(make_scoring_fn(self.modules.policy, self.modules.reward, self.hp),
-                                      in_shardings=(frozen_shardings,) + (data,) * 4,
-                                      out_shardings=(data, data))
+                                      in_shardings=(self.frozen_shardings,) + (data,) * 4, out_shardings=(data, data))
         inputs = sharding.reshard((prompt_tokens, prompt_mask, tokens, mask), (data,) * 4)
         with sharding.mesh_context(mesh):
-            return self._score_jit(self.scorer if scorer else self.frozen, *inputs)
+            ref_logprobs, scores = self._score_jit(self.scorer if scorer else self.frozen, *inputs)
+        if self.modules.reward is not None:
+            scores = scores * self.hp.score_gain + self.hp.score_bias
+        return ref_logprobs, scores
 
     def decode(self, prompt_tokens, prompt_mask, tokens, mask) -> tuple[list[str], list[str]]:
         """Host arrays -> prompt and response texts (stop tokens and padding dropped)."""
