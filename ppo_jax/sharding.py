@@ -241,17 +241,16 @@ def reshard(tree: Any, shardings: Any) -> Any:
     """
     leaves, treedef = jax.tree.flatten(tree)
     targets = treedef.flatten_up_to(shardings)
-    moved = [i for i, (x, t) in enumerate(zip(leaves, targets)) if x.sharding != t]
-    across = {i for i in moved if jax.process_count() > 1 and leaves[i].sharding.device_set != targets[i].device_set}
-    local = [i for i in moved if i not in across]
-    across = sorted(across)
+    local, across = [], []  # indices of the leaves that move, by how
+    for i, (x, target) in enumerate(zip(leaves, targets)):
+        if x.sharding != target:
+            crosses = jax.process_count() > 1 and x.sharding.device_set != target.device_set
+            (across if crosses else local).append(i)
     out = list(leaves)
-    if local:
-        for i, y in zip(local, jax.device_put([leaves[i] for i in local], [targets[i] for i in local])):
-            out[i] = y
-    if across:
-        for i, y in zip(across, _reshard_across([leaves[i] for i in across], [targets[i] for i in across])):
-            out[i] = y
+    for indices, move in ((local, jax.device_put), (across, _reshard_across)):
+        if indices:
+            for i, y in zip(indices, move([leaves[i] for i in indices], [targets[i] for i in indices])):
+                out[i] = y
     return jax.tree.unflatten(treedef, out)
 
 

@@ -246,12 +246,15 @@ class Settings(RunSettings):
               f"engine: set rollout.engine=continuous, or leave them 0")
         stop_token_ids(r, None)  # parses
         self.roles.validate()
-        check(self.roles.scoring == "trainer" or not (self.value.lora.rank and self.uses_critic and (
-              self.value.init == "reward" or not (self.policy.lora.rank or self.policy.lora.init_from))),
+        lora_policy = self.policy.lora.rank > 0 or bool(self.policy.lora.init_from)
+        # A LoRA value model shares a frozen transformer: the reward model's, or without a LoRA policy the reference's.
+        value_base_is_scorers = bool(self.value.lora.rank) and self.uses_critic and (
+            self.value.init == "reward" or not lora_policy)
+        check(self.roles.scoring == "trainer" or not value_base_is_scorers,
               "roles.scoring=sampler moves the reference and reward model to the sampler's mesh, but the LoRA value "
               f"model's frozen base is {'the reward model' if self.value.init == 'reward' else 'the reference'}'s "
               "transformer, which the trainer needs; use a full value model (value.lora.rank=0) or roles.scoring=trainer")
-        check(self.roles.lora_sync == "adapters" or self.policy.lora.rank > 0 or bool(self.policy.lora.init_from),
+        check(self.roles.lora_sync == "adapters" or lora_policy,
               f"roles.lora_sync={self.roles.lora_sync!r} applies to a LoRA policy (policy.lora.rank > 0)")
         check(r.off_policy_steps in (0, 1), f"rollout.off_policy_steps={r.off_policy_steps}: use 0 (on-policy) or 1 "
               "(one-step off-policy)")
