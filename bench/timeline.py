@@ -77,15 +77,21 @@ def prediction_table(p: Phases) -> str:
 
 # ------------------------------------------------------------------------------------ the CPU check
 
-def slow_reward(seconds: float):
-    """The toy reward after `seconds` of sleep: a verifier's host time that overlaps device work."""
-    from ppo_jax import rewards
+class SlowReward:
+    """The toy reward after `seconds` of sleep: a verifier's host time that overlaps device work;
+    `last` is how long its latest call took."""
 
-    def reward(prompts, responses):
-        time.sleep(seconds)
-        return rewards.toy_target_count(prompts, responses)
+    def __init__(self, seconds: float):
+        self.seconds, self.last = seconds, 0.0
 
-    return reward
+    def __call__(self, prompts, responses):
+        from ppo_jax import rewards
+
+        start = time.perf_counter()
+        time.sleep(self.seconds)
+        out = rewards.toy_target_count(prompts, responses)
+        self.last = time.perf_counter() - start
+        return out
 
 
 def measured_run(overrides: dict, iterations: int, reward_seconds: float) -> tuple[Phases, float]:
@@ -103,23 +109,15 @@ def measured_run(overrides: dict, iterations: int, reward_seconds: float) -> tup
     config.policy.model.max_position_embeddings = 64
     config.policy.model.hidden_size = 128
     config.policy.model.num_layers = 4
+    reward = SlowReward(reward_seconds)
     stamps: list[float] = []
-    reward = slow_reward(reward_seconds)
-    timed = {"n": 0.0}
-
-    def timed_reward(prompts, responses):
-        start = time.perf_counter()
-        out = reward(prompts, responses)
-        timed["n"] = time.perf_counter() - start
-        return out
-
     rows = []
 
     def on_iteration(step, scalars):
         stamps.append(time.perf_counter())
-        rows.append({**scalars, "host": timed["n"]})
+        rows.append({**scalars, "host": reward.last})
 
-    trainer = PPOTrainer(config, tempfile.mkdtemp(), reward_functions=[(timed_reward, 1.0)])
+    trainer = PPOTrainer(config, tempfile.mkdtemp(), reward_functions=[(reward, 1.0)])
     trainer.train(on_iteration)
     trainer.close()
     steady = rows[1:]
