@@ -38,6 +38,11 @@ setup(
             # TRL's DPOTrainer is a reference for the DPO loss (tests/test_dpo.py). 1.x has no PPO trainer:
             # bench_ppo.py needs the [bench] pin (0.29.1), so install [test] and [bench] in separate envs.
             "trl>=1.16",
+            # The compile-only accelerator tests (tests/test_accelerators.py, test_plan.py, test_tpu_attention.py):
+            # XLA:GPU and XLA:TPU compile the real programs on a CPU machine through the CUDA plugin and
+            # libtpu (no GPU or TPU needed; 3.2 GB of wheels). Where no wheel exists the tests skip.
+            "jax[cuda12]; platform_system == 'Linux'",
+            "jax[tpu]; platform_system == 'Linux' and platform_machine == 'x86_64'",
         ],
         "tfds": ["tensorflow-datasets>=4.9", "array-record>=0.5", "importlib_resources"],
         "hf-datasets": ["datasets>=2.14"],

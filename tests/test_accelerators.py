@@ -6,11 +6,10 @@ show: the experience and update programs call cuDNN flash attention, the per-lay
 layers, the update's temps hold no second copy of the train state, and the same programs compile
 for TPU slices. Every figure is the compiler's own (`memory_analysis()`, the optimised HLO).
 
-They need the `cuda12` extra (the CUDA plugin) and libtpu, which .ci/run installs; each skips, saying
+They need the CUDA plugin and libtpu, which the `test` extra installs (Linux); each skips, saying
 so, where its plugin is absent.
 """
 
-import importlib.util
 import math
 import re
 
@@ -24,10 +23,10 @@ from ppo_jax.rl import plan as plan_lib
 from ppo_jax.rl.plan_report import format_plan
 from ppo_jax.rl.settings import ppo_config
 
-needs_cuda = pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
+needs_cuda = pytest.mark.skipif(not accelerators.cuda_plugin_installed(),
                                 reason="the CUDA plugin is not installed (pip install -e '.[cuda12]')")
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                  reason="libtpu is not installed (pip install libtpu)")
+needs_libtpu = pytest.mark.skipif(not accelerators.libtpu_installed(),
+                                  reason="libtpu is not installed (pip install -e '.[tpu]')")
 
 LAYERS = 3  # no other dimension of the model or batch is 3: a leading [3, ...] axis is a layer stack
 HIDDEN, MLP = 128, 384

@@ -26,6 +26,28 @@ def test_the_first_two_commands_make_a_virtual_environment_and_the_python_versio
     assert f"Python **{required} or newer**" in readme and "externally-managed-environment" in readme
 
 
+def test_ci_runs_the_readmes_test_command_as_written_and_installs_nothing_else():
+    """CI runs command 2 exactly: an install step only CI makes would hide a test that fails for a
+    reader (the compile-only tests' extras come with the `test` extra)."""
+    readme_block = re.search(r"```bash\n(.*?)```", _read("README.md"), flags=re.S).group(1)
+    test_command = [line for line in readme_block.splitlines() if line and not line.startswith("#")][1]
+    ci = [line for line in _read(".ci", "run").splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert test_command in ci
+    installs = [line for line in ci if "pip install" in line]
+    assert installs == [test_command]
+    test_extra = re.search(r'"test": \[(.*?)\],', _read("setup.py"), flags=re.S).group(1)
+    assert "jax[cuda12]" in test_extra and "jax[tpu]" in test_extra
+
+
+def test_a_missing_plugin_is_not_installed_rather_than_an_error():
+    """find_spec of "jax_plugins.xla_cuda12" raises where no jax_plugins package exists at all: the
+    accelerator tests' skip guards crashed at collection on such a machine."""
+    from ppo_jax import accelerators
+
+    assert accelerators.module_installed("no_such_package_ppo_jax.plugin") is False
+    assert accelerators.module_installed("json.decoder") is True
+
+
 def test_the_set_up_notes_name_the_notebook_the_extras_procps_and_the_exit_statuses():
     readme = _read("README.md")
     for promise in ("notebooks/quickstart.ipynb", "`[tensorboard]`", "procps", "130", "143"):

@@ -19,6 +19,7 @@ import jax
 import pytest
 from conftest import make_test_mesh
 
+from ppo_jax import accelerators
 from ppo_jax.cli import plan as plan_cli
 from ppo_jax.rl import plan as plan_lib
 from ppo_jax.rl.plan_report import format_plan
@@ -346,7 +347,7 @@ def test_lora_sampler_scoring_reads_the_samplers_base_copy():
     assert roles.layout == "colocated" and roles.trainer.peak_bytes == roles.sampler.peak_bytes == scoring.peak_bytes
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="compiling for a TPU slice needs libtpu")
+@pytest.mark.skipif(not accelerators.libtpu_installed(), reason="compiling for a TPU slice needs libtpu")
 def test_disaggregated_plan_on_a_multi_host_tpu_slice():
     """v5p:2x4x1 (8 chips, 2 hosts of 2x2): each host gives its last 2 chips to the sampler (as a run
     splits them), leaving the trainer rows y=0 and y=2 of the torus, a set jax's TPU mesh builder

@@ -8,7 +8,6 @@ real thing compiled (not run) for a TPU chip through libtpu: the Mosaic kernel i
 no [B, H, T, S] score buffer is.
 """
 
-import importlib.util
 import re
 
 import flax.linen as nn
@@ -119,9 +118,10 @@ def test_auto_takes_splash_on_a_tpu_and_splash_is_refused_elsewhere():
 
 
 def _tpu_chip():
-    if importlib.util.find_spec("libtpu") is None:
-        pytest.skip("libtpu is not installed (pip install libtpu): cannot compile for a TPU")
-    from ppo_jax.accelerators import tpu_devices
+    from ppo_jax.accelerators import libtpu_installed, tpu_devices
+
+    if not libtpu_installed():
+        pytest.skip("libtpu is not installed (pip install -e '.[tpu]'): cannot compile for a TPU")
 
     return tpu_devices("v5e:2x2")  # the smallest slice libtpu describes without host settings
 

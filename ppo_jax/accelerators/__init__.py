@@ -57,10 +57,30 @@ def gpu_target_config(kind: str) -> str:
     return text
 
 
+def module_installed(name: str) -> bool:
+    """Whether `name` (dotted: "jax_plugins.xla_cuda12") can be imported, without importing it.
+    `find_spec` of a dotted name imports its parent and raises when the parent is absent (no
+    `jax_plugins` package at all without an accelerator plugin): that is "not installed" too."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def cuda_plugin_installed() -> bool:
+    """The CUDA plugin that compiles for GPUs this machine lacks (the `cuda12` extra)."""
+    return module_installed("jax_plugins.xla_cuda12")
+
+
+def libtpu_installed() -> bool:
+    """libtpu, which compiles for TPU slices this machine lacks (the `tpu` extra)."""
+    return module_installed("libtpu")
+
+
 def gpu_devices(kind: str, count: int) -> list:
     """`count` compile-only GPUs of `kind` in one process (an NVLink-connected host: "1x1xN")."""
     config = gpu_target_config(kind)
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if not cuda_plugin_installed():
         raise ConfigError(f"compiling for a GPU without one needs the CUDA plugin: {CUDA_INSTALL}")
     try:
         devices = topologies.get_topology_desc(platform="cuda", target_config=config,
