@@ -14,7 +14,7 @@ fsdp). With expert parallelism each GPU holds 1/8 of the experts and runs them f
 Only shapes are used: no weights exist or are read.
 """
 
-from ppo_jax.rl.plan import model_shape
+from ppo_jax.plan import model_shape
 from ppo_jax.rl.settings import ppo_config
 
 

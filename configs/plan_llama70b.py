@@ -11,7 +11,7 @@ master weights and fp32 Adam states add --config.policy.param_dtype=float32. A 7
 """
 
 from ppo_jax.rl.settings import ppo_config
-from ppo_jax.rl.plan import model_shape
+from ppo_jax.plan import model_shape
 
 
 def get_config():

@@ -1,5 +1,5 @@
 """Memory plan of PPO on a Llama-3-70B-shaped policy with a Llama-3-8B-shaped reward model and a value
-model grown from it (value.init="reward"); bf16 params and compute. For `ppo_jax.rl.plan`:
+model grown from it (value.init="reward"); bf16 params and compute. For `ppo_jax.plan`:
 
     python -m ppo_jax.cli.plan --config=configs/plan_llama70b_rm8b.py --config.mesh.shape=1,8,1 --device_memory_gb=141
 
@@ -9,7 +9,7 @@ Batch settings as configs/plan_llama70b.py. Adam moments follow the parameter dt
 import ml_collections
 
 from ppo_jax.rl.settings import ppo_config
-from ppo_jax.rl.plan import model_shape
+from ppo_jax.plan import model_shape
 
 
 def get_config():

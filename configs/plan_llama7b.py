@@ -11,7 +11,7 @@ Only shapes are used: no weights exist or are read.
 """
 
 from ppo_jax.rl.settings import ppo_config
-from ppo_jax.rl.plan import model_shape
+from ppo_jax.plan import model_shape
 
 
 def get_config():

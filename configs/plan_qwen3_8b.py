@@ -8,7 +8,7 @@ The reward model has the policy's architecture (a separate ScalarModel); the val
 policy. Only shapes are used: no weights exist or are read.
 """
 
-from ppo_jax.rl.plan import model_shape
+from ppo_jax.plan import model_shape
 from ppo_jax.rl.settings import ppo_config
 
 

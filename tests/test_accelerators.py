@@ -19,8 +19,8 @@ import pytest
 from ppo_jax import accelerators, sharding
 from ppo_jax.accelerators.hlo import ProgramStructure, result_shapes
 from ppo_jax.config import ConfigError, model_config_dict
-from ppo_jax.rl import plan as plan_lib
-from ppo_jax.rl.plan_report import format_plan
+from ppo_jax import plan as plan_lib
+from ppo_jax.plan import format_plan
 from ppo_jax.rl.settings import ppo_config
 
 needs_cuda = pytest.mark.skipif(not accelerators.cuda_plugin_installed(),

@@ -19,8 +19,8 @@ from ppo_jax.checkpoint import CheckpointError
 from ppo_jax.config import ConfigError
 from ppo_jax.models import CausalLM, hf
 from ppo_jax.models.forward import response_logits, token_logprobs
-from ppo_jax.rl import plan as plan_lib
-from ppo_jax.rl.plan_report import format_plan
+from ppo_jax import plan as plan_lib
+from ppo_jax.plan import format_plan
 from ppo_jax.rl.export import export_checkpoint
 from ppo_jax.rl.trainer import PPOTrainer
 

@@ -1,4 +1,4 @@
-"""Memory planner (ppo_jax.rl.plan).
+"""Memory planner (ppo_jax.plan).
 
 Parameter, optimizer and batch bytes in a plan are shape arithmetic on the shardings (per-device shard
 shape x itemsize); phase bytes come from `compiled.memory_analysis()`. The tests check the first
@@ -21,8 +21,8 @@ from conftest import make_test_mesh
 
 from ppo_jax import accelerators
 from ppo_jax.cli import plan as plan_cli
-from ppo_jax.rl import plan as plan_lib
-from ppo_jax.rl.plan_report import format_plan
+from ppo_jax import plan as plan_lib
+from ppo_jax.plan import format_plan
 from ppo_jax.config import ConfigError, model_config_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]

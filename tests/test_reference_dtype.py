@@ -13,7 +13,7 @@ from tiny_configs import tiny_config
 
 from ppo_jax.config import ConfigError
 from ppo_jax.models.forward import response_logits, token_logprobs
-from ppo_jax.rl import plan as plan_lib
+from ppo_jax import plan as plan_lib
 from ppo_jax.rl.trainer import PPOTrainer
 
 

@@ -1,6 +1,6 @@
 """`python -m ppo_jax.cli.plan --config=FILE [--num_devices=N] [--device_memory_gb=G] [--platform=...]` (also
 the console script `ppo-jax-plan`): the memory plan of a PPO config on a mesh, without allocating
-anything (see `ppo_jax.rl.plan` for what the numbers mean).
+anything (see `ppo_jax.plan` for what the numbers mean).
 
     ppo-jax-plan --config=configs/plan_tinyllama.py --platform=gpu --gpu=h100 --device_memory_gb=80
     ppo-jax-plan --config=configs/plan_llama7b.py --platform=tpu --tpu_topology=v5p:2x4x4
@@ -22,8 +22,7 @@ from absl import flags
 from ppo_jax.accelerators import GPU_KINDS, planning_devices
 from ppo_jax.cli.common import config_command
 from ppo_jax.config import ConfigError
-from ppo_jax.rl.plan import GB, GIB, PHASES, plan_memory
-from ppo_jax.rl.plan_report import format_plan
+from ppo_jax.plan import GB, GIB, PHASES, format_plan, plan_memory
 from ppo_jax.rl.settings import Settings
 
 

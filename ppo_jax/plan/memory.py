@@ -29,11 +29,11 @@ What the numbers mean:
     samples), by shape arithmetic. Not the compiler's argument bytes: jit prunes arguments a program
     does not read (the experience step never reads the optimizer states), yet they stay in memory.
   * With roles.* (issue 31) the sampler is lowered on its own mesh, with its own copy of the policy
-    (`rl/plan_roles.py`), and each phase's live bytes are those of the devices that run it: colocated
+    (`plan/role_memory.py`), and each phase's live bytes are those of the devices that run it: colocated
     (roles.sampler_mesh), the trainer's trees and the sampler's copy share every device; disaggregated
     (roles.sampler_devices), the sampler's devices hold its copy, prompts and samples only.
     `MemoryPlan.roles` reports each role's bytes per device. With roles.scoring=sampler the reference
-    and reward model sit on the sampler's mesh too (`rl/plan_inputs.py`) and score each sample there,
+    and reward model sit on the sampler's mesh too (`plan/inputs.py`) and score each sample there,
     a fourth program, the "scoring" phase, counted with the sampler's role; the trainer's devices keep
     no frozen tree but a LoRA base, and `params` (the trainer's devices) shows the reference and
     reward model at 0.
@@ -47,22 +47,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ppo_jax import sharding
 from ppo_jax.accelerators.hlo import ProgramStructure
-from ppo_jax.config import ConfigError, from_config
-from ppo_jax.models import KV_CACHE_AXES, ModelConfig, boxed_params, init_cache
-from ppo_jax.rl import build, plan_roles, roles
-from ppo_jax.rl.plan_inputs import device_bytes, placed, sampler_inputs, scorer_inputs
-from ppo_jax.rl.plan_roles import RolesPlan
-from ppo_jax.rl.plan_shapes import MODEL_SHAPES, model_shape  # noqa: F401 (configs import them from here)
-from ppo_jax.rl.settings import PPOHyper, Settings, stop_token_ids
-from ppo_jax.rl.sizes import derive_sizes
-from ppo_jax.rl.state import Rollout
+from ppo_jax.config import ConfigError
+from ppo_jax.models import ModelConfig
+from ppo_jax.plan import role_memory
+from ppo_jax.plan.inputs import device_bytes
+from ppo_jax.plan.programs import LoweredRun, PlannedRun, kv_cache_bytes, lower_programs, planned_run, planned_settings
+from ppo_jax.plan.role_memory import Holdings, RolesPlan
+from ppo_jax.rl import build, roles
 
 GB = 10**9
 GIB = 2**30
@@ -193,45 +189,6 @@ def _summary(cfg: ModelConfig) -> ModelSummary:
                         dtype=cfg.dtype, remat=cfg.remat)
 
 
-def _abstract(boxed: Any, mesh) -> Any:
-    """Boxed abstract params -> ShapeDtypeStructs carrying their shardings."""
-    shardings = sharding.tree_shardings(boxed, mesh)
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        nn.unbox(boxed), shardings)
-
-
-# ----------------------------------------------------------------------------------------------
-# Configuration.
-
-
-def planned_reward_config(s: Settings, policy_cfg: ModelConfig, mesh=None) -> tuple[ModelConfig, str]:
-    """The reward model architecture to plan with, and where it came from.
-
-    `plan.reward_model` (a model section, as policy.model) if the settings have one; else the
-    config.json of reward.path (no weights read); else the policy's architecture.
-    """
-    if s.plan.reward_model is not None:
-        return s.compute.apply(s.plan.reward_model, *build.mesh_platform(mesh)), "plan.reward_model"
-    if s.reward.path:
-        return build.reward_model_config(s, mesh), f"reward.path={s.reward.path}"
-    if s.policy.reference_dtype:  # a frozen tree, held like the reference
-        return (policy_cfg.replace(param_dtype=s.policy.reference_dtype),
-                f"the policy's architecture, {s.policy.reference_dtype} like the reference")
-    return policy_cfg, "same as the policy"
-
-
-def planned_settings(config) -> Settings:
-    """The settings, validated with the planned reward model standing in for a reward source."""
-    s = config if isinstance(config, Settings) else from_config(Settings, config)
-    if not s.reward.path:
-        # Only the reward path's presence is validated; the planner never reads it.
-        s = s.replace(reward=dataclasses.replace(s.reward, path="<planned reward model>"))
-        s.validate()
-        return s.replace(reward=dataclasses.replace(s.reward, path=""))
-    s.validate()
-    return s
-
-
 def _compile(name: str, lowered, live: int, compiler_options: dict[str, Any], inspect=None) -> PhaseMemory:
     start = time.perf_counter()
     compiled = lowered.compile(compiler_options=compiler_options or None)
@@ -261,6 +218,73 @@ def run_phases(scored_outside: bool) -> tuple[str, ...]:
     return PHASES if scored_outside else tuple(p for p in PHASES if p != "scoring")
 
 
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeBytes:
+    """Per-device bytes of what a run holds for its whole length, by shape arithmetic."""
+
+    params: dict[str, int]  # policy (+ a LoRA base), reference, reward, value: on the trainer's devices
+    optimizer: dict[str, int]  # policy, value: the optax states
+    scalars: int  # the state's step, KL controller and key (replicated)
+    base: int  # a LoRA policy's frozen base (inside params["policy"]), 0 without LoRA
+
+    @property
+    def resident(self) -> int:
+        return sum(self.params.values()) + sum(self.optimizer.values()) + self.scalars
+
+    @property
+    def train_state(self) -> int:
+        """Trainable params (the policy's without its base, the value's) + optimizer states + scalars."""
+        return self.params["policy"] - self.base + self.params["value"] + sum(self.optimizer.values()) + self.scalars
+
+
+def tree_bytes(run: PlannedRun) -> TreeBytes:
+    state, kept = run.state, run.kept
+    base = device_bytes(run.base) if run.base is not None else 0
+    params = {"policy": device_bytes(state.policy) + base,
+              "reference": device_bytes(kept.reference) if kept.reference is not None else 0,
+              "reward": device_bytes(kept.reward),
+              # With value LoRA: its adapters + head (the trainable tree), no base of its own.
+              "value": device_bytes(state.value) if state.value is not None else 0}
+    optimizer = {"policy": device_bytes(state.policy_opt),
+                 "value": device_bytes(state.value_opt) if state.value_opt is not None else 0}
+    key_data = jax.eval_shape(jax.random.key_data, state.key)  # the key is replicated: every device holds it
+    scalars = device_bytes((state.step, state.kl)) + math.prod(key_data.shape) * key_data.dtype.itemsize
+    return TreeBytes(params, optimizer, scalars, base)
+
+
+def holdings(trees: TreeBytes, low: LoweredRun) -> Holdings:
+    """On the devices when each phase starts: every tree and the state's scalars for the whole run, the
+    previous iteration's (rollout, experience) that the trainer keeps for samples, and the phase's
+    batch inputs (the update runs while the current rollout is still referenced)."""
+    rollout, experience = device_bytes(low.rollout), device_bytes(low.experience)
+    return Holdings(
+        trainer_resident=trees.resident, held=rollout + experience, rollout=rollout, experience=experience,
+        prompts=device_bytes((low.prompts, low.prompts)), policy_copy=low.decoded.copy_bytes,
+        sample=device_bytes(low.sample), scorer_frozen=low.scorer.frozen_bytes if low.scorer else 0,
+        scores=device_bytes(low.scores))
+
+
+def reference_kind(s, lora: bool) -> str:
+    """How the reference is held (`MemoryPlan.reference`)."""
+    if s.policy.lora.init_from:
+        return "lora base + imported"
+    if lora:
+        return "lora base"
+    return f"{s.policy.reference_dtype} copy" if s.policy.reference_dtype else "copy"
+
+
+def batch_figures(run: PlannedRun) -> dict[str, int]:
+    s, sizes = run.settings, run.sizes
+    return {"prompts": s.rollout.batch_size, "samples_per_prompt": s.rollout.num_samples,
+            "rows": sizes.rollout_rows, "prompt_length": s.data.prompt_length,
+            "response_length": s.rollout.response_length,
+            "minibatch_rows": sizes.minibatch_rows, "microbatch_rows": sizes.microbatch_rows,
+            "forward_rows": sizes.forward_rows, "epochs": s.ppo.epochs, "packed_rows": sizes.packed_rows,
+            "engine": s.rollout.engine, "decode_slots": sizes.decode_slots}
+
+
 def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
                 inspect: Callable[[str, Any], None] | None = None, devices=None) -> MemoryPlan:
     """Plans a PPO run of `config` (a ConfigDict or Settings) on `mesh` (the trainer's; default:
@@ -280,132 +304,28 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
     if not set(phases) & set(programs):
         raise ConfigError(f"phases {list(phases)}: this run has no such program (roles.scoring={s.roles.scoring}); "
                           f"name one or more of {', '.join(programs)}")
-    # The split a run makes (a ConfigError names the field, before any compile): fake CPU,
-    # compile-only GPU / TPU devices or this machine's; a disaggregated split picks the trainer's.
-    meshes = roles.make_role_meshes(s.roles, s.mesh.shape, devices, trainer_mesh=mesh)
-    mesh, sampler_mesh = meshes.trainer, meshes.sampler
-    # "auto" execution choices (attention kernel, layer loop, decode loop) resolve for the devices
-    # compiled for, not this host: a GPU plan made on a CPU machine compiles a GPU run's programs.
-    platform = mesh.devices.flat[0].platform
-    policy_cfg = build.policy_model_config(s, mesh)
-    reward_cfg, reward_source = planned_reward_config(s, policy_cfg, mesh)
-    sizes = derive_sizes(s, batch_divisor=sharding.batch_divisor(mesh),
-                         max_positions=policy_cfg.max_position_embeddings, vocab_size=policy_cfg.vocab_size,
-                         platform=platform, sampler_divisor=sharding.batch_divisor(sampler_mesh))
-    hp = PPOHyper.from_settings(s, sizes)
-
-    modules = build.make_modules(s, policy_cfg, reward_cfg)
-    policy_tx, value_tx = build.make_optimizers(s)
-    state, state_shardings = build.abstract_train_state(s, modules, policy_tx, value_tx, mesh)
-    reward = _abstract(boxed_params(modules.reward), mesh)
-    # With LoRA the trainable policy is its adapters, beside a frozen base that is also the reference
-    # (with imported adapters the reference is base + a frozen copy of them). A LoRA value model's
-    # base is a subtree of these trees (FrozenParams.value), held once: counted under its owner only.
-    base = _abstract(boxed_params(modules.policy), mesh) if policy_cfg.lora is not None else None
-    reference = (build.as_reference(s, state.policy) if base is None
-                 else state.policy if s.policy.lora.init_from else None)
-    frozen = build.frozen_params(s, modules, reference, reward, base)
-    frozen_shardings = jax.tree.map(lambda s: s.sharding, frozen)
-    # roles.scoring="sampler": the reference and reward model live on the sampler's mesh; the trainer
-    # keeps the rest (a LoRA base, a LoRA value base), and `params` counts the trainer's devices.
-    kept = roles.trainer_frozen(frozen) if hp.scored_outside else frozen
-
-    policy_bytes = device_bytes(state.policy) + (device_bytes(base) if base is not None else 0)
-    params = {"policy": policy_bytes,
-              "reference": device_bytes(kept.reference) if kept.reference is not None else 0,
-              "reward": device_bytes(kept.reward),
-              # With value LoRA: its adapters + head (the trainable tree), no base of its own.
-              "value": device_bytes(state.value) if state.value is not None else 0}
-    optimizer = {"policy": device_bytes(state.policy_opt),
-                 "value": device_bytes(state.value_opt) if state.value_opt is not None else 0}
-
-    stop_ids = stop_token_ids(s.rollout, policy_cfg.eos_token_id) or (0,)
-    pad_id = policy_cfg.pad_token_id if policy_cfg.pad_token_id is not None else 0
-    # The decode loop a run on the planned mesh picks (rollout.decode); a CPU plan stands in for a
-    # TPU's and gets its scanned decode (the CPU default unrolls it, with a copy of the layer weights
-    # an accelerator run does not make).
-    unroll = False if platform == "cpu" and s.rollout.decode == "auto" else None
-    steps = build.build_steps(s, mesh, sizes, hp, modules, policy_tx, value_tx, state_shardings,
-                              frozen_shardings, stop_ids, pad_id, unroll_layers=unroll, sampler_mesh=sampler_mesh)
-
-    # Sampler, on its mesh: prompts [B, Lq] in, SampleOutput with R = B * n rows out. It reads the
-    # trainer's own policy when it shares the mesh, else its copy (synced there after every update).
-    batch_sh = sharding.data_sharding(mesh)
-    prompts = jax.ShapeDtypeStruct((s.rollout.batch_size, s.data.prompt_length),
-                                   jnp.int32, sharding=sharding.data_sharding(sampler_mesh))
-    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
-                               sharding=sharding.replicated(sampler_mesh))
-    decoded = sampler_inputs(state.policy, base, steps.sampler_shardings, meshes.shared)
-    sampler_lowered = steps.sampler.lower(decoded.params, prompts, prompts, key, adapters=decoded.adapters)
-    sample = sampler_lowered.out_info
-    rows = sample.tokens.shape[0]
-    lowered = {"sampler": sampler_lowered}
-    # roles.scoring="sampler": the scorer's trees score the sample on the sampler's mesh, and its
-    # reference log-probs [R, Lr] and model scores [R] travel with the rollout.
-    scorer, scored = None, {}
-    if hp.scored_outside:
-        scorer = scorer_inputs(frozen, steps.scorer_shardings)
-        with sharding.mesh_context(sampler_mesh):
-            lowered["scoring"] = steps.scoring_jit.lower(scorer.frozen, sample.prompt_tokens, sample.prompt_mask,
-                                                         sample.tokens, sample.mask)
-        scored = dict(zip(("ref_logprobs", "model_scores"), lowered["scoring"].out_info))
-    # The trainer scores the sample on its own mesh (moved there when the sampler has its own).
-    rollout = Rollout(
-        prompt_tokens=sample.prompt_tokens, prompt_mask=sample.prompt_mask, tokens=sample.tokens,
-        mask=sample.mask, sampler_logprobs=sample.logprobs, stopped=sample.stopped,
-        host_scores=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=batch_sh), **scored)
-    rollout = rollout if meshes.shared else placed(rollout, batch_sh)
-
-    with sharding.mesh_context(mesh):
-        experience_lowered = steps.experience_jit.lower(state, kept, rollout)
-        experience = experience_lowered.out_info[0]
-        update_lowered = steps.update_jit.lower(state, base, frozen.value, experience)
-
-    # The static engine caches every row, the continuous one its decode slots only.
-    cache_rows = sizes.decode_slots or rows
-    width = s.data.prompt_length + s.rollout.response_length - 1
-    cache = jax.eval_shape(lambda: init_cache(policy_cfg, cache_rows, width, steps.sampling_config.cache_dtype))
-    cache_sh = jax.sharding.NamedSharding(sampler_mesh, sharding.logical_to_spec(KV_CACHE_AXES, cache.k.shape,
-                                                                                 sampler_mesh))
-    kv_cache_bytes = 2 * device_bytes(jax.ShapeDtypeStruct(cache.k.shape, cache.k.dtype, sharding=cache_sh))
-    batch_arrays = {"rollout": device_bytes(rollout), "experience": device_bytes(experience)}
-
-    # On the devices when each phase starts: every tree and the state's scalars for the whole run, the
-    # previous iteration's (rollout, experience) that the trainer keeps for samples, and the phase's
-    # batch inputs (the update runs while the current rollout is still referenced).
-    key_data = jax.eval_shape(jax.random.key_data, state.key)  # the key is replicated: every device holds it
-    scalars = device_bytes((state.step, state.kl)) + math.prod(key_data.shape) * key_data.dtype.itemsize
-    holdings = plan_roles.Holdings(
-        trainer_resident=sum(params.values()) + sum(optimizer.values()) + scalars,
-        held=batch_arrays["rollout"] + batch_arrays["experience"], rollout=batch_arrays["rollout"],
-        experience=batch_arrays["experience"], prompts=device_bytes((prompts, prompts)),
-        policy_copy=decoded.copy_bytes,
-        sample=device_bytes(sample), scorer_frozen=scorer.frozen_bytes if scorer else 0,
-        scores=device_bytes(tuple(scored.values())))
-    live = plan_roles.phase_live(holdings, plan_roles.layout(meshes), s.rollout.off_policy_steps == 1)
-    lowered.update(experience=experience_lowered, update=update_lowered)
-    options = dict(CPU_COMPILER_OPTIONS) if platform == "cpu" else {}
-    compiled = tuple(_compile(name, lowered[name], live[name], options, inspect) for name in programs if name in phases)
-    trainable = params["policy"] - (device_bytes(base) if base is not None else 0) + params["value"]
-    role_plan = plan_roles.roles_plan(
-        meshes, compiled, holdings, train_state=trainable + sum(optimizer.values()) + scalars,
-        frozen=holdings.trainer_resident - trainable - sum(optimizer.values()) - scalars,
-        kv_cache=kv_cache_bytes,
-        sync_bytes=roles.tree_bytes(state.policy),  # the trainable policy: full params, or with LoRA the adapters
-        base_sync_bytes=roles.tree_bytes(base) if base is not None else 0, scoring=s.roles.scoring)
+    run = planned_run(s, mesh, devices)
+    low = lower_programs(run)
+    trees = tree_bytes(run)
+    held = holdings(trees, low)
+    live = role_memory.phase_live(held, role_memory.layout(run.meshes), s.rollout.off_policy_steps == 1)
+    options = dict(CPU_COMPILER_OPTIONS) if run.platform == "cpu" else {}
+    compiled = tuple(_compile(name, low.lowered[name], live[name], options, inspect)
+                     for name in programs if name in phases)
+    kv_cache = kv_cache_bytes(run, low.steps, low.sample.tokens.shape[0])
+    role_plan = role_memory.roles_plan(
+        run.meshes, compiled, held, train_state=trees.train_state, frozen=trees.resident - trees.train_state,
+        kv_cache=kv_cache,
+        sync_bytes=roles.tree_bytes(run.state.policy),  # the trainable policy: full params, or with LoRA the adapters
+        base_sync_bytes=roles.tree_bytes(run.base) if run.base is not None else 0, scoring=s.roles.scoring)
+    mesh = run.mesh
     return MemoryPlan(
         mesh_shape=tuple(int(mesh.shape[a]) for a in sharding.MESH_AXES),
-        platform=platform, device_kind=mesh.devices.flat[0].device_kind, compiler_options=options,
-        policy_model=_summary(policy_cfg), reward_model=_summary(reward_cfg), reward_source=reward_source,
-        value_model=_summary(modules.value.config) if modules.value is not None else None,
-        value_init=s.value.init, value_lora=build.value_lora(modules),
-        reference=("lora base + imported" if s.policy.lora.init_from else "lora base" if base is not None
-                   else f"{s.policy.reference_dtype} copy" if s.policy.reference_dtype else "copy"),
-        batch={"prompts": s.rollout.batch_size, "samples_per_prompt": s.rollout.num_samples,
-               "rows": sizes.rollout_rows, "prompt_length": s.data.prompt_length,
-               "response_length": s.rollout.response_length,
-               "minibatch_rows": sizes.minibatch_rows, "microbatch_rows": sizes.microbatch_rows,
-               "forward_rows": sizes.forward_rows, "epochs": s.ppo.epochs, "packed_rows": sizes.packed_rows,
-               "engine": s.rollout.engine, "decode_slots": sizes.decode_slots},
-        params=params, optimizer=optimizer, kv_cache_bytes=kv_cache_bytes, batch_arrays=batch_arrays,
-        phases=compiled, roles=role_plan)
+        platform=run.platform, device_kind=mesh.devices.flat[0].device_kind, compiler_options=options,
+        policy_model=_summary(run.policy_config), reward_model=_summary(run.reward_config),
+        reward_source=run.reward_source,
+        value_model=_summary(run.modules.value.config) if run.modules.value is not None else None,
+        value_init=s.value.init, value_lora=build.value_lora(run.modules),
+        reference=reference_kind(s, run.base is not None), batch=batch_figures(run),
+        params=trees.params, optimizer=trees.optimizer, kv_cache_bytes=kv_cache,
+        batch_arrays={"rollout": held.rollout, "experience": held.experience}, phases=compiled, roles=role_plan)

@@ -1,11 +1,11 @@
-"""The memory planner's report: a plan (`ppo_jax.rl.plan.MemoryPlan`) as the table `ppo-jax-plan` prints
+"""The memory planner's report: a plan (`ppo_jax.plan.memory.MemoryPlan`) as the table `ppo-jax-plan` prints
 (GiB = 2^30 bytes per device)."""
 
 from __future__ import annotations
 
 from ppo_jax import sharding
-from ppo_jax.rl.plan import GB, GIB, MemoryPlan, ModelSummary
-from ppo_jax.rl.plan_roles import RoleMemory, RolesPlan
+from ppo_jax.plan.memory import GB, GIB, MemoryPlan, ModelSummary
+from ppo_jax.plan.role_memory import RoleMemory, RolesPlan
 
 
 def _gib(n: float) -> str:

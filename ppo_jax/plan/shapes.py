@@ -1,4 +1,4 @@
-"""Published model architectures for the memory planner (`ppo_jax.rl.plan`): `model_shape(name)` gives a
+"""Published model architectures for the memory planner (`ppo_jax.plan`): `model_shape(name)` gives a
 policy.model section with a published model's shape, for planning without a checkpoint."""
 
 from __future__ import annotations

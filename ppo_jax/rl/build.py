@@ -331,7 +331,7 @@ class Steps:
 def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: Modules, policy_tx, value_tx,
                 state_shardings, frozen_shardings, stop_ids: Sequence[int], pad_id: int,
                 unroll_layers: bool | None = None, sampler_mesh=None) -> Steps:
-    """The sampler and the jitted experience and update steps of a run (also what `ppo_jax.rl.plan`
+    """The sampler and the jitted experience and update steps of a run (also what `ppo_jax.plan`
     lowers and measures, so the planner sees exactly the programs a run compiles). unroll_layers:
     overrides rollout.decode (see `settings.sampling_config`); sampler_mesh: the sampler's own mesh
     (`rl/roles.py`; None: `mesh`), `sizes.decode_slots` derived for it."""
@@ -339,7 +339,8 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
     replicated = sharding.replicated(mesh)
     sampler_mesh = mesh if sampler_mesh is None else sampler_mesh
     unroll_layers = decode_unrolled(s, sampler_mesh) if unroll_layers is None else unroll_layers
-    sampler_settings = sampling_config(s, stop_ids, pad_id, unroll_layers, sizes.decode_slots)
+    sampler_settings = sampling_config(s, stop_ids, pad_id, unroll_layers, sizes.decode_slots,
+                                       platform=mesh_platform(sampler_mesh)[0])
     # LoRA: the rollout decodes the frozen base with the trainable adapters (no merged copy).
     where = roles.sampler_shardings(modules, state_shardings, frozen_shardings, sampler_mesh, sampler_mesh is mesh,
                                     merged=s.roles.lora_sync == "merged")

@@ -1,0 +1,196 @@
+"""The programs a PPO run compiles, built and lowered on abstract inputs: no weight is read, nothing is
+allocated. `planned_run` builds what the trainer would (settings, meshes, modules, optimizers, the
+abstract train state and frozen trees, all with their shardings) through `rl/build.py`;
+`lower_programs` lowers the run's own jitted phases (sampler, [scoring,] experience, update) on
+them. `ppo_jax.plan.memory` compiles those and reads what each holds.
+
+Shapes: B prompts, R = B * n rollout rows, Lq prompt length, Lr response length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ppo_jax import sharding
+from ppo_jax.config import from_config
+from ppo_jax.models import KV_CACHE_AXES, ModelConfig, boxed_params, init_cache
+from ppo_jax.plan.inputs import SamplerInputs, ScorerInputs, device_bytes, placed, sampler_inputs, scorer_inputs
+from ppo_jax.rl import build, roles
+from ppo_jax.rl.settings import DerivedSizes, PPOHyper, Settings, stop_token_ids
+from ppo_jax.rl.sizes import derive_sizes
+from ppo_jax.rl.state import FrozenParams, Rollout, TrainState
+
+
+def abstract_params(boxed: Any, mesh) -> Any:
+    """Boxed abstract params -> ShapeDtypeStructs carrying their shardings."""
+    shardings = sharding.tree_shardings(boxed, mesh)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        nn.unbox(boxed), shardings)
+
+
+def planned_reward_config(s: Settings, policy_cfg: ModelConfig, mesh=None) -> tuple[ModelConfig, str]:
+    """The reward model architecture to plan with, and where it came from.
+
+    `plan.reward_model` (a model section, as policy.model) if the settings have one; else the
+    config.json of reward.path (no weights read); else the policy's architecture.
+    """
+    if s.plan.reward_model is not None:
+        return s.compute.apply(s.plan.reward_model, *build.mesh_platform(mesh)), "plan.reward_model"
+    if s.reward.path:
+        return build.reward_model_config(s, mesh), f"reward.path={s.reward.path}"
+    if s.policy.reference_dtype:  # a frozen tree, held like the reference
+        return (policy_cfg.replace(param_dtype=s.policy.reference_dtype),
+                f"the policy's architecture, {s.policy.reference_dtype} like the reference")
+    return policy_cfg, "same as the policy"
+
+
+def planned_settings(config) -> Settings:
+    """The settings, validated with the planned reward model standing in for a reward source."""
+    s = config if isinstance(config, Settings) else from_config(Settings, config)
+    if not s.reward.path:
+        # Only the reward path's presence is validated; the planner never reads it.
+        s = s.replace(reward=dataclasses.replace(s.reward, path="<planned reward model>"))
+        s.validate()
+        return s.replace(reward=dataclasses.replace(s.reward, path=""))
+    s.validate()
+    return s
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedRun:
+    """What a run of the settings builds before it loads a weight, as abstract trees
+    (ShapeDtypeStructs carrying shardings) on the meshes a run would make."""
+
+    settings: Settings
+    meshes: roles.RoleMeshes
+    platform: str  # the planned devices' ("cpu", "gpu", "tpu"): "auto" choices resolve for it
+    policy_config: ModelConfig
+    reward_config: ModelConfig
+    reward_source: str  # where the reward architecture came from
+    sizes: DerivedSizes
+    hp: PPOHyper
+    modules: build.Modules
+    policy_tx: Any
+    value_tx: Any
+    state: TrainState  # abstract
+    state_shardings: TrainState
+    base: Any  # a LoRA policy's frozen base (None for full fine-tuning)
+    frozen: FrozenParams  # every frozen tree
+    kept: FrozenParams  # those the trainer's devices keep (roles.scoring="sampler": not the reference, reward)
+
+    @property
+    def mesh(self):
+        return self.meshes.trainer
+
+
+def planned_run(s: Settings, mesh=None, devices=None) -> PlannedRun:
+    """The abstract run of validated settings `s` on `mesh` (the trainer's; see `plan_memory`)."""
+    # The split a run makes (a ConfigError names the field, before any compile): fake CPU,
+    # compile-only GPU / TPU devices or this machine's; a disaggregated split picks the trainer's.
+    meshes = roles.make_role_meshes(s.roles, s.mesh.shape, devices, trainer_mesh=mesh)
+    mesh = meshes.trainer
+    # "auto" execution choices (attention kernel, layer loop, decode loop) resolve for the devices
+    # compiled for, not this host: a GPU plan made on a CPU machine compiles a GPU run's programs.
+    platform = mesh.devices.flat[0].platform
+    policy_cfg = build.policy_model_config(s, mesh)
+    reward_cfg, reward_source = planned_reward_config(s, policy_cfg, mesh)
+    sizes = derive_sizes(s, batch_divisor=sharding.batch_divisor(mesh),
+                         max_positions=policy_cfg.max_position_embeddings, vocab_size=policy_cfg.vocab_size,
+                         platform=platform, sampler_divisor=sharding.batch_divisor(meshes.sampler))
+    hp = PPOHyper.from_settings(s, sizes)
+    modules = build.make_modules(s, policy_cfg, reward_cfg)
+    policy_tx, value_tx = build.make_optimizers(s)
+    state, state_shardings = build.abstract_train_state(s, modules, policy_tx, value_tx, mesh)
+    reward = abstract_params(boxed_params(modules.reward), mesh)
+    # With LoRA the trainable policy is its adapters, beside a frozen base that is also the reference
+    # (with imported adapters the reference is base + a frozen copy of them). A LoRA value model's
+    # base is a subtree of these trees (FrozenParams.value), held once: counted under its owner only.
+    base = abstract_params(boxed_params(modules.policy), mesh) if policy_cfg.lora is not None else None
+    reference = (build.as_reference(s, state.policy) if base is None
+                 else state.policy if s.policy.lora.init_from else None)
+    frozen = build.frozen_params(s, modules, reference, reward, base)
+    # roles.scoring="sampler": the reference and reward model live on the sampler's mesh; the trainer
+    # keeps the rest (a LoRA base, a LoRA value base).
+    kept = roles.trainer_frozen(frozen) if hp.scored_outside else frozen
+    return PlannedRun(s, meshes, platform, policy_cfg, reward_cfg, reward_source, sizes, hp, modules, policy_tx,
+                      value_tx, state, state_shardings, base, frozen, kept)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweredRun:
+    """The run's phases lowered (by name), with the abstract arrays that pass between them."""
+
+    lowered: dict[str, Any]  # "sampler", ["scoring",] "experience", "update" -> jax Lowered
+    steps: build.Steps
+    prompts: jax.ShapeDtypeStruct  # [B, Lq] on the sampler's mesh
+    sample: Any  # the sampler's SampleOutput [R, ...] on its mesh
+    scores: tuple  # roles.scoring="sampler": reference log-probs [R, Lr] and model scores [R] there; else ()
+    rollout: Rollout  # on the trainer's mesh
+    experience: Any  # Experience [R, ...]
+    decoded: SamplerInputs  # what the sampler decodes with
+    scorer: ScorerInputs | None  # roles.scoring="sampler": the frozen trees it scores with
+
+
+def lower_programs(run: PlannedRun) -> LoweredRun:
+    """The run's own jitted phases (`build.build_steps`) lowered on the abstract trees, each on the
+    mesh that runs it."""
+    s, hp, meshes, mesh = run.settings, run.hp, run.meshes, run.mesh
+    sampler_mesh = meshes.sampler
+    stop_ids = stop_token_ids(s.rollout, run.policy_config.eos_token_id) or (0,)
+    pad_id = run.policy_config.pad_token_id if run.policy_config.pad_token_id is not None else 0
+    # The decode loop a run on the planned mesh picks (rollout.decode); a CPU plan stands in for a
+    # TPU's and gets its scanned decode (the CPU default unrolls it, with a copy of the layer weights
+    # an accelerator run does not make).
+    unroll = False if run.platform == "cpu" and s.rollout.decode == "auto" else None
+    frozen_shardings = jax.tree.map(lambda x: x.sharding, run.frozen)
+    steps = build.build_steps(s, mesh, run.sizes, hp, run.modules, run.policy_tx, run.value_tx, run.state_shardings,
+                              frozen_shardings, stop_ids, pad_id, unroll_layers=unroll, sampler_mesh=sampler_mesh)
+
+    # Sampler, on its mesh: prompts [B, Lq] in, SampleOutput with R = B * n rows out. It reads the
+    # trainer's own policy when it shares the mesh, else its copy (synced there after every update).
+    prompts = jax.ShapeDtypeStruct((s.rollout.batch_size, s.data.prompt_length),
+                                   jnp.int32, sharding=sharding.data_sharding(sampler_mesh))
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
+                               sharding=sharding.replicated(sampler_mesh))
+    decoded = sampler_inputs(run.state.policy, run.base, steps.sampler_shardings, meshes.shared)
+    lowered = {"sampler": steps.sampler.lower(decoded.params, prompts, prompts, key, adapters=decoded.adapters)}
+    sample = lowered["sampler"].out_info
+    # roles.scoring="sampler": the scorer's trees score the sample on the sampler's mesh, and its
+    # reference log-probs [R, Lr] and model scores [R] travel with the rollout.
+    scorer, scores = None, ()
+    if hp.scored_outside:
+        scorer = scorer_inputs(run.frozen, steps.scorer_shardings)
+        with sharding.mesh_context(sampler_mesh):
+            lowered["scoring"] = steps.scoring_jit.lower(scorer.frozen, sample.prompt_tokens, sample.prompt_mask,
+                                                         sample.tokens, sample.mask)
+        scores = tuple(lowered["scoring"].out_info)
+    # The trainer scores the sample on its own mesh (moved there when the sampler has its own).
+    batch_sh = sharding.data_sharding(mesh)
+    rollout = Rollout(
+        prompt_tokens=sample.prompt_tokens, prompt_mask=sample.prompt_mask, tokens=sample.tokens,
+        mask=sample.mask, sampler_logprobs=sample.logprobs, stopped=sample.stopped,
+        host_scores=jax.ShapeDtypeStruct((sample.tokens.shape[0],), jnp.float32, sharding=batch_sh),
+        **dict(zip(("ref_logprobs", "model_scores"), scores)))
+    rollout = rollout if meshes.shared else placed(rollout, batch_sh)
+    with sharding.mesh_context(mesh):
+        lowered["experience"] = steps.experience_jit.lower(run.state, run.kept, rollout)
+        experience = lowered["experience"].out_info[0]
+        lowered["update"] = steps.update_jit.lower(run.state, run.base, run.frozen.value, experience)
+    return LoweredRun(lowered, steps, prompts, sample, scores, rollout, experience, decoded, scorer)
+
+
+def kv_cache_bytes(run: PlannedRun, steps: build.Steps, rows: int) -> int:
+    """Per-device bytes of the sampler's k and v caches [L, rows, K, Lq + Lr - 1, Dh]: the static
+    engine caches every row, the continuous one its decode slots only."""
+    s, sampler_mesh = run.settings, run.meshes.sampler
+    cache_rows = run.sizes.decode_slots or rows
+    width = s.data.prompt_length + s.rollout.response_length - 1
+    cache = jax.eval_shape(lambda: init_cache(run.policy_config, cache_rows, width, steps.sampling_config.cache_dtype))
+    cache_sh = jax.sharding.NamedSharding(sampler_mesh, sharding.logical_to_spec(KV_CACHE_AXES, cache.k.shape,
+                                                                                 sampler_mesh))
+    return 2 * device_bytes(jax.ShapeDtypeStruct(cache.k.shape, cache.k.dtype, sharding=cache_sh))
