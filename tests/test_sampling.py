@@ -456,6 +456,24 @@ def test_scanned_and_unrolled_decode_agree(gpt2, stop_run):
     assert stop_run.mask.sum() > BATCH  # responses longer than one token: the decode loop ran
 
 
+@pytest.mark.parametrize("steps_per_sync", [3, 5, 16])
+def test_several_steps_per_stop_test_decode_the_same_responses(gpt2, stop_run, free_run, steps_per_sync):
+    """K decode steps per test of "every row stopped" (the loop of known trip count XLA:GPU runs
+    without a host round trip): N - 1 = 11 steps is no multiple of 3 or 5, and 16 > 11; rows stop
+    early (stop_run), and never (free_run: the last column is written by the last real step, not by a
+    step past the end)."""
+    model, params, _ = gpt2
+    for config, reference in ((STOP_CONFIG, stop_run), (FREE_CONFIG, free_run)):
+        out = _run(model, params, dataclasses.replace(config, steps_per_sync=steps_per_sync), _prompts())
+        np.testing.assert_array_equal(out.tokens, reference.tokens)
+        np.testing.assert_array_equal(out.mask, _expected_mask(out.tokens, config.stop_token_ids))
+        np.testing.assert_array_equal(out.stopped, reference.stopped)
+        np.testing.assert_array_equal(out.lengths, reference.lengths)
+        np.testing.assert_allclose(out.logprobs, reference.logprobs, atol=1e-6)
+        np.testing.assert_allclose(out.sampling_logprobs, reference.sampling_logprobs, atol=1e-6)
+    assert free_run.mask.all() and stop_run.stopped.any()
+
+
 def _shardings_on(model, mesh):
     """Parameter shardings of `model` on `mesh` (from the abstract, logically named tree)."""
     tokens = jnp.zeros((1, 4), jnp.int32)

@@ -12,6 +12,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+import jax
 import ml_collections
 
 from ppo_jax.config import (HF_MODEL_DIR, HF_REWARD_DIR, PEFT_ADAPTER_DIR,
@@ -108,6 +109,7 @@ class RolloutSettings:
     cache_dtype: str = ""  # KV cache dtype ("" = compute dtype; "bfloat16" halves it)
     decode: str = "auto"  # with scanned layers: "scan" them, "unrolled" (per-layer copies; 2x faster decode on CPU and GPU), "auto": unrolled except on TPU
     forward_microbatch: int = 0  # rows per forward pass in the experience step; 0 = whole batch
+    steps_per_sync: int = 0  # static engine: decode steps between two tests of "every row stopped" (XLA:GPU reads that test on the host, and waits, once per test); 0 = auto: 8 on a GPU, 1 elsewhere; the same tokens for any value
     engine: str = "static"  # "static": all batch_size * num_samples rows decoded at once until the longest stops; "continuous": `slots` decode rows fed from a queue of them, a finished row's slot refilled by the next prompt (sampling/continuous.py; same tokens for the same key)
     slots: int = 0  # continuous: decode rows held at once, a multiple of the data-parallel devices, <= the rows; 0 = half the rows
     prefill_prompts: int = 0  # continuous: prompts prefilled together when a slot is free and no prefilled row waits; 0 = a quarter of the slots' worth
@@ -234,6 +236,7 @@ class Settings(RunSettings):
         check(not self.policy.reference_dtype or self.policy.lora.rank == 0 and not self.policy.lora.init_from,
               f"policy.reference_dtype={self.policy.reference_dtype!r} with a LoRA policy: the frozen base is the "
               "reference, held in the policy's dtype (policy.param_dtype); set policy.reference_dtype=\"\"")
+        check(r.steps_per_sync >= 0, f"rollout.steps_per_sync must be >= 0 (0: by platform), got {r.steps_per_sync}")
         check(r.decode in DECODE_LOOPS, f"rollout.decode={r.decode!r}: use one of {sorted(DECODE_LOOPS)}")
         check(r.engine in ENGINES, f"rollout.engine={r.engine!r}: use one of {', '.join(ENGINES)}")
         check(r.slots >= 0 and r.prefill_prompts >= 0,
@@ -407,16 +410,22 @@ class PPOHyper:
         return self.estimator == "gae"
 
 
+# rollout.steps_per_sync = 0 by platform: a GPU evaluates a data-dependent loop condition on the host.
+AUTO_STEPS_PER_SYNC = {"gpu": 8}
+
+
 def sampling_config(s: Settings, stop_ids: Sequence[int], pad_id: int,
-                    unroll_layers: bool | None = None, slots: int = 0) -> SamplingConfig:
+                    unroll_layers: bool | None = None, slots: int = 0, platform: str | None = None) -> SamplingConfig:
     """The sampler settings of a run (rollout.*); unroll_layers, if given, overrides rollout.decode;
-    slots: the continuous engine's (`DerivedSizes.decode_slots`)."""
+    slots: the continuous engine's (`DerivedSizes.decode_slots`); platform: the sampler's devices'
+    (what rollout.steps_per_sync = 0 resolves for; None: this process's backend)."""
     r = s.rollout
     if unroll_layers is None:
         unroll_layers = DECODE_LOOPS[r.decode]
+    steps_per_sync = r.steps_per_sync or AUTO_STEPS_PER_SYNC.get(platform or jax.default_backend(), 1)
     return SamplingConfig(
         max_new_tokens=r.response_length, min_new_tokens=r.min_new_tokens, temperature=r.temperature,
         top_k=r.top_k, top_p=r.top_p, stop_token_ids=tuple(stop_ids), pad_token_id=int(pad_id),
         num_samples=r.num_samples, cache_dtype=r.cache_dtype or None, engine=r.engine, slots=slots,
         prefill_prompts=r.prefill_prompts, tail_halvings=None if r.tail_halvings < 0 else r.tail_halvings,
-        unroll_layers=unroll_layers)
+        steps_per_sync=steps_per_sync, unroll_layers=unroll_layers)

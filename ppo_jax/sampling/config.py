@@ -59,6 +59,11 @@ class SamplingConfig:
                     2 with the unrolled decode, 0 with the scanned one, whose stage caches XLA:TPU
                     kept side by side (compile-only Llama-3-8B on v5p-8, 256 rows x 2560: 27.5
                     instead of 10.4 GiB of temps).
+    steps_per_sync: decode steps one iteration of the static engine's loop runs (a loop of known trip
+                    count inside it) before it tests whether every row has stopped. XLA:GPU reads a
+                    loop condition that depends on device data on the host, and waits for it, after
+                    every iteration; K steps per test make that 1/K of the steps, at the price of up to
+                    K - 1 steps past the last row's stop (masked: the same tokens and log-probs for any K).
     unroll_layers:  decode layer by layer on per-layer weights and caches instead of scanning the
                     stacked layers (`Transformer.unrolled`): this saves a copy of every layer's
                     weights and cache slab per token (GPT-2-small on CPU: 1.5x faster; TinyLlama on an
@@ -82,6 +87,7 @@ class SamplingConfig:
     slots: int = 0
     prefill_prompts: int = 0
     tail_halvings: int | None = None
+    steps_per_sync: int = 1
     unroll_layers: bool | None = None
 
     def __post_init__(self):
@@ -116,6 +122,8 @@ class SamplingConfig:
         if self.engine == "static" and self.slots:
             raise ValueError(f"sampling.slots={self.slots} is for the continuous engine (engine='static' "
                              f"decodes every row at once)")
+        if self.steps_per_sync < 1:
+            raise ValueError(f"sampling.steps_per_sync must be >= 1, got {self.steps_per_sync}")
         if self.tail_halvings is not None and self.tail_halvings < 0:
             raise ValueError(f"sampling.tail_halvings must be >= 0, got {self.tail_halvings}")
         if self.prefill_prompts < 0:

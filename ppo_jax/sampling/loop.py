@@ -7,7 +7,10 @@ S = Lq + N - 1 cache slots (the last sampled token is never fed back, so it need
 
 Everything has a fixed shape: the response buffers are [R, N] from the start, a row that has produced
 a stop token keeps running (fed padding, its outputs masked) until every row has stopped, at which
-point the loop exits early.
+point the loop exits early. The loop tests for that every `config.steps_per_sync` = K steps: each of
+its iterations decodes K steps in a loop of known trip count, which XLA:GPU runs without a host round
+trip (the outer loop's data-dependent condition costs one per iteration). Steps past the response's
+end write into K - 1 spare columns of the buffers, dropped at the end.
 
 Contract. Prompts are left-padded and every row has at least one real token (a row of padding only
 yields finite garbage, it is not detected inside the compiled program). With num_samples > 1 the
@@ -182,8 +185,12 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
         column = jax.lax.dynamic_index_in_dim(uniforms, step, axis=1, keepdims=False)
         return choose_tokens(logits, step, column, config)
 
+    # Decode steps per loop iteration; steps past the last column (at most K - 1, once every row is
+    # done) write into spare columns.
+    per_sync = max(1, min(config.steps_per_sync, new - 1))
+
     def zeros(dtype):
-        return constrain(jnp.zeros((rows, new), dtype), ("batch", "length"))
+        return constrain(jnp.zeros((rows, new + per_sync - 1), dtype), ("batch", "length"))
 
     state = DecodeState(
         step=jnp.zeros((), jnp.int32), cache=cache, kv_mask=kv_mask, stopped=jnp.zeros((rows,), bool),
@@ -206,9 +213,16 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
         state = state.replace(cache=cache, kv_mask=kv_mask)
         return _record(state, choose(logits, state.step), config, limits)
 
-    state = jax.lax.while_loop(keep_going, decode_one, state)
-    lengths = state.mask.sum(axis=-1)
+    def decode_group(state: DecodeState) -> DecodeState:
+        if per_sync == 1:
+            return decode_one(state)
+        return jax.lax.fori_loop(0, per_sync, lambda _, s: decode_one(s), state)
+
+    state = jax.lax.while_loop(keep_going, decode_group, state)
+    tokens, logprobs, sampling_logprobs, mask = (x[:, :new] for x in (
+        state.tokens, state.logprobs, state.sampling_logprobs, state.mask))
+    lengths = mask.sum(axis=-1)
     return SampleOutput(
-        prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=state.tokens, logprobs=state.logprobs,
-        sampling_logprobs=state.sampling_logprobs, mask=state.mask, lengths=lengths, stopped=state.stopped,
+        prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=tokens, logprobs=logprobs,
+        sampling_logprobs=sampling_logprobs, mask=mask, lengths=lengths, stopped=state.stopped,
         slot_steps_at_finish=(lengths - 1) * rows)
