@@ -18,6 +18,7 @@ import pytest
 
 from ppo_jax import accelerators, sharding
 from ppo_jax.accelerators.hlo import ProgramStructure, result_shapes
+from ppo_jax.accelerators.profile import profile_program
 from ppo_jax.config import ConfigError, model_config_dict
 from ppo_jax import plan as plan_lib
 from ppo_jax.plan import format_plan
@@ -130,6 +131,23 @@ def test_gpu_experience_and_update_call_cudnn_flash_attention(gpu_auto):
         # adds the backward kernels.
         assert phase.structure.fused_attention_calls >= 4 * LAYERS, phase
         assert "__cudnn$fmha" in texts[phase.name]
+
+
+@needs_cuda
+def test_gpu_decode_tests_for_stopped_rows_once_per_eight_steps(h100):
+    """XLA:GPU waits on the host for a loop condition that reads device data: the decode loop's
+    "every row stopped" test. The sampler decodes 8 steps per test (rollout.steps_per_sync = auto on a
+    GPU) in an inner loop whose trip count XLA proves, so 15 decode steps cost 2 round trips, not 15."""
+    config = tiny_config()
+    response = config.rollout.response_length
+    _, texts = compile_plan(config, h100, phases=("sampler",))
+    groups = math.ceil((response - 1) / 8)  # the first token comes from the prefill
+    sampler = profile_program("sampler", texts["sampler"], unknown_trip_count=groups)
+    decode = sampler.outer_unknown_loop()
+    (steps,) = [loop for loop in sampler.loops if loop.parent == decode.name]
+    assert steps.known and steps.trip_count == 8
+    assert sampler.host_syncs == groups == 2
+    assert [loop for loop in sampler.loops if not loop.known] == [decode]
 
 
 @needs_cuda
