@@ -23,7 +23,7 @@ from ppo_jax.plan.inputs import SamplerInputs, ScorerInputs, device_bytes, place
 from ppo_jax.rl import build, roles
 from ppo_jax.rl.settings import DerivedSizes, PPOHyper, Settings, stop_token_ids
 from ppo_jax.rl.sizes import derive_sizes
-from ppo_jax.rl.state import FrozenParams, Rollout, TrainState
+from ppo_jax.rl.state import FrozenParams, Modules, Rollout, TrainState
 
 
 def abstract_params(boxed: Any, mesh) -> Any:
@@ -74,7 +74,7 @@ class PlannedRun:
     reward_source: str  # where the reward architecture came from
     sizes: DerivedSizes
     hp: PPOHyper
-    modules: build.Modules
+    modules: Modules
     policy_tx: Any
     value_tx: Any
     state: TrainState  # abstract

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -24,7 +25,7 @@ from ppo_jax.optim import make_optimizer
 from ppo_jax.rl import roles
 from ppo_jax.rl.experience import make_experience_fn, make_scoring_fn
 from ppo_jax.rl.settings import DECODE_LOOPS, DerivedSizes, PolicyLoraSettings, PPOHyper, Settings, sampling_config
-from ppo_jax.rl.state import Experience, FrozenParams, Rollout, TrainState
+from ppo_jax.rl.state import Experience, FrozenParams, Modules, Rollout, TrainState
 from ppo_jax.rl.update import make_update_fn
 
 
@@ -121,15 +122,6 @@ def reward_model_config(s: Settings, mesh=None) -> ModelConfig | None:
             "sequence classifier with one label (ForSequenceClassification, num_labels=1)")
     sharding.check_experts_split(cfg.num_experts, mesh, "reward", ConfigError)
     return s.compute.apply(cfg, *mesh_platform(mesh))
-
-
-@dataclasses.dataclass(frozen=True)
-class Modules:
-    """The Flax modules of the four trees (definitions only, no parameters)."""
-
-    policy: CausalLM
-    value: ScalarModel | None  # None for critic-free estimators
-    reward: ScalarModel | None  # None when only Python reward functions score
 
 
 def make_modules(s: Settings, policy_cfg: ModelConfig, reward_cfg: ModelConfig | None) -> Modules:
@@ -306,6 +298,29 @@ def fresh_state(s: Settings, policy, value, key, policy_tx, value_tx, shardings:
 
 
 @dataclasses.dataclass
+class StartWeights:
+    """A run's weights before its first iteration (fresh, or restored from a checkpoint)."""
+
+    state: TrainState
+    reference: Any  # the frozen reference; None with LoRA (the base, adapters off), imported adapters' copy
+    base: Any  # a LoRA policy's frozen base; None for full fine-tuning
+
+
+def fresh_weights(s: Settings, modules: Modules, shardings: TrainState, mesh, keys: RunKeys, reward_params,
+                  policy_tx, value_tx) -> StartWeights:
+    """A fresh run's train state and frozen policy trees, built onto their shardings."""
+    policy, value = initial_params(s, modules, shardings, mesh, keys.init, reward_params)
+    base = reference = None
+    if modules.policy.config.lora is not None:  # no reference copy: the base with the adapters off is the reference
+        base, policy = policy, initial_adapters(s, modules, shardings.policy, mesh, keys.init)
+        if s.policy.lora.init_from:  # the reference is base + the imported adapters: a frozen copy (undonated)
+            reference = sharding.copy_tree(policy, shardings.policy)
+    else:
+        reference = reference_copy(s, policy, shardings.policy)
+    return StartWeights(fresh_state(s, policy, value, keys.state, policy_tx, value_tx, shardings, mesh), reference, base)
+
+
+@dataclasses.dataclass
 class Steps:
     """The three compiled phases of a PPO iteration, with their shardings and donation.
 
@@ -346,15 +361,15 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
                                     merged=s.roles.lora_sync == "merged")
     sampler = sampling.make_sampler(modules.policy, sampler_settings, sampler_mesh, where.params,
                                     adapter_shardings=where.adapters)
-    experience = make_experience_fn(modules.policy, modules.value, modules.reward, hp, batch)
-    update = make_update_fn(modules.policy, modules.value, policy_tx, value_tx, hp, sizes.rollout_rows, batch)
+    experience = make_experience_fn(modules, hp, batch)
+    update = make_update_fn(modules, policy_tx, value_tx, hp, sizes.rollout_rows, batch)
     rollout_sh = jax.tree.map(lambda _: batch, Rollout(*([0] * len(dataclasses.fields(Rollout)))))
     scoring_jit, scorer_sh = None, None
     if hp.scored_outside:  # roles.scoring="sampler": the frozen models score on the sampler's mesh
         scorer_sh = roles.scorer_shardings(modules, frozen_shardings, where, sampler_mesh)
         frozen_shardings = roles.trainer_frozen(frozen_shardings)
         sampler_batch = sharding.data_sharding(sampler_mesh)
-        scoring_jit = jax.jit(make_scoring_fn(modules.policy, modules.reward, hp),
+        scoring_jit = jax.jit(make_scoring_fn(modules, hp),
                               in_shardings=(scorer_sh,) + (sampler_batch,) * 4, out_shardings=(sampler_batch,) * 2)
     else:
         rollout_sh = rollout_sh.replace(ref_logprobs=None, model_scores=None)

@@ -22,7 +22,7 @@ from ppo_jax.config import from_config, model_config_from_dict
 from ppo_jax.models import CausalLM, ScalarModel, hf
 from ppo_jax.rl import build
 from ppo_jax.rl.settings import Settings
-from ppo_jax.rl.state import value_variables
+from ppo_jax.rl.state import Modules, value_variables
 
 
 def checkpoint_dirs(path: str) -> tuple[str, str]:
@@ -64,7 +64,7 @@ def export_checkpoint(checkpoint: str, out: str, *, step: int | None = None, whi
         elif which == "value":
             raise ValueError(f"the run in {workdir} has no value model (advantage estimator "
                              f"{settings.ppo.advantage_estimator!r})")
-        modules = build.Modules(policy=CausalLM(policy_cfg), value=value, reward=None)
+        modules = Modules(policy=CausalLM(policy_cfg), value=value, reward=None)
         policy_tx, value_tx = build.make_optimizers(settings)
         mesh = mesh or sharding.make_mesh((1, -1, 1))
         abstract, _ = build.abstract_train_state(settings, modules, policy_tx, value_tx, mesh)
@@ -98,7 +98,7 @@ def export_checkpoint(checkpoint: str, out: str, *, step: int | None = None, whi
     return str(hf.export_model(out, value.config, state.value, kind="reward", tokenizer=tokenizer))
 
 
-def lora_value_base(settings: Settings, modules: build.Modules, extra: dict, abstract, manager: CheckpointManager,
+def lora_value_base(settings: Settings, modules: Modules, extra: dict, abstract, manager: CheckpointManager,
                     mesh, ckpt_dir: str):
     """The frozen transformer a LoRA value model was trained on, rebuilt from its source (the reward
     model, the policy's LoRA base, or the saved reference) and checked against the checkpoint's

@@ -16,6 +16,7 @@ With value LoRA (value.lora.rank > 0) `TrainState.value` holds {"lora": adapters
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.struct
@@ -24,9 +25,19 @@ import jax
 from ppo_jax import ppo
 from ppo_jax.models.lora import trained_variables
 from ppo_jax.models.packing import PackedRows
+from ppo_jax.models.transformer import CausalLM, ScalarModel
 
 Array = jax.Array
 Params = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Modules:
+    """The Flax modules of the four trees (definitions only, no parameters; static in every step)."""
+
+    policy: CausalLM
+    value: ScalarModel | None  # None for critic-free estimators
+    reward: ScalarModel | None  # None when only Python reward functions score
 
 @flax.struct.dataclass
 class TrainState:
@@ -39,6 +50,14 @@ class TrainState:
     value_opt: Any
     kl: ppo.KLControllerState
     key: Array  # base PRNG key; per-iteration keys are fold_in(key, step)
+
+
+@flax.struct.dataclass
+class Trainable:
+    """The trees the update differentiates (their gradients come back as a `Trainable` too)."""
+
+    policy: Params  # the policy's params; with LoRA its adapters (the base: `FrozenParams.policy`)
+    value: Params | None  # None without a critic; with value LoRA {"lora": adapters, "score": head}
 
 
 @flax.struct.dataclass

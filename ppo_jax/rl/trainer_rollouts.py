@@ -226,7 +226,7 @@ class TrainerRollouts:
         if scorer:
             self._score_jit = self.steps.scoring_jit
         elif self._score_jit is None:
-            self._score_jit = jax.jit(make_scoring_fn(self.modules.policy, self.modules.reward, self.hp),
+            self._score_jit = jax.jit(make_scoring_fn(self.modules, self.hp),
                                       in_shardings=(self.frozen_shardings,) + (data,) * 4, out_shardings=(data, data))
         inputs = sharding.reshard((prompt_tokens, prompt_mask, tokens, mask), (data,) * 4)
         with sharding.mesh_context(mesh):

@@ -1,0 +1,144 @@
+"""The experience forwards as pure functions: every model's outputs over a rollout's responses.
+
+    padded_forwards(modules, params, frozen, rows, hp)   on padded rows [B, Lq + Lr]
+    packed_forwards(modules, params, frozen, packed, hp) on one packed microbatch [M, T]
+    score_responses(modules, frozen, rows, hp)           the frozen models only (reference, reward model)
+
+`microbatched` and `run_packed` run them over a whole rollout (row slices, or the packed
+microbatches that hold tokens, read back into the padded layout). With `hp.scored_outside`
+(roles.scoring="sampler") the sampler's mesh scored the responses already: the reference and reward
+forwards do not run here and their outputs are 0.
+
+Shapes: B rollout rows, Lq prompt length, Lr response length, V vocabulary; packed: M rows of T slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from ppo_jax import ppo
+from ppo_jax.models import packing
+from ppo_jax.models.forward import (response_logits, response_scores, response_values, sequence_inputs,
+                                    token_logprobs)
+from ppo_jax.rl.settings import PPOHyper
+from ppo_jax.rl.state import FrozenParams, Modules, Trainable, policy_variables, reference_variables, value_variables
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class ResponseRows:
+    """Prompts and their sampled responses, left-padded prompts then right-padded responses."""
+
+    prompt_tokens: Array  # [B, Lq]
+    prompt_mask: Array  # [B, Lq]
+    tokens: Array  # [B, Lr]
+    mask: Array  # [B, Lr], 1 up to and including the first stop token
+
+
+@flax.struct.dataclass
+class ForwardOutputs:
+    """Every model's outputs over the responses: per token [B, Lr] (packed: per slot [M, T], slot t
+    predicting token t + 1) and per row [B] (packed: per slot, read at the row's last slot)."""
+
+    logprobs: Array  # the policy's (the weights about to be updated), temperature applied
+    ref_logprobs: Array  # the reference's; 0 when the sampler scored
+    entropy: Array  # the policy's
+    values: Array  # the value model's; 0 without a critic
+    scores: Array  # the reward model's raw scores (before gain and bias); 0 without one or when the sampler scored
+
+
+def padded_forwards(modules: Modules, params: Trainable, frozen: FrozenParams, rows: ResponseRows,
+                    hp: PPOHyper) -> ForwardOutputs:
+    """Every model's outputs over padded rows."""
+    pt, pm, tokens, mask = rows.prompt_tokens, rows.prompt_mask, rows.tokens, rows.mask
+    policy_params, adapters = policy_variables(params.policy, frozen.policy)
+    logits = response_logits(modules.policy, policy_params, pt, pm, tokens, mask, hp.temperature, adapters=adapters)
+    zeros = jnp.zeros(tokens.shape, jnp.float32)
+    ref_logp, scores = zeros, jnp.zeros(tokens.shape[:1], jnp.float32)
+    if not hp.scored_outside:
+        ref_logp, scores = score_responses(modules, frozen, rows, hp)
+    value_params, value_adapters = value_variables(params.value, frozen.value)
+    values = (response_values(modules.value, value_params, pt, pm, tokens, mask, adapters=value_adapters)
+              if params.value is not None else zeros)
+    return ForwardOutputs(token_logprobs(logits, tokens, mask), ref_logp, ppo.entropy_from_logits(logits, mask),
+                          values, scores)
+
+
+def packed_forwards(modules: Modules, params: Trainable, frozen: FrozenParams, rows: packing.PackedRows,
+                    hp: PPOHyper) -> ForwardOutputs:
+    """Every model's per-slot outputs over one packed microbatch [M, T] (`run_packed` reads them at
+    the right slots); the reward model's scores per slot too."""
+    policy_params, adapters = policy_variables(params.policy, frozen.policy)
+    logits = packing.next_token_logits(modules.policy, policy_params, rows, hp.temperature, adapters)
+    zeros = jnp.zeros(rows.tokens.shape, jnp.float32)
+    ref_logp, scores = zeros, zeros
+    if not hp.scored_outside:
+        ref_logp, scores = packed_scores(modules, frozen, rows, hp)
+    value_params, value_adapters = value_variables(params.value, frozen.value)
+    values = (packing.scalar_outputs(modules.value, value_params, rows, value_adapters)
+              if params.value is not None else zeros)
+    return ForwardOutputs(packing.next_token_logprobs(logits, rows.tokens), ref_logp,
+                          ppo.entropy_from_logits(logits), values, scores)
+
+
+def score_responses(modules: Modules, frozen: FrozenParams, rows: ResponseRows, hp: PPOHyper) -> tuple[Array, Array]:
+    """(the reference's log-probs [B, Lr] under the rollout temperature, the reward model's raw scores
+    [B]; 0 without a reward model) of padded rows."""
+    ref_params, ref_adapters = reference_variables(frozen)
+    ref_logits = response_logits(modules.policy, ref_params, rows.prompt_tokens, rows.prompt_mask, rows.tokens,
+                                 rows.mask, hp.temperature, adapters=ref_adapters)
+    ref_logp = token_logprobs(ref_logits, rows.tokens, rows.mask)
+    if frozen.reward is None:
+        return ref_logp, jnp.zeros(rows.tokens.shape[:1], jnp.float32)
+    return ref_logp, response_scores(modules.reward, frozen.reward, rows.prompt_tokens, rows.prompt_mask,
+                                     rows.tokens, rows.mask)
+
+
+def packed_scores(modules: Modules, frozen: FrozenParams, rows: packing.PackedRows,
+                  hp: PPOHyper) -> tuple[Array, Array]:
+    """`score_responses` per slot of one packed microbatch [M, T]: the reference's log-probs and the
+    reward model's scores (0 without one)."""
+    ref_params, ref_adapters = reference_variables(frozen)
+    ref_logits = packing.next_token_logits(modules.policy, ref_params, rows, hp.temperature, ref_adapters)
+    scores = (packing.scalar_outputs(modules.reward, frozen.reward, rows) if frozen.reward is not None
+              else jnp.zeros(rows.tokens.shape, jnp.float32))
+    return packing.next_token_logprobs(ref_logits, rows.tokens), scores
+
+
+def microbatched(fn: Callable, num_chunks: int, *args):
+    """Applies fn to `num_chunks` row slices with lax.map and stitches the results back.
+
+    Rows are dealt round-robin (chunk i = rows i, i + n, ...), so with a batch-sharded input every
+    chunk still spans all data-parallel devices instead of landing on a few of them.
+    """
+    if num_chunks == 1:
+        return fn(*args)
+
+    def split(x):
+        x = x.reshape((x.shape[0] // num_chunks, num_chunks) + x.shape[1:])
+        return jnp.swapaxes(x, 0, 1)
+
+    def merge(x):
+        x = jnp.swapaxes(x, 0, 1)
+        return x.reshape((-1,) + x.shape[2:])
+
+    out = jax.lax.map(lambda chunk: fn(*chunk), jax.tree.map(split, args))
+    return jax.tree.map(merge, out)
+
+
+def run_packed(forward: Callable, rows: ResponseRows, hp: PPOHyper):
+    """Runs `forward` on the padded rows packed (`models/packing.py`), only on the microbatches
+    holding tokens. forward(PackedRows [M, T]) -> (a pytree of per-slot outputs, per-slot scores),
+    each leaf [M, T]. Returns (that pytree read at each response token's prediction slot, [B, Lr]
+    leaves, 0 on padding; the scores read at each row's last real token [B]; the Packing)."""
+    seq, _, seq_mask = sequence_inputs(rows.prompt_tokens, rows.prompt_mask, rows.tokens, rows.mask)
+    layout = packing.plan(seq_mask, hp.packed_shape(seq.shape[0]))
+    per_slot, slot_scores = packing.map_used(forward, layout.microbatches_used, packing.pack_rows(seq, layout))
+    slots = packing.prediction_slots(layout, rows.prompt_tokens.shape[1], rows.mask)
+    scores = packing.gather(slot_scores, packing.last_slots(layout, seq_mask))[:, 0]
+    return jax.tree.map(lambda x: packing.gather(x, slots), per_slot), scores, layout
