@@ -49,6 +49,17 @@ def wants_help(argv: Sequence[str]) -> bool:
     return any(a in _HELP for a in argv[1:])
 
 
+def help_and_exit(doc: str, flag: str) -> None:
+    """Prints `doc` and the flags of the module that defines `flag`, then exits 0.
+
+    absl's own --help lists the flags of `__main__` only and exits 1: under a console script
+    (`ppo-jax-sweep`) `__main__` is pip's wrapper, which defines none, so the user got a bare "USAGE ...
+    Try --helpfull". The module that defined the command's flags is found by one of its flags instead,
+    which names it under `python -m` (its file path) and under the console script (its module name)."""
+    print(doc.strip() + "\n\n" + flags.FLAGS.module_help(flags.FLAGS.find_module_defining_flag(flag)))
+    sys.exit(0)
+
+
 def preflight(argv: Sequence[str], *, what: str, schema: type | None, default_config: str | None,
               takes_workdir: bool, example_config: str = "configs/ppo_toy.py", title: str | None = None) -> None:
     """--help (config tree, exit 0), a missing config file, misspelled overrides and values of the wrong

@@ -8,7 +8,7 @@ import sys
 
 from absl import app, flags
 
-from ppo_jax.cli.common import USER_ERRORS, fail, quiet_logging, wants_help
+from ppo_jax.cli.common import USER_ERRORS, fail, help_and_exit, quiet_logging, wants_help
 from ppo_jax.rl.export import LORA_FORMATS, export_checkpoint
 
 
@@ -21,9 +21,8 @@ def main(argv=None) -> None:
                              "the base) or 'adapter' (a PEFT adapter directory for the base).")
     out = flags.DEFINE_string("out", None, "Output Hugging Face directory.")
     flags.mark_flags_as_required(["checkpoint", "out"])
-    if wants_help(sys.argv if argv is None else argv):  # absl's --help exits 1
-        print(__doc__ + "\n\n" + flags.FLAGS.module_help(flags.FLAGS.find_module_defining_flag("checkpoint")))
-        sys.exit(0)
+    if wants_help(sys.argv if argv is None else argv):
+        help_and_exit(__doc__, "checkpoint")
 
     def run(args):
         if len(args) > 1:

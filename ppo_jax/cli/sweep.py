@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
-from ppo_jax.cli.common import fail
+from ppo_jax.cli.common import fail, help_and_exit, wants_help
 from ppo_jax.cli import preflight
 from ppo_jax.config import ConfigError
 from ppo_jax.sweep import plots, results, runner, spec
@@ -117,6 +117,8 @@ def sweep(overrides: list[str]) -> int:
 
 def main(argv=None) -> None:
     own, overrides = split_overrides(list(sys.argv if argv is None else argv))
+    if wants_help(own):
+        help_and_exit(__doc__, "trainer")
     flags.mark_flags_as_required(["trainer", "sweep_dir"])
 
     def run(args):
