@@ -131,6 +131,10 @@ def test_gpu_experience_and_update_call_cudnn_flash_attention(gpu_auto):
         # adds the backward kernels.
         assert phase.structure.fused_attention_calls >= 4 * LAYERS, phase
         assert "__cudnn$fmha" in texts[phase.name]
+        # Right-aligned rows with their lengths (padding-causal flash attention): no [B, 1, T, T] bias
+        # built from a mask, nor its gradient computed in the backward.
+        targets = set(re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', texts[phase.name]))
+        assert not [target for target in targets if "Bias" in target], targets
 
 
 @needs_cuda

@@ -112,7 +112,10 @@ def _loss_and_grads(config: ModelConfig, params, tokens, mask):
         logits, _ = model.apply({"params": params}, tokens, positions_from_mask(mask), mask)
         logp = jax.nn.log_softmax(logits[:, :-1])
         picked = jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
-        return -(picked * mask[:, 1:]).sum() / mask[:, 1:].sum(), logits
+        # Next-token loss where both the predicting slot and the target are real: a padding slot's
+        # output is nobody's function (each kernel leaves its own finite values there).
+        pairs = mask[:, :-1] * mask[:, 1:]
+        return -(picked * pairs).sum() / pairs.sum(), logits
 
     (value, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
     return value, logits, grads

@@ -9,9 +9,12 @@ Three kernels compute the same function:
 - `fused_attention`: `jax.nn.dot_product_attention` on keys and values as the projections produce them
   ([B, T, K, Dh], no cache), with `implementation="cudnn"` (flash attention: measured 3.5-4x faster
   than the einsum for the forward + backward of a 22-layer 1B model on an H100, docs/gpu_probe.md) or
-  "xla". Left padding stays on the fused path: the [B, T, S] mask is passed whole ([B, 1, T, S]; cuDNN
-  refuses a [B, 1, 1, S] key mask on T > 1 and its sequence-length arguments assume right padding),
-  and `is_causal` lets cuDNN skip the blocks above the diagonal. The K/V heads go in unrepeated (cuDNN
+  "xla". Without a cache, `Transformer` first moves each row's real tokens to slots [0, length)
+  (`roll_rows`), so the call takes `is_causal` and the rows' lengths (`aligned_attention`): cuDNN's
+  padding-causal kernel, no mask. A mask would become a dense [B, 1, T, S] bias, read in the forward
+  and differentiated in the backward (cuDNN refuses a [B, 1, 1, S] key mask on T > 1, and its
+  sequence lengths assume right padding); `fused_attention` passes it where no alignment applies
+  (a prefill at a cache offset, packed rows, a scanned body of mixed window sizes). The K/V heads go in unrepeated (cuDNN
   does grouped-query attention itself; repeating them is slower and less accurate). It has no
   soft-capping, so a model with `attn_logit_softcap` (Gemma 2) runs the einsum kernel whatever
   `ModelConfig.attention` says. With a KV cache, a call of T > 1 tokens (the sampler's prefill, a
@@ -111,10 +114,31 @@ def fused_attention(q: Array, k: Array, v: Array, mask: Array, implementation: s
     (None: 1/sqrt(Dh)). is_causal: query t is slot t (self-attention without a cache, T == S), so
     the kernel may skip the blocks above the diagonal; off for queries written at a cache offset,
     where the mask alone says what each sees. No soft-capping: such models stay on `einsum_attention`.
+    cuDNN turns the mask into a dense [B, 1, T, S] bias (and its backward computes that bias's
+    gradient): rows aligned to slot 0 take `aligned_attention` instead.
     """
     out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, is_causal=is_causal,
                                        implementation=implementation)
     return out.astype(q.dtype)
+
+
+def aligned_attention(q: Array, k: Array, v: Array, lengths: Array, implementation: str,
+                      scale: float | None = None, sliding_window: int | None = None) -> Array:
+    """Causal self-attention of rows whose real tokens are slots [0, lengths) (right-padded),
+    through `jax.nn.dot_product_attention` with sequence lengths instead of a mask: cuDNN's
+    padding-causal flash attention, no bias tensor in either pass (the probe's fastest cuDNN form,
+    docs/gpu_probe.md).
+
+    q [B, T, H, Dh], k/v [B, T, K, Dh], lengths [B] int32 -> [B, T, H, Dh], 0 on the padding slots
+    (cuDNN leaves them to the kernel; zeroed here so every implementation gives the same finite
+    values). sliding_window W: a query sees its W - 1 predecessors and itself, as `attention_mask`.
+    """
+    window = None if sliding_window is None else (sliding_window - 1, 0)
+    out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, query_seq_lengths=lengths,
+                                       key_value_seq_lengths=lengths, local_window_size=window,
+                                       implementation=implementation)
+    real = jnp.arange(q.shape[1])[None, :] < lengths[:, None]  # [B, T]
+    return jnp.where(real[:, :, None, None], out, 0).astype(q.dtype)
 
 
 # Splash tiles: the kernel needs the sequence length a multiple of its blocks, and its key blocks a
@@ -233,7 +257,8 @@ class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask, cache_kv, layer, cache_index, sliding=False, segment_ids=None):
+    def __call__(self, x, cos, sin, mask, cache_kv, layer, cache_index, sliding=False, segment_ids=None,
+                 lengths=None):
         """x [B, T, D] -> ([B, T, D], cache_kv with this layer's new slots written, or None).
 
         cache_kv: None, the whole cache's (k, v) [L, B, K, S, Dh] with `layer` ([] int32) this layer's
@@ -243,6 +268,8 @@ class Attention(nn.Module):
         scanned body; only splash reads it, the mask already says so);
         segment_ids: [B, T] a packed row's sequence ids (0 = padding), None unpacked; the mask already
         holds them, only splash (whose masks are static) reads them.
+        lengths: [B] int32 when the rows are right-padded (`Transformer` aligned them for the fused
+        kernel, no cache): the fused call then takes the lengths instead of the mask.
         """
         cfg = self.config
         d, h, kh, dh = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
@@ -272,6 +299,9 @@ class Attention(nn.Module):
             segments = jnp.diagonal(mask, axis1=1, axis2=2) if segment_ids is None else segment_ids
             out = splash_attention(q, k, v, segments, local, cfg.sliding_window,
                                    scale, cfg.attn_logit_softcap, interpret=_splash_interpret)
+        elif cache_kv is None and fused and lengths is not None:
+            window = _sliding_window(cfg, sliding)
+            out = aligned_attention(q, k, v, lengths, cfg.attention, scale, window)
         elif cache_kv is None and fused:
             out = fused_attention(q, k, v, mask, cfg.attention, scale)
         else:
@@ -289,6 +319,17 @@ class Attention(nn.Module):
         out = DenseGeneral((h, dh), (d,), ("heads", "head_dim", "embed"), gpt2 or cfg.attention_out_bias,
                            name="o", lora=cfg.lora_for("o"), **common)(out)
         return out, cache_kv
+
+
+def _sliding_window(cfg: ModelConfig, sliding) -> int | None:
+    """The window of this layer, chosen while tracing: a model whose layers all slide (or none do),
+    or a mixed model's unrolled layer (`sliding` a bool). A mixed model's scanned body (`sliding` an
+    array) cannot pick a static window: `Transformer.aligned_rows` keeps such models on the mask."""
+    if cfg.sliding_layers is None:
+        return cfg.sliding_window
+    if not isinstance(sliding, bool):
+        raise ValueError("a scanned body of mixed sliding / full layers has no static window")
+    return cfg.sliding_window if sliding else None
 
 
 def _write_cache(cache_kv, k: Array, v: Array, layer, cache_index):

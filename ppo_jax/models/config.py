@@ -299,6 +299,12 @@ class ModelConfig:
         return ARCH_TO_FAMILY[self.arch]
 
     @property
+    def fused_attention(self) -> bool:
+        """Every layer's cache-free attention runs `jax.nn.dot_product_attention` ("cudnn" / "xla"):
+        neither soft-capping nor sinks force the einsum kernel."""
+        return self.attention in ("cudnn", "xla") and self.attn_logit_softcap is None and not self.attention_sinks
+
+    @property
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
 

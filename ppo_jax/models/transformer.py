@@ -64,6 +64,19 @@ def positions_from_mask(mask: Array) -> Array:
     return jnp.cumsum(mask, axis=-1) - mask
 
 
+def leading_padding(mask: Array) -> Array:
+    """[B, T] mask -> [B] int32: the padding slots before each row's first real token (0 for a row
+    without one)."""
+    return jnp.argmax(mask.astype(bool), axis=-1).astype(jnp.int32)
+
+
+def roll_rows(x: Array, shift: Array) -> Array:
+    """Row b of x [B, T, ...] rolled left by shift[b] slots (right by -shift[b]): slot t takes slot
+    (t + shift) mod T. A left-padded row rolled by its `leading_padding` is right-padded."""
+    slots = (jnp.arange(x.shape[1])[None, :] + shift[:, None]) % x.shape[1]  # [B, T]
+    return jnp.take_along_axis(x, slots.reshape(slots.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
 def _for_layer(sliding, full_inputs, sliding_inputs):
     """The inputs of a sliding-window layer or of a full-attention one. `sliding` is a Python bool
     when the layer loop is unrolled (chosen while tracing), a [] bool array inside the scan (chosen
@@ -79,20 +92,22 @@ class Block(nn.Module):
 
     ropes: ((cos, sin), (cos, sin)) and masks: ([B, T, S], [B, T, S]), each a pair (every layer of
     a model whose layers are alike, or a mixed model's full-attention layers; its sliding-window
-    layers); segment_ids [B, T]: a packed row's sequence ids, or None."""
+    layers); segment_ids [B, T]: a packed row's sequence ids, or None; lengths [B]: the rows are
+    right-padded to these lengths (`Transformer.aligned_rows`), or None."""
 
     config: ModelConfig
     moe: bool | None = None  # whether the MLP is the mixture of experts; None: as config.num_experts says
 
     @nn.compact
-    def __call__(self, carry, layer, sliding, ropes, masks, cache_index, segment_ids=None):
+    def __call__(self, carry, layer, sliding, ropes, masks, cache_index, segment_ids=None, lengths=None):
         x, cache_kv = carry
         if self.config.sliding_layers is None:
             (cos, sin), mask = ropes[0], masks[0]
         else:
             (cos, sin), mask = _for_layer(sliding, (ropes[0], masks[0]), (ropes[1], masks[1]))
         attn_out, cache_kv = Attention(self.config, name="attn")(
-            norm(self.config, "ln_1")(x), cos, sin, mask, cache_kv, layer, cache_index, sliding, segment_ids)
+            norm(self.config, "ln_1")(x), cos, sin, mask, cache_kv, layer, cache_index, sliding, segment_ids,
+            lengths)
         if self.config.post_norms:
             attn_out = norm(self.config, "post_attn_norm")(attn_out)
         x = x + attn_out
@@ -151,7 +166,7 @@ class Transformer(nn.Module):
                 block,
                 variable_axes={"params": 0, lora.COLLECTION: 0, ROUTER: 0},
                 split_rngs={"params": True},
-                in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+                in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )(cfg)
@@ -169,6 +184,13 @@ class Transformer(nn.Module):
         `positions` restart at 0 for each sequence."""
         if segment_ids is not None and cache is not None:
             raise ValueError("segment_ids (packed rows) are for cache-free forwards only")
+        aligned = self.aligned_rows(cache, segment_ids)
+        if aligned:
+            # The fused kernel takes right-padded rows by their lengths (no mask, no bias tensor):
+            # each row's real tokens are moved to slots [0, length), and the hidden states back.
+            shift = leading_padding(kv_mask)
+            tokens, positions, kv_mask = (roll_rows(x, shift) for x in (tokens, positions, kv_mask))
+        lengths = kv_mask.sum(-1).astype(jnp.int32) if aligned else None
         cache_index = cache.index if cache is not None else jnp.zeros((), jnp.int32)
         x, ropes, masks = self._block_inputs(tokens, positions, kv_mask, cache_index, segment_ids)
         cache_kv = (cache.k, cache.v) if cache is not None else None
@@ -177,13 +199,24 @@ class Transformer(nn.Module):
         if cfg.scan_layers:
             sliding = jnp.asarray(cfg.layer_sliding)
             (x, cache_kv), _ = self.layers((x, cache_kv), layer_ids, sliding, ropes, masks, cache_index,
-                                           segment_ids)
+                                           segment_ids, lengths)
         else:
             for layer, local, block in zip(layer_ids, cfg.layer_sliding, self.layers):
-                (x, cache_kv), _ = block((x, cache_kv), layer, local, ropes, masks, cache_index, segment_ids)
+                (x, cache_kv), _ = block((x, cache_kv), layer, local, ropes, masks, cache_index, segment_ids,
+                                         lengths)
         if cache is not None:
             cache = KVCache(k=cache_kv[0], v=cache_kv[1], index=cache.index + tokens.shape[1])
-        return self.ln_f(x), cache
+        x = self.ln_f(x)
+        return (roll_rows(x, -shift) if aligned else x), cache
+
+    def aligned_rows(self, cache, segment_ids) -> bool:
+        """Whether this call runs right-aligned rows on the fused kernel: cache-free, unpacked, every
+        layer on `jax.nn.dot_product_attention`, and a static window in every layer (a scanned body
+        of mixed sliding / full layers keeps the mask). The rows' real tokens must be contiguous
+        (left padding, right padding or both: a prompt + response), as every caller's are."""
+        cfg = self.config
+        return (cache is None and segment_ids is None and cfg.fused_attention
+                and not (cfg.scan_layers and cfg.sliding_layers is not None))
 
     def unrolled(self, tokens: Array, positions: Array, kv_mask: Array, caches: tuple[KVCache, ...],
                  layer_params: tuple[Any, ...], layer_adapters: tuple[Any, ...] | None = None
