@@ -199,3 +199,32 @@ def test_padded_forwards_reference_equal_to_the_policy_gives_equal_log_probs_and
     outside = padded_forwards(modules, Trainable(params, None), frozen, rows, dataclasses.replace(hp, scored_outside=True))
     np.testing.assert_array_equal(np.asarray(outside.logprobs), np.asarray(out.logprobs))
     assert not np.any(np.asarray(outside.ref_logprobs)) and not np.any(np.asarray(outside.scores))
+
+
+def test_a_non_finite_gradient_leaves_the_train_state_exactly_as_it_was():
+    """The update's guard: a finite experience whose loss is NaN (one NaN weight in the policy) gives
+    NaN gradients; the optimizer step is skipped, parameters and optimizer state stay bit for bit,
+    and the metrics say so (the guard reads the gradient norms)."""
+    from ppo_jax.rl.state import TrainState
+    from ppo_jax.rl.update import make_update_fn
+
+    s, modules, params, rows = tiny_run(**{"optim.policy_lr": 1e-2})
+    hp = hyper(estimator="grpo", num_minibatches=2)
+    first_mlp = next(path for path in jax.tree_util.tree_leaves_with_path(params) if "mlp" in jax.tree_util.keystr(path[0]))
+    broken = jax.tree_util.tree_map_with_path(
+        lambda path, x: x.at[(0,) * x.ndim].set(jnp.nan) if path == first_mlp[0] else x, params)
+    policy_tx, _ = build.make_optimizers(s)
+    state = TrainState(step=jnp.zeros((), jnp.int32), policy=broken, policy_opt=policy_tx.init(broken), value=None,
+                       value_opt=None, kl=build.init_kl(s), key=jax.random.key(0))
+    zeros = jnp.zeros(rows.mask.shape, jnp.float32)
+    exp = Experience(prompt_tokens=rows.prompt_tokens, prompt_mask=rows.prompt_mask, tokens=rows.tokens, mask=rows.mask,
+                     old_logprobs=zeros - 1.0, ref_logprobs=zeros - 1.0, values=zeros, advantages=zeros + rows.mask,
+                     returns=zeros, scores=jnp.zeros(4))
+    update = jax.jit(make_update_fn(modules, policy_tx, None, hp, 4, None))
+    before = jax.device_get((state.policy, state.policy_opt))
+    new, metrics = update(state, None, None, exp)
+    after = jax.device_get((new.policy, new.policy_opt))
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(a, b)  # NaN == NaN here: the NaN weight is the one we put in
+    assert float(metrics["nonfinite/skipped_minibatches"]) == 2
+    assert int(new.step) == 1  # the iteration counts; only the optimizer steps were skipped
