@@ -10,8 +10,9 @@ import sys
 import pytest
 from test_trainer import REPO
 
-from ppo_jax.cli import common, preflight
+from ppo_jax.cli import common, config_help
 from ppo_jax.config import ConfigError, config_dict
+from ppo_jax.config_file import check_overrides, load_config
 from ppo_jax.demo.settings import DemoSettings
 from ppo_jax.rl.settings import Settings
 from ppo_jax.supervised.settings import DPOSettings, RewardModelSettings, SFTSettings
@@ -31,8 +32,8 @@ def test_help_lists_every_field_with_the_config_files_value_and_its_comment(caps
     out = _help(capsys, Settings, TOY)
     lines = out.splitlines()
     # Every leaf of the config appears once, as an override that works.
-    config = preflight.load_config(TOY)
-    leaves = [name for name, _, _ in preflight._rows(config, Settings, "")]
+    config = load_config(TOY)
+    leaves = [name for name, _, _ in config_help._rows(config, Settings, "")]
     assert len(leaves) > 60
     for name in leaves:
         assert sum(line.strip().startswith(f"--config.{name}=") for line in lines) == 1, name
@@ -56,7 +57,7 @@ def test_help_of_the_other_trainers(capsys, schema, config_file, field):
 def test_every_config_field_has_a_comment():
     """The --help text is the schema's comments: a field without one would print bare."""
     for schema in (Settings, SFTSettings, RewardModelSettings, DPOSettings, DemoSettings):
-        bare = [name for name, _, comment in preflight._rows(config_dict(schema()), schema, "")
+        bare = [name for name, _, comment in config_help._rows(config_dict(schema()), schema, "")
                 if not comment and ".model." not in f".{name}"]
         assert not bare, f"{schema.__name__} fields without a comment: {bare}"
 
@@ -69,11 +70,11 @@ def test_every_config_field_has_a_comment():
     ("--config.rollout.zzz=1", "rollout has no field 'zzz'; rollout has batch_size, "),
 ])
 def test_a_misspelled_override_is_named_with_a_suggestion(override, message):
-    config = preflight.load_config(TOY)
+    config = load_config(TOY)
     with pytest.raises(ConfigError, match=None) as info:
-        preflight.check_overrides(["--workdir=x", override], config)
+        check_overrides(["--workdir=x", override], config)
     assert message in str(info.value)
-    preflight.check_overrides(["--config.train.iterations=3", "--config.policy.model.num_layers", "4"], config)
+    check_overrides(["--config.train.iterations=3", "--config.policy.model.num_layers", "4"], config)
 
 
 @pytest.mark.parametrize("schema,example", [
@@ -86,10 +87,10 @@ def test_help_without_a_config_suggests_the_trainers_own_and_lists_its_defaults(
     out = capsys.readouterr().out
     assert exit_info.value.code == 0
     assert f"--config=FILE is required, e.g. --config={example}" in out and "ppo_toy" not in out
-    defaults = [name for name, _, _ in preflight._rows(config_dict(schema()), schema, "")]
+    defaults = [name for name, _, _ in config_help._rows(config_dict(schema()), schema, "")]
     assert all(f"--config.{name}=" in out for name in defaults) and "with its value in the defaults" in out
     with pytest.raises(ConfigError, match=f"e.g. {example}"):
-        preflight.load_config("nope.py", example=example)
+        load_config("nope.py", example=example)
 
 
 def test_plan_help_names_the_planner():
@@ -108,14 +109,14 @@ def test_plan_help_names_the_planner():
     ("--config.mesh.shape=(1,", "mesh.shape takes a tuple"),
 ])
 def test_a_value_of_the_wrong_type_is_named(override, message):
-    config = preflight.load_config(TOY)
+    config = load_config(TOY)
     with pytest.raises(ConfigError) as info:
-        preflight.check_overrides([override], config)
+        check_overrides([override], config)
     assert message in str(info.value)
     with pytest.raises(ConfigError, match="rollout.batch_size takes a whole number"):
-        preflight.check_overrides(["--config.rollout.batch_size", "1.5"], config)
+        check_overrides(["--config.rollout.batch_size", "1.5"], config)
     # Values of the right type, a bool flag without a value, a field of an unset section: accepted.
-    preflight.check_overrides(["--config.rollout.batch_size=8", "--config.ppo.clip_eps=1e-1", "--config.train.progress",
+    check_overrides(["--config.rollout.batch_size=8", "--config.ppo.clip_eps=1e-1", "--config.train.progress",
                                "--config.mesh.shape=(2,-1,1)", "--config.train.progress=false"], config)
 
 
@@ -128,9 +129,9 @@ def test_a_wrong_type_from_the_command_line_is_one_line_exit_2(tmp_path):
 
 
 def test_a_misplaced_field_suggests_its_full_path():
-    config = preflight.load_config(f"{REPO}/ppo_jax/demo/default_config.py")
+    config = load_config(f"{REPO}/ppo_jax/demo/default_config.py")
     with pytest.raises(ConfigError, match=r"did you mean --config\.ppo\.ppo\.kl_coef\?"):
-        preflight.check_overrides(["--config.ppo.kl_coef=0.1"], config)
+        check_overrides(["--config.ppo.kl_coef=0.1"], config)
 
 
 @pytest.mark.parametrize("schema,field,message", [
@@ -159,11 +160,11 @@ def test_a_missing_model_path_names_its_field(tmp_path, schema, field, message):
 
 def test_a_missing_config_file_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"config file '.*nope.py' does not exist"):
-        preflight.load_config(str(tmp_path / "nope.py"))
+        load_config(str(tmp_path / "nope.py"))
     broken = tmp_path / "broken.py"
     broken.write_text("def get_config(:\n")
     with pytest.raises(ConfigError, match="broken.py' failed to load: SyntaxError"):
-        preflight.load_config(str(broken))
+        load_config(str(broken))
 
 
 # What each console script's --help must name: its own flags (and the planner says what it is).

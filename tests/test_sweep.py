@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from ppo_jax.cli import preflight
 from ppo_jax.config import ConfigError
+from ppo_jax.config_file import load_config
 from ppo_jax.sweep import plots, results, runner, spec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,7 +63,7 @@ def test_a_list_pairs_values_and_may_repeat_them():
 
 
 def test_unknown_fields_and_wrong_types_are_one_line_errors_before_any_run(tmp_path):
-    config = preflight.load_config(TOY)
+    config = load_config(TOY)
     runs = spec.expand([spec.parse_axis("ppo.kl_coef=0.1,abc")], (0,))
     with pytest.raises(ConfigError, match=r"--config.ppo.kl_coef=abc: ppo.kl_coef takes a number"):
         spec.check_runs(runs, config, [])

@@ -14,8 +14,9 @@ from typing import Any
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from ppo_jax.cli import preflight as preflight_lib
+from ppo_jax.cli.config_help import help_text
 from ppo_jax.config import ConfigError, config_dict
+from ppo_jax.config_file import check_overrides, load_config
 from ppo_jax.checkpoint import CheckpointError
 from ppo_jax.rl.errors import RunStopped
 
@@ -45,6 +46,17 @@ def quiet_logging() -> None:
 _HELP = ("--help", "-h", "-?", "--helpshort", "--helpfull")
 
 
+def flag_value(argv: Sequence[str], name: str) -> str | None:
+    """The value of `--name=value` or `--name value` in argv (the last one wins, as in absl)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"--{name}="):
+            value = arg.split("=", 1)[1]
+        elif arg == f"--{name}" and i + 1 < len(argv):
+            value = argv[i + 1]
+    return value
+
+
 def wants_help(argv: Sequence[str]) -> bool:
     return any(a in _HELP for a in argv[1:])
 
@@ -66,16 +78,16 @@ def preflight(argv: Sequence[str], *, what: str, schema: type | None, default_co
     type (one line, exit 2), before absl parses anything. Without a config file --help lists the
     schema's defaults (the fields are the same; the values are the file's to choose)."""
     args = list(argv[1:])
-    spec = preflight_lib.flag_value(args, "config") or default_config
+    spec = flag_value(args, "config") or default_config
     help_asked = wants_help(argv)
     title = title or f"{what} run"
     if spec is None and not help_asked:
         return  # absl says --config is required
     try:
-        config = (preflight_lib.load_config(spec, example=example_config) if spec is not None
+        config = (load_config(spec, example=example_config) if spec is not None
                   else config_dict(schema()) if schema is not None else None)
         if not help_asked:
-            preflight_lib.check_overrides(args, config)
+            check_overrides(args, config)
     except ConfigError as e:
         fail(str(e))
     if not help_asked:
@@ -83,10 +95,10 @@ def preflight(argv: Sequence[str], *, what: str, schema: type | None, default_co
     if spec is None:
         print(f"--config=FILE is required, e.g. --config={example_config}; `--config=FILE --help` lists FILE's values.")
         if config is not None:
-            print(preflight_lib.help_text(config, schema, what=what, title=title, takes_workdir=takes_workdir,
+            print(help_text(config, schema, what=what, title=title, takes_workdir=takes_workdir,
                                           config_spec=None))
     else:
-        print(preflight_lib.help_text(config, schema, what=what, title=title, config_spec=spec,
+        print(help_text(config, schema, what=what, title=title, config_spec=spec,
                                       takes_workdir=takes_workdir))
     own = own_flags()
     if own:

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from ppo_jax.cli.common import fail, help_and_exit, wants_help
-from ppo_jax.cli import preflight
 from ppo_jax.config import ConfigError
+from ppo_jax.config_file import load_config
 from ppo_jax.sweep import plots, results, runner, spec
 
 TRAINER = flags.DEFINE_enum("trainer", None, sorted(spec.TRAINERS), "What each run runs.")
@@ -81,7 +81,7 @@ def sweep(overrides: list[str]) -> int:
     if config_file is None:
         raise ConfigError(f"--trainer={TRAINER.value} needs --config=FILE (its config file)")
     config_file = os.path.abspath(config_file)
-    config = preflight.load_config(config_file)
+    config = load_config(config_file)
     axes = [spec.parse_axis(text) for text in GRID.value]
     runs = spec.expand(axes, spec.parse_seeds(SEEDS.value), zipped=ZIP.value)
     spec.check_runs(runs, config, overrides)

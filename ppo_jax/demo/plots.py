@@ -4,29 +4,12 @@ path."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import numpy as np
 
 from ppo_jax.demo.evaluator import EvalPoint
-
-
-def figure(ncols: int, size):
-    """A matplotlib Figure without pyplot: no global backend is touched (Agg renders the PNG; a
-    notebook displays the returned Figure inline)."""
-    # Imported here, not at the top: matplotlib.figure takes one to three seconds to import on a busy
-    # CPU and only drawing needs it (a `--config.plots=false` run never imports it).
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=size)
-    return fig, fig.subplots(1, ncols)
-
-
-def save(fig, path: str | None) -> None:
-    if path is not None:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        fig.savefig(path, dpi=110)
+from ppo_jax.figures import panels, save
 
 
 def plot_ppo(history: Sequence[dict[str, float]], evals: Sequence[EvalPoint], *, best_gold: float,
@@ -35,7 +18,7 @@ def plot_ppo(history: Sequence[dict[str, float]], evals: Sequence[EvalPoint], *,
     Saved to `path` (PNG) when given; returns the Figure."""
     steps = np.arange(1, len(history) + 1)
     es = [e.step for e in evals]
-    fig, axes = figure(3, (14, 3.8))
+    fig, axes = panels(3, (14 / 3, 3.8))
     ax = axes[0]
     ax.plot(steps, [h["objective/model_scores"] for h in history], color="tab:blue", alpha=0.5,
             label="training rollouts")
@@ -66,7 +49,7 @@ def plot_ppo(history: Sequence[dict[str, float]], evals: Sequence[EvalPoint], *,
 
 def plot_supervised(sft_history, rm_history, path: str | None = None):
     """SFT loss and reward-model accuracy against step; saved to `path` when given; returns the Figure."""
-    fig, axes = figure(2, (10, 3.6))
+    fig, axes = panels(2, (5, 3.6))
     ax = axes[0]
     rows = [r for r in sft_history if "train/loss" in r]
     ax.plot([r["step"] for r in rows], [r["train/loss"] for r in rows], label="train")
@@ -94,7 +77,7 @@ def plot_supervised(sft_history, rm_history, path: str | None = None):
 def plot_sweep(evals: dict[float, Sequence[EvalPoint]], *, best_gold: float, path: str | None = None):
     """Left: proxy (dashed) and gold (solid) reward against iteration, one colour per KL coefficient.
     Right: both against sqrt(KL to the SFT policy), every evaluation of every run."""
-    fig, axes = figure(2, (12, 4.2))
+    fig, axes = panels(2, (6, 4.2))
     colors = ["tab:red", "tab:orange", "tab:olive", "tab:green", "tab:blue", "tab:purple", "tab:brown"]
     for (coef, points), color in zip(sorted(evals.items()), colors):
         steps = [e.step for e in points]

@@ -9,20 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ppo_jax.demo.plots import save
+from ppo_jax.figures import panels, save
 from ppo_jax.sweep.results import PointRow, RunResult, stat
-
-
-def _axes(n: int, size_per: tuple[float, float]):
-    """A Figure (no pyplot) with n panels, three to a row."""
-    from matplotlib.figure import Figure  # imported when drawing: it takes seconds to import
-
-    rows, cols = (1, n) if n <= 3 else (math.ceil(n / 3), 3)
-    fig = Figure(figsize=(size_per[0] * cols, size_per[1] * rows))
-    flat = list(np.atleast_1d(fig.subplots(rows, cols)).reshape(-1))
-    for ax in flat[n:]:
-        ax.set_visible(False)
-    return fig, flat[:n]
 
 
 def mean_curve(curves: Sequence[tuple[np.ndarray, np.ndarray]]):
@@ -38,7 +26,7 @@ def mean_curve(curves: Sequence[tuple[np.ndarray, np.ndarray]]):
 
 def plot_curves(results: Sequence[RunResult], metrics: Sequence[str], path: str | None = None):
     """One panel per metric: each point's mean curve over its finished seeds, with its 95% band."""
-    fig, axes = _axes(len(metrics), (5.0, 3.6))
+    fig, axes = panels(len(metrics), (5.0, 3.6))
     groups: dict[str, list[RunResult]] = {}
     for result in results:
         if result.outcome.ok:
@@ -74,7 +62,7 @@ def _number(value: str) -> float | None:
 def plot_field(rows: Sequence[PointRow], field: str, metrics: Sequence[str], path: str | None = None):
     """Each final metric against the values of `field` (mean ± 95% interval), one series per setting
     of the other swept fields: a line over numeric values, points over named ones."""
-    fig, axes = _axes(len(metrics), (4.5, 3.4))
+    fig, axes = panels(len(metrics), (4.5, 3.4))
     series: dict[str, list[PointRow]] = {}
     for row in rows:
         rest = ", ".join(f"{f}={v}" for f, v in row.point if f != field) or field

@@ -15,8 +15,8 @@ import itertools
 import re
 from collections.abc import Sequence
 
-from ppo_jax.cli import preflight
 from ppo_jax.config import ConfigError
+from ppo_jax.config_file import check_overrides
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,4 +168,4 @@ def check_runs(runs: Sequence[Run], config, base_overrides: Sequence[str]) -> No
         for arg in list(base_overrides) + run.overrides():
             if arg not in seen:
                 seen.add(arg)
-                preflight.check_overrides([arg], config)
+                check_overrides([arg], config)

@@ -1,19 +1,17 @@
-"""What a command checks before absl parses its flags: `--help` prints the whole config tree (every
-field, its value in the config file and its one-line comment from the settings schema), the config
-file exists, and every `--config.<field>` override names a field (with a suggestion when it does not).
+"""A config file as a command line names it: `path.py[:arg]` loaded into its ConfigDict, and the
+`--config.<field>=<value>` overrides checked against it, each a one-line ConfigError, before absl
+parses anything.
 
-absl alone would exit 1 on --help listing only `--config`, and a misspelled override would end in a
-chained traceback from inside ml_collections; these are one-line answers instead.
+absl and ml_collections would end a misspelled override in a chained traceback from inside
+config_flags, and a value of the wrong type in a FATAL flags error; the commands (`ppo_jax.cli`) and
+the sweep, which checks every run's overrides before it starts one, answer with one line instead.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import importlib.util
-import inspect
 import os
-import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -21,27 +19,13 @@ import ml_collections
 from absl import flags
 from ml_collections.config_flags import tuple_parser
 
-from ppo_jax.config import ConfigError, type_hints, leaf_type
+from ppo_jax.config import ConfigError
 
 # How config_flags will parse an override of a field of each type (absl's and ml_collections' own
 # parsers, so "accepted here" means "accepted there").
 _VALUE_PARSERS = {int: flags.IntegerParser(), float: flags.FloatParser(), bool: flags.BooleanParser(),
                   tuple: tuple_parser.TupleParser()}
 _TYPE_NAMES = {int: "a whole number", float: "a number", bool: "true or false", tuple: "a tuple, e.g. (1,-1,1)"}
-
-_FIELD = re.compile(r"^\s+(\w+)\s*:\s*[\w\[]")
-_FIELD_COMMENT = re.compile(r"^\s+(\w+)\s*:[^#]*#\s?(.*)$")
-
-
-def flag_value(argv: Sequence[str], name: str) -> str | None:
-    """The value of `--name=value` or `--name value` in argv (the last one wins, as in absl)."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg.startswith(f"--{name}="):
-            value = arg.split("=", 1)[1]
-        elif arg == f"--{name}" and i + 1 < len(argv):
-            value = argv[i + 1]
-    return value
 
 
 def load_config(spec: str, *, example: str = "configs/ppo_toy.py") -> ml_collections.ConfigDict:
@@ -58,74 +42,6 @@ def load_config(spec: str, *, example: str = "configs/ppo_toy.py") -> ml_collect
         return get_config(arg) if arg else get_config()
     except Exception as e:
         raise ConfigError(f"config file {path!r} failed to load: {type(e).__name__}: {e}") from e
-
-
-def field_comments(schema: type) -> dict[str, str]:
-    """{field: the comment at the end of its line} of a settings dataclass (inherited fields too; a
-    subclass's comment wins)."""
-    comments: dict[str, str] = {}
-    for cls in reversed(schema.__mro__):
-        if not dataclasses.is_dataclass(cls):
-            continue
-        try:
-            source = inspect.getsource(cls)
-        except (OSError, TypeError):
-            continue
-        comments.update(_comments_in(source))
-    return comments
-
-
-def _comments_in(source: str) -> dict[str, str]:
-    """A field's comment ends its line, or (when long) fills the comment lines just above it."""
-    found: dict[str, str] = {}
-    above: list[str] = []
-    for line in source.splitlines():
-        stripped = line.strip()
-        if stripped.startswith("#"):
-            above.append(stripped.lstrip("#").strip())
-            continue
-        trailing = _FIELD_COMMENT.match(line)
-        field = trailing or _FIELD.match(line)
-        if field and (trailing or above):
-            found[field.group(1)] = trailing.group(2).strip() if trailing else " ".join(above)
-        above = []
-    return found
-
-
-def _rows(config: ml_collections.ConfigDict, schema: type | None, prefix: str) -> Iterator[tuple[str, Any, str]]:
-    """(dotted field, value, comment) of every leaf, in the schema's order where there is one."""
-    comments = field_comments(schema) if schema is not None else {}
-    hints = type_hints(schema) if schema is not None else {}
-    names = [f.name for f in dataclasses.fields(schema) if f.name in config] if schema is not None else []
-    names += [k for k in config.keys() if k not in names]
-    for name in names:
-        value = config[name]
-        if isinstance(value, ml_collections.ConfigDict):
-            kind = leaf_type(hints[name]) if name in hints else None
-            yield from _rows(value, kind if dataclasses.is_dataclass(kind) else None, f"{prefix}{name}.")
-        else:
-            yield f"{prefix}{name}", value, comments.get(name, "")
-
-
-def help_text(config: ml_collections.ConfigDict, schema: type | None, *, what: str, config_spec: str | None,
-              takes_workdir: bool, title: str | None = None) -> str:
-    """The whole config tree with values and comments, and how to override it (config_spec None: the
-    values are the schema's defaults)."""
-    rows = list(_rows(config, schema, ""))
-    settings = [f"--config.{name}={value!r}" for name, value, _ in rows]
-    width = min(max(map(len, settings), default=0), 60)
-    source = config_spec or "the defaults (a config file starts from these)"
-    lines = [f"{title or what + ' run'}. Flags:",
-             f"  --config=FILE       {what} config file (a Python file with get_config())"
-             + (f"; now {config_spec}" if config_spec else "")]
-    if takes_workdir:
-        lines.append("  --workdir=DIR       directory for metrics, checkpoints and outputs (the same one resumes)")
-    lines += ["  --verbose           library INFO logs and full tracebacks on the terminal",
-              "",
-              f"Every field of the config, with its value in {source}; override any of them as shown:"]
-    for setting, (_, _, comment) in zip(settings, rows):
-        lines.append(f"  {setting:<{width}}  # {comment}" if comment else f"  {setting}")
-    return "\n".join(lines)
 
 
 def check_overrides(argv: Sequence[str], config: ml_collections.ConfigDict) -> None:
