@@ -15,7 +15,7 @@ import scipy.stats
 
 from ppo_jax.config import ConfigError
 from ppo_jax.config_file import load_config
-from ppo_jax.sweep import plots, results, runner, spec
+from ppo_jax.sweep import devices, plots, results, runner, spec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join(REPO, "configs", "ppo_toy.py")
@@ -117,11 +117,117 @@ def test_an_interrupted_sweep_reruns_only_what_did_not_finish(tmp_path):
     assert all(o.ok for o in again) and [o.ran_now for o in again] == [False, False, False, True]
     calls = (tmp_path / "calls.txt").read_text().split()
     assert sorted(calls) == sorted([r.name for r in runs] + [runs[3].name])  # the finished ones ran once
+    # The failed attempt's log is kept beside the one that finished; the record names the latest.
+    logs = tmp_path / "logs"
+    assert (logs / f"{runs[3].name}.attempt-1.log").read_text().strip() == "error: the flaky run failed"
+    assert (logs / f"{runs[3].name}.attempt-2.log").read_text().strip() == "done: fake"
+    assert not (logs / f"{runs[0].name}.attempt-2.log").exists()
+    record = json.loads((logs / f"{runs[3].name}.json").read_text())
+    assert record["attempt"] == 2 and record["log"] == f"{runs[3].name}.attempt-2.log" and record["returncode"] == 0
     manifest = {"trainer": "fake", "runs": [r.name for r in runs]}
     runner.write_manifest(sweep_dir, manifest)
     runner.write_manifest(sweep_dir, manifest)  # the same sweep again: accepted
     with pytest.raises(ConfigError, match="holds another sweep \\(runs differ"):
         runner.write_manifest(sweep_dir, {**manifest, "runs": manifest["runs"][:2]})
+
+
+def test_a_sweep_resumed_after_its_config_file_changed_is_refused(tmp_path):
+    config = tmp_path / "config.py"
+    config.write_text("def get_config():\n    return None\n")
+    manifest = {"trainer": "fake", "config": str(config), "config_sha256": runner.config_sha256(str(config)),
+                "runs": ["a"]}
+    runner.write_manifest(str(tmp_path / "sweep"), manifest)
+    assert json.loads((tmp_path / "sweep" / "sweep.json").read_text())["config_sha256"] == manifest["config_sha256"]
+    assert runner.config_sha256(f"{config}:arg") == manifest["config_sha256"]  # `path.py:arg` hashes the file
+    config.write_text("def get_config():\n    return 1\n")
+    edited = dict(manifest, config_sha256=runner.config_sha256(str(config)))
+    with pytest.raises(ConfigError, match=r"the config file .*config.py changed since this sweep started"):
+        runner.write_manifest(str(tmp_path / "sweep"), edited)
+    older = tmp_path / "older"  # a sweep recorded before configs were hashed resumes as before
+    runner.write_manifest(str(older), {k: v for k, v in manifest.items() if k != "config_sha256"})
+    runner.write_manifest(str(older), edited)
+
+
+def test_the_command_refuses_an_edited_config_in_one_line_and_writes_nothing(tmp_path):
+    """Each run fails at once (a missing policy path); the second command, after the config file was
+    edited, is refused before it runs or writes anything."""
+    config = tmp_path / "ppo.py"
+    config.write_text(open(TOY).read())
+    argv = [sys.executable, "-m", "ppo_jax.cli.sweep", "--trainer=ppo", f"--config={config}", "--seeds=1",
+            f"--sweep_dir={tmp_path}/sweep", f"--config.policy.path={tmp_path}/nowhere"]
+    first = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert first.returncode == 1 and "FAILED (exit 2)" in first.stdout, first.stdout[-2000:] + first.stderr[-2000:]
+    config.write_text(open(TOY).read() + "# edited\n")
+    before = sorted(p.name for p in (tmp_path / "sweep").rglob("*"))
+    second = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
+    assert second.stderr.startswith(f"error: the config file {config} changed since this sweep started")
+    assert sorted(p.name for p in (tmp_path / "sweep").rglob("*")) == before
+
+
+SLOT_CHILD = r"""
+import os, sys, time
+lock = os.path.join(sys.argv[1], "slot-" + os.environ["SLOT"])
+os.close(os.open(lock, os.O_CREAT | os.O_EXCL))  # fails if another run holds this slot now
+time.sleep(0.3)
+os.remove(lock)
+print("done: slot " + os.environ["SLOT"])
+"""
+
+
+def test_each_run_gets_the_environment_of_a_slot_no_other_run_holds(tmp_path):
+    runs = spec.expand([spec.parse_axis("x=1,2,3")], (0, 1))
+    envs = [dict(os.environ, SLOT=name) for name in ("a", "b")]
+    outcomes = runner.run_sweep(runs, str(tmp_path), lambda run, workdir: [sys.executable, "-c", SLOT_CHILD, str(tmp_path)],
+                                parallel=2, slot_envs=envs)
+    assert all(o.ok for o in outcomes), [o.last_line for o in outcomes]
+    assert {o.last_line for o in outcomes} == {"done: slot a", "done: slot b"}
+    with pytest.raises(ValueError, match="1 slot environments for parallel=2"):
+        runner.run_sweep(runs, str(tmp_path), _fake_command, parallel=2, slot_envs=envs[:1])
+
+
+GPUS = devices.Accelerators("gpu", gpu_ids=tuple(str(i) for i in range(8)))
+
+
+@pytest.mark.parametrize("accelerators, parallel, visible, fraction", [
+    (devices.Accelerators("cpu"), 3, [None] * 3, None),
+    (GPUS, 1, [None], None),  # one run at a time: the sweep's own environment
+    (GPUS, 2, ["0,1,2,3", "4,5,6,7"], None),
+    (GPUS, 3, ["0,1", "2,3", "4,5"], None),  # 6 and 7 idle: every run gets as many
+    (devices.Accelerators("gpu", gpu_ids=("0",)), 2, ["0", "0"], "0.375"),  # 0.75 of one process, halved
+    (devices.Accelerators("gpu", gpu_ids=("3", "GPU-5")), 4, ["3", "GPU-5", "3", "GPU-5"], "0.375"),
+])
+def test_parallel_runs_on_gpus_get_their_own_gpus_or_a_share_of_the_memory(accelerators, parallel, visible, fraction):
+    envs, note = devices.slot_environments(parallel, accelerators, {"PATH": "/bin"})
+    assert len(envs) == parallel and all(env["PATH"] == "/bin" for env in envs)
+    assert [env.get("CUDA_VISIBLE_DEVICES") for env in envs] == visible
+    assert {env.get("XLA_PYTHON_CLIENT_MEM_FRACTION") for env in envs} == {fraction}
+    assert bool(note) == (accelerators.platform == "gpu" and parallel > 1)
+
+
+def test_a_users_memory_fraction_is_divided_and_a_tpu_host_runs_one_at_a_time():
+    envs, note = devices.slot_environments(3, devices.Accelerators("gpu", gpu_ids=("0",)),
+                                           {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"})
+    assert [env["XLA_PYTHON_CLIENT_MEM_FRACTION"] for env in envs] == ["0.300"] * 3 and "3 runs on each" in note
+    tpu = devices.Accelerators("tpu", tpu_chips=4)
+    assert devices.slot_environments(1, tpu, {})[0] == [{}]
+    with pytest.raises(ConfigError, match=r"--parallel=2 on a TPU host: its 4 chips open in one process at a time; "
+                                          r"use --parallel=1"):
+        devices.slot_environments(2, tpu, {})
+
+
+def test_the_accelerators_a_child_would_open_are_found_without_starting_jax(tmp_path, monkeypatch):
+    for name in ("nvidia0", "nvidia1", "nvidia10", "nvidiactl", "nvidia-uvm"):
+        (tmp_path / name).touch()
+    monkeypatch.setattr(devices, "_tpu_chips", lambda: 0)
+    assert devices.local_accelerators({}, dev=str(tmp_path)) == devices.Accelerators("gpu", gpu_ids=("0", "1", "10"))
+    assert devices.local_accelerators({"CUDA_VISIBLE_DEVICES": "1,0"}, dev=str(tmp_path)).gpu_ids == ("1", "0")
+    assert devices.local_accelerators({"CUDA_VISIBLE_DEVICES": ""}, dev=str(tmp_path)).platform == "cpu"
+    assert devices.local_accelerators({"JAX_PLATFORMS": "cpu"}, dev=str(tmp_path)).platform == "cpu"
+    assert devices.local_accelerators({}, dev=str(tmp_path / "none")).platform == "cpu"
+    monkeypatch.setattr(devices, "_tpu_chips", lambda: 4)
+    assert devices.local_accelerators({}, dev=str(tmp_path)) == devices.Accelerators("tpu", tpu_chips=4)
+    assert devices.local_accelerators({"JAX_PLATFORMS": "cpu"}, dev=str(tmp_path)).platform == "cpu"
 
 
 def test_the_table_pools_seeds_into_a_t_interval(tmp_path):

@@ -9,7 +9,8 @@ Every `--config.<field>=<value>` applies to every run; each `--grid=FIELD=V1,V2,
 (the runs are the product of their values, or with --zip their i-th values together) and --seeds the
 seeds (a count or a list). Each run is the trainer's own command in `<sweep_dir>/runs/<name>`; the
 same command again resumes the sweep (finished runs are kept, the others run again and resume from
-their checkpoints). Results: `<sweep_dir>/results.csv`, `results.md`, `plots/`. Bad specs are one
+their checkpoints; a rerun's log is a new attempt-<k>.log, and an edited config file is refused).
+Results: `<sweep_dir>/results.csv`, `results.md`, `plots/`. Bad specs are one
 `error:` line before anything runs; a failed run is reported in the table and the sweep goes on
 (unless --stop_on_failure), exiting 1 at the end.
 
@@ -29,7 +30,7 @@ from absl import app, flags
 from ppo_jax.cli.common import fail, help_and_exit, wants_help
 from ppo_jax.config import ConfigError
 from ppo_jax.config_file import load_config
-from ppo_jax.sweep import plots, results, runner, spec
+from ppo_jax.sweep import devices, plots, results, runner, spec
 
 TRAINER = flags.DEFINE_enum("trainer", None, sorted(spec.TRAINERS), "What each run runs.")
 CONFIG = flags.DEFINE_string("config", None, "The trainer's config file (the demo's own when not given).")
@@ -38,8 +39,9 @@ GRID = flags.DEFINE_multi_string("grid", [], "FIELD=V1,V2,...: a swept config fi
 ZIP = flags.DEFINE_bool("zip", False, "Take the --grid fields' i-th values together (a list of points) "
                         "instead of every combination.")
 SEEDS = flags.DEFINE_string("seeds", "3", "Seeds per point: a count (3: seeds 0, 1, 2) or a list (0,4,7).")
-PARALLEL = flags.DEFINE_integer("parallel", 1, "Runs at a time (each is a whole process; they share the CPU "
-                                "cores or accelerators).", lower_bound=1)
+PARALLEL = flags.DEFINE_integer("parallel", 1, "Runs at a time, each a whole process: they share the CPU cores; "
+                                "on GPUs each gets its own GPUs, or a share of one GPU's memory when there are fewer "
+                                "GPUs than runs; refused on a TPU host (one process opens its chips).", lower_bound=1)
 METRICS = flags.DEFINE_list("metrics", None, "Final metrics in the table and plots (default: the trainer's "
                             "own); a summary.json key (dotted for nested values) or a metrics.jsonl name.")
 CURVES = flags.DEFINE_list("curves", None, "Logged metrics whose learning curves are plotted (default: the "
@@ -91,14 +93,16 @@ def sweep(overrides: list[str]) -> int:
         for run in runs:
             print(" ".join(command(run, runner.run_dir(SWEEP_DIR.value, run))))
         return 0
-    runner.write_manifest(SWEEP_DIR.value, {"trainer": TRAINER.value, "config": config_file, "overrides": overrides,
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    slot_envs, shares = devices.slot_environments(PARALLEL.value, devices.local_accelerators(env), env)
+    runner.write_manifest(SWEEP_DIR.value, {"trainer": TRAINER.value, "config": config_file,
+                                            "config_sha256": runner.config_sha256(config_file), "overrides": overrides,
                                             "runs": [[run.name, run.overrides()] for run in runs]})
     points = len({run.point for run in runs})
     print(f"sweep: {len(runs)} runs of {TRAINER.value} ({len(runs) // points} seeds x {points} points), "
-          f"{PARALLEL.value} at a time, in {SWEEP_DIR.value}", flush=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+          f"{PARALLEL.value} at a time{f' ({shares})' if shares else ''}, in {SWEEP_DIR.value}", flush=True)
     outcomes = runner.run_sweep(runs, SWEEP_DIR.value, command, parallel=PARALLEL.value,
-                                stop_on_failure=STOP_ON_FAILURE.value, env=env, report=_report)
+                                stop_on_failure=STOP_ON_FAILURE.value, slot_envs=slot_envs, report=_report)
     fields = [axis.field for axis in axes]
     curves = tuple(CURVES.value or trainer.curves)
     read = [results.read_run(SWEEP_DIR.value, outcome, metrics, trainer.log, curves) for outcome in outcomes]
