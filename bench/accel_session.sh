@@ -1,44 +1,86 @@
 #!/usr/bin/env bash
-# The accelerator checks of one device session, in one call that fits its lease (docs/benchmarks.md,
-# "The library on an H200"): bench_accel.py at the profile's shape with the peers, traced; the static
-# and continuous rollout engines at long-tailed lengths (bench_sampler.py --engines); then the PPO
-# iteration packed and with full remat; each run under its own time limit, so one slow run cannot eat
-# the others (about 10 minutes at 200 s each: two calls of the device tool, or fewer runs).
+# The checks of one device session (issue 49), prepared so that device minutes go to measurement:
 #
-#   bash bench/accel_session.sh OUT_DIR [SECONDS_PER_RUN]
-#   BENCH_EXTRA=--tiny bash bench/accel_session.sh /tmp/out 120     # the same runs at the tiny size, on a CPU
+#   bash bench/accel_session.sh OUT_DIR [PART] [SECONDS_PER_RUN]
+#
+# PART "main" (about 6 minutes on an H200; run it first):
+#   default     bench_accel.py at the defaults, TinyLlama-1.1B shape, 64 x (128 + 128), with the peers
+#               (HF generate, PyTorch eager update) in the same process, one traced iteration
+#               (`--profile`), and XLA's optimised HLO of every program dumped: the autotuned
+#               programs the static profile (ppo_jax/accelerators/profile.py) is calibrated against
+#   cached      the same run, no peers, twice against one compilation cache: the second process's
+#               compile is what a rerun or a resume pays
+# PART "ab" (about 5 minutes): A/B runs on a 4-layer slice of the same shape (a fifth of the compile),
+#   no peers, one knob at a time against the slice's baseline; confirm a winner on the full shape:
+#   steps_per_sync=1 (a host round trip per decode step, as before), command buffers that capture the
+#   decode loop (+WHILE, the K-step inner loop as one CUDA graph), cuBLAS instead of Triton GEMMs,
+#   cuBLASLt, remat full (the trainer's GPU default) and packing on
+# PART "all": both, in one call (needs a limit of about 11 minutes: two device calls are safer).
+#
+# Each run has its own time limit, so one slow run cannot eat the others. Everything lands in
+# OUT_DIR/session-PART.tgz (each run's .json and .log, the trace, the HLO) plus OUT_DIR/summary-PART.txt,
+# within the device tool's eight files: commit the JSONs under bench/results/ and the tables in
+# docs/benchmarks.md. `BENCH_EXTRA=--tiny bash bench/accel_session.sh /tmp/out ab 120` runs the
+# same at the tiny size on a CPU (a smoke test of this script, no figure to keep).
 #
 # On the workplace's device machine (jax, flax, optax, orbax, torch, transformers in its image): carry
 # the wheels it lacks (ml-collections, tensorboardX) in .whl/ and install them first, e.g.
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-# Writes OUT_DIR/<run>.log and .json per run and OUT_DIR/trace.tgz (one traced iteration, for
-# `python bench/profile_summary.py`); prints each run's table.
 set -uo pipefail
-out=${1:?usage: accel_session.sh OUT_DIR [SECONDS_PER_RUN]}
-limit=${2:-200}
+out=${1:?usage: accel_session.sh OUT_DIR [main|ab|all] [SECONDS_PER_RUN]}
+part=${2:-main}
+limit=${3:-200}
 here=$(cd "$(dirname "$0")" && pwd)
+work=$(mktemp -d /tmp/accel_session.XXXX)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
-python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+PPO_JAX_COMMIT=$(git -C "$here" rev-parse HEAD 2>/dev/null || echo unknown)
+export PPO_JAX_COMMIT
+summary="$out/summary-$part.txt"
+python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" | tee "$summary"
 
-run() {  # run NAME ARGS...: one bench_accel.py run, its table printed, its figures in NAME.json
+run() {  # run NAME [VAR=VALUE ...] -- BENCH_ARGS...: one bench_accel.py run, its table, its figures in NAME.json
   local name=$1; shift
+  local env=()
+  while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do env+=("$1"); shift; done
+  shift
   local start=$SECONDS
   # shellcheck disable=SC2086  # BENCH_EXTRA is a list of flags
-  timeout "$limit" python3 "$here/bench_accel.py" --json "$out/$name.json" "$@" ${BENCH_EXTRA:-} >"$out/$name.log" 2>&1
-  echo "== $name: exit $? after $((SECONDS - start)) s ($*)"
-  grep -v -e "Loading weights" -e "UserWarning" -e "warnings.warn" "$out/$name.log" | tail -n 70
+  env "${env[@]}" timeout "$limit" python3 "$here/bench_accel.py" --json "$work/$name.json" "$@" ${BENCH_EXTRA:-} \
+    >"$work/$name.log" 2>&1
+  echo "== $name: exit $? after $((SECONDS - start)) s (${env[*]} $*)" | tee -a "$summary"
+  grep -v -e "Loading weights" -e "UserWarning" -e "warnings.warn" "$work/$name.log" | tail -n 30 | tee -a "$summary"
 }
 
-run default --profile /tmp/accel_trace                    # the defaults (padded rows on a GPU), the peers, a trace
-tar -czf "$out/trace.tgz" -C /tmp accel_trace 2>/dev/null || true
-engines() {  # the rollout engines on TinyLlama at forced long-tailed and equal lengths (bench_sampler.py)
-  local start=$SECONDS
-  timeout "$limit" python3 "$here/bench_sampler.py" --engines --shapes tinyllama --dtype bfloat16 --batch 64 \
-    --prompt 128 --new 256 --repeats 3 --lengths long-tailed equal --slots 16 32 64 >"$out/engines.log" 2>&1
-  echo "== engines: exit $? after $((SECONDS - start)) s"
-  tail -n 12 "$out/engines.log"
+main_part() {
+  # The defaults with the peers, traced, and XLA's optimised HLO of the three programs.
+  run default XLA_FLAGS="--xla_dump_to=$work/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_(run|experience|update)" \
+    -- --profile "$work/trace"
+  find "$work/hlo" -type f ! -name "*after_optimizations.txt" -delete 2>/dev/null
+  find "$work/hlo" -type d -empty -delete 2>/dev/null
+  # Compile time of a second process: the same run twice against one persistent cache.
+  run cached_cold -- --no-peers --iterations 1 --compilation-cache "$work/xla_cache"
+  run cached_warm -- --no-peers --iterations 1 --compilation-cache "$work/xla_cache"
+  rm -rf "$work/xla_cache"
 }
-engines
-run packed --no-peers --packing on                        # what packing costs with no padding to remove
-run remat_full --no-peers --remat full                    # the trainer's own remat default on a GPU
+
+ab_part() {
+  local slice=(--no-peers --layers 4)
+  run slice_base -- "${slice[@]}"
+  run slice_sync_every_step -- "${slice[@]}" --steps-per-sync 1
+  run slice_graph_while XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE --xla_gpu_graph_min_graph_size=1" \
+    -- "${slice[@]}"
+  run slice_cublas XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" -- "${slice[@]}"
+  run slice_cublaslt XLA_FLAGS="--xla_gpu_enable_cublaslt=true" -- "${slice[@]}"
+  run slice_remat_full -- "${slice[@]}" --remat full
+  run slice_packed -- "${slice[@]}" --packing on
+}
+
+case "$part" in
+  main) main_part ;;
+  ab) ab_part ;;
+  all) main_part; ab_part ;;
+  *) echo "PART must be main, ab or all, got $part" >&2; exit 2 ;;
+esac
+tar -czf "$out/session-$part.tgz" -C "$work" . && rm -rf "$work"
+ls -la "$out"

@@ -174,7 +174,10 @@ def ppo_jax_settings(args, assets):
     c.compute.attention, c.compute.layer_loop, c.compute.remat = args.attention, args.layer_loop, args.remat
     if args.packing is not None:
         c.ppo.packing = args.packing
-    c.compute.compilation_cache = ""  # compile time is one of the figures
+    # Compile time is one of the figures: no cache unless --compilation-cache names one (a second
+    # process with the same cache then shows what a rerun or a resume compiles).
+    c.compute.compilation_cache = args.compilation_cache
+    c.rollout.steps_per_sync = args.steps_per_sync
     c.train.iterations = 10**6  # the benchmark calls run_iteration() itself
     c.train.progress = False
     return c
@@ -382,6 +385,25 @@ def figures(args, cfg, ours: dict, peers: dict) -> dict:
     return out
 
 
+def environment() -> dict:
+    """Where and when the figures were measured: device, software, XLA flags, date, commit."""
+    import subprocess
+    import datetime
+
+    import flax
+    import jax
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                                capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = os.environ.get("PPO_JAX_COMMIT", "unknown")
+    return {"device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+            "device_count": jax.device_count(), "jax": jax.__version__, "flax": flax.__version__,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit}
+
+
 def _fmt(x, spec=".3f", unit=""):
     return "—" if x is None else f"{x:{spec}}{unit}"
 
@@ -432,6 +454,12 @@ def parse_args(argv=None):
     p.add_argument("--remat", default="keep")
     p.add_argument("--decode", default="auto")
     p.add_argument("--packing", choices=("on", "off"), default=None, help="ppo.packing (default: the library's)")
+    p.add_argument("--steps-per-sync", type=int, default=0,
+                   help="rollout.steps_per_sync: decode steps per test for stopped rows (0: the library's auto)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="layers of the TinyLlama shape (default 22): a slice of the model for quick A/B runs")
+    p.add_argument("--compilation-cache", default="", metavar="DIR",
+                   help="jax's persistent compilation cache (default: off, compile time being a figure)")
     p.add_argument("--no-peers", action="store_true", help="skip HF generate and the torch update")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak (default: by device kind)")
     p.add_argument("--hbm-tbps", type=float, default=None, help="device memory bandwidth (default: by kind)")
@@ -446,7 +474,7 @@ def parse_args(argv=None):
             setattr(args, name, value)
     if args.tiny and args.dtype == "bfloat16" and args.param_dtype == "bfloat16":
         args.param_dtype = args.dtype = "float32"  # CPUs compute bf16 slowly and the torch peer too
-    args.shape = "tiny" if args.tiny else "tinyllama-1.1b"
+    args.shape = "tiny" if args.tiny else "tinyllama-1.1b" + (f" ({args.layers} layers)" if args.layers else "")
     if args.rows % args.minibatch_rows:
         p.error(f"--rows={args.rows} must be a multiple of --minibatch-rows={args.minibatch_rows}")
     return args
@@ -455,6 +483,8 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     shape = TINY if args.tiny else TINYLLAMA
+    if args.layers:
+        shape = dataclasses.replace(shape, layers=args.layers)
     with tempfile.TemporaryDirectory(prefix="bench_accel_") as workdir:
         assets = build_assets(shape, args, workdir)
         # The peers run first and hand their memory back (torch's cache emptied) before ppo_jax
@@ -473,7 +503,8 @@ def main(argv=None) -> dict:
         ours = run_ppo_jax(args, assets, os.path.join(workdir, "run"))
         fig = figures(args, assets["config"], ours, peers)
     print_table(args, fig, ours)
-    result = {"args": vars(args), "figures": fig, "ppo_jax_raw": ours, "peers_raw": peers}
+    result = {"args": vars(args), "environment": environment(), "figures": fig, "ppo_jax_raw": ours,
+              "peers_raw": peers}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2, default=str)

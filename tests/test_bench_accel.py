@@ -38,6 +38,10 @@ def test_tiny_run_reports_every_phase_and_the_peers(tmp_path):
     assert ours["generate"]["tokens_per_s"] > 0 and ours["compile_s"]["wall"] > 0
     assert result["ppo_jax_raw"]["trace_counts"] == {"experience": 1, "update": 1}  # no recompiles
     assert result["figures"]["hf_generate"]["seconds"] > 0
+    # Every result file says where and when: the device, the software, the flags, the date, the commit.
+    env = saved["environment"]
+    assert env["device_kind"] and env["backend"] == "cpu" and env["jax"] and env["date"].startswith("20")
+    assert len(env["commit"]) == 40 or env["commit"] == "unknown"
     assert result["figures"]["torch_update"]["seconds"] > 0
     # The traced iteration's device time, by program: the experience and update steps' XLA modules,
     # their busy time split into kernel kinds that add up to it (on CPU: XLA:CPU's thunks).
