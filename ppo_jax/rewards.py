@@ -9,9 +9,12 @@ from configs are never executed.
 from __future__ import annotations
 
 import importlib
+import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
+
+from ppo_jax import metrics
 
 RewardFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
 _REGISTRY: dict[str, RewardFn] = {}
@@ -75,6 +78,47 @@ def combined_scores(fns: list[tuple[RewardFn, float]], prompts: Sequence[str],
                              f"expected ({len(responses)},)")
         total += weight * scores
     return total
+
+
+# Past this a sequence score drowns the rest of the reward. PPO adds a per-token KL penalty -β·KL_t
+# (typically 1e-4 to 1e-2 a token) to the score and sums them into float32 returns; float32 spaces the
+# numbers near 1e6 by 0.0625, so beside such a score the penalty rounds away (the KL leash is gone),
+# and the value model must regress targets a million times the scale its head starts at. Past ~1.8e19
+# the squared value error is inf in float32 and every update is skipped as non-finite.
+SCORE_MAGNITUDE_LIMIT = 1e6
+
+
+def score_magnitude_problem(scores: np.ndarray, limit: float = SCORE_MAGNITUDE_LIMIT) -> str | None:
+    """What is wrong with a batch of reward-function scores [B] that no update can learn from (non-finite
+    values, or magnitudes past `limit`; see SCORE_MAGNITUDE_LIMIT), or None when nothing is."""
+    scores = np.asarray(scores, np.float64)
+    finite = np.isfinite(scores)
+    problems = []
+    if not finite.all():
+        problems.append(f"{int((~finite).sum())} of {scores.size} are NaN or inf (those updates are skipped, and "
+                        "the run stops after train.max_consecutive_nonfinite such iterations)")
+    huge = finite & (np.abs(scores) > limit)
+    if huge.any():
+        problems.append(f"{int(huge.sum())} of {scores.size} have |score| > {limit:g} (largest "
+                        f"{np.abs(scores[huge]).max():.3g}): beside such scores float32 rounds away the KL "
+                        "penalty and the value model's targets are out of scale; rescale the reward function "
+                        "(e.g. to about [-10, 10])")
+    return "reward-function scores: " + "; ".join(problems) if problems else None
+
+
+_WARNED_RUNS: weakref.WeakSet = weakref.WeakSet()
+
+
+def warn_once_if_meaningless(scores: np.ndarray, run: object) -> None:
+    """`score_magnitude_problem` as a `warning:` line (the run's other warnings' way: process 0, on the
+    terminal), at most once per `run` (any object that lives as long as the run, e.g. its rollouts): a
+    run with bad rewards has them in every batch."""
+    if run in _WARNED_RUNS:
+        return
+    problem = score_magnitude_problem(scores)
+    if problem is not None:
+        _WARNED_RUNS.add(run)
+        metrics.warn(problem)
 
 
 @register("toy_target_count")
