@@ -331,7 +331,7 @@ def test_a_frozen_reference_is_tied_to_its_run(tmp_path, capsys):
     # A kill after the reference committed, before step 1 did: the same run adopts it as it is.
     shutil.rmtree(tmp_path / "checkpoints" / "1")
     again = PPOTrainer(config, str(tmp_path), mesh=mesh)
-    assert again.resumed_from is None and again._reference_saved
+    assert again.resumed_from is None and again.checkpointing.reference_saved
     again.train()
     again.close()
     _assert_same_params(again.frozen.reference, first.frozen.reference)

@@ -159,7 +159,7 @@ def test_scoring_on_the_sampler_mesh_with_lora(one_mesh, tmp_path):
     lora_full_value = PPOTrainer(tiny_config(**{**LORA, "value.lora.rank": 0, "train.iterations": 2}),
                                  str(tmp_path / "one"), mesh=make_test_mesh((1, 1, 1))).train()
     assert_same_metrics(lora_full_value, trainer.train())
-    assert trainer.scorer.policy is trainer._sampler_base  # the reference is the sampler's base copy
+    assert trainer.scorer.policy is trainer.rollouts.sampler_base  # the reference is the sampler's base copy
     trainer.close()
 
 
@@ -269,7 +269,7 @@ def test_pipelined_off_policy_equals_the_plain_loop(ratio, tmp_path):
         assert abs(first - 1.0) > 1e-4
     else:  # the ratio to the recomputed policy (1 on the first minibatch), the staleness in the weights
         assert abs(first - 1.0) < 1e-6 and history[1]["off_policy/is_weight_max"] > 1.0
-    assert trainer._in_flight is None  # the last iteration started no sample
+    assert trainer.rollouts.in_flight is None  # the last iteration started no sample
     assert trainer.trace_counts == {"experience": 1, "update": 1} and trainer.sampler.trace_count == 1
     trainer.close()
 
@@ -294,7 +294,7 @@ def test_sigterm_mid_pipeline_resumes_exactly(scoring, request, tmp_path):
     assert first.stopped_by == "SIGTERM" and len(partial) == 2
     first.close()
     resumed = layout_trainer("disaggregated", workdir, toy, **overrides)
-    assert resumed.resumed_from == 2 and resumed._in_flight is not None
+    assert resumed.resumed_from == 2 and resumed.rollouts.in_flight is not None
     rest = resumed.train()
     for want, got in zip(expected[2:], rest):
         assert comparable(got) == comparable(want)  # bitwise

@@ -1,7 +1,10 @@
 """The only Python loop: data -> rollout -> host rewards -> experience -> update -> metrics -> checkpoints.
 
 `PPOTrainer(config, workdir)` builds the mesh, the four parameter trees and the jitted steps once,
-validates everything before compiling, then `train()` runs the iterations.
+validates everything before compiling, then `train()` runs the iterations. It owns its parts, each
+with its own state: `rollouts` (`rl/rollouts.py`: the sampler's side, the weight sync, the sample in
+flight), `checkpointing` (`rl/checkpointing.py`: the checkpoint manager and the frozen-tree checksums)
+and `health` (`rl/health.py`: the streak of skipped updates).
 """
 
 from __future__ import annotations
@@ -16,30 +19,30 @@ from typing import Any
 
 import jax
 import numpy as np
-from etils import epath
 from tqdm.auto import tqdm
 
 from ppo_jax import metrics as metrics_lib
 from ppo_jax import rewards, sampling, sharding
-from ppo_jax.checkpoint import CheckpointError
-from ppo_jax.checkpoint import verify
+from ppo_jax.checkpoint import CheckpointError, CheckpointManager
 from ppo_jax.config import ConfigError
 from ppo_jax.data import toy
 from ppo_jax.data.prompt_stream import PromptStream
 from ppo_jax.models import hf
 from ppo_jax.rl import build, roles
+from ppo_jax.rl.checkpointing import Checkpointing
 from ppo_jax.rl.errors import PREEMPTION_NOTICE, NonFiniteError, RunFailedError
+from ppo_jax.rl.experience import make_scoring_fn
+from ppo_jax.rl.health import NONFINITE_SAMPLES_FILE, NonFiniteGuard
+from ppo_jax.rl.rollouts import IN_FLIGHT_ITEM, Rollouts, Texts
 from ppo_jax.rl.settings import PPOHyper, Settings, stop_token_ids
 from ppo_jax.rl.sizes import derive_sizes
-from ppo_jax.rl.trainer_checkpoints import TrainerCheckpoints
-from ppo_jax.rl.trainer_rollouts import TrainerRollouts
+from ppo_jax.rl.state import FrozenParams, Rollout
 
 Array = jax.Array
 SAMPLES_FILE = "samples.jsonl"
-NONFINITE_SAMPLES_FILE = "nonfinite_samples.jsonl"
 
 
-class PPOTrainer(TrainerCheckpoints, TrainerRollouts):
+class PPOTrainer:
     """Builds everything once from a config, then runs PPO iterations.
 
     A workdir that already holds a checkpoint is resumed from its newest complete step: trainable
@@ -57,10 +60,58 @@ class PPOTrainer(TrainerCheckpoints, TrainerRollouts):
         self.meshes = roles.make_role_meshes(s.roles, s.mesh.shape, trainer_mesh=mesh)
         self.mesh = self.meshes.trainer  # the experience forwards and the update; the sampler's: self.meshes.sampler
         s.compute.enable_compilation_cache()
-        keys = build.run_keys(s.seed)
-        init_key, self._sample_key, state_key = keys.init, keys.sample, keys.state
-
+        self.keys = build.run_keys(s.seed)
         # -- Everything that can be checked is checked before any weights load or anything compiles.
+        self._check_inputs(tokenizer, reward_functions)
+        stream = dict(batch_size=s.rollout.batch_size, seed=s.seed, vocab_size=self.policy_config.vocab_size)
+        self.prompts = PromptStream(s.data, self.tokenizer, prompts=prompts, **stream)
+        self.eval_prompts = (PromptStream(s.data, self.tokenizer, split="eval", **stream)
+                             if s.train.eval_every else None)
+        # -- Modules, optimizers and the shardings of everything, from abstract shapes.
+        self.modules = build.make_modules(s, self.policy_config, self.reward_config)
+        self.policy_tx, self.value_tx = build.make_optimizers(s)
+        self.abstract_state, self.state_shardings = build.abstract_train_state(
+            s, self.modules, self.policy_tx, self.value_tx, self.mesh)
+        # -- Weights: the frozen reward model, then a checkpoint to resume or fresh trainable state.
+        reward_params = None
+        if self.modules.reward is not None:
+            reward_params = hf.load_model(s.reward.path, self.mesh, kind="reward",
+                                          execution=self.reward_config.execution()).params
+        self.checkpointing = Checkpointing(s, self.workdir, self.modules, self.mesh, self.abstract_state,
+                                           self.state_shardings, self.keys.init)
+        weights, extra = self._start_weights(reward_params)
+        self.state = weights.state
+        # A LoRA value base is a subtree of these trees (the same arrays): nothing is copied for it.
+        frozen = build.frozen_params(s, self.modules, weights.reference, reward_params, weights.base)
+        if build.value_lora(self.modules):
+            self.checkpointing.record_value_base(frozen.value)
+        base_shardings = roles.policy_shardings(self.modules, self.mesh) if weights.base is not None else None
+        frozen_shardings = build.frozen_shardings(s, self.modules, self.state_shardings, reward_params, base_shardings)
+        self.steps = build.build_steps(s, self.mesh, self.sizes, self.hp, self.modules, self.policy_tx,
+                                       self.value_tx, self.state_shardings, frozen_shardings, self.stop_ids,
+                                       int(self.tokenizer.pad_token_id), sampler_mesh=self.meshes.sampler)
+        self.rollouts = Rollouts(s, self.meshes, self.steps, frozen, lora=self.policy_config.lora,
+                                 texts=Texts(self.tokenizer, tuple(self.stop_ids)),
+                                 reward_functions=self.reward_functions, prompts=self.prompts,
+                                 sample_key=self.keys.sample)
+        # roles.scoring="sampler": the reference and reward model now live with the rollouts' scorer.
+        self.frozen, self.frozen_shardings = ((roles.trainer_frozen(frozen), roles.trainer_frozen(frozen_shardings))
+                                              if self.hp.scored_outside else (frozen, frozen_shardings))
+        if extra is not None:
+            self._restore_positions(extra)
+        self.writer = self._open_logs()
+        self.health = NonFiniteGuard(self.workdir, self.checkpoints, s.train.max_consecutive_nonfinite,
+                                     checked_step=self.resumed_from)
+        self.history: list[dict[str, float]] = []
+        self._stop_signal: str | None = None
+        self.stopped_by: str | None = None  # the signal (or preemption notice) that stopped train()
+        self._score_jit = None
+
+    # ------------------------------------------------------------------ setup
+
+    def _check_inputs(self, tokenizer, reward_functions) -> None:
+        """The model configs, tokenizer, reward functions, batch sizes and stop tokens, each checked."""
+        s = self.settings
         self.policy_config = build.policy_model_config(s, self.mesh)
         self.reward_config = build.reward_model_config(s, self.mesh)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
@@ -77,89 +128,6 @@ class PPOTrainer(TrainerCheckpoints, TrainerRollouts):
         if not self.stop_ids:
             raise ConfigError("rollout.stop_token_ids is empty and the tokenizer has no EOS token; "
                               "set rollout.stop_token_ids")
-        vocab = self.policy_config.vocab_size
-        stream = dict(batch_size=s.rollout.batch_size, seed=s.seed, vocab_size=vocab)
-        self.prompts = PromptStream(s.data, self.tokenizer, prompts=prompts, **stream)
-        self.eval_prompts = (PromptStream(s.data, self.tokenizer, split="eval", **stream)
-                             if s.train.eval_every else None)
-
-        # -- Modules, optimizers and the shardings of everything, from abstract shapes.
-        self.modules = build.make_modules(s, self.policy_config, self.reward_config)
-        self.policy_tx, self.value_tx = build.make_optimizers(s)
-        self.abstract_state, self.state_shardings = build.abstract_train_state(
-            s, self.modules, self.policy_tx, self.value_tx, self.mesh)
-        self.abstract_reference = build.as_reference(s, self.abstract_state.policy)  # a restore's target
-        # LoRA: the trainable policy is the adapters; the base is frozen and is also the reference
-        # (with imported adapters, policy.lora.init_from: the base + a frozen copy of them).
-        self.lora = self.policy_config.lora is not None
-        self.imported = bool(s.policy.lora.init_from)
-        self.value_lora = build.value_lora(self.modules)  # adapters + head on a shared frozen transformer
-        self.base_shardings = roles.policy_shardings(self.modules, self.mesh) if self.lora else None
-
-        # -- Weights: the frozen reward model, then a checkpoint to resume or fresh trainable state.
-        reward_params = None
-        if self.modules.reward is not None:
-            reward_params = hf.load_model(s.reward.path, self.mesh, kind="reward",
-                                          execution=self.reward_config.execution()).params
-        checkpoint_dir = os.path.join(self.workdir, "checkpoints")
-        # Opening the manager writes nothing; the first save does, after every input was read and checked.
-        self.checkpoints = self._checkpoint_manager(checkpoint_dir) if epath.Path(checkpoint_dir).is_dir() else None
-        self.resumed_from: int | None = None
-        self._init_key = init_key  # rebuilds the reference (or the LoRA base) from its source
-        base = None
-        self._in_flight = None  # off-policy: the next iteration's StartedRollout
-        self._recorded: dict = {}  # the frozen checksums of the checkpoint resumed from
-        if self.checkpoints is not None and self.checkpoints.all_steps():
-            self.state, reference, base, self.resumed_from = self._restore()
-        else:
-            policy, value = build.initial_params(s, self.modules, self.state_shardings, self.mesh, init_key,
-                                                 reward_params)
-            if self.checkpoints is None:
-                self.checkpoints = self._checkpoint_manager(checkpoint_dir)
-            if self.lora:  # no reference copy: the base with the adapters off is the reference
-                base, reference = policy, None
-                policy = build.initial_adapters(s, self.modules, self.state_shardings.policy, self.mesh, init_key)
-                self._base_record = verify.record(base)  # identifies the base in every checkpoint
-                if self.imported:  # the reference is base + the imported adapters: a frozen copy (undonated)
-                    reference = sharding.copy_tree(policy, self.state_shardings.policy)
-                    self._imported_record = verify.record(reference)
-            else:
-                reference = build.reference_copy(s, policy, self.state_shardings.policy)
-                self._reference_record: dict | None = None  # its checksums, from the first save (or the check below)
-                self._reference_saved = self._adopt_saved_reference(reference)
-            self.state = build.fresh_state(s, policy, value, state_key, self.policy_tx, self.value_tx,
-                                           self.state_shardings, self.mesh)
-        # A LoRA value base is a subtree of these trees (the same arrays): nothing is copied for it.
-        self.frozen = build.frozen_params(s, self.modules, reference, reward_params, base)
-        self._value_base_record = self._value_base_checksums() if self.value_lora else None
-        self.frozen_shardings = build.frozen_shardings(s, self.modules, self.state_shardings, reward_params,
-                                                       self.base_shardings)
-        self.steps = build.build_steps(s, self.mesh, self.sizes, self.hp, self.modules, self.policy_tx,
-                                       self.value_tx, self.state_shardings, self.frozen_shardings, self.stop_ids,
-                                       int(self.tokenizer.pad_token_id), sampler_mesh=self.meshes.sampler)
-        self._init_rollouts()  # after this, with roles.scoring="sampler", the reference and reward live there
-        self.writer = metrics_lib.MetricWriter(self.workdir, resume_step=self.resumed_from or 0)
-        if jax.process_index() == 0:
-            for name in (SAMPLES_FILE, NONFINITE_SAMPLES_FILE):  # sample logs restart with the steps too
-                metrics_lib.truncate_after(os.path.join(self.workdir, name), self.resumed_from or 0)
-            hf.save_tokenizer(self.tokenizer, os.path.join(self.workdir, "tokenizer"))
-        self.history: list[dict[str, float]] = []
-        self._stop_signal: str | None = None
-        self._consecutive_nonfinite = 0
-        self.stopped_by: str | None = None  # the signal (or preemption notice) that stopped train()
-        self._checked_step = self.resumed_from  # newest step whose parameters passed the finiteness check
-        self._score_jit = None
-
-    @property
-    def sampler(self) -> sampling.Sampler:
-        return self.steps.sampler
-
-    @property
-    def trace_counts(self) -> dict[str, int]:
-        """How often each jitted step was traced (1 each in a run that never recompiles)."""
-        return self.steps.trace_counts
-
-    # ------------------------------------------------------------------ setup helpers
 
     def _load_tokenizer(self):
         if self.settings.policy.path:
@@ -185,6 +153,114 @@ class PPOTrainer(TrainerCheckpoints, TrainerRollouts):
                     "the policy and reward-model tokenizers differ (reward.path vs policy.path): the reward "
                     "model would read different token ids; use a reward model trained with the policy's tokenizer")
 
+    def _start_weights(self, reward_params) -> tuple[build.StartWeights, dict | None]:
+        """The newest checkpoint's weights and extra items, or a fresh run's weights (and None)."""
+        if self.checkpointing.resumable:
+            return self.checkpointing.restore()
+        weights = build.fresh_weights(self.settings, self.modules, self.state_shardings, self.mesh, self.keys,
+                                      reward_params, self.policy_tx, self.value_tx)
+        self.checkpointing.start_fresh(weights)
+        return weights, None
+
+    def _restore_positions(self, extra: dict) -> None:
+        """Where a resumed run's data streams stood, and the sample it had in flight."""
+        self.prompts.restore(extra["data"])
+        if self.eval_prompts is not None and extra.get("eval_data"):
+            self.eval_prompts.restore(extra["eval_data"])
+        self.rollouts.restore_in_flight(extra.get(IN_FLIGHT_ITEM))
+
+    def _open_logs(self) -> metrics_lib.MetricWriter:
+        """The metrics writer; on process 0 the sample logs cut back to the step resumed from (they
+        restart with the steps too) and the tokenizer saved beside them."""
+        step = self.resumed_from or 0
+        writer = metrics_lib.MetricWriter(self.workdir, resume_step=step)
+        if jax.process_index() == 0:
+            for name in (SAMPLES_FILE, NONFINITE_SAMPLES_FILE):
+                metrics_lib.truncate_after(os.path.join(self.workdir, name), step)
+            hf.save_tokenizer(self.tokenizer, os.path.join(self.workdir, "tokenizer"))
+        return writer
+
+    # ------------------------------------------------------------------ the parts, as the trainer's API
+
+    @property
+    def checkpoints(self) -> CheckpointManager:
+        return self.checkpointing.manager
+
+    @property
+    def resumed_from(self) -> int | None:
+        return self.checkpointing.resumed_from
+
+    @property
+    def sampler(self) -> sampling.Sampler:
+        return self.steps.sampler
+
+    @property
+    def trace_counts(self) -> dict[str, int]:
+        """How often each jitted step was traced (1 each in a run that never recompiles)."""
+        return self.steps.trace_counts
+
+    @property
+    def scorer(self) -> FrozenParams | None:
+        """roles.scoring="sampler": the reference and reward model on the sampler's mesh."""
+        return self.rollouts.scorer
+
+    @property
+    def reference_params(self):
+        """The frozen reference tree, wherever it lives (the trainer's or the scorer's)."""
+        return (self.scorer or self.frozen).reference
+
+    def sampler_weights(self) -> roles.SyncedWeights:
+        """The current policy on the sampler's mesh (synced once per train step)."""
+        return self.rollouts.sampler_weights(self.state)
+
+    def sample(self, prompt_tokens, prompt_mask, key) -> sampling.SampleOutput:
+        """Responses of the current policy (its adapters applied, with LoRA) to prompts [B, Lq]
+        batch-sharded on the sampler's mesh (`self.meshes.sampler`; global arrays, e.g.
+        `sharding.put_batch`), with a key replicated there."""
+        return self.rollouts.sample(self.state, prompt_tokens, prompt_mask, key)
+
+    def rollout(self, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key) -> tuple[Rollout, Any]:
+        """Samples responses with the current policy and scores them with the Python reward functions."""
+        return self.rollouts.rollout(self.state, prompt_tokens, prompt_mask, key)
+
+    def iteration_key(self, iteration: int):
+        return self.rollouts.iteration_key(iteration)
+
+    def decode(self, prompt_tokens, prompt_mask, tokens, mask) -> tuple[list[str], list[str]]:
+        """Host arrays -> prompt and response texts (stop tokens and padding dropped)."""
+        return self.rollouts.texts.decode(prompt_tokens, prompt_mask, tokens, mask)
+
+    def score_responses(self, prompt_tokens, prompt_mask, tokens, mask) -> tuple[jax.Array, jax.Array]:
+        """Reference log-probs [B, Lr] and reward-model scores [B] (gain and bias applied) of responses
+        to prompts, by the run's frozen models: batch-sharded global arrays in (e.g. a `sampler`
+        output's fields; moved to the mesh the frozen models live on), the same out, on that mesh.
+        With roles.scoring="sampler" this is the rollouts' own scoring program; else it is compiled
+        once per shape on first use."""
+        scorer = self.scorer is not None  # roles.scoring="sampler": the frozen models are on the sampler's mesh
+        mesh = self.meshes.sampler if scorer else self.mesh
+        data = sharding.data_sharding(mesh)
+        if scorer:
+            self._score_jit = self.steps.scoring_jit
+        elif self._score_jit is None:
+            self._score_jit = jax.jit(make_scoring_fn(self.modules, self.hp),
+                                      in_shardings=(self.frozen_shardings,) + (data,) * 4, out_shardings=(data, data))
+        inputs = sharding.reshard((prompt_tokens, prompt_mask, tokens, mask), (data,) * 4)
+        with sharding.mesh_context(mesh):
+            ref_logprobs, scores = self._score_jit(self.scorer if scorer else self.frozen, *inputs)
+        if self.modules.reward is not None:
+            scores = scores * self.hp.score_gain + self.hp.score_bias
+        return ref_logprobs, scores
+
+    def save_checkpoint(self, force: bool = False) -> bool:
+        """Saves trainable state + data position + the sample in flight (the reference once, in frozen/;
+        a LoRA base, imported adapters and a LoRA value base never, only their checksums)."""
+        items = {"data": self.prompts.state(),
+                 "eval_data": self.eval_prompts.state() if self.eval_prompts is not None else None,
+                 # Off-policy: the sample started with the weights before this step's update (waits for it).
+                 IN_FLIGHT_ITEM: self.rollouts.in_flight_record()}
+        return self.checkpointing.save(self.state, self.reference_params, items,
+                                       self.history[-1] if self.history else None, force=force)
+
     def _experience(self, state, frozen, rollout):
         with sharding.mesh_context(self.mesh):
             return self.steps.experience_jit(state, frozen, rollout)
@@ -197,9 +273,8 @@ class PPOTrainer(TrainerCheckpoints, TrainerRollouts):
 
     def run_iteration(self) -> dict[str, float]:
         timer = metrics_lib.PhaseTimer()
-        iteration = int(self.state.step)
         with timer.measure("generate"):  # off-policy: only the wait for the sample started last iteration
-            rollout, sample = self.next_rollout(iteration)
+            rollout, sample = self.rollouts.next(self.state)
             jax.block_until_ready(rollout.tokens)
         with timer.measure("experience"):
             exp, exp_metrics = self._experience(self.state, self.frozen, rollout)
@@ -210,7 +285,7 @@ class PPOTrainer(TrainerCheckpoints, TrainerRollouts):
         occupancy = sampling.slot_occupancy(sample, self.steps.sampling_config, prompts=self.settings.rollout.batch_size)
         scalars = {**jax.device_get(exp_metrics), **jax.device_get(upd_metrics), **timer.pop(),
                    "perf/slot_occupancy": jax.device_get(occupancy)}
-        sync = self.pop_sync_metrics()  # it ran inside "generate": time it once
+        sync = self.rollouts.pop_sync_metrics()  # it ran inside "generate": time it once
         scalars["time/generate"] -= sync["time/weight_sync"]
         scalars.update(sync)
         total = sum(v for k, v in scalars.items() if k.startswith("time/"))
@@ -227,7 +302,7 @@ class PPOTrainer(TrainerCheckpoints, TrainerRollouts):
         n = self.settings.train.eval_batches
         for i in range(n):
             tokens, mask = self.eval_prompts.next_batch()
-            key = jax.random.fold_in(jax.random.fold_in(self._sample_key, (1 << 30) + int(self.state.step)), i)
+            key = jax.random.fold_in(jax.random.fold_in(self.keys.sample, (1 << 30) + int(self.state.step)), i)
             rollout, _ = self.rollout(tokens, mask, key)
             _, metrics = self._experience(self.state, self.frozen, rollout)
             for k in ("objective/scores", "objective/kl", "objective/rlhf_reward", "response/length_mean",
@@ -246,50 +321,6 @@ class PPOTrainer(TrainerCheckpoints, TrainerRollouts):
         return [{"prompt": p, "response": r, "score": float(s), "kl": float(k)}
                 for p, r, s, k in zip(prompts, responses, host["s"], kl)]
 
-    def _check_state_finite(self, step: int, scalars: dict[str, float]) -> None:
-        """Stops (saving nothing) when the update produced non-finite parameters."""
-        if scalars.get("nonfinite/state", 0.0) == 0.0:
-            return
-        self.checkpoints.wait()
-        last = self.checkpoints.latest_step()
-        where = (f"the last good checkpoint is step {last} in {self.checkpoints.directory}" if last is not None
-                 else "no checkpoint was saved")
-        raise NonFiniteError(
-            f"iteration {step}'s update produced non-finite parameters from finite gradients (check "
-            f"optim.policy_lr / optim.value_lr and the Adam settings); the state was not saved; {where}")
-
-    def _handle_nonfinite(self, step: int, scalars: dict[str, float]) -> None:
-        """Counts skipped updates, writes the offending samples, stops after too many in a row."""
-        if scalars.get("nonfinite/skipped_minibatches", 0.0) == 0.0:
-            self._consecutive_nonfinite = 0
-            return
-        self._consecutive_nonfinite += 1
-        rollout, exp = self._last_rollout
-        host = sharding.to_host({"s": exp.scores, "a": exp.advantages, "old": exp.old_logprobs,
-                                 "pt": rollout.prompt_tokens, "pm": rollout.prompt_mask,
-                                 "t": rollout.tokens, "m": rollout.mask})
-        # The source first: a bad score or log-prob; advantages are whitened over the whole batch,
-        # so one bad row makes them all non-finite.
-        rows = np.arange(min(8, len(host["s"])))
-        for bad in (~np.isfinite(host["s"]), ~np.isfinite(host["old"]).all(-1), ~np.isfinite(host["a"]).all(-1)):
-            if bad.any():
-                rows = np.nonzero(bad)[0]
-                break
-        prompts, responses = self.decode(host["pt"][rows], host["pm"][rows], host["t"][rows], host["m"][rows])
-        metrics_lib.write_samples(self.workdir, step, [
-            {"row": int(r), "prompt": p, "response": t, "score": float(host["s"][r])}
-            for r, p, t in zip(rows, prompts, responses)], filename=NONFINITE_SAMPLES_FILE)
-        limit = self.settings.train.max_consecutive_nonfinite
-        if self._consecutive_nonfinite >= limit:
-            self.checkpoints.wait()
-            last = self.checkpoints.latest_step()
-            where = (f"the last good checkpoint, step {last} in {self.checkpoints.directory}, is intact"
-                     if last is not None else "no checkpoint was saved")
-            raise NonFiniteError(
-                f"{self._consecutive_nonfinite} consecutive iterations had non-finite losses, gradients or "
-                f"rewards (their updates were skipped; the samples are in "
-                f"{os.path.join(self.workdir, NONFINITE_SAMPLES_FILE)}); {where}")
-
     def _failed(self, err: Exception) -> RunFailedError:
         """Saves the last good state if it is not saved yet, logs the traceback, and returns the
         one-line error that says what failed and what was kept."""
@@ -297,7 +328,7 @@ class PPOTrainer(TrainerCheckpoints, TrainerRollouts):
         saved = self.checkpoints.latest_step()
         # Only a state that passed the finiteness check, with no streak of skipped updates in flight
         # (a streak is never saved mid-run, as in train()), and only once.
-        if step == self._checked_step and self._consecutive_nonfinite == 0 and step != saved:
+        if self.health.may_save(step) and step != saved:
             try:
                 self.save_checkpoint(force=True)
                 self.checkpoints.wait()
@@ -336,9 +367,8 @@ class PPOTrainer(TrainerCheckpoints, TrainerRollouts):
                 scalars = self.run_iteration()
                 step = int(self.state.step)
                 self.history.append(scalars)
-                self._check_state_finite(step, scalars)
-                self._checked_step = step
-                self._handle_nonfinite(step, scalars)
+                self.health.check_state(step, scalars)
+                self.health.count_skipped(step, scalars, *self._last_rollout, decode=self.decode)
                 if cfg.eval_every and step % cfg.eval_every == 0:
                     scalars.update(self.evaluate())
                 if on_iteration is not None:
@@ -354,22 +384,18 @@ class PPOTrainer(TrainerCheckpoints, TrainerRollouts):
                                          tok_s=f"{scalars['perf/tokens_per_sec']:.0f}")
                 preempted = self.checkpoints.reached_preemption(step)
                 stop = self._stop_signal is not None or preempted
-                healthy = self._consecutive_nonfinite == 0
+                healthy = self.health.healthy
                 due = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
                 final = step == cfg.iterations
                 # Mid-run, a streak of skipped updates is not saved (the last good checkpoint keeps the
                 # data position before it). The final save always happens: skipped updates left the
-                # parameters as they were and _check_state_finite vouched for them, so this is the
+                # parameters as they were and the health check vouched for them, so this is the
                 # last good state, and the run's work is never lost.
                 if final or (healthy and (due or stop)):
                     self.save_checkpoint(force=True)
                 if final and not healthy:
                     self.checkpoints.wait()
-                    raise NonFiniteError(
-                        f"the run ended on {self._consecutive_nonfinite} iteration(s) whose updates were skipped "
-                        f"for non-finite losses, gradients or rewards (samples in "
-                        f"{os.path.join(self.workdir, NONFINITE_SAMPLES_FILE)}); checkpoint step {step} "
-                        f"in {self.checkpoints.directory} holds the parameters from before them")
+                    raise self.health.ended_unhealthy(step)
                 if stop:
                     self.checkpoints.wait()
                     reason = self._stop_signal or PREEMPTION_NOTICE
