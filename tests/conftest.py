@@ -1,4 +1,5 @@
-"""Every test sees 8 fake CPU devices; mesh fixtures cover the shapes DESIGN.md names."""
+"""Every test sees 8 fake CPU devices; mesh fixtures cover the shapes DESIGN.md names; the preference
+trainers' tests (DPO, reward model) share a word tokenizer, a tiny exported "SFT model" and a tiny config."""
 
 import os
 import tempfile
@@ -54,3 +55,50 @@ def mesh_1():
 @pytest.fixture
 def mesh_8():
     return make_test_mesh((2, 2, 2))
+
+
+# The preference tests' words: prompts of w-words and a "?", answers that say "good" or "bad".
+PREFERENCE_WORDS = [f"w{i}" for i in range(40)] + ["good", "bad", "?", "."]
+
+
+def preference_tokenizer():
+    from ppo_jax.data import build_word_tokenizer
+
+    return build_word_tokenizer(PREFERENCE_WORDS)
+
+
+@pytest.fixture(scope="module")
+def sft_dir(tmp_path_factory):
+    """A tiny causal LM over PREFERENCE_WORDS exported as a Hugging Face directory (the 'SFT model' the
+    DPO policy and the reward model start from)."""
+    from ppo_jax.models import CausalLM, ModelConfig, hf, init_params
+
+    tok = preference_tokenizer()
+    cfg = ModelConfig(vocab_size=48, hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=32,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+    params, _ = init_params(CausalLM(cfg), jax.random.key(1), make_test_mesh((1, 1, 1)))
+    out = tmp_path_factory.mktemp("sft") / "hf"
+    hf.export_model(out, cfg, params, kind="causal_lm", tokenizer=tok)
+    return str(out)
+
+
+def tiny_preference_config(config, model_path="", **overrides):
+    """A DPO or reward-model config (`config`, its defaults) shrunk to sft_dir's model size: 4 steps of
+    16 pairs; overrides as {"section.field": value}."""
+    config.model.path = model_path
+    config.model.config.vocab_size = 48
+    config.model.config.hidden_size = 32
+    config.model.config.num_heads = 2
+    config.model.config.max_position_embeddings = 32
+    config.data.max_prompt_length = 6
+    config.data.max_response_length = 8
+    config.train.batch_size = 16
+    config.train.steps = 4
+    config.train.progress = False
+    config.train.log_every = 1
+    config.optim.lr = 1e-3
+    config.optim.warmup_steps = 0
+    for key, value in overrides.items():
+        section, field = key.split(".")
+        config[section][field] = value
+    return config

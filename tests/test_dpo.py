@@ -15,25 +15,18 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import make_test_mesh
+from conftest import make_test_mesh, tiny_preference_config
+from conftest import preference_tokenizer as tokenizer
 
 from ppo_jax import sharding
 from ppo_jax.config import ConfigError
-from ppo_jax.data import build_word_tokenizer
-from ppo_jax.models import CausalLM, ModelConfig, hf, init_params
+from ppo_jax.models import CausalLM, hf, init_params
 from ppo_jax.ppo.stats import finalize_metrics
 from ppo_jax.supervised import base as supervised
 from ppo_jax.supervised.dpo import DPOTrainer, dpo_config, make_loss_fn, sequence_logps
 from ppo_jax.supervised.dpo_loss import Pair, dpo_loss
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORDS = [f"w{i}" for i in range(40)] + ["good", "bad", "?", "."]
-
-
-def tokenizer():
-    return build_word_tokenizer(WORDS)
-
-
 def pairs(n, seed=0):
     """Chosen answers say 'good', rejected ones 'bad'; answers differ in length, so token counts vary."""
     rng = np.random.default_rng(seed)
@@ -186,38 +179,9 @@ def test_sequence_logps_match_pytorch(arch, tmp_path):
 # The trainer.
 
 
-@pytest.fixture(scope="module")
-def sft_dir(tmp_path_factory):
-    """A tiny causal LM exported as a Hugging Face directory (the 'SFT model')."""
-    tok = tokenizer()
-    cfg = ModelConfig(vocab_size=48, hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=32,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
-    params, _ = init_params(CausalLM(cfg), jax.random.key(1), make_test_mesh((1, 1, 1)))
-    out = tmp_path_factory.mktemp("sft") / "hf"
-    hf.export_model(out, cfg, params, kind="causal_lm", tokenizer=tok)
-    return str(out)
-
-
 def tiny_config(model_path="", **overrides):
-    c = dpo_config()
-    c.model.path = model_path
-    c.model.config.vocab_size = 48
-    c.model.config.hidden_size = 32
-    c.model.config.num_heads = 2
-    c.model.config.max_position_embeddings = 32
-    c.data.max_prompt_length = 6
-    c.data.max_response_length = 6
-    c.train.batch_size = 16
-    c.train.steps = 4
-    c.train.progress = False
-    c.train.log_every = 1
-    c.train.export = False
-    c.optim.lr = 1e-3
-    c.optim.warmup_steps = 0
-    for key, value in overrides.items():
-        section, field = key.split(".")
-        c[section][field] = value
-    return c
+    return tiny_preference_config(dpo_config(), model_path, **{"data.max_response_length": 6, "train.export": False,
+                                                              **overrides})
 
 
 def make(config, workdir, mesh_shape=(1, 1, 1), n=64, **kw):

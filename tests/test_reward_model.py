@@ -11,19 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import make_test_mesh
+from conftest import make_test_mesh, tiny_preference_config
+from conftest import preference_tokenizer as tokenizer
 
 from ppo_jax.config import ConfigError
-from ppo_jax.data import build_word_tokenizer
-from ppo_jax.models import CausalLM, ModelConfig, hf, init_params
+from ppo_jax.models import hf
 from ppo_jax.supervised.reward_model import RewardModelTrainer, bradley_terry_loss, reward_model_config
-
-WORDS = [f"w{i}" for i in range(40)] + ["good", "bad", "?", "."]
-
-
-def tokenizer():
-    return build_word_tokenizer(WORDS)
-
 
 def pairs(n, seed=0):
     """Chosen answers say 'good', rejected ones 'bad' (in random other words)."""
@@ -40,37 +33,8 @@ def pairs(n, seed=0):
     return out
 
 
-@pytest.fixture(scope="module")
-def sft_dir(tmp_path_factory):
-    """A tiny causal LM exported as a Hugging Face directory (the 'SFT model')."""
-    tok = tokenizer()
-    cfg = ModelConfig(vocab_size=48, hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=32,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
-    params, _ = init_params(CausalLM(cfg), jax.random.key(1), make_test_mesh((1, 1, 1)))
-    out = tmp_path_factory.mktemp("sft") / "hf"
-    hf.export_model(out, cfg, params, kind="causal_lm", tokenizer=tok)
-    return str(out)
-
-
 def tiny_config(model_path="", **overrides):
-    c = reward_model_config()
-    c.model.path = model_path
-    c.model.config.vocab_size = 48
-    c.model.config.hidden_size = 32
-    c.model.config.num_heads = 2
-    c.model.config.max_position_embeddings = 32
-    c.data.max_prompt_length = 6
-    c.data.max_response_length = 8
-    c.train.batch_size = 16
-    c.train.steps = 4
-    c.train.progress = False
-    c.train.log_every = 1
-    c.optim.lr = 1e-3
-    c.optim.warmup_steps = 0
-    for key, value in overrides.items():
-        section, field = key.split(".")
-        c[section][field] = value
-    return c
+    return tiny_preference_config(reward_model_config(), model_path, **overrides)
 
 
 def make(config, workdir, mesh_shape=(1, 1, 1), n=64, **kw):
