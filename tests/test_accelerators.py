@@ -19,6 +19,8 @@ import pytest
 from ppo_jax import accelerators, sharding
 from ppo_jax.accelerators.hlo import ProgramStructure, result_shapes
 from ppo_jax.accelerators.profile import profile_program
+from ppo_jax.plan import profiles as profiles_lib
+from ppo_jax.plan.memory import planned_settings
 from ppo_jax.config import ConfigError, model_config_dict
 from ppo_jax import plan as plan_lib
 from ppo_jax.plan import format_plan
@@ -152,6 +154,34 @@ def test_gpu_decode_tests_for_stopped_rows_once_per_eight_steps(h100):
     assert steps.known and steps.trip_count == 8
     assert sampler.host_syncs == groups == 2
     assert [loop for loop in sampler.loops if not loop.known] == [decode]
+
+
+@needs_cuda
+def test_gpu_static_profile_counts_the_matmuls_of_the_four_forwards(gpu_auto):
+    """The static profile's GEMM FLOPs are the models' matmuls (counted from the shapes here): the
+    experience runs policy, reference, value and reward transformers over every token, the LM head
+    over the response positions only, scalar heads over every token; the update at least forward
+    plus the backward's two matmuls per forward matmul for policy and value."""
+    _, texts = gpu_auto
+    config = tiny_config()
+    profiles = profiles_lib.static_profiles(texts, planned_settings(config))
+    rows, tokens = config.rollout.batch_size, config.data.prompt_length + config.rollout.response_length
+    model = config.policy.model
+    kv = model.num_kv_heads * HIDDEN // model.num_heads
+    per_layer = 2 * HIDDEN * HIDDEN + 2 * HIDDEN * kv + 3 * HIDDEN * MLP  # q, o; k, v; gate, up, down
+    transformer = 2 * rows * tokens * LAYERS * per_layer  # one forward's matmul FLOPs
+    lm_head = 2 * rows * config.rollout.response_length * HIDDEN * model.vocab_size
+    scalar_head = 2 * rows * tokens * HIDDEN
+
+    def gemm_flops(profile):
+        return sum(k.flops * k.executions for k in profile.kernels if k.category == "gemm")
+
+    experience = 4 * transformer + 2 * lm_head + 2 * scalar_head
+    assert gemm_flops(profiles["experience"]) == pytest.approx(experience, rel=2e-3)
+    assert gemm_flops(profiles["update"]) >= 3 * (2 * transformer + lm_head + scalar_head)
+    assert profiles["experience"].host_syncs == profiles["update"].host_syncs == 0
+    with pytest.raises(ConfigError, match="--profile needs --platform=gpu"):
+        profiles_lib.device_model("")
 
 
 @needs_cuda

@@ -20,9 +20,12 @@ import numpy as np
 from absl import flags
 
 from ppo_jax.accelerators import GPU_KINDS, planning_devices
+from ppo_jax.accelerators.profile_report import format_profiles
 from ppo_jax.cli.common import config_command
 from ppo_jax.config import ConfigError
 from ppo_jax.plan import GB, GIB, PHASES, format_plan, plan_memory
+from ppo_jax.plan import profiles as profiles_lib
+from ppo_jax.plan.memory import planned_settings
 from ppo_jax.rl.settings import Settings
 
 
@@ -77,6 +80,9 @@ def main(argv=None) -> None:
     phases = flags.DEFINE_list("phases", list(PHASES), "Programs to compile (the peak is over these; scoring: only "
                                "with roles.scoring=sampler).")
     as_json = flags.DEFINE_bool("json", False, "Print the plan as JSON instead of a table.")
+    profile = flags.DEFINE_bool("profile", False, "With --platform=gpu --gpu=KIND: also print each program's "
+                                "static profile (kernels, FLOPs, bytes, host round trips, an estimated time; "
+                                "ppo_jax/accelerators/profile.py).")
 
     def plan(config, workdir) -> str:
         del workdir
@@ -86,15 +92,25 @@ def main(argv=None) -> None:
                   memory_gib.value * GIB if memory_gib.value is not None else None)
         if memory is not None and memory <= 0:
             raise ConfigError("device memory must be positive")
+        if profile.value:
+            profiles_lib.device_model(gpu.value if platform.value == "gpu" else "")  # before any compile
         n = planned_devices(config.mesh.shape, config.roles.sampler_devices, num_devices.value)
         devices = planning_devices(platform.value, n, tpu_topology=tpu_topology.value, gpu=gpu.value)
         start = time.perf_counter()
+        texts = {}
+        keep_text = (lambda name, compiled: texts.update({name: compiled.as_text()})) if profile.value else None
         # The planner splits the devices between the roles as a run would (roles.sampler_devices).
-        result = plan_memory(config, phases=tuple(phases.value), devices=devices)
+        result = plan_memory(config, phases=tuple(phases.value), devices=devices, inspect=keep_text)
+        profiles = profiles_lib.static_profiles(texts, planned_settings(config)) if profile.value else {}
         seconds = time.perf_counter() - start
         if as_json.value:
-            return json.dumps(dict(result.to_dict(memory), planning_seconds=round(seconds, 1)), indent=2)
-        return f"{format_plan(result, memory)}\nPlanned in {seconds:.1f} s."
+            extra = {"static_profile": profiles_lib.profiles_to_dict(profiles, gpu.value)} if profiles else {}
+            return json.dumps(dict(result.to_dict(memory), planning_seconds=round(seconds, 1), **extra), indent=2)
+        report = format_plan(result, memory)
+        if profiles:
+            steps, _ = profiles_lib.decode_groups(planned_settings(config))
+            report += "\n\n" + format_profiles(profiles, profiles_lib.device_model(gpu.value), decode_steps=steps)
+        return f"{report}\nPlanned in {seconds:.1f} s."
 
     config_command(plan, schema=Settings, what="PPO", workdir=False, example_config="configs/plan_tinyllama.py",
                    title="PPO memory plan (ppo-jax-plan: compiles the phase programs, allocates nothing)", argv=argv)
