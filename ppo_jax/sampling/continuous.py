@@ -26,6 +26,7 @@ row's logits, computed in batches of other sizes).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.struct
@@ -37,8 +38,8 @@ from ppo_jax.models import forward
 from ppo_jax.models.cache import KVCache, init_cache, split_cache
 from ppo_jax.models.transformer import CausalLM, last_token_index, positions_from_mask
 from ppo_jax.sampling.config import SampleOutput, SamplingConfig, validate_inputs
-from ppo_jax.sampling.loop import (constrain, constrain_cache, decode_layers, forward_last, is_stop_token,
-                                   row_limits)
+from ppo_jax.sampling.loop import (DecodeLayers, constrain, constrain_cache, decode_layers, forward_last,
+                                   is_stop_token, row_limits)
 from ppo_jax.sampling.token_choice import TokenChoice, choose_tokens, response_uniforms
 
 Array = jax.Array
@@ -151,168 +152,208 @@ def _compact(slots: Slots, size: int) -> Slots:
                          prompt_length=rows(slots.prompt_length), cache=cache, kv_mask=rows(slots.kv_mask))
 
 
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """What every step of one `sample_continuous` call reads: the model and its variables, the
+    prompts, each row's uniforms and length limit, and the static sizes."""
+
+    model: CausalLM
+    config: SamplingConfig
+    variables: Any  # the model's variables (adapters applied)
+    layers: DecodeLayers  # the decode's per-layer trees when it unrolls the layer loop
+    prompt_tokens: Array  # [B, Lq] int32
+    prompt_mask: Array  # [B, Lq] int32
+    uniforms: Array  # [R, N]: row r's draw at step t, wherever it runs
+    limits: Array  # [R] int32: each row's max new tokens
+    chunk: int  # P, prompts per prefill
+
+    @property
+    def batch(self) -> int:
+        return self.prompt_tokens.shape[0]
+
+    @property
+    def prompt_len(self) -> int:
+        return self.prompt_tokens.shape[1]
+
+    @property
+    def width(self) -> int:
+        """C = Lq + N - 1 cache slots per row."""
+        return self.prompt_len + self.config.max_new_tokens - 1
+
+    def choose(self, logits: Array, rows: Array, steps: Array) -> TokenChoice:
+        """Tokens for output `rows` [M] (-1: none) at response positions `steps` [M]."""
+        new = self.config.max_new_tokens
+        draws = self.uniforms[jnp.maximum(rows, 0), jnp.minimum(steps, new - 1)]
+        return choose_tokens(logits, steps, draws, self.config)
+
+
+def _by_rows(x: Array, names=("batch",)) -> Array:
+    """x split over the batch axes by its first axis (or `names`)."""
+    return constrain(x, names + (None,) * (x.ndim - len(names)))
+
+
+def _prefill(e: Engine, next_prompt: Array, out: Responses, clock: Array) -> tuple[Prefilled, Responses]:
+    """The next `e.chunk` prompts prefilled (to wait for slots), their rows' first tokens chosen and
+    recorded. Takes and returns no slot state: under `lax.cond` every operand passes through both
+    branches, and the slots' KV cache would be copied on the way."""
+    n, chunk, batch = e.config.num_samples, e.chunk, e.batch
+    prompts = next_prompt + jnp.arange(chunk)
+    valid = jnp.repeat(prompts < batch, n)  # [W]: a last short chunk's padding rows
+    prompts = jnp.minimum(prompts, batch - 1)
+    tokens, mask = e.prompt_tokens[prompts], e.prompt_mask[prompts]
+    cache = init_cache(e.model.config, chunk, e.prompt_len, e.config.cache_dtype)
+    logits, cache = e.model.apply(e.variables, tokens, positions_from_mask(mask), mask, cache,
+                                  last_token_index(mask), method=forward_last)
+    new_rows = jnp.where(valid, jnp.repeat(prompts, n) * n + jnp.tile(jnp.arange(n), chunk), -1)
+    first_steps = jnp.zeros((chunk * n,), jnp.int32)
+    choice = e.choose(jnp.repeat(logits, n, axis=0), new_rows, first_steps)
+    out, finished = _record(out, clock, new_rows, first_steps, choice, e.limits, e.config)
+    waiting = Prefilled(row=jnp.where(finished, -1, new_rows), last=choice.tokens,
+                        prompt_length=jnp.repeat(mask.sum(-1), n), mask=jnp.repeat(mask, n, axis=0),
+                        k=cache.k, v=cache.v)
+    return waiting, out
+
+
+def _insert(e: Engine, slots: Slots) -> Slots:
+    """Moves waiting rows, in order, into the free slots, as many as both allow."""
+    n, num_slots, prompt_len = e.config.num_samples, e.config.slots, e.prompt_len
+    width_waiting = e.chunk * n  # inserts happen in the first stage only: num_slots slots
+    pairs = min(num_slots, width_waiting)
+    free = jnp.argsort(slots.row >= 0, stable=True)[:pairs]  # free slots first, in slot order
+    ready = jnp.argsort(slots.waiting.row < 0, stable=True)[:pairs]  # waiting rows first, in order
+    moves = jnp.minimum(jnp.sum(slots.row < 0), jnp.sum(slots.waiting.row >= 0))
+    moving = jnp.arange(pairs) < moves
+    targets = jnp.where(moving, free, num_slots)  # past the end: dropped
+    w = slots.waiting
+
+    def put(buffer, values):  # values [pairs, ...] into the target slots
+        return buffer.at[targets].set(values.astype(buffer.dtype), mode="drop")
+
+    def copy_prompt(buffer, source, layer_axis):  # a [.., P, K, Lq, Dh] prefill cache into slots
+        source = jnp.take(source, ready // n, axis=layer_axis).astype(buffer.dtype)
+        if layer_axis:
+            return buffer.at[:, targets, :, :prompt_len].set(source, mode="drop")
+        return buffer.at[targets, :, :prompt_len].set(source, mode="drop")
+
+    if e.layers.unroll:
+        cache = tuple(c.replace(k=copy_prompt(c.k, w.k[i], 0), v=copy_prompt(c.v, w.v[i], 0))
+                      for i, c in enumerate(slots.cache))
+    else:
+        cache = slots.cache.replace(k=copy_prompt(slots.cache.k, w.k, 1), v=copy_prompt(slots.cache.v, w.v, 1))
+    kv_mask = jnp.concatenate([w.mask[ready], jnp.zeros((pairs, e.config.max_new_tokens - 1), jnp.int32)], axis=1)
+    consumed = w.row.at[jnp.where(moving, ready, width_waiting)].set(-1, mode="drop")
+    return slots.replace(
+        row=put(slots.row, w.row[ready]), step=put(slots.step, jnp.ones((pairs,), jnp.int32)),
+        last=put(slots.last, w.last[ready]), prompt_length=put(slots.prompt_length, w.prompt_length[ready]),
+        cache=cache, kv_mask=put(slots.kv_mask, kv_mask), waiting=w.replace(row=consumed))
+
+
+def _to_insert(e: Engine, slots: Slots) -> Array:
+    """Rows waiting, or prompts left to prefill."""
+    return jnp.any(slots.waiting.row >= 0) | (slots.next_prompt < e.batch)
+
+
+def _fill(e: Engine, slots: Slots) -> Slots:
+    """Free slots take waiting rows; when none wait, the next prompts are prefilled first."""
+    def step(slots: Slots) -> Slots:
+        some_wait = jnp.any(slots.waiting.row >= 0)
+        waiting, out = jax.lax.cond(some_wait, lambda w, o, p, c: (w, o),
+                                    lambda w, o, p, c: _prefill(e, p, o, c),
+                                    slots.waiting, slots.out, slots.next_prompt, slots.clock)
+        next_prompt = slots.next_prompt + jnp.where(some_wait, 0, e.chunk)
+        return _insert(e, slots.replace(waiting=waiting, out=out, next_prompt=next_prompt))
+
+    return jax.lax.while_loop(lambda s: jnp.any(s.row < 0) & _to_insert(e, s), step, slots)
+
+
+def _decode(e: Engine, slots: Slots) -> Slots:
+    """One token for every slot, each at its own cache slot Lq + step - 1 and position."""
+    size = slots.row.shape[0]  # this stage's slots
+    busy = slots.row >= 0
+    # A free slot decodes too (static shapes): it writes its own, masked slot and sits at
+    # position 0, so it moves no row's length-dependent rope (dynamic NTK, LongRoPE).
+    index = jnp.where(busy, e.prompt_len + slots.step - 1, e.width - 1)
+    kv_mask = slots.kv_mask.at[jnp.arange(size), index].set(1)
+    positions = jnp.where(busy, slots.prompt_length + slots.step - 1, 0)[:, None]
+    if e.layers.unroll:
+        cache = tuple(c.replace(index=index) for c in slots.cache)
+    else:
+        cache = slots.cache.replace(index=index)
+    logits, cache = e.model.apply(e.variables, slots.last[:, None], positions, kv_mask, cache,
+                                  jnp.zeros((size,), jnp.int32), e.layers.params, e.layers.adapters,
+                                  method=forward_last)
+    slots = slots.replace(cache=cache, kv_mask=kv_mask, clock=slots.clock + size)
+    choice = e.choose(logits, slots.row, slots.step)
+    out, finished = _record(slots.out, slots.clock, slots.row, slots.step, choice, e.limits, e.config)
+    return slots.replace(row=jnp.where(finished, -1, slots.row), step=slots.step + busy, last=choice.tokens, out=out)
+
+
+def _initial_slots(e: Engine) -> Slots:
+    """Every slot free, nothing waiting, the output buffers [R, N] empty."""
+    mc, config, num_slots, chunk, n = e.model.config, e.config, e.config.slots, e.chunk, e.config.num_samples
+    rows, new = e.batch * n, config.max_new_tokens
+    cache = init_cache(mc, num_slots, e.width, config.cache_dtype)
+    cache = cache.replace(index=jnp.zeros((num_slots,), jnp.int32))
+    if e.layers.unroll:
+        cache = tuple(constrain_cache(layer) for layer in split_cache(cache))
+    else:
+        cache = constrain_cache(cache)
+
+    def slot_array(dtype, fill_value=0):
+        return _by_rows(jnp.full((num_slots,), fill_value, dtype))
+
+    def buffer(dtype, fill_value=0):
+        return _by_rows(jnp.full((rows, new), fill_value, dtype), ("batch", "length"))
+
+    waiting_cache = init_cache(mc, chunk, e.prompt_len, config.cache_dtype)
+    waiting = Prefilled(row=jnp.full((chunk * n,), -1, jnp.int32), last=jnp.zeros((chunk * n,), jnp.int32),
+                        prompt_length=jnp.zeros((chunk * n,), jnp.int32),
+                        mask=jnp.zeros((chunk * n, e.prompt_len), jnp.int32), k=waiting_cache.k, v=waiting_cache.v)
+    return Slots(
+        row=slot_array(jnp.int32, -1), step=slot_array(jnp.int32), last=slot_array(jnp.int32),
+        prompt_length=slot_array(jnp.int32), cache=cache, waiting=waiting,
+        kv_mask=_by_rows(jnp.zeros((num_slots, e.width), jnp.int32)), next_prompt=jnp.zeros((), jnp.int32),
+        clock=jnp.zeros((), jnp.int32),
+        out=Responses(tokens=buffer(jnp.int32, config.pad_token_id), logprobs=buffer(jnp.float32),
+                      sampling_logprobs=buffer(jnp.float32), mask=buffer(jnp.int32),
+                      stopped=_by_rows(jnp.zeros((rows,), bool)),
+                      slot_steps_at_finish=_by_rows(jnp.zeros((rows,), jnp.int32))))
+
+
+def _busy_count(slots: Slots) -> Array:
+    return jnp.sum(slots.row >= 0)
+
+
 def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
                       model: CausalLM, config: SamplingConfig, adapters: Any = None,
                       response_limits: Array | None = None) -> SampleOutput:
     """`loop.sample` (same arguments, same SampleOutput, rows in prompt order) on `config.slots`
     decode slots fed from a queue of the B * n rows."""
     validate_inputs(model, config, prompt_tokens.shape, prompt_mask.shape)
-    mc = model.config
-    batch, prompt_len = prompt_tokens.shape
-    n, new, num_slots = config.num_samples, config.max_new_tokens, config.slots
-    rows, width = batch * n, prompt_len + new - 1
-    chunk = config.prefill_batch(batch)
-    prompt_tokens, prompt_mask = prompt_tokens.astype(jnp.int32), prompt_mask.astype(jnp.int32)
-    variables = forward.variables(params, adapters)
-    layers = decode_layers(params, adapters, config)
-    unroll = layers.unroll
-    uniforms = response_uniforms(key, rows, new)  # [R, N]: row r's draw at step t, wherever it runs
-    limits = row_limits(response_limits, rows, config)
-
-    def by_rows(x, names=("batch",)):  # split over the batch axes by its first axis (or `names`)
-        return constrain(x, names + (None,) * (x.ndim - len(names)))
-
-    def choose(logits: Array, rows_: Array, steps: Array) -> TokenChoice:
-        draws = uniforms[jnp.maximum(rows_, 0), jnp.minimum(steps, new - 1)]
-        return choose_tokens(logits, steps, draws, config)
-
-    def prefill(next_prompt: Array, out: Responses, clock: Array) -> tuple[Prefilled, Responses]:
-        """The next `chunk` prompts prefilled (to wait for slots), their rows' first tokens chosen
-        and recorded. Takes and returns no slot state: under `lax.cond` every operand passes through
-        both branches, and the slots' KV cache would be copied on the way."""
-        prompts = next_prompt + jnp.arange(chunk)
-        valid = jnp.repeat(prompts < batch, n)  # [W]: a last short chunk's padding rows
-        prompts = jnp.minimum(prompts, batch - 1)
-        tokens, mask = prompt_tokens[prompts], prompt_mask[prompts]
-        cache = init_cache(mc, chunk, prompt_len, config.cache_dtype)
-        logits, cache = model.apply(variables, tokens, positions_from_mask(mask), mask, cache,
-                                    last_token_index(mask), method=forward_last)
-        new_rows = jnp.where(valid, jnp.repeat(prompts, n) * n + jnp.tile(jnp.arange(n), chunk), -1)
-        first_steps = jnp.zeros((chunk * n,), jnp.int32)
-        choice = choose(jnp.repeat(logits, n, axis=0), new_rows, first_steps)
-        out, finished = _record(out, clock, new_rows, first_steps, choice, limits, config)
-        waiting = Prefilled(row=jnp.where(finished, -1, new_rows), last=choice.tokens,
-                            prompt_length=jnp.repeat(mask.sum(-1), n), mask=jnp.repeat(mask, n, axis=0),
-                            k=cache.k, v=cache.v)
-        return waiting, out
-
-    def insert(slots: Slots) -> Slots:
-        """Moves waiting rows, in order, into the free slots, as many as both allow."""
-        width_waiting = chunk * n  # inserts happen in the first stage only: num_slots slots
-        pairs = min(num_slots, width_waiting)
-        free = jnp.argsort(slots.row >= 0, stable=True)[:pairs]  # free slots first, in slot order
-        ready = jnp.argsort(slots.waiting.row < 0, stable=True)[:pairs]  # waiting rows first, in order
-        moves = jnp.minimum(jnp.sum(slots.row < 0), jnp.sum(slots.waiting.row >= 0))
-        moving = jnp.arange(pairs) < moves
-        targets = jnp.where(moving, free, num_slots)  # past the end: dropped
-        w = slots.waiting
-
-        def put(buffer, values):  # values [pairs, ...] into the target slots
-            return buffer.at[targets].set(values.astype(buffer.dtype), mode="drop")
-
-        def copy_prompt(buffer, source, layer_axis):  # a [.., P, K, Lq, Dh] prefill cache into slots
-            source = jnp.take(source, ready // n, axis=layer_axis).astype(buffer.dtype)
-            if layer_axis:
-                return buffer.at[:, targets, :, :prompt_len].set(source, mode="drop")
-            return buffer.at[targets, :, :prompt_len].set(source, mode="drop")
-
-        if unroll:
-            cache = tuple(c.replace(k=copy_prompt(c.k, w.k[i], 0), v=copy_prompt(c.v, w.v[i], 0))
-                          for i, c in enumerate(slots.cache))
-        else:
-            cache = slots.cache.replace(k=copy_prompt(slots.cache.k, w.k, 1), v=copy_prompt(slots.cache.v, w.v, 1))
-        kv_mask = jnp.concatenate([w.mask[ready], jnp.zeros((pairs, new - 1), jnp.int32)], axis=1)
-        consumed = w.row.at[jnp.where(moving, ready, width_waiting)].set(-1, mode="drop")
-        return slots.replace(
-            row=put(slots.row, w.row[ready]), step=put(slots.step, jnp.ones((pairs,), jnp.int32)),
-            last=put(slots.last, w.last[ready]), prompt_length=put(slots.prompt_length, w.prompt_length[ready]),
-            cache=cache, kv_mask=put(slots.kv_mask, kv_mask), waiting=w.replace(row=consumed))
-
-    def to_insert(slots: Slots) -> Array:
-        """Rows waiting, or prompts left to prefill."""
-        return jnp.any(slots.waiting.row >= 0) | (slots.next_prompt < batch)
-
-    def fill(slots: Slots) -> Slots:
-        """Free slots take waiting rows; when none wait, the next prompts are prefilled first."""
-        def step(slots: Slots) -> Slots:
-            some_wait = jnp.any(slots.waiting.row >= 0)
-            waiting, out = jax.lax.cond(some_wait, lambda w, o, p, c: (w, o),
-                                        lambda w, o, p, c: prefill(p, o, c),
-                                        slots.waiting, slots.out, slots.next_prompt, slots.clock)
-            next_prompt = slots.next_prompt + jnp.where(some_wait, 0, chunk)
-            return insert(slots.replace(waiting=waiting, out=out, next_prompt=next_prompt))
-
-        return jax.lax.while_loop(lambda s: jnp.any(s.row < 0) & to_insert(s), step, slots)
-
-    def decode(slots: Slots) -> Slots:
-        """One token for every slot, each at its own cache slot Lq + step - 1 and position."""
-        size = slots.row.shape[0]  # this stage's slots
-        busy = slots.row >= 0
-        # A free slot decodes too (static shapes): it writes its own, masked slot and sits at
-        # position 0, so it moves no row's length-dependent rope (dynamic NTK, LongRoPE).
-        index = jnp.where(busy, prompt_len + slots.step - 1, width - 1)
-        kv_mask = slots.kv_mask.at[jnp.arange(size), index].set(1)
-        positions = jnp.where(busy, slots.prompt_length + slots.step - 1, 0)[:, None]
-        if unroll:
-            cache = tuple(c.replace(index=index) for c in slots.cache)
-        else:
-            cache = slots.cache.replace(index=index)
-        logits, cache = model.apply(variables, slots.last[:, None], positions, kv_mask, cache,
-                                    jnp.zeros((size,), jnp.int32), layers.params, layers.adapters,
-                                    method=forward_last)
-        slots = slots.replace(cache=cache, kv_mask=kv_mask, clock=slots.clock + size)
-        choice = choose(logits, slots.row, slots.step)
-        out, finished = _record(slots.out, slots.clock, slots.row, slots.step, choice, limits, config)
-        return slots.replace(row=jnp.where(finished, -1, slots.row), step=slots.step + busy, last=choice.tokens,
-                             out=out)
-
-    def slot_array(dtype, fill_value=0):
-        return by_rows(jnp.full((num_slots,), fill_value, dtype))
-
-    cache = init_cache(mc, num_slots, width, config.cache_dtype)
-    cache = cache.replace(index=jnp.zeros((num_slots,), jnp.int32))
-    if unroll:
-        cache = tuple(constrain_cache(layer) for layer in split_cache(cache))
-    else:
-        cache = constrain_cache(cache)
-
-    def buffer(dtype, fill_value=0):
-        return by_rows(jnp.full((rows, new), fill_value, dtype), ("batch", "length"))
-
-    waiting_cache = init_cache(mc, chunk, prompt_len, config.cache_dtype)
-    waiting = Prefilled(row=jnp.full((chunk * n,), -1, jnp.int32), last=jnp.zeros((chunk * n,), jnp.int32),
-                        prompt_length=jnp.zeros((chunk * n,), jnp.int32),
-                        mask=jnp.zeros((chunk * n, prompt_len), jnp.int32), k=waiting_cache.k, v=waiting_cache.v)
-    slots = Slots(
-        row=slot_array(jnp.int32, -1), step=slot_array(jnp.int32), last=slot_array(jnp.int32),
-        prompt_length=slot_array(jnp.int32), cache=cache, waiting=waiting,
-        kv_mask=by_rows(jnp.zeros((num_slots, width), jnp.int32)), next_prompt=jnp.zeros((), jnp.int32),
-        clock=jnp.zeros((), jnp.int32),
-        out=Responses(tokens=buffer(jnp.int32, config.pad_token_id), logprobs=buffer(jnp.float32),
-                      sampling_logprobs=buffer(jnp.float32), mask=buffer(jnp.int32),
-                      stopped=by_rows(jnp.zeros((rows,), bool)),
-                      slot_steps_at_finish=by_rows(jnp.zeros((rows,), jnp.int32))))
-
-    def busy_count(slots: Slots) -> Array:
-        return jnp.sum(slots.row >= 0)
-
+    batch, n = prompt_tokens.shape[0], config.num_samples
+    rows = batch * n
+    e = Engine(model=model, config=config, variables=forward.variables(params, adapters),
+               layers=decode_layers(params, adapters, config), prompt_tokens=prompt_tokens.astype(jnp.int32),
+               prompt_mask=prompt_mask.astype(jnp.int32), uniforms=response_uniforms(key, rows, config.max_new_tokens),
+               limits=row_limits(response_limits, rows, config), chunk=config.prefill_batch(batch))
+    slots = _initial_slots(e)
     # Stage 0 inserts and decodes on all the slots until nothing is left to insert and at most the
     # next stage's slots are busy (one fill site in the program: the prefill compiles once; a fill
     # leaves a slot busy unless every row it prefilled stopped at once and nothing is left, and the
     # decode after it then records nothing). Each later stage decodes on fewer slots, no inserts.
-    halvings = config.tail_halvings if config.tail_halvings is not None else (2 if unroll else 0)
-    sizes = stage_sizes(num_slots, halvings)
+    halvings = config.tail_halvings if config.tail_halvings is not None else (2 if e.layers.unroll else 0)
+    sizes = stage_sizes(config.slots, halvings)
     for stage, size in enumerate(sizes):
         following = sizes[stage + 1] if stage + 1 < len(sizes) else 0
         if stage == 0:
-            slots = jax.lax.while_loop(lambda s, f=following: to_insert(s) | (busy_count(s) > f),
-                                       lambda s: decode(fill(s)), slots)
+            slots = jax.lax.while_loop(lambda s, f=following: _to_insert(e, s) | (_busy_count(s) > f),
+                                       lambda s: _decode(e, _fill(e, s)), slots)
         else:
-            slots = jax.lax.while_loop(lambda s, f=following: busy_count(s) > f, decode, slots)
+            slots = jax.lax.while_loop(lambda s, f=following: _busy_count(s) > f, lambda s: _decode(e, s), slots)
         if following:
             slots = _compact(slots, following)
     out = slots.out
     return SampleOutput(
-        prompt_tokens=jnp.repeat(prompt_tokens, n, axis=0), prompt_mask=jnp.repeat(prompt_mask, n, axis=0),
+        prompt_tokens=jnp.repeat(e.prompt_tokens, n, axis=0), prompt_mask=jnp.repeat(e.prompt_mask, n, axis=0),
         tokens=out.tokens, logprobs=out.logprobs, sampling_logprobs=out.sampling_logprobs, mask=out.mask,
         lengths=out.mask.sum(axis=-1), stopped=out.stopped, slot_steps_at_finish=out.slot_steps_at_finish)
