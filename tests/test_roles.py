@@ -144,14 +144,49 @@ def test_scoring_on_the_sampler_mesh_logs_the_same_metrics_and_frees_the_trainer
         assert leaf.sharding.device_set == sampler_devices
     history = trainer.train()
     assert_same_metrics(expected, history)
-    # Held-out evaluation (the demo's and the verifiable task's) samples on the sampler's mesh and
-    # scores with the scorer's trees: the KL it reports is the trainer's experience step's.
-    held_out = HeldOutSampler(trainer, [f"w{i} w{i + 1}" for i in range(32)], seed=3)()
+    # The scoring program's numbers are the reference's and the reward model's, as transformers computes
+    # them from the same weights: in the experience step (the KL it reports), in the raw scores it
+    # sampled with, and through score_responses (what held-out evaluation scores with).
     rollout, exp = trainer._last_rollout
+    want_ref, want_scores = transformers_scores(trainer, overrides["reward.path"], rollout, tmp_path / "hf_reference")
     ref, scores = trainer.score_responses(rollout.prompt_tokens, rollout.prompt_mask, rollout.tokens, rollout.mask)
-    np.testing.assert_allclose(np.asarray(ref), np.asarray(exp.ref_logprobs), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(exp.ref_logprobs), want_ref, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(ref), want_ref, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(rollout.model_scores), want_scores, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(scores), want_scores * trainer.hp.score_gain + trainer.hp.score_bias,
+                               atol=1e-4)
+    # Held-out evaluation (the demo's and the verifiable task's) samples on the sampler's mesh and
+    # scores with the scorer's trees.
+    held_out = HeldOutSampler(trainer, [f"w{i} w{i + 1}" for i in range(32)], seed=3)()
     assert len(held_out) == 32 and all(np.isfinite([s.kl for s in held_out]))
     trainer.close()
+
+
+def transformers_scores(trainer, reward_dir, rollout, export_dir):
+    """(the reference policy's log-probs [B, Lr] at the rollout temperature, the reward model's raw
+    scores [B] at each row's last real token) of a rollout's rows, by transformers' GPT-2 in float32:
+    the reference exported from the scorer's tree, the reward model from its own directory."""
+    import torch
+    import transformers
+
+    hf.export_model(export_dir, trainer.modules.policy.config, jax.device_get(trainer.scorer.reference),
+                    kind="causal_lm")
+    policy = transformers.GPT2LMHeadModel.from_pretrained(export_dir).eval()
+    reward = transformers.GPT2ForSequenceClassification.from_pretrained(reward_dir).eval()
+    host = jax.device_get((rollout.prompt_tokens, rollout.prompt_mask, rollout.tokens, rollout.mask))
+    prompt_tokens, prompt_mask, tokens, mask = (np.asarray(a) for a in host)
+    ids = torch.tensor(np.concatenate([prompt_tokens, tokens], 1)).long()
+    seq_mask = np.concatenate([prompt_mask, mask], 1).astype(np.int64)
+    inputs = dict(input_ids=ids, attention_mask=torch.tensor(seq_mask),
+                  position_ids=torch.tensor(np.clip(np.cumsum(seq_mask, 1) - 1, 0, None)))
+    lq, lr = prompt_tokens.shape[1], tokens.shape[1]
+    with torch.no_grad():
+        logits = policy(**inputs).logits[:, lq - 1: lq + lr - 1].double().numpy() / trainer.hp.temperature
+        per_position = reward.score(reward.transformer(**inputs).last_hidden_state)[..., 0].double().numpy()
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    ref = np.where(mask > 0, np.take_along_axis(logp, tokens[..., None].astype(np.int64), -1)[..., 0], 0.0)
+    last_real = seq_mask.shape[1] - 1 - np.argmax(seq_mask[:, ::-1], axis=1)
+    return ref, per_position[np.arange(len(ids)), last_real]
 
 
 def test_scoring_on_the_sampler_mesh_with_lora(one_mesh, tmp_path):
