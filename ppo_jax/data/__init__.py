@@ -20,20 +20,18 @@ from ppo_jax.data.loader import (
     iterate_once,
     max_across_processes,
 )
+from ppo_jax.data.files import from_jsonl, from_text
+from ppo_jax.data.hf_source import HfDatasetSource, from_hf_datasets
 from ppo_jax.data.sources import (
     PREFERENCE_FIELDS,
     PROMPT_FIELDS,
     SFT_FIELDS,
-    HfDatasetSource,
     ListSource,
+    MissingFieldError,
     Source,
-    TfdsSource,
-    from_hf_datasets,
-    from_jsonl,
     from_list,
-    from_text,
-    from_tfds,
 )
+from ppo_jax.data.tfds_source import TfdsSource, from_tfds
 from ppo_jax.data.tokenization import (
     TRUNCATION_POLICIES,
     PreferenceBatch,
@@ -50,7 +48,7 @@ from ppo_jax.data.tokenizers import build_word_tokenizer
 __all__ = [
     "KINDS", "BatchIterator", "PromptLoader", "RecordBatch", "epoch_order", "iterate_once",
     "max_across_processes", "PREFERENCE_FIELDS", "PROMPT_FIELDS", "SFT_FIELDS", "HfDatasetSource",
-    "ListSource", "Source", "TfdsSource", "from_hf_datasets", "from_jsonl", "from_list", "from_text",
+    "ListSource", "MissingFieldError", "Source", "TfdsSource", "from_hf_datasets", "from_jsonl", "from_list", "from_text",
     "from_tfds", "TRUNCATION_POLICIES", "PreferenceBatch", "PromptBatch", "PromptTokenizer",
     "SFTBatch", "bucket_length", "left_pad", "load_tokenizer", "normalise_buckets",
     "build_word_tokenizer",

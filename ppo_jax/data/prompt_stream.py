@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 
 from ppo_jax.config import ConfigError
 from ppo_jax import metrics as metrics_lib
-from ppo_jax.data import loader as loader_lib, prompt_checks, sources, tokenization, toy
+from ppo_jax.data import files, loader as loader_lib, prompt_checks, sources, tokenization, toy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,14 +45,14 @@ def prompt_source(spec: str, *, field: str, vocab_size: int, seed: int, split: s
     ext = os.path.splitext(spec)[1].lower()
     if ext in (".jsonl", ".json"):
         try:
-            return sources.from_jsonl(spec, fields={"prompt": field})
+            return files.from_jsonl(spec, fields={"prompt": field})
         except sources.MissingFieldError as e:
             # The field name came from the config: say how to fix it there, not with fields={...}.
             raise ConfigError(f"{e.where}: the record has no field {field!r} (data.field={field!r}); "
                               f"it has fields {e.available}. Set --config.data.field=<name in your "
                               f"data>") from None
     if ext == ".txt":
-        return sources.from_text(spec)
+        return files.from_text(spec)
     raise ValueError(f"data.prompts={spec!r}: use 'toy', a .jsonl file or a .txt file")
 
 
