@@ -8,31 +8,14 @@ import os
 from typing import Any
 
 from ppo_jax.data.files import readable_file
-from ppo_jax.data.sources import FieldSpec, check_text_fields, describe_field, field_map, select_fields
+from ppo_jax.data.sources import DatasetSource, FieldSpec, describe_field, field_map
 
 _HF_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet",
                 ".txt": "text", ".arrow": "arrow"}
 
 
-class HfDatasetSource:
+class HfDatasetSource(DatasetSource):
     """Random access over a Hugging Face `datasets.Dataset`."""
-
-    def __init__(self, dataset: Any, mapping: dict[str, str] | None, name: str):
-        self._dataset = dataset
-        self._mapping = mapping
-        self.name = name
-
-    def __len__(self) -> int:
-        return len(self._dataset)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        where = f"{self.name}[{index}]"
-        record = select_fields(self._dataset[int(index)], self._mapping, where)
-        check_text_fields(record, where)
-        return record
-
-    def __repr__(self) -> str:
-        return f"HfDatasetSource({self.name!r}, {len(self)} records)"
 
 
 def _import_datasets():

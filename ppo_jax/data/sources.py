@@ -1,5 +1,5 @@
-"""Record sources: the one small random-access interface every data reader gives, and records held
-in a list.
+"""Record sources: the one small random-access interface every data reader gives, records held in a
+list, and the record-at-a-time wrapper the dataset libraries' adapters share.
 
 A source is anything with `__len__` and `__getitem__(i) -> dict`. Records are plain dicts of Python
 values; the trainers read these fields:
@@ -24,7 +24,7 @@ ppo_jax[tfds]`, `ppo_jax[hf-datasets]`), imported only when their constructor is
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 PROMPT_FIELDS = ("prompt",)
@@ -173,3 +173,28 @@ def where(source: Source, index: int) -> str:
     if hasattr(source, "where"):
         return source.where(index)
     return f"{getattr(source, 'name', 'source')}[{index}]"
+
+
+class DatasetSource:
+    """Random access over a dataset library's indexable split (TFDS, Hugging Face `datasets`), each
+    record converted to plain Python (`to_python`), projected by the fields and checked as it is read:
+    such a split may be too large to validate at start-up."""
+
+    def __init__(self, dataset: Any, mapping: dict[str, str] | None, name: str,
+                 to_python: Callable[[Any], Any] = lambda record: record):
+        self._dataset = dataset
+        self._mapping = mapping
+        self._to_python = to_python
+        self.name = name
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        where = f"{self.name}[{index}]"
+        record = select_fields(self._to_python(self._dataset[int(index)]), self._mapping, where)
+        check_text_fields(record, where)
+        return record
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, {len(self)} records)"

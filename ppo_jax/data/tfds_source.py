@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ppo_jax.data.sources import FieldSpec, check_text_fields, describe_field, field_map, select_fields
+from ppo_jax.data.sources import DatasetSource, FieldSpec, describe_field, field_map
 
 
 def _to_python(value: Any) -> Any:
@@ -29,25 +29,12 @@ def _to_python(value: Any) -> Any:
     return value
 
 
-class TfdsSource:
-    """Random access over a prepared TFDS split in array_record format."""
+class TfdsSource(DatasetSource):
+    """Random access over a prepared TFDS split in array_record format (bytes decoded to str, NumPy
+    values to Python ones)."""
 
     def __init__(self, data_source: Any, mapping: dict[str, str] | None, name: str):
-        self._data_source = data_source
-        self._mapping = mapping
-        self.name = name
-
-    def __len__(self) -> int:
-        return len(self._data_source)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        where = f"{self.name}[{index}]"
-        record = select_fields(_to_python(self._data_source[int(index)]), self._mapping, where)
-        check_text_fields(record, where)
-        return record
-
-    def __repr__(self) -> str:
-        return f"TfdsSource({self.name!r}, {len(self)} records)"
+        super().__init__(data_source, mapping, name, to_python=_to_python)
 
 
 def _import_tfds():
