@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from ppo_jax.ppo.rewards import last_token_index, process_scores, shape_rewards, whiten_rewards
+from ppo_jax.ppo.rewards import process_scores, shape_rewards, whiten_rewards
+from ppo_jax.ppo.stats import last_token_index
 
 
 def random_scores(seed, batch=10):

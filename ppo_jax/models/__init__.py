@@ -6,7 +6,6 @@ from ppo_jax.models.cache import KV_CACHE_AXES, KVCache, init_cache
 from ppo_jax.models.transformer import (
     CausalLM,
     ScalarModel,
-    last_token_index,
     positions_from_mask,
     score_at_last_token,
 )
@@ -15,6 +14,6 @@ from ppo_jax.models.lora import merge_lora
 
 __all__ = [
     "KV_CACHE_AXES", "CausalLM", "KVCache", "LoraConfig", "ModelConfig", "ScalarModel", "init_cache",
-    "last_token_index", "positions_from_mask", "score_at_last_token", "to_dtype", "init_params", "boxed_params",
+    "positions_from_mask", "score_at_last_token", "to_dtype", "init_params", "boxed_params",
     "init_adapters", "merge_lora",
 ]

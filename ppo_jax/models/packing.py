@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from ppo_jax.models.forward import hidden_states, variables
-from ppo_jax.models.transformer import CausalLM, ScalarModel, last_token_index
+from ppo_jax.models.transformer import CausalLM, ScalarModel
+from ppo_jax.ppo.stats import last_token_index
 
 Array = jax.Array
 
@@ -141,7 +142,7 @@ def prediction_slots(packing: Packing, prompt_length: int, response_mask: Array)
 
 def last_slots(packing: Packing, seq_mask: Array) -> Array:
     """[B, 1]: the packed slot of each row's last real token (where a reward model scores it)."""
-    return jnp.take_along_axis(packing.slots, last_token_index(seq_mask)[:, None], axis=1)
+    return jnp.take_along_axis(packing.slots, jnp.maximum(last_token_index(seq_mask), 0)[:, None], axis=1)
 
 
 def next_token_logits(model: CausalLM, params, rows: PackedRows, temperature: float, adapters=None,

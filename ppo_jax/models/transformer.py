@@ -38,6 +38,7 @@ from ppo_jax.models.config import ModelConfig
 from ppo_jax.models.layers import MLP, DenseGeneral, norm, softcap
 from ppo_jax.models.moe import ROUTER, MoEMLP
 from ppo_jax.models.rope import rope_tables
+from ppo_jax.ppo.stats import last_token_index
 
 Array = jax.Array
 
@@ -336,13 +337,7 @@ class ScalarModel(nn.Module):
         return head(hidden.astype(jnp.float32))[..., 0], cache
 
 
-def last_token_index(mask: Array) -> Array:
-    """Index of the last real token of each row of a [B, T] mask (-> [B] int32; 0 if empty)."""
-    t = mask.shape[-1]
-    idx = jnp.where(mask.astype(bool), jnp.arange(t)[None, :], -1).max(-1)
-    return jnp.maximum(idx, 0).astype(jnp.int32)
-
-
 def score_at_last_token(values: Array, mask: Array) -> Array:
-    """Scalar-head output read at the last real token: values [B, T], mask [B, T] -> [B]."""
-    return jnp.take_along_axis(values, last_token_index(mask)[:, None], axis=1)[:, 0]
+    """Scalar-head output read at the last real token: values [B, T], mask [B, T] -> [B] (a row
+    with no real token reads slot 0)."""
+    return jnp.take_along_axis(values, jnp.maximum(last_token_index(mask), 0)[:, None], axis=1)[:, 0]

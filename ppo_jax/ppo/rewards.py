@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ppo_jax.ppo.stats import last_token_index
+
 from ppo_jax.ppo.stats import check_same_shape, masked_whiten
 
 Array = jax.Array
@@ -53,14 +55,6 @@ def process_scores(scores: Array, stopped: Array, *, missing_stop: str = "none",
     elif missing_stop == "penalty":
         scores = jnp.where(stopped, scores, scores - missing_stop_value)
     return scores
-
-
-def last_token_index(mask: Array) -> Array:
-    """Index of the last real position of each row, [B, L] -> [B] int32 (-1 for an empty row)."""
-    mask = jnp.asarray(mask) != 0
-    length = mask.shape[-1]
-    from_end = jnp.argmax(mask[..., ::-1], axis=-1)
-    return jnp.where(mask.any(axis=-1), length - 1 - from_end, -1).astype(jnp.int32)
 
 
 def shape_rewards(scores: Array, kl: Array, mask: Array, kl_coef: Array | float) -> Array:

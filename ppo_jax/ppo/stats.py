@@ -26,6 +26,15 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
+def last_token_index(mask: Array) -> Array:
+    """Index of the last real position of each row: [B, L] mask -> [B] int32, -1 for a row with no
+    real position (to gather with it, clamp: `jnp.maximum(index, 0)`, and mask the empty rows)."""
+    mask = jnp.asarray(mask) != 0
+    length = mask.shape[-1]
+    from_end = jnp.argmax(mask[..., ::-1], axis=-1)
+    return jnp.where(mask.any(axis=-1), length - 1 - from_end, -1).astype(jnp.int32)
+
+
 def _float(x: Array) -> Array:
     """At least float32 for accumulation (bf16 sums over thousands of tokens lose digits)."""
     x = jnp.asarray(x)

@@ -36,7 +36,8 @@ import jax.numpy as jnp
 from ppo_jax import sharding
 from ppo_jax.models import forward
 from ppo_jax.models.cache import KVCache, init_cache, split_cache
-from ppo_jax.models.transformer import CausalLM, last_token_index, positions_from_mask
+from ppo_jax.models.transformer import CausalLM, positions_from_mask
+from ppo_jax.ppo.stats import last_token_index
 from ppo_jax.sampling.config import SampleOutput, SamplingConfig, validate_inputs
 from ppo_jax.sampling.loop import (DecodeLayers, constrain, constrain_cache, decode_layers, forward_last,
                                    is_stop_token, row_limits)
@@ -203,7 +204,7 @@ def _prefill(e: Engine, next_prompt: Array, out: Responses, clock: Array) -> tup
     tokens, mask = e.prompt_tokens[prompts], e.prompt_mask[prompts]
     cache = init_cache(e.model.config, chunk, e.prompt_len, e.config.cache_dtype)
     logits, cache = e.model.apply(e.variables, tokens, positions_from_mask(mask), mask, cache,
-                                  last_token_index(mask), method=forward_last)
+                                  jnp.maximum(last_token_index(mask), 0), method=forward_last)
     new_rows = jnp.where(valid, jnp.repeat(prompts, n) * n + jnp.tile(jnp.arange(n), chunk), -1)
     first_steps = jnp.zeros((chunk * n,), jnp.int32)
     choice = e.choose(jnp.repeat(logits, n, axis=0), new_rows, first_steps)

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from ppo_jax import sharding
 from ppo_jax.models import forward
 from ppo_jax.models.cache import KV_CACHE_AXES, KVCache, init_cache, split_cache
-from ppo_jax.models.transformer import CausalLM, last_token_index, positions_from_mask, split_layer_params
+from ppo_jax.models.transformer import CausalLM, positions_from_mask, split_layer_params
+from ppo_jax.ppo.stats import last_token_index
 from ppo_jax.sampling.config import SampleOutput, SamplingConfig, validate_inputs
 from ppo_jax.sampling.token_choice import TokenChoice, choose_tokens, response_uniforms
 
@@ -166,7 +167,7 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
     kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((batch, new - 1), jnp.int32)], axis=1)
     variables = forward.variables(params, adapters)
     logits, cache = model.apply(variables, prompt_tokens, positions_from_mask(prompt_mask), kv_mask,
-                                cache, last_token_index(prompt_mask), method=forward_last)
+                                cache, jnp.maximum(last_token_index(prompt_mask), 0), method=forward_last)
     if n > 1:
         def repeat(x, axis=0):
             return jnp.repeat(x, n, axis=axis)
