@@ -24,7 +24,7 @@ from ppo_jax import sharding
 from ppo_jax.models import ModelConfig, init_cache, positions_from_mask, score_at_last_token
 from ppo_jax.models.cache import split_cache
 from ppo_jax.models import hf
-from ppo_jax.models.hf import CheckpointError
+from ppo_jax.models.hf import HFModelError
 from ppo_jax.models.transformer import split_layer_params
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, MLP, MAX_POS = 128, 64, 2, 4, 2, 96, 64
@@ -518,7 +518,7 @@ def test_old_style_rope_config_is_read():
 ])
 def test_unsupported_gpt2_options(changes, message):
     data = {**HF_CONFIGS["gpt2"]().to_dict(), **changes}
-    with pytest.raises(CheckpointError, match=message):
+    with pytest.raises(HFModelError, match=message):
         hf.config_from_hf(data)
 
 
@@ -543,7 +543,7 @@ def test_unsupported_gpt2_options(changes, message):
 def test_unsupported_llama_family_options(arch, changes, message):
     data = {**HF_CONFIGS[arch]().to_dict(), **changes}
     data = {k: v for k, v in data.items() if v is not None or k != "layer_types"}
-    with pytest.raises(CheckpointError, match=message):
+    with pytest.raises(HFModelError, match=message):
         hf.config_from_hf(data)
 
 
@@ -557,7 +557,7 @@ def test_qwen3_moe_dense_layers_as_transformers_chooses_them():
     written = hf.config_to_hf(config).to_dict()
     assert written["mlp_only_layers"] == [0, 2, 3] and written["decoder_sparse_step"] == 1
     assert hf.config_from_hf(written) == config
-    with pytest.raises(CheckpointError, match="moe_layers=\\(False, True\\) \\(dense layers\\) is expressible as qwen3_moe only"):
+    with pytest.raises(HFModelError, match="moe_layers=\\(False, True\\) \\(dense layers\\) is expressible as qwen3_moe only"):
         hf.config_to_hf(hf.config_from_hf(HF_CONFIGS["mixtral"]().to_dict()).replace(moe_layers=(False, True)))
 
 
@@ -579,22 +579,22 @@ def test_linear_rope_scaling_round_trips():
 
 
 def test_config_to_hf_refuses_what_the_architecture_cannot_express():
-    with pytest.raises(CheckpointError, match="use arch='qwen2'"):
+    with pytest.raises(HFModelError, match="use arch='qwen2'"):
         hf.config_to_hf(ModelConfig(arch="llama", attention_bias=True))
-    with pytest.raises(CheckpointError, match="qwen2 always has q/k/v biases"):
+    with pytest.raises(HFModelError, match="qwen2 always has q/k/v biases"):
         hf.config_to_hf(ModelConfig(arch="qwen2"))
-    with pytest.raises(CheckpointError, match="mistral has no projection biases"):
+    with pytest.raises(HFModelError, match="mistral has no projection biases"):
         hf.config_to_hf(ModelConfig(arch="mistral", mlp_bias=True))
-    with pytest.raises(CheckpointError, match=r"llama cannot express \{'post_norms': True\}"):
+    with pytest.raises(HFModelError, match=r"llama cannot express \{'post_norms': True\}"):
         hf.config_to_hf(ModelConfig(arch="llama", post_norms=True))
-    with pytest.raises(CheckpointError, match=r"gemma3_text cannot express \{'qk_norm': False\}"):
+    with pytest.raises(HFModelError, match=r"gemma3_text cannot express \{'qk_norm': False\}"):
         hf.config_to_hf(ModelConfig(arch="gemma3_text", scale_embeddings=True, norm_unit_offset=True,
                                     post_norms=True))
-    with pytest.raises(CheckpointError, match=r"qwen3 has no \['attn_logit_softcap'\]"):
+    with pytest.raises(HFModelError, match=r"qwen3 has no \['attn_logit_softcap'\]"):
         hf.config_to_hf(ModelConfig(arch="qwen3", qk_norm=True, attn_logit_softcap=5.0))
-    with pytest.raises(CheckpointError, match="mistral slides every layer or none"):
+    with pytest.raises(HFModelError, match="mistral slides every layer or none"):
         hf.config_to_hf(ModelConfig(arch="mistral", sliding_window=4, sliding_layers=(True, False)))
-    with pytest.raises(CheckpointError, match="llama has no sliding window"):
+    with pytest.raises(HFModelError, match="llama has no sliding window"):
         hf.config_to_hf(ModelConfig(arch="llama", sliding_window=8))
 
 
@@ -642,7 +642,7 @@ def test_gpt2_score_bias_is_folded_into_final_norm_on_export(case, tmp_path, mes
 
 @pytest.mark.parametrize("case", ["llama-reward"], indirect=True)
 def test_llama_score_bias_cannot_be_exported(case, tmp_path):
-    with pytest.raises(CheckpointError, match="has no score bias"):
+    with pytest.raises(HFModelError, match="has no score bias"):
         hf.export_model(tmp_path / "out", case.loaded.config, _reward_case_params(case, 0.5),
                         kind="reward")
     assert not (tmp_path / "out").exists()
@@ -695,7 +695,7 @@ def test_export_of_params_missing_a_tensor_names_it(tmp_path):
                                 jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2), jnp.int32))))
     params = dict(abstract["params"])
     del params["lm_head"]
-    with pytest.raises(CheckpointError, match="params lack.*lm_head/kernel"):
+    with pytest.raises(HFModelError, match="params lack.*lm_head/kernel"):
         hf.export_model(tmp_path / "out", config, params)
     assert not os.listdir(tmp_path)
 
@@ -726,7 +726,7 @@ def _rewrite_weights(path, transform):
 
 
 def test_missing_directory(tmp_path, mesh_222):
-    with pytest.raises(CheckpointError, match=r"checkpoint directory .*nowhere does not exist"):
+    with pytest.raises(HFModelError, match=r"checkpoint directory .*nowhere does not exist"):
         hf.load_model(tmp_path / "nowhere", mesh_222)
 
 
@@ -737,28 +737,28 @@ BAD_CASES = ["gpt2-causal_lm", "llama-causal_lm"]
 class TestBadCheckpoints:
     def test_missing_config(self, bad, mesh_222):
         (bad / "config.json").unlink()
-        with pytest.raises(CheckpointError, match=r"has no config\.json"):
+        with pytest.raises(HFModelError, match=r"has no config\.json"):
             hf.load_model(bad, mesh_222)
 
     def test_config_is_not_json(self, bad, mesh_222):
         (bad / "config.json").write_text("{not json")
-        with pytest.raises(CheckpointError, match=r"config\.json is not valid JSON"):
+        with pytest.raises(HFModelError, match=r"config\.json is not valid JSON"):
             hf.load_model(bad, mesh_222)
 
     def test_missing_weights(self, bad, mesh_222):
         (bad / "model.safetensors").unlink()
-        with pytest.raises(CheckpointError, match=r"has no weights: expected model\.safetensors"):
+        with pytest.raises(HFModelError, match=r"has no weights: expected model\.safetensors"):
             hf.load_model(bad, mesh_222)
 
     def test_pickled_weights_are_refused(self, bad, mesh_222):
         (bad / "model.safetensors").rename(bad / "pytorch_model.bin")
-        with pytest.raises(CheckpointError,
+        with pytest.raises(HFModelError,
                            match=r"only pickled weights \(pytorch_model\.bin\).*never unpickles"):
             hf.load_model(bad, mesh_222)
 
     def test_unsupported_architecture(self, bad, mesh_222):
         _edit_config(bad, architectures=["GPTNeoXForCausalLM"])
-        with pytest.raises(CheckpointError, match=r"unsupported architecture 'GPTNeoXForCausalLM'"
+        with pytest.raises(HFModelError, match=r"unsupported architecture 'GPTNeoXForCausalLM'"
                                                   r".*supported: GPT2LMHeadModel, LlamaForCausalLM, "
                                                   r"MistralForCausalLM, Qwen2ForCausalLM"):
             hf.load_model(bad, mesh_222)
@@ -766,19 +766,19 @@ class TestBadCheckpoints:
     def test_truncated_safetensors(self, bad, mesh_222):
         data = (bad / "model.safetensors").read_bytes()
         (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
-        with pytest.raises(CheckpointError, match=r"model\.safetensors is not a readable safetensors "
+        with pytest.raises(HFModelError, match=r"model\.safetensors is not a readable safetensors "
                                                   r"file \(truncated or corrupt\?\)"):
             hf.load_model(bad, mesh_222)
 
     def test_corrupt_safetensors(self, bad, mesh_222):
         (bad / "model.safetensors").write_bytes(b"\x00\x01garbage" * 100)
-        with pytest.raises(CheckpointError, match=r"model\.safetensors is not a readable safetensors"):
+        with pytest.raises(HFModelError, match=r"model\.safetensors is not a readable safetensors"):
             hf.load_model(bad, mesh_222)
 
     def test_shape_mismatch(self, bad, mesh_222, case):
         _edit_config(bad, vocab_size=VOCAB + 8)
         embed = "transformer.wte.weight" if case.arch == "gpt2" else "model.embed_tokens.weight"
-        with pytest.raises(CheckpointError, match=rf"shape mismatch: tensor '{embed}' in "
+        with pytest.raises(HFModelError, match=rf"shape mismatch: tensor '{embed}' in "
                                                   rf"model\.safetensors has shape \[{VOCAB}, {HIDDEN}\], "
                                                   rf"but config\.json implies \[{VOCAB + 8}, {HIDDEN}\]"):
             hf.load_model(bad, mesh_222)
@@ -787,13 +787,13 @@ class TestBadCheckpoints:
         name = ("transformer.h.1.mlp.c_fc.bias" if case.arch == "gpt2"
                 else "model.layers.1.mlp.up_proj.weight")
         _rewrite_weights(bad, lambda t: {k: v for k, v in t.items() if k != name})
-        with pytest.raises(CheckpointError, match=rf"tensor '{name}' is missing from the checkpoint"):
+        with pytest.raises(HFModelError, match=rf"tensor '{name}' is missing from the checkpoint"):
             hf.load_model(bad, mesh_222)
 
     def test_weights_the_config_does_not_use(self, bad, mesh_222, case):
         _edit_config(bad, **({"n_layer": 1} if case.arch == "gpt2" else {"num_hidden_layers": 1}))
         layer = "transformer.h.1." if case.arch == "gpt2" else "model.layers.1."
-        with pytest.raises(CheckpointError, match=rf"has \d+ tensors that config\.json does not use "
+        with pytest.raises(HFModelError, match=rf"has \d+ tensors that config\.json does not use "
                                                   rf"\({re.escape(layer)}"):
             hf.load_model(bad, mesh_222)
 
@@ -801,17 +801,17 @@ class TestBadCheckpoints:
         (bad / "model.safetensors").rename(bad / "model-00001-of-00002.safetensors")
         (bad / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
             "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
-        with pytest.raises(CheckpointError, match=r"lists shard files that do not exist: "
+        with pytest.raises(HFModelError, match=r"lists shard files that do not exist: "
                                                   r"\['model-00002-of-00002\.safetensors'\]"):
             hf.load_model(bad, mesh_222)
 
     def test_wrong_kind_requested(self, bad, mesh_222):
-        with pytest.raises(CheckpointError, match=r"holds a causal_lm checkpoint.*kind='reward'"):
+        with pytest.raises(HFModelError, match=r"holds a causal_lm checkpoint.*kind='reward'"):
             hf.load_model(bad, mesh_222, kind="reward")
 
 
 def test_tokenizer_directory_missing(tmp_path):
-    with pytest.raises(CheckpointError, match="tokenizer directory .* does not exist"):
+    with pytest.raises(HFModelError, match="tokenizer directory .* does not exist"):
         hf.load_tokenizer(tmp_path / "nowhere")
 
 

@@ -19,7 +19,7 @@ from ppo_jax.models import (CausalLM, LoraConfig, ModelConfig, init_adapters, in
 from ppo_jax.models import hf
 from ppo_jax.models.cache import split_cache
 from ppo_jax.models.forward import response_logits, token_logprobs
-from ppo_jax.models.hf import CheckpointError
+from ppo_jax.models.hf import HFModelError
 from ppo_jax.models.transformer import split_layer_params
 from ppo_jax.sampling.config import SamplingConfig
 from ppo_jax.sampling.loop import sample
@@ -294,14 +294,14 @@ def _write_adapter_config(directory, **overrides):
 ])
 def test_unsupported_peft_options_are_refused_before_weights(tmp_path, overrides, message):
     directory = _write_adapter_config(tmp_path / "adapter", **overrides)  # no weights file at all
-    with pytest.raises(CheckpointError, match=message):
+    with pytest.raises(HFModelError, match=message):
         hf.load_adapter(directory, _config(lora=None), make_test_mesh((1, 1, 1)))
 
 
 def test_fused_projection_export_is_refused_by_name(tmp_path):
     cfg = _config("gpt2", targets=("q", "o"))
     _, fresh = _init(cfg)
-    with pytest.raises(CheckpointError, match="fused tensor 'transformer.h.N.attn.c_attn.weight'"):
+    with pytest.raises(HFModelError, match="fused tensor 'transformer.h.N.attn.c_attn.weight'"):
         hf.export_adapter(tmp_path / "adapter", cfg, fresh)
 
 
@@ -312,8 +312,8 @@ def test_adapter_tensors_that_disagree_with_the_config_are_refused(tmp_path):
     config_file = directory / "adapter_config.json"
     data = json.loads(config_file.read_text())
     config_file.write_text(json.dumps({**data, "r": 2}))
-    with pytest.raises(CheckpointError, match=r"lora_A.weight' has shape \[4, 32\], but r and the base"):
+    with pytest.raises(HFModelError, match=r"lora_A.weight' has shape \[4, 32\], but r and the base"):
         hf.load_adapter(directory, cfg.replace(lora=None), make_test_mesh((1, 1, 1)))
     config_file.write_text(json.dumps({**data, "target_modules": ["self_attn.q_proj"]}))
-    with pytest.raises(CheckpointError, match="has tensors that adapter_config.json does not describe"):
+    with pytest.raises(HFModelError, match="has tensors that adapter_config.json does not describe"):
         hf.load_adapter(directory, cfg.replace(lora=None), make_test_mesh((1, 1, 1)))

@@ -333,10 +333,10 @@ def test_router_losses_on_a_dense_policy_are_refused(tmp_path):
 def test_experts_on_a_dense_architecture_are_refused_before_anything_is_written(tmp_path):
     """Hugging Face holds experts only in its MoE classes (export parity: tests/test_hf.py)."""
     from ppo_jax.models import hf
-    from ppo_jax.models.hf import CheckpointError
+    from ppo_jax.models.hf import HFModelError
 
     config = ModelConfig(**MOE, qk_norm=True)
-    with pytest.raises(CheckpointError, match="qwen3 has no experts; mixture-of-experts models are arch 'qwen3_moe' or"):
+    with pytest.raises(HFModelError, match="qwen3 has no experts; mixture-of-experts models are arch 'qwen3_moe' or"):
         hf.export_model(tmp_path / "out", config, {})
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="arch='mixtral' is a mixture of experts: set model.num_experts"):

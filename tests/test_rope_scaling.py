@@ -19,7 +19,7 @@ from conftest import make_test_mesh
 
 from ppo_jax.models import ModelConfig, init_cache, positions_from_mask, score_at_last_token
 from ppo_jax.models import hf
-from ppo_jax.models.hf import CheckpointError
+from ppo_jax.models.hf import HFModelError
 from ppo_jax.models.rope import rope_frequencies
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, MLP = 96, 64, 2, 4, 2, 96
@@ -260,7 +260,7 @@ def test_bad_rope_scaling_is_refused_by_name(scaling, message):
 def test_bad_longrope_checkpoint_is_refused_before_weights_load():
     data = VARIANTS["phi3_longrope"][0]().to_dict()
     data["rope_parameters"] = {**data["rope_parameters"], "long_factor": LONG_FACTOR[:5]}
-    with pytest.raises(CheckpointError, match="long_factor .*(length 8, got 5|has 5 entries)"):
+    with pytest.raises(HFModelError, match="long_factor .*(length 8, got 5|has 5 entries)"):
         hf.config_from_hf(data)
 
 

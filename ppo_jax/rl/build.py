@@ -49,7 +49,7 @@ def imported_lora_config(settings: PolicyLoraSettings, base: ModelConfig) -> Lor
     where = f"policy.lora.init_from={settings.init_from!r}"
     try:
         imported = hf.adapter_lora_config(settings.init_from, base)
-    except hf.CheckpointError as err:
+    except hf.HFModelError as err:
         raise ConfigError(f"{where}: {err}") from None
     stated = settings.lora_config()
     if stated is not None:

@@ -84,7 +84,7 @@ def model_config(section: ModelSettings, tokenizer, *, what: str, data, kinds: t
     if cfg.lora is not None and lora_export == "adapter":
         try:  # the PEFT names of every adapter: refused by name when a target is a window of a fused tensor
             lora_tensor_maps(cfg)
-        except hf.CheckpointError as err:
+        except hf.HFModelError as err:
             raise ConfigError(f"{what}: train.lora_export='adapter' with model.lora.targets="
                               f"{section.lora.targets!r}: {err}; use merged, or other targets") from None
     return cfg, start_kind

@@ -12,7 +12,7 @@ Weights are read from safetensors only (single file or sharded with `model.safet
 pickled `.bin`/`.pt` files are refused, nothing is ever unpickled, and `trust_remote_code` is never on.
 
 One module per job; each imports only those above it in this list (no cycles):
-  errors          CheckpointError
+  errors          HFModelError
   config_map      config.json <-> ModelConfig (per-family tables, unsupported options refused)
   layouts         TensorMap: HF tensor name / shape / window / axis order of each of our params;
                   the Flax module and abstract params of a checkpoint kind
@@ -26,7 +26,7 @@ Callers use the names re-exported here: `from ppo_jax.models import hf; hf.load_
 """
 
 from ppo_jax.models.hf.config_map import ARCHITECTURES, checkpoint_kind, config_from_hf, config_to_hf
-from ppo_jax.models.hf.errors import CheckpointError
+from ppo_jax.models.hf.errors import HFModelError
 from ppo_jax.models.hf.export import export_model
 from ppo_jax.models.hf.layouts import TensorMap, abstract_params, make_model, tensor_maps
 from ppo_jax.models.hf.load import LoadedModel, load_config, load_model
@@ -35,7 +35,7 @@ from ppo_jax.models.hf.safetensors_io import fingerprint
 from ppo_jax.models.hf.tokenizers import load_tokenizer, save_tokenizer
 
 __all__ = [
-    "ARCHITECTURES", "CheckpointError", "LoadedModel", "TensorMap", "abstract_params",
+    "ARCHITECTURES", "HFModelError", "LoadedModel", "TensorMap", "abstract_params",
     "adapter_lora_config", "checkpoint_kind", "config_from_hf", "config_to_hf", "export_adapter", "export_model", "fingerprint",
     "load_adapter",
     "load_config", "load_model", "load_tokenizer", "make_model", "save_tokenizer", "tensor_maps",

@@ -5,7 +5,7 @@ and checks them before it writes one, so no option is exported that PyTorch woul
 from __future__ import annotations
 
 from ppo_jax.models.config import MOE_ARCHS, ModelConfig
-from ppo_jax.models.hf.errors import CheckpointError
+from ppo_jax.models.hf.errors import HFModelError
 
 
 def biases(cfg) -> dict[str, bool]:
@@ -24,19 +24,19 @@ def check_biases(config: ModelConfig):
     arch = config.arch
     qkv, out, mlp = config.attention_bias, config.attention_out_bias, config.mlp_bias
     if arch == "qwen2" and not (qkv and not out and not mlp):
-        raise CheckpointError("qwen2 always has q/k/v biases and no o_proj or MLP biases: set "
+        raise HFModelError("qwen2 always has q/k/v biases and no o_proj or MLP biases: set "
                               "attention_bias=True, attention_out_bias=False, mlp_bias=False")
     if arch in NO_BIASES and (qkv or out or mlp):
-        raise CheckpointError(f"{arch} has no projection biases; use arch='llama' (attention_bias, "
+        raise HFModelError(f"{arch} has no projection biases; use arch='llama' (attention_bias, "
                               f"mlp_bias) or 'qwen2' (q/k/v biases)")
     if arch == "qwen2" or arch in NO_BIASES:
         return
     if qkv != out:
-        raise CheckpointError(
+        raise HFModelError(
             f"{arch}'s attention_bias puts biases on q/k/v and o_proj together, but attention_bias="
             f"{qkv}, attention_out_bias={out}; use arch='qwen2' for q/k/v-only biases")
     if arch != "llama" and mlp:
-        raise CheckpointError(f"{arch} has no MLP biases; use arch='llama' for mlp_bias")
+        raise HFModelError(f"{arch} has no MLP biases; use arch='llama' for mlp_bias")
 
 
 # Llama-family architectures whose sliding_window (when set) applies to every layer, and those whose
@@ -64,16 +64,16 @@ def check_options(config: ModelConfig):
     """Refuses block options the architecture's transformers class cannot hold."""
     arch = config.arch
     if bool(config.num_experts) != (arch in MOE_ARCHS):
-        raise CheckpointError(f"{arch} {'has no' if config.num_experts else 'needs'} experts; mixture-of-experts "
+        raise HFModelError(f"{arch} {'has no' if config.num_experts else 'needs'} experts; mixture-of-experts "
                               f"models are arch {' or '.join(repr(a) for a in MOE_ARCHS)}")
     want = {**_FIXED_OFF, **ARCH_OPTIONS.get(arch, {})}
     wrong = {name: getattr(config, name) for name, value in want.items() if getattr(config, name) != value}
     if wrong:
-        raise CheckpointError(f"{arch} cannot express {wrong}; it needs "
+        raise HFModelError(f"{arch} cannot express {wrong}; it needs "
                               f"{ {name: want[name] for name in wrong} }")
     free = _GEMMA2_ONLY if arch in ("gemma2", "gemma3_text") else ()
     free += ("rope_local_theta",) if arch == "gemma3_text" else ()
     wrong = {name: getattr(config, name) for name in _GEMMA2_ONLY + ("rope_local_theta",)
              if name not in free and getattr(config, name) is not None}
     if wrong:
-        raise CheckpointError(f"{arch} has no {sorted(wrong)}; set them to None")
+        raise HFModelError(f"{arch} has no {sorted(wrong)}; set them to None")

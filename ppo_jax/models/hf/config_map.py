@@ -19,7 +19,7 @@ import numpy as np
 from ppo_jax.models.config import ModelConfig
 from ppo_jax.models.hf import arch_options, moe_map, rope_map
 from ppo_jax.models.hf.arch_options import ARCH_OPTIONS, EVERY_LAYER_SLIDES, NO_BIASES
-from ppo_jax.models.hf.errors import CheckpointError
+from ppo_jax.models.hf.errors import HFModelError
 
 # Checkpoint kinds: "causal_lm" (our CausalLM, logits) and "reward" (our ScalarModel, one score).
 KINDS = ("causal_lm", "reward")
@@ -76,7 +76,7 @@ def _as_dict(hf_config: Mapping[str, Any] | Any) -> dict[str, Any]:
         return dict(hf_config)
     if hasattr(hf_config, "to_dict"):
         return hf_config.to_dict()
-    raise CheckpointError(f"expected a config.json dict or a transformers PretrainedConfig, got "
+    raise HFModelError(f"expected a config.json dict or a transformers PretrainedConfig, got "
                           f"{type(hf_config).__name__}")
 
 
@@ -90,17 +90,17 @@ def _hf_config_object(hf_config: Mapping[str, Any] | Any):
     data = dict(hf_config)
     model_type = data.get("model_type")
     if model_type is None:
-        raise CheckpointError(f"config.json has no model_type (expected one of "
+        raise HFModelError(f"config.json has no model_type (expected one of "
                               f"{', '.join(_model_types())})")
     if model_type not in _model_types():
-        raise CheckpointError(
+        raise HFModelError(
             f"unsupported model_type {model_type!r} in config.json; supported architectures: "
             f"{_supported_list()}")
     data.pop("model_type")
     try:
         return transformers.AutoConfig.for_model(model_type, **data)
     except Exception as err:  # transformers validates strictly; say which file and why.
-        raise CheckpointError(f"config.json is not a valid {model_type} config: {err}") from err
+        raise HFModelError(f"config.json is not a valid {model_type} config: {err}") from err
 
 
 def checkpoint_kind(hf_config: Mapping[str, Any] | Any) -> str:
@@ -111,21 +111,21 @@ def checkpoint_kind(hf_config: Mapping[str, Any] | Any) -> str:
         return "causal_lm"
     unknown = [n for n in names if n not in ARCHITECTURES]
     if unknown:
-        raise CheckpointError(
+        raise HFModelError(
             f"unsupported architecture {unknown[0]!r} in config.json; supported: {_supported_list()}")
     model_type = data.get("model_type")
     wrong = [n for n in names if model_type is not None and ARCHITECTURES[n][0] != model_type]
     if wrong:
-        raise CheckpointError(f"config.json says model_type={model_type!r} but architectures="
+        raise HFModelError(f"config.json says model_type={model_type!r} but architectures="
                               f"{names}; they must agree")
     kinds = {ARCHITECTURES[n][1] for n in names}
     if len(kinds) > 1:
-        raise CheckpointError(f"config.json names architectures of different kinds: {names}")
+        raise HFModelError(f"config.json names architectures of different kinds: {names}")
     kind = kinds.pop()
     if kind == "reward":
         labels = data.get("num_labels") or len(data.get("id2label") or {}) or 1
         if labels != 1:
-            raise CheckpointError(
+            raise HFModelError(
                 f"{names[0]} with num_labels={labels}: a reward model needs num_labels=1 "
                 f"(one scalar score)")
     return kind
@@ -140,7 +140,7 @@ def _token_id(value) -> int | None:
 
 def _activation(name: str, field: str, family: str) -> str | None:
     if name not in _ACTIVATIONS:
-        raise CheckpointError(f"unsupported {field}={name!r}; supported: {sorted(_ACTIVATIONS)}")
+        raise HFModelError(f"unsupported {field}={name!r}; supported: {sorted(_ACTIVATIONS)}")
     ours = _ACTIVATIONS[name]
     return None if ours == _DEFAULT_ACTIVATION[family] else ours
 
@@ -152,9 +152,9 @@ def _layer_windows(layer_types, window: int | None, num_layers: int
     layer_types = list(layer_types or [])
     unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
     if unknown:
-        raise CheckpointError(f"unsupported layer_types {unknown}")
+        raise HFModelError(f"unsupported layer_types {unknown}")
     if len(layer_types) != num_layers:
-        raise CheckpointError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+        raise HFModelError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
     sliding = tuple(t == "sliding_attention" for t in layer_types)
     if window is None or not any(sliding):
         return None, None
@@ -179,7 +179,7 @@ def _hf_layer_types(config: ModelConfig) -> list[str]:
 def config_from_hf(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
     """A config.json dict (or a transformers PretrainedConfig) -> our ModelConfig.
 
-    Raises CheckpointError naming any option ppo_jax would silently compute differently.
+    Raises HFModelError naming any option ppo_jax would silently compute differently.
     """
     data = _as_dict(hf_config)
     checkpoint_kind(data)  # validates `architectures`
@@ -201,7 +201,7 @@ def config_from_hf(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
         if not getattr(cfg, "scale_attn_weights", True):
             problems["scale_attn_weights"] = False
         if problems:
-            raise CheckpointError(f"unsupported GPT-2 options: {problems}")
+            raise HFModelError(f"unsupported GPT-2 options: {problems}")
         return ModelConfig(
             **common, hidden_size=cfg.n_embd, num_layers=cfg.n_layer, num_heads=cfg.n_head,
             intermediate_size=cfg.n_inner, max_position_embeddings=cfg.n_positions,
@@ -241,7 +241,7 @@ def _gemma_fields(cfg) -> dict[str, Any]:
     post-attention/post-MLP norms, query_pre_attn_scalar, soft-capping and interleaved sliding
     layers (Gemma 2 and 3); q/k norms and a separate rope base for the sliding layers (Gemma 3)."""
     if getattr(cfg, "use_bidirectional_attention", False):
-        raise CheckpointError("unsupported option use_bidirectional_attention=True (ppo_jax models "
+        raise HFModelError("unsupported option use_bidirectional_attention=True (ppo_jax models "
                               "are causal decoders)")
     fields = dict(scale_embeddings=True, norm_unit_offset=True)
     if cfg.model_type == "gemma":
@@ -279,7 +279,7 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
     import transformers  # lazy: see the module docstring
 
     if kind not in KINDS:
-        raise CheckpointError(f"kind must be one of {KINDS}, got {kind!r}")
+        raise HFModelError(f"kind must be one of {KINDS}, got {kind!r}")
     arch = config.arch
     common = dict(
         architectures=[_CLASS_FOR[(arch, kind)]], vocab_size=config.vocab_size,
@@ -291,10 +291,10 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
         common["num_labels"] = 1
     if arch == "gpt2":
         if config.head_dim not in (None, config.hidden_size // config.num_heads):
-            raise CheckpointError(f"GPT-2 has no head_dim option; head_dim={config.head_dim} "
+            raise HFModelError(f"GPT-2 has no head_dim option; head_dim={config.head_dim} "
                                   f"differs from hidden_size // num_heads")
         if config.sliding_window is not None:
-            raise CheckpointError("GPT-2 has no sliding window; set sliding_window=None")
+            raise HFModelError("GPT-2 has no sliding window; set sliding_window=None")
         return transformers.GPT2Config(
             **common, n_embd=config.hidden_size, n_layer=config.num_layers, n_head=config.num_heads,
             n_inner=config.intermediate_size, n_positions=config.max_position_embeddings,
@@ -304,12 +304,12 @@ def config_to_hf(config: ModelConfig, kind: str = "causal_lm"):
     arch_options.check_biases(config)
     arch_options.check_options(config)
     if arch in ("llama", "gemma") and config.sliding_window is not None:
-        raise CheckpointError(f"{arch} has no sliding window; use arch='mistral' or 'qwen2'")
+        raise HFModelError(f"{arch} has no sliding window; use arch='mistral' or 'qwen2'")
     if arch in EVERY_LAYER_SLIDES and config.sliding_layers is not None:
-        raise CheckpointError(f"{arch} slides every layer or none; use arch='qwen2' for "
+        raise HFModelError(f"{arch} slides every layer or none; use arch='qwen2' for "
                               f"sliding_layers")
     if arch == "phi3" and config.head_dim not in (None, config.hidden_size // config.num_heads):
-        raise CheckpointError(f"phi3 has no head_dim option; head_dim={config.head_dim} differs from "
+        raise HFModelError(f"phi3 has no head_dim option; head_dim={config.head_dim} differs from "
                               f"hidden_size // num_heads")
     family = dict(
         hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
@@ -378,7 +378,7 @@ def _gemma_to_hf(config: ModelConfig, family: dict[str, Any]):
         full = family["rope_parameters"]
         every_layer_slides = config.sliding_layers is None and config.sliding_window is not None
         if every_layer_slides and full["rope_type"] != "default":
-            raise CheckpointError("gemma3 never scales the rope of its sliding layers, and every layer "
+            raise HFModelError("gemma3 never scales the rope of its sliding layers, and every layer "
                                   "slides here: set rope_scaling=None")
         family["rope_parameters"] = {"full_attention": full, "sliding_attention": {
             "rope_type": "default", "rope_theta": local_theta}}

@@ -22,7 +22,7 @@ from ppo_jax import sharding
 from ppo_jax.models.config import ModelConfig
 from ppo_jax.models.lora import merge_lora
 from ppo_jax.models.hf.config_map import DTYPE_NAMES, KINDS, config_to_hf
-from ppo_jax.models.hf.errors import CheckpointError
+from ppo_jax.models.hf.errors import HFModelError
 from ppo_jax.models.hf.layouts import TensorMap, path_keys, tensor_maps
 from ppo_jax.models.hf.safetensors_io import DTYPE_CODES, write_safetensors
 
@@ -40,16 +40,16 @@ def export_model(out_dir: str | os.PathLike, config: ModelConfig, params: Any, *
     Every process must call this (gathering is collective); process 0 writes.
     """
     if kind not in KINDS:
-        raise CheckpointError(f"kind must be one of {KINDS}, got {kind!r}")
+        raise HFModelError(f"kind must be one of {KINDS}, got {kind!r}")
     if adapters is not None:
         if config.lora is None:
-            raise CheckpointError("adapters given but config.lora is None: nothing says how to merge them")
+            raise HFModelError("adapters given but config.lora is None: nothing says how to merge them")
         params = merge_lora(params, adapters, config.lora)
     out_dir = Path(out_dir)
     dtypes = {np.dtype(x.dtype) for x in jax.tree.leaves(params)}
     unsupported = dtypes - set(DTYPE_CODES)
     if unsupported:
-        raise CheckpointError(f"cannot export params of dtype {sorted(map(str, unsupported))}")
+        raise HFModelError(f"cannot export params of dtype {sorted(map(str, unsupported))}")
     if dtypes:
         config = config.replace(param_dtype=DTYPE_NAMES[max(dtypes, key=lambda d: d.itemsize)])
     hf_config = config_to_hf(config, kind)  # fails early, before anything is written
@@ -126,7 +126,7 @@ def _fold_score_bias(config: ModelConfig, params: Mapping[str, Any]) -> dict[str
     if not np.any(bias):
         return dict(params)
     if config.family != "gpt2":
-        raise CheckpointError(
+        raise HFModelError(
             f"score bias is {bias.tolist()}, but {config.arch} ForSequenceClassification has no "
             f"score bias and no final-norm bias to fold it into; train the reward head with a zero "
             f"bias (or apply the offset outside the model) before exporting")
@@ -162,13 +162,13 @@ def _export_groups(config: ModelConfig, flat: Mapping[tuple[str, ...], Any], kin
     maps = tensor_maps(config, kind)
     missing = sorted(set(maps) - set(flat))
     if missing:
-        raise CheckpointError(f"params lack {['/'.join(p) for p in missing]}, which a {kind} "
+        raise HFModelError(f"params lack {['/'.join(p) for p in missing]}, which a {kind} "
                               f"{config.arch} model needs")
     by_name: dict[str, list[tuple[tuple[str, ...], TensorMap]]] = {}
     for path, m in maps.items():
         if m.zeros:
             if np.any(_to_host(flat[path])):
-                raise CheckpointError(f"param {'/'.join(path)} must be zero to export")
+                raise HFModelError(f"param {'/'.join(path)} must be zero to export")
             continue
         by_name.setdefault(m.name, []).append((path, m))
     return [_ExportGroup(tuple(parts), np.result_type(*[np.dtype(flat[p].dtype) for p, _ in parts]))

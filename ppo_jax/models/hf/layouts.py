@@ -25,7 +25,7 @@ import jax
 
 from ppo_jax.models.config import TARGETS, ModelConfig
 from ppo_jax.models.hf.config_map import KINDS
-from ppo_jax.models.hf.errors import CheckpointError
+from ppo_jax.models.hf.errors import HFModelError
 from ppo_jax.models.init import boxed_params
 from ppo_jax.models.transformer import CausalLM, ScalarModel
 
@@ -321,7 +321,7 @@ def lora_tensor_maps(config: ModelConfig) -> dict[tuple[str, ...], TensorMap]:
         if path[-1] != "kernel" or path[-2] not in lora.targets:
             continue
         if any(m.start) or tuple(math.prod(sub) for sub in m.split) != m.hf_shape:
-            raise CheckpointError(
+            raise HFModelError(
                 f"LoRA on {path[-2]!r} cannot be written as a PEFT adapter: in {config.arch} it is a window "
                 f"of the fused tensor {m.name.format(layer='N')!r}, which PEFT adapts as one module")
         name_a, name_b = (PEFT_PREFIX + m.name.removesuffix("weight") + f"lora_{x}.weight" for x in "AB")
@@ -352,7 +352,7 @@ def find_prefix(names: Collection[str], config: ModelConfig) -> str:
 def make_model(config: ModelConfig, kind: str) -> nn.Module:
     """The Flax module for a checkpoint kind: CausalLM or ScalarModel."""
     if kind not in KINDS:
-        raise CheckpointError(f"kind must be one of {KINDS}, got {kind!r}")
+        raise HFModelError(f"kind must be one of {KINDS}, got {kind!r}")
     return CausalLM(config) if kind == "causal_lm" else ScalarModel(config)
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from ppo_jax import sharding
 from ppo_jax.models.config import EXECUTION_FIELDS, ModelConfig
 from ppo_jax.models.hf.config_map import checkpoint_kind, config_from_hf
-from ppo_jax.models.hf.errors import CheckpointError
+from ppo_jax.models.hf.errors import HFModelError
 from ppo_jax.models.hf.layouts import (
     TensorMap,
     abstract_params,
@@ -82,7 +82,7 @@ def load_model(path: str | os.PathLike, mesh: jax.sharding.Mesh, rules=sharding.
     data = _read_config_json(path)
     found_kind = checkpoint_kind(data)
     if kind is not None and kind != found_kind:
-        raise CheckpointError(f"{path} holds a {found_kind} checkpoint "
+        raise HFModelError(f"{path} holds a {found_kind} checkpoint "
                               f"({data.get('architectures')}), but kind={kind!r} was requested")
     config = config_from_hf(data)
     overrides = {k: v for k, v in (("param_dtype", param_dtype), ("dtype", dtype)) if v is not None}
@@ -114,18 +114,18 @@ def load_model(path: str | os.PathLike, mesh: jax.sharding.Mesh, rules=sharding.
 def _read_config_json(path: Path) -> dict[str, Any]:
     """config.json of a checkpoint directory, with an error naming what is missing or broken."""
     if not path.exists():
-        raise CheckpointError(f"checkpoint directory {path} does not exist")
+        raise HFModelError(f"checkpoint directory {path} does not exist")
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint path {path} is not a directory (expected a Hugging Face "
+        raise HFModelError(f"checkpoint path {path} is not a directory (expected a Hugging Face "
                               f"checkpoint directory with config.json and safetensors weights)")
     file = path / "config.json"
     if not file.is_file():
-        raise CheckpointError(f"{path} has no config.json; a Hugging Face checkpoint directory "
+        raise HFModelError(f"{path} has no config.json; a Hugging Face checkpoint directory "
                               f"needs config.json next to its safetensors weights")
     try:
         return json.loads(file.read_text())
     except json.JSONDecodeError as err:
-        raise CheckpointError(f"{file} is not valid JSON: {err}") from err
+        raise HFModelError(f"{file} is not valid JSON: {err}") from err
 
 
 def _slice_bounds(index: tuple[slice, ...], shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
@@ -205,10 +205,10 @@ def _validate_tensors(store: TensorStore, maps: Mapping[tuple[str, ...], TensorM
             needed[name] = m.hf_shape
     for name, want in needed.items():
         if name not in store.tensors:
-            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {path}")
+            raise HFModelError(f"tensor {name!r} is missing from the checkpoint in {path}")
         got = store.tensors[name].shape
         if got != want:
-            raise CheckpointError(
+            raise HFModelError(
                 f"shape mismatch: tensor {name!r} in {store.tensors[name].file.name} has shape "
                 f"{list(got)}, but config.json implies {list(want)}")
     tied_head = {"lm_head.weight"} if config.tie_word_embeddings else set()
@@ -216,6 +216,6 @@ def _validate_tensors(store: TensorStore, maps: Mapping[tuple[str, ...], TensorM
                     if n not in needed and n not in tied_head and not _BUFFER_PATTERN.search(n))
     if unused:
         shown = ", ".join(unused[:8]) + (", ..." if len(unused) > 8 else "")
-        raise CheckpointError(
+        raise HFModelError(
             f"checkpoint in {path} has {len(unused)} tensors that config.json does not use "
             f"({shown}); config.json does not describe these weights")

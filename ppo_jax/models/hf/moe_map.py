@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ppo_jax.models.config import ModelConfig
-from ppo_jax.models.hf.errors import CheckpointError
+from ppo_jax.models.hf.errors import HFModelError
 
 
 def moe_from_hf(cfg) -> dict[str, Any]:
@@ -20,7 +20,7 @@ def moe_from_hf(cfg) -> dict[str, Any]:
                     moe_layers=_qwen3_moe_layers(cfg))
     if cfg.model_type == "mixtral":
         if getattr(cfg, "router_jitter_noise", 0.0):
-            raise CheckpointError(f"unsupported router_jitter_noise={cfg.router_jitter_noise} (training-time "
+            raise HFModelError(f"unsupported router_jitter_noise={cfg.router_jitter_noise} (training-time "
                                   f"noise on the router's input)")
         return dict(num_experts=cfg.num_local_experts, experts_per_token=cfg.num_experts_per_tok)
     if cfg.model_type == "gpt_oss":
@@ -37,7 +37,7 @@ def _qwen3_moe_layers(cfg) -> tuple[bool, ...] | None:
     step = getattr(cfg, "decoder_sparse_step", 1) or 1
     layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(cfg.num_hidden_layers))
     if not any(layers):
-        raise CheckpointError(f"mlp_only_layers={sorted(dense)} and decoder_sparse_step={step} leave no MoE layer: "
+        raise HFModelError(f"mlp_only_layers={sorted(dense)} and decoder_sparse_step={step} leave no MoE layer: "
                               f"this is a dense model; save it as a Qwen3ForCausalLM")
     return None if all(layers) else layers
 
@@ -51,13 +51,13 @@ def moe_to_hf(config: ModelConfig) -> dict[str, Any]:
                     mlp_only_layers=[i for i, moe in enumerate(config.layer_moe) if not moe],
                     decoder_sparse_step=1)
     if config.moe_layers is not None:
-        raise CheckpointError(f"{config.arch} has an MoE MLP in every layer; moe_layers={config.moe_layers} "
+        raise HFModelError(f"{config.arch} has an MoE MLP in every layer; moe_layers={config.moe_layers} "
                               f"(dense layers) is expressible as qwen3_moe only")
     if config.moe_intermediate_size not in (None, config.mlp_dim):
-        raise CheckpointError(f"{config.arch}'s experts are intermediate_size wide; moe_intermediate_size="
+        raise HFModelError(f"{config.arch}'s experts are intermediate_size wide; moe_intermediate_size="
                               f"{config.moe_intermediate_size} differs from intermediate_size={config.mlp_dim}")
     if not config.norm_topk_prob:  # (GPT-OSS's softmax over the top k sums to 1 by itself)
-        raise CheckpointError(f"{config.arch} always renormalises the top-k router weights: set norm_topk_prob=True")
+        raise HFModelError(f"{config.arch} always renormalises the top-k router weights: set norm_topk_prob=True")
     experts = dict(num_local_experts=config.num_experts, num_experts_per_tok=config.experts_per_token)
     if config.arch == "gpt_oss":
         return dict(experts, swiglu_limit=config.swiglu_limit, swiglu_alpha=config.swiglu_alpha)
@@ -73,5 +73,5 @@ def check_quantization(data: dict[str, Any]):
     method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
     hint = (" Dequantise it first: load it with transformers' `Mxfp4Config(dequantize=True)` as "
             "`quantization_config` and `save_pretrained` the bfloat16 model." if method == "mxfp4" else "")
-    raise CheckpointError(f"unsupported quantised checkpoint (quantization_config.quant_method={method!r}): "
+    raise HFModelError(f"unsupported quantised checkpoint (quantization_config.quant_method={method!r}): "
                           f"ppo_jax loads float32/bfloat16/float16 weights.{hint}")

@@ -21,7 +21,7 @@ import numpy as np
 from ppo_jax import sharding
 from ppo_jax.models import lora as lora_lib
 from ppo_jax.models.config import LoraConfig, ModelConfig
-from ppo_jax.models.hf.errors import CheckpointError
+from ppo_jax.models.hf.errors import HFModelError
 from ppo_jax.models.hf.export import _ExportGroup, write_weights_dir
 from ppo_jax.models.hf.layouts import lora_module_names, lora_tensor_maps, make_model, path_keys
 from ppo_jax.models.hf.load import _shard_reader
@@ -47,12 +47,12 @@ def export_adapter(out_dir: str | os.PathLike, config: ModelConfig, adapters: An
     (gathering is collective); process 0 writes.
     """
     if config.lora is None:
-        raise CheckpointError("config.lora is None: there are no adapters to export")
+        raise HFModelError("config.lora is None: there are no adapters to export")
     out_dir = Path(out_dir)
     maps = lora_tensor_maps(config)
     flat = {path_keys(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(adapters)[0]}
     if set(flat) != set(maps):
-        raise CheckpointError(f"adapters do not match config.lora: only in adapters "
+        raise HFModelError(f"adapters do not match config.lora: only in adapters "
                               f"{sorted(set(flat) - set(maps))}, only in config {sorted(set(maps) - set(flat))}")
     groups = [_ExportGroup(((path, m),), np.dtype(flat[path].dtype)) for path, m in maps.items()]
     names = lora_module_names(config)
@@ -73,16 +73,16 @@ def adapter_lora_config(path: str | os.PathLike, config: ModelConfig) -> LoraCon
     plain LoRA on projections we have is refused by name, before any weight is read."""
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
-        raise CheckpointError(f"{path} has no {CONFIG_FILE}; a PEFT adapter directory needs it")
+        raise HFModelError(f"{path} has no {CONFIG_FILE}; a PEFT adapter directory needs it")
     data = json.loads(file.read_text())
     if data.get("peft_type") != "LORA":
-        raise CheckpointError(f"{file}: peft_type {data.get('peft_type')!r} is not supported (only LORA)")
+        raise HFModelError(f"{file}: peft_type {data.get('peft_type')!r} is not supported (only LORA)")
     for key, off in _UNSUPPORTED.items():
         if data.get(key, off) not in (off, None, {}, [], False):
-            raise CheckpointError(f"{file}: {key}={data[key]!r} is not supported (plain LoRA only)")
+            raise HFModelError(f"{file}: {key}={data[key]!r} is not supported (plain LoRA only)")
     modules = data.get("target_modules")
     if not isinstance(modules, list):
-        raise CheckpointError(f"{file}: target_modules={modules!r} is not supported; give a list of "
+        raise HFModelError(f"{file}: target_modules={modules!r} is not supported; give a list of "
                               f"module names (a regex string is not read)")
     names = lora_module_names(config)
     # PEFT adapts a module whose name is a target or ends with "." + a target.
@@ -90,7 +90,7 @@ def adapter_lora_config(path: str | os.PathLike, config: ModelConfig) -> LoraCon
                if any(name == m or name.endswith("." + m) for m in modules)]
     unmatched = [m for m in modules if not any(n == m or n.endswith("." + m) for n in names.values())]
     if unmatched:
-        raise CheckpointError(f"{file}: target_modules {unmatched} match no projection of a {config.arch} "
+        raise HFModelError(f"{file}: target_modules {unmatched} match no projection of a {config.arch} "
                               f"model (its modules: {sorted(set(names.values()))})")
     return LoraConfig(rank=int(data["r"]), alpha=float(data["lora_alpha"]), targets=tuple(targets),
                       rslora=bool(data.get("use_rslora", False)))
@@ -111,13 +111,13 @@ def load_adapter(path: str | os.PathLike, config: ModelConfig, mesh: jax.shardin
         needed = {name: m.hf_shape for m in maps.values() for _, name in m.instances(config.num_layers)}
         for name, shape in needed.items():
             if name not in store.tensors:
-                raise CheckpointError(f"tensor {name!r} is missing from {path / WEIGHTS_FILE}")
+                raise HFModelError(f"tensor {name!r} is missing from {path / WEIGHTS_FILE}")
             if store.tensors[name].shape != shape:
-                raise CheckpointError(f"tensor {name!r} has shape {list(store.tensors[name].shape)}, "
+                raise HFModelError(f"tensor {name!r} has shape {list(store.tensors[name].shape)}, "
                                       f"but r and the base model imply {list(shape)}")
         unused = sorted(set(store.tensors) - set(needed))
         if unused:
-            raise CheckpointError(f"{path / WEIGHTS_FILE} has tensors that adapter_config.json does not "
+            raise HFModelError(f"{path / WEIGHTS_FILE} has tensors that adapter_config.json does not "
                                   f"describe: {unused[:8]}")
         abstract = boxed_params(make_model(config, "causal_lm"), collection=lora_lib.COLLECTION)
         shardings = sharding.tree_shardings(abstract, mesh, rules)

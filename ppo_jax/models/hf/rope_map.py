@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ppo_jax.models.config import ROPE_SCALING_KEYS, checked_rope_scaling
-from ppo_jax.models.hf.errors import CheckpointError
+from ppo_jax.models.hf.errors import HFModelError
 
 RopeScaling = tuple[tuple[str, Any], ...]
 
@@ -21,7 +21,7 @@ def rope_from_hf(cfg) -> tuple[float, RopeScaling | None]:
     if params:
         params = dict(params)
         if any(isinstance(v, Mapping) for v in params.values()):
-            raise CheckpointError(f"per-layer rope_parameters are not supported: {params}")
+            raise HFModelError(f"per-layer rope_parameters are not supported: {params}")
         theta = params.get("rope_theta", getattr(cfg, "rope_theta", None) or 10000.0)
         scaling = params
     else:
@@ -37,7 +37,7 @@ def gemma3_rope_from_hf(cfg) -> tuple[float, RopeScaling | None, float]:
     local = params["sliding_attention"]
     kind = local.get("rope_type", "default")
     if kind != "default":
-        raise CheckpointError(f"unsupported rope type {kind!r} on gemma3 sliding layers (their rope "
+        raise HFModelError(f"unsupported rope type {kind!r} on gemma3 sliding layers (their rope "
                               f"must be default)")
     full = params["full_attention"]
     return (*_rope_from(full["rope_theta"], full, cfg), float(local["rope_theta"]))
@@ -56,12 +56,12 @@ def _rope_from(theta, scaling: Mapping[str, Any], cfg) -> tuple[float, RopeScali
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     partial = scaling.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
     if partial not in (None, 1, 1.0):
-        raise CheckpointError(f"unsupported partial_rotary_factor={partial} (only full rotary "
+        raise HFModelError(f"unsupported partial_rotary_factor={partial} (only full rotary "
                               f"embeddings are supported)")
     if kind == "default":
         return float(theta), None
     if kind not in ROPE_SCALING_KEYS:
-        raise CheckpointError(f"unsupported rope type {kind!r}; supported: default, {', '.join(ROPE_SCALING_KEYS)}")
+        raise HFModelError(f"unsupported rope type {kind!r}; supported: default, {', '.join(ROPE_SCALING_KEYS)}")
     if kind == "yarn" and scaling.get("factor") is None and scaling.get("original_max_position_embeddings"):
         # DeepSeek-style: the extension is max / original (what transformers computes then).
         scaling = {**scaling, "factor": cfg.max_position_embeddings / scaling["original_max_position_embeddings"]}
@@ -71,7 +71,7 @@ def _rope_from(theta, scaling: Mapping[str, Any], cfg) -> tuple[float, RopeScali
     try:
         return float(theta), checked_rope_scaling({**pairs, "rope_type": kind}, head_dim)
     except ValueError as e:
-        raise CheckpointError(str(e).replace("model.rope_scaling: ", "rope_parameters: ")) from None
+        raise HFModelError(str(e).replace("model.rope_scaling: ", "rope_parameters: ")) from None
 
 
 def _number(value):

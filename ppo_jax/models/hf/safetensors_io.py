@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
-from ppo_jax.models.hf.errors import CheckpointError
+from ppo_jax.models.hf.errors import HFModelError
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # safetensors dtype code <-> numpy dtype, for the dtypes we read and write.
@@ -56,7 +56,7 @@ class TensorStore:
                 with safe_open(str(file), framework="numpy"):
                     pass
             except Exception as err:  # SafetensorError, OSError
-                raise CheckpointError(
+                raise HFModelError(
                     f"{file} is not a readable safetensors file (truncated or corrupt?): {err}") from err
             with open(file, "rb") as fh:
                 header_len = int.from_bytes(fh.read(8), "little")
@@ -65,7 +65,7 @@ class TensorStore:
             for name, info in header.items():
                 code = info["dtype"]
                 if code not in _SAFETENSORS_DTYPES:
-                    raise CheckpointError(
+                    raise HFModelError(
                         f"tensor {name!r} in {file.name} has dtype {code}; supported: "
                         f"{sorted(_SAFETENSORS_DTYPES)}")
                 self.tensors[name] = StoredTensor(file, _SAFETENSORS_DTYPES[code],
@@ -94,12 +94,12 @@ def weight_files(path: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise CheckpointError(f"{index} is not a valid safetensors index (needs a "
+            raise HFModelError(f"{index} is not a valid safetensors index (needs a "
                                   f"'weight_map'): {err}") from err
         files = [path / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise CheckpointError(f"{index.name} in {path} lists shard files that do not exist: "
+            raise HFModelError(f"{index.name} in {path} lists shard files that do not exist: "
                                   f"{missing}")
         return files
     single = path / "model.safetensors"
@@ -110,11 +110,11 @@ def weight_files(path: Path) -> list[Path]:
         return others
     pickles = sorted(p.name for p in path.iterdir() if p.suffix in _PICKLE_SUFFIXES)
     if pickles:
-        raise CheckpointError(
+        raise HFModelError(
             f"{path} has no model.safetensors, only pickled weights ({', '.join(pickles)}); "
             f"ppo_jax reads safetensors only and never unpickles files. Convert the checkpoint "
             f"with transformers: model.save_pretrained(dir, safe_serialization=True)")
-    raise CheckpointError(
+    raise HFModelError(
         f"{path} has no weights: expected model.safetensors or model.safetensors.index.json")
 
 

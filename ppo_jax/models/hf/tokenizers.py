@@ -14,7 +14,7 @@ from pathlib import Path
 
 from etils import epath
 
-from ppo_jax.models.hf.errors import CheckpointError
+from ppo_jax.models.hf.errors import HFModelError
 
 
 def load_tokenizer(path: str | os.PathLike):
@@ -29,7 +29,7 @@ def load_tokenizer(path: str | os.PathLike):
 
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"tokenizer directory {path} does not exist")
+        raise HFModelError(f"tokenizer directory {path} does not exist")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
         saved, loaded = _model_type(path / "tokenizer.json"), _backend_model_type(tokenizer)
@@ -38,7 +38,7 @@ def load_tokenizer(path: str | os.PathLike):
         from transformers import PreTrainedTokenizerFast
         as_saved = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
     except Exception as err:
-        raise CheckpointError(f"cannot load a tokenizer from {path}: {err}") from err
+        raise HFModelError(f"cannot load a tokenizer from {path}: {err}") from err
     print(f"note: AutoTokenizer loads {path} as {type(tokenizer).__name__}, which rebuilds its {saved} "
           f"tokenizer.json as {loaded}; using tokenizer.json as saved", file=sys.stderr)
     return as_saved
