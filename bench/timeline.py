@@ -85,11 +85,11 @@ class SlowReward:
         self.seconds, self.last = seconds, 0.0
 
     def __call__(self, prompts, responses):
-        from ppo_jax import rewards
+        from ppo_jax import reward_functions
 
         start = time.perf_counter()
         time.sleep(self.seconds)
-        out = rewards.toy_target_count(prompts, responses)
+        out = reward_functions.toy_target_count(prompts, responses)
         self.last = time.perf_counter() - start
         return out
 

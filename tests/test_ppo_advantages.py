@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ppo_jax.ppo.advantages import estimate_advantages
-from ppo_jax.ppo.rewards import shape_rewards
+from ppo_jax.ppo.shaping import shape_rewards
 
 # Two prompts x three samples; rows of a group are consecutive.
 SCORES = np.array([1.0, 2.0, 3.0, 0.0, 0.0, 6.0], np.float32)

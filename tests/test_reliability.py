@@ -18,7 +18,7 @@ from conftest import make_test_mesh
 from test_trainer import REPO
 from tiny_configs import tiny_config
 
-from ppo_jax import rewards as reward_fns
+from ppo_jax import reward_functions as reward_fns
 from ppo_jax.checkpoint import CheckpointCorruptError
 from ppo_jax.rl.export import export_checkpoint
 from ppo_jax.rl.errors import PREEMPTION_NOTICE, NonFiniteError, RunFailedError, RunStopped

@@ -1,13 +1,13 @@
 """Rewards no update can learn from (issue 48 item 7): a reward function that scores every sample 1e30
 was accepted silently. Past |score| 1e6 float32 rounds the per-token KL penalty away beside the score
-(`ppo_jax.rewards.SCORE_MAGNITUDE_LIMIT`); the run now says so once."""
+(`ppo_jax.reward_functions.SCORE_MAGNITUDE_LIMIT`); the run now says so once."""
 
 import numpy as np
 import pytest
 from conftest import make_test_mesh
 from tiny_configs import tiny_config
 
-from ppo_jax import rewards
+from ppo_jax import reward_functions
 from ppo_jax.rl.trainer import PPOTrainer
 
 
@@ -15,7 +15,7 @@ def test_the_limit_is_where_float32_rounds_a_typical_kl_penalty_away():
     """The reason for the threshold, checked: beside a score of 1e6 a per-token penalty of 0.01 nats
     (β 0.1 × KL 0.1) is lost in float32, beside a score of 1e4 it is kept."""
     penalty = np.float32(0.1 * 0.1)
-    assert np.float32(rewards.SCORE_MAGNITUDE_LIMIT) - penalty == np.float32(rewards.SCORE_MAGNITUDE_LIMIT)
+    assert np.float32(reward_functions.SCORE_MAGNITUDE_LIMIT) - penalty == np.float32(reward_functions.SCORE_MAGNITUDE_LIMIT)
     assert np.float32(1e4) - penalty != np.float32(1e4)
 
 
@@ -26,7 +26,7 @@ def test_the_limit_is_where_float32_rounds_a_typical_kl_penalty_away():
     ([1.0, np.nan, np.inf, 0.0], "2 of 4 are NaN or inf"),
 ])
 def test_a_batch_of_scores_is_judged(scores, says):
-    problem = rewards.score_magnitude_problem(np.asarray(scores, np.float32))
+    problem = reward_functions.score_magnitude_problem(np.asarray(scores, np.float32))
     if says is None:
         assert problem is None
     else:
@@ -39,10 +39,10 @@ def test_it_warns_once_per_run(capsys):
 
     first, second = Run(), Run()
     for _ in range(3):
-        rewards.warn_once_if_meaningless(np.full(4, 1e30, np.float32), run=first)
-        rewards.warn_once_if_meaningless(np.ones(4, np.float32), run=second)  # fine: no line
+        reward_functions.warn_once_if_meaningless(np.full(4, 1e30, np.float32), run=first)
+        reward_functions.warn_once_if_meaningless(np.ones(4, np.float32), run=second)  # fine: no line
     assert capsys.readouterr().out.count("warning: reward-function scores:") == 1
-    rewards.warn_once_if_meaningless(np.full(4, -1e9, np.float32), run=second)
+    reward_functions.warn_once_if_meaningless(np.full(4, -1e9, np.float32), run=second)
     assert capsys.readouterr().out.count("warning: reward-function scores: 4 of 4 have |score|") == 1
 
 

@@ -14,7 +14,7 @@ from conftest import make_test_mesh
 from test_reliability import _toy_reward_then_sigterm_at
 from tiny_configs import tiny_config
 
-from ppo_jax import rewards as reward_fns
+from ppo_jax import reward_functions as reward_fns
 from ppo_jax import sharding
 from ppo_jax.config import ConfigError
 from ppo_jax.data import toy

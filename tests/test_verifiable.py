@@ -5,7 +5,7 @@ pipeline runs end to end in tests/test_sweep.py, as a sweep of two estimators.)"
 import numpy as np
 import pytest
 
-from ppo_jax import rewards
+from ppo_jax import reward_functions
 from ppo_jax.config import ConfigError
 from ppo_jax.verifiable.settings import VerifiableSettings, get_config
 from ppo_jax.verifiable.task import SortTask, answer, is_correct, tokenizer
@@ -16,7 +16,7 @@ def test_the_checker_wants_the_words_in_increasing_value():
     assert is_correct("sort : seven two eleven", " two  seven eleven ")
     for wrong in ("eleven seven two", "two seven", "two seven eleven eleven", "two eleven seven", ""):
         assert not is_correct("sort : seven two eleven", wrong)
-    reward = rewards.resolve("sort_exact")
+    reward = reward_functions.resolve("sort_exact")
     assert reward(["sort : one zero", "sort : one zero"], ["zero one", "one zero"]) == [1.0, 0.0]
     with pytest.raises(ValueError, match="not a sort prompt"):
         answer("sort : seven apples")

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from ppo_jax import rewards as reward_fns
+from ppo_jax import reward_functions as reward_fns
 from ppo_jax.demo import world as W
 
 WORLD = W.World()
@@ -146,8 +146,8 @@ def test_gold_reward_resolves_by_import_path_in_a_fresh_process():
     import subprocess
     import sys
 
-    code = ("from ppo_jax import rewards; import sys; assert 'ppo_jax.demo.world' not in sys.modules; "
-            "fn = rewards.resolve('ppo_jax.demo.world:gold_reward_fn'); print(fn.__module__); "
+    code = ("from ppo_jax import reward_functions; import sys; assert 'ppo_jax.demo.world' not in sys.modules; "
+            "fn = reward_functions.resolve('ppo_jax.demo.world:gold_reward_fn'); print(fn.__module__); "
             "print('ppo_jax.demo.world' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["ppo_jax.demo.world", "True"]

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from ppo_jax import rewards
+from ppo_jax import reward_functions
 from ppo_jax.data.tokenizers import build_word_tokenizer
 
 # ----------------------------------------------------------------------------------------------
@@ -416,7 +416,7 @@ class World:
 DEFAULT_WORLD = World()
 
 
-@rewards.register("demo_gold")
+@reward_functions.register("demo_gold")
 def gold_reward_fn(prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
     """The demo world's gold reward as a Python reward function (config: reward.functions="demo_gold"
     after `import ppo_jax.demo.world`, or "ppo_jax.demo.world:gold_reward_fn").

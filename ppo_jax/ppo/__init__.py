@@ -15,7 +15,7 @@ from ppo_jax.ppo.kl import (
     update_kl_controller,
 )
 from ppo_jax.ppo.losses import entropy_from_logits, entropy_loss, kl_loss, policy_loss, value_loss
-from ppo_jax.ppo.rewards import process_scores, shape_rewards, whiten_rewards
+from ppo_jax.ppo.shaping import process_scores, shape_rewards, whiten_rewards
 from ppo_jax.ppo.stats import (
     Moments,
     SumCount,

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from ppo_jax.ppo.gae import AdvantageEstimate, discounted_returns, gae
-from ppo_jax.ppo.rewards import shape_rewards
+from ppo_jax.ppo.shaping import shape_rewards
 from ppo_jax.ppo.stats import masked_sum, masked_whiten
 
 Array = jax.Array

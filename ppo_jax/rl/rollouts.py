@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from ppo_jax import metrics as metrics_lib
-from ppo_jax import rewards, sampling, sharding
+from ppo_jax import reward_functions, sampling, sharding
 from ppo_jax.data.prompt_stream import PromptStream
 from ppo_jax.models import LoraConfig
 from ppo_jax.models import lora as lora_lib
@@ -169,8 +169,8 @@ class Rollouts:
         if self.reward_functions:
             host = sharding.to_host({"pt": out.prompt_tokens, "pm": out.prompt_mask, "t": out.tokens, "m": out.mask})
             prompts_text, responses_text = self.texts.decode(host["pt"], host["pm"], host["t"], host["m"])
-            host_scores = rewards.combined_scores(self.reward_functions, prompts_text, responses_text)
-            rewards.warn_once_if_meaningless(host_scores, run=self)
+            host_scores = reward_functions.combined_scores(self.reward_functions, prompts_text, responses_text)
+            reward_functions.warn_once_if_meaningless(host_scores, run=self)
         else:
             host_scores = np.zeros(out.tokens.shape[0], np.float32)
         fields = dict(prompt_tokens=out.prompt_tokens, prompt_mask=out.prompt_mask, tokens=out.tokens,

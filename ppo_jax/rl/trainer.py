@@ -22,7 +22,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ppo_jax import metrics as metrics_lib
-from ppo_jax import rewards, sampling, sharding
+from ppo_jax import reward_functions, sampling, sharding
 from ppo_jax.checkpoint import CheckpointError, CheckpointManager
 from ppo_jax.config import ConfigError
 from ppo_jax.data import toy
@@ -116,7 +116,7 @@ class PPOTrainer:
         self.reward_config = build.reward_model_config(s, self.mesh)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.reward_functions = (list(reward_functions) if reward_functions is not None else
-                                 rewards.parse(s.reward.functions, s.reward.function_weights))
+                                 reward_functions.parse(s.reward.functions, s.reward.function_weights))
         self.sizes = derive_sizes(s, batch_divisor=sharding.batch_divisor(self.mesh),
                                   max_positions=self.policy_config.max_position_embeddings,
                                   vocab_size=self.policy_config.vocab_size,

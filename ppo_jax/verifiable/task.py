@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ppo_jax import rewards
+from ppo_jax import reward_functions
 from ppo_jax.data.tokenizers import build_word_tokenizer
 
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
@@ -54,7 +54,7 @@ def is_correct(prompt: str, response: str) -> bool:
     return response.split() == answer(prompt).split()
 
 
-@rewards.register("sort_exact")
+@reward_functions.register("sort_exact")
 def sort_exact(prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
     """1.0 for an exactly sorted answer, else 0.0."""
     return [float(is_correct(p, r)) for p, r in zip(prompts, responses)]

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from ppo_jax.ppo.rewards import process_scores, shape_rewards, whiten_rewards
+from ppo_jax.ppo.shaping import process_scores, shape_rewards, whiten_rewards
 from ppo_jax.ppo.stats import last_token_index
 
 
