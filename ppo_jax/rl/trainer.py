@@ -22,12 +22,13 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ppo_jax import metrics as metrics_lib
-from ppo_jax import reward_functions, sampling, sharding
+from ppo_jax import sampling, sharding
 from ppo_jax.checkpoint import CheckpointError, CheckpointManager
 from ppo_jax.config import ConfigError
 from ppo_jax.data import toy
 from ppo_jax.data.prompt_stream import PromptStream
 from ppo_jax.models import hf
+from ppo_jax.reward_functions import parse as parse_reward_functions
 from ppo_jax.rl import build, roles
 from ppo_jax.rl.checkpointing import Checkpointing
 from ppo_jax.rl.errors import PREEMPTION_NOTICE, NonFiniteError, RunFailedError
@@ -116,7 +117,7 @@ class PPOTrainer:
         self.reward_config = build.reward_model_config(s, self.mesh)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.reward_functions = (list(reward_functions) if reward_functions is not None else
-                                 reward_functions.parse(s.reward.functions, s.reward.function_weights))
+                                 parse_reward_functions(s.reward.functions, s.reward.function_weights))
         self.sizes = derive_sizes(s, batch_divisor=sharding.batch_divisor(self.mesh),
                                   max_positions=self.policy_config.max_position_embeddings,
                                   vocab_size=self.policy_config.vocab_size,
