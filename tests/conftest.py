@@ -82,9 +82,9 @@ def sft_dir(tmp_path_factory):
     return str(out)
 
 
-def tiny_preference_config(config, model_path="", **overrides):
-    """A DPO or reward-model config (`config`, its defaults) shrunk to sft_dir's model size: 4 steps of
-    16 pairs; overrides as {"section.field": value}."""
+def tiny_supervised_config(config, model_path="", **overrides):
+    """An SFT, DPO or reward-model config (`config`, its defaults) shrunk to sft_dir's model size: 4
+    steps of 16 records; overrides as {"section.field": value}."""
     config.model.path = model_path
     config.model.config.vocab_size = 48
     config.model.config.hidden_size = 32

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import make_test_mesh, tiny_preference_config
+from conftest import make_test_mesh, tiny_supervised_config
 from conftest import preference_tokenizer as tokenizer
 
 from ppo_jax import sharding
@@ -180,7 +180,7 @@ def test_sequence_logps_match_pytorch(arch, tmp_path):
 
 
 def tiny_config(model_path="", **overrides):
-    return tiny_preference_config(dpo_config(), model_path, **{"data.max_response_length": 6, "train.export": False,
+    return tiny_supervised_config(dpo_config(), model_path, **{"data.max_response_length": 6, "train.export": False,
                                                               **overrides})
 
 

@@ -12,25 +12,23 @@ import os
 import jax
 import numpy as np
 import pytest
-from conftest import make_test_mesh
+from conftest import make_test_mesh, preference_tokenizer
 from tiny_configs import apply_overrides
 
 from ppo_jax.checkpoint import CheckpointError, CheckpointManager
 from ppo_jax.config import ConfigError
-from ppo_jax.data import build_word_tokenizer
-from ppo_jax.models import CausalLM, ModelConfig, ScalarModel, hf, init_params
+from ppo_jax.models import CausalLM, ScalarModel, hf
 from ppo_jax.models.forward import sequence_scores, variables
 from ppo_jax.supervised.dpo import DPOTrainer, dpo_config
 from ppo_jax.supervised.reward_model import RewardModelTrainer, reward_model_config
 from ppo_jax.supervised.sft import SFTTrainer, sft_config, sft_loss
 
-WORDS = [f"w{i}" for i in range(40)] + ["good", "bad", "?", "."]
 # GPT-2's o / fc / proj are one Hugging Face module each: PEFT-representable (q/k/v share c_attn).
 LORA = {"rank": 4, "alpha": 8.0, "targets": "o,fc,proj"}
 
 
 def tokenizer():
-    return build_word_tokenizer(WORDS)
+    return preference_tokenizer()
 
 
 def sft_records(n, seed=0):
@@ -55,15 +53,9 @@ def pairs(n, seed=0):
 
 
 @pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    """A tiny GPT-2 causal LM as a Hugging Face directory: the frozen base."""
-    tok = tokenizer()
-    cfg = ModelConfig(vocab_size=48, hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=32,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
-    params, _ = init_params(CausalLM(cfg), jax.random.key(1), make_test_mesh((1, 1, 1)))
-    out = tmp_path_factory.mktemp("base") / "hf"
-    hf.export_model(out, cfg, params, kind="causal_lm", tokenizer=tok)
-    return str(out)
+def base_dir(sft_dir):
+    """The frozen base: conftest's tiny GPT-2 causal LM over the same words, as a Hugging Face directory."""
+    return sft_dir
 
 
 def tiny(defaults, model_path="", lora=LORA, **overrides):

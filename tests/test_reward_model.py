@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import make_test_mesh, tiny_preference_config
+from conftest import make_test_mesh, tiny_supervised_config
 from conftest import preference_tokenizer as tokenizer
 
 from ppo_jax.config import ConfigError
@@ -34,7 +34,7 @@ def pairs(n, seed=0):
 
 
 def tiny_config(model_path="", **overrides):
-    return tiny_preference_config(reward_model_config(), model_path, **overrides)
+    return tiny_supervised_config(reward_model_config(), model_path, **overrides)
 
 
 def make(config, workdir, mesh_shape=(1, 1, 1), n=64, **kw):

@@ -9,9 +9,8 @@ import jax
 import numpy as np
 import pytest
 import torch
-from conftest import make_test_mesh
+from conftest import make_test_mesh, tiny_supervised_config
 
-from ppo_jax import data as data_lib
 from ppo_jax.config import ConfigError
 from ppo_jax.data import build_word_tokenizer
 from ppo_jax.supervised.base import summary_line
@@ -35,23 +34,8 @@ def records(n, seed=0):
 
 
 def tiny_config(**overrides):
-    c = sft_config()
-    c.model.config.vocab_size = 48
-    c.model.config.hidden_size = 32
-    c.model.config.num_heads = 2
-    c.model.config.max_position_embeddings = 32
-    c.data.max_prompt_length = 8
-    c.data.max_response_length = 6
-    c.train.batch_size = 16
-    c.train.steps = 4
-    c.train.progress = False
-    c.train.log_every = 1
-    c.optim.lr = 3e-3
-    c.optim.warmup_steps = 0
-    for key, value in overrides.items():
-        section, field = key.split(".")
-        c[section][field] = value
-    return c
+    return tiny_supervised_config(sft_config(), **{"data.max_prompt_length": 8, "data.max_response_length": 6,
+                                                   "optim.lr": 3e-3, **overrides})
 
 
 def make(config, tmp_path, mesh_shape=(1, 1, 1), n=64, **kw):
