@@ -27,7 +27,7 @@ from ppo_jax.config import ConfigError, model_config_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = ROOT / "configs" / "plan_tiny.py"
-# step [] int32, the KL controller state and the PRNG key: replicated scalars in TrainState.
+# step [] int32, the KL controller state and the PRNG key: replicated scalars in PPOState.
 SMALL_STATE_BYTES = 64
 
 

@@ -205,7 +205,7 @@ def test_a_non_finite_gradient_leaves_the_train_state_exactly_as_it_was():
     """The update's guard: a finite experience whose loss is NaN (one NaN weight in the policy) gives
     NaN gradients; the optimizer step is skipped, parameters and optimizer state stay bit for bit,
     and the metrics say so (the guard reads the gradient norms)."""
-    from ppo_jax.rl.state import TrainState
+    from ppo_jax.rl.state import PPOState
     from ppo_jax.rl.update import make_update_fn
 
     s, modules, params, rows = tiny_run(**{"optim.policy_lr": 1e-2})
@@ -214,7 +214,7 @@ def test_a_non_finite_gradient_leaves_the_train_state_exactly_as_it_was():
     broken = jax.tree_util.tree_map_with_path(
         lambda path, x: x.at[(0,) * x.ndim].set(jnp.nan) if path == first_mlp[0] else x, params)
     policy_tx, _ = build.make_optimizers(s)
-    state = TrainState(step=jnp.zeros((), jnp.int32), policy=broken, policy_opt=policy_tx.init(broken), value=None,
+    state = PPOState(step=jnp.zeros((), jnp.int32), policy=broken, policy_opt=policy_tx.init(broken), value=None,
                        value_opt=None, kl=build.init_kl(s), key=jax.random.key(0))
     zeros = jnp.zeros(rows.mask.shape, jnp.float32)
     exp = Experience(prompt_tokens=rows.prompt_tokens, prompt_mask=rows.prompt_mask, tokens=rows.tokens, mask=rows.mask,

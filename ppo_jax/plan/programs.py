@@ -23,7 +23,7 @@ from ppo_jax.plan.inputs import SamplerInputs, ScorerInputs, device_bytes, place
 from ppo_jax.rl import build, roles
 from ppo_jax.rl.settings import DerivedSizes, PPOHyper, Settings, stop_token_ids
 from ppo_jax.rl.sizes import derive_sizes
-from ppo_jax.rl.state import FrozenParams, Modules, Rollout, TrainState
+from ppo_jax.rl.state import FrozenParams, Modules, Rollout, PPOState
 
 
 def abstract_params(boxed: Any, mesh) -> Any:
@@ -77,8 +77,8 @@ class PlannedRun:
     modules: Modules
     policy_tx: Any
     value_tx: Any
-    state: TrainState  # abstract
-    state_shardings: TrainState
+    state: PPOState  # abstract
+    state_shardings: PPOState
     base: Any  # a LoRA policy's frozen base (None for full fine-tuning)
     frozen: FrozenParams  # every frozen tree
     kept: FrozenParams  # those the trainer's devices keep (roles.scoring="sampler": not the reference, reward)

@@ -25,7 +25,7 @@ from ppo_jax.optim import make_optimizer
 from ppo_jax.rl import roles
 from ppo_jax.rl.experience import make_experience_fn, make_scoring_fn
 from ppo_jax.rl.settings import DECODE_LOOPS, DerivedSizes, PolicyLoraSettings, PPOHyper, Settings, sampling_config
-from ppo_jax.rl.state import Experience, FrozenParams, Modules, Rollout, TrainState
+from ppo_jax.rl.state import Experience, FrozenParams, Modules, Rollout, PPOState
 from ppo_jax.rl.update import make_update_fn
 
 
@@ -35,7 +35,7 @@ class RunKeys:
 
     init: jax.Array  # the policy's random init (when no policy.path), then the LoRA adapters'
     sample: jax.Array  # rollout sampling, folded with the iteration
-    state: jax.Array  # TrainState.key (minibatch shuffles)
+    state: jax.Array  # PPOState.key (minibatch shuffles)
 
 
 def run_keys(seed: int) -> RunKeys:
@@ -147,7 +147,7 @@ def init_kl(s: Settings) -> ppo.KLControllerState:
 
 
 def abstract_train_state(s: Settings, modules: Modules, policy_tx, value_tx, mesh):
-    """(abstract TrainState of ShapeDtypeStructs carrying shardings, TrainState of shardings).
+    """(abstract PPOState of ShapeDtypeStructs carrying shardings, PPOState of shardings).
 
     Built once from `jax.eval_shape` and the logical axis rules: the shardings every step is
     jitted with, and the target a checkpoint restores onto (whatever mesh it was saved on). With LoRA
@@ -156,7 +156,7 @@ def abstract_train_state(s: Settings, modules: Modules, policy_tx, value_tx, mes
     lora = modules.policy.config.lora is not None
     policy = boxed_params(modules.policy, collection="lora" if lora else "params")
     value = boxed_value(modules)
-    boxed = TrainState(
+    boxed = PPOState(
         step=jax.ShapeDtypeStruct((), jnp.int32), policy=policy,
         policy_opt=jax.eval_shape(policy_tx.init, policy),
         value=value, value_opt=jax.eval_shape(value_tx.init, value) if value is not None else None,
@@ -262,7 +262,7 @@ def initial_adapters(s: Settings, modules: Modules, adapter_shardings, mesh, key
     return adapters
 
 
-def initial_params(s: Settings, modules: Modules, shardings: TrainState, mesh, key, reward_params):
+def initial_params(s: Settings, modules: Modules, shardings: PPOState, mesh, key, reward_params):
     """Fresh policy and value params: from policy.path (Hugging Face) or a random init. With LoRA
     the policy returned is the base (frozen); the trainable adapters come from `initial_adapters`."""
     lora = modules.policy.config.lora is not None
@@ -285,11 +285,11 @@ def initial_params(s: Settings, modules: Modules, shardings: TrainState, mesh, k
     return policy, value
 
 
-def fresh_state(s: Settings, policy, value, key, policy_tx, value_tx, shardings: TrainState, mesh) -> TrainState:
+def fresh_state(s: Settings, policy, value, key, policy_tx, value_tx, shardings: PPOState, mesh) -> PPOState:
     """Optimizer states, KL controller, step and key built straight onto their shardings."""
 
     def build(policy, value, key):
-        return TrainState(
+        return PPOState(
             step=jnp.zeros((), jnp.int32), policy=policy, policy_opt=policy_tx.init(policy),
             value=value, value_opt=value_tx.init(value) if value is not None else None,
             kl=init_kl(s), key=key)
@@ -301,12 +301,12 @@ def fresh_state(s: Settings, policy, value, key, policy_tx, value_tx, shardings:
 class StartWeights:
     """A run's weights before its first iteration (fresh, or restored from a checkpoint)."""
 
-    state: TrainState
+    state: PPOState
     reference: Any  # the frozen reference; None with LoRA (the base, adapters off), imported adapters' copy
     base: Any  # a LoRA policy's frozen base; None for full fine-tuning
 
 
-def fresh_weights(s: Settings, modules: Modules, shardings: TrainState, mesh, keys: RunKeys, reward_params,
+def fresh_weights(s: Settings, modules: Modules, shardings: PPOState, mesh, keys: RunKeys, reward_params,
                   policy_tx, value_tx) -> StartWeights:
     """A fresh run's train state and frozen policy trees, built onto their shardings."""
     policy, value = initial_params(s, modules, shardings, mesh, keys.init, reward_params)
@@ -399,7 +399,7 @@ def frozen_params(s: Settings, modules: Modules, reference, reward, base) -> Fro
     return frozen.replace(value=shared_value_base(s, modules, frozen))
 
 
-def frozen_shardings(s: Settings, modules: Modules, state_shardings: TrainState, reward_params,
+def frozen_shardings(s: Settings, modules: Modules, state_shardings: PPOState, reward_params,
                      lora_base_shardings=None) -> FrozenParams:
     """The reference lives on the policy's shardings (with LoRA there is none: the base, on
     `lora_base_shardings`, is the reference; with imported adapters it is their copy, on the

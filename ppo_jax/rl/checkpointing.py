@@ -23,7 +23,7 @@ from ppo_jax.config import ConfigError, to_dict
 from ppo_jax.models import hf
 from ppo_jax.rl import build
 from ppo_jax.rl.settings import Settings
-from ppo_jax.rl.state import Modules, TrainState
+from ppo_jax.rl.state import Modules, PPOState
 
 
 def reward_source(s: Settings) -> dict[str, Any]:
@@ -37,8 +37,8 @@ def reward_source(s: Settings) -> dict[str, Any]:
 class Checkpointing:
     """Checkpoint save / restore of a PPO run (see the module docstring for what it holds)."""
 
-    def __init__(self, settings: Settings, workdir: str, modules: Modules, mesh, abstract_state: TrainState,
-                 state_shardings: TrainState, init_key):
+    def __init__(self, settings: Settings, workdir: str, modules: Modules, mesh, abstract_state: PPOState,
+                 state_shardings: PPOState, init_key):
         """abstract_state: the restore target; init_key: rebuilds the reference (or a LoRA base) from its source."""
         self.settings, self.workdir, self.modules, self.mesh = settings, workdir, modules, mesh
         self.abstract_state, self.state_shardings, self.init_key = abstract_state, state_shardings, init_key
@@ -162,7 +162,7 @@ class Checkpointing:
                              f"(another seed or policy, or damaged); moved it to {moved}")
             return False
 
-    def save(self, state: TrainState, reference, items: dict[str, Any], metrics: dict[str, float] | None,
+    def save(self, state: PPOState, reference, items: dict[str, Any], metrics: dict[str, float] | None,
              force: bool = False) -> bool:
         """Saves trainable state + `items` (the data position, the sample in flight); the reference once,
         in frozen/ (a LoRA base, imported adapters and a LoRA value base never, only their checksums:

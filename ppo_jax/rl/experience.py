@@ -20,7 +20,7 @@ from ppo_jax.models import packing
 from ppo_jax.rl.forwards import (ForwardOutputs, ResponseRows, microbatched, packed_forwards, packed_scores,
                                  padded_forwards, run_packed, score_responses)
 from ppo_jax.rl.settings import PPOHyper
-from ppo_jax.rl.state import Experience, FrozenParams, Modules, Rollout, TrainState, Trainable
+from ppo_jax.rl.state import Experience, FrozenParams, Modules, Rollout, PPOState, Trainable
 
 
 def explained_variance(values, returns, mask):
@@ -147,7 +147,7 @@ def make_experience_fn(modules: Modules, hp: PPOHyper, batch_sharding: NamedShar
         out = packed_forwards(modules, params, frozen, rows, hp)
         return out.replace(scores=None), out.scores
 
-    def experience(state: TrainState, frozen: FrozenParams, rollout: Rollout):
+    def experience(state: PPOState, frozen: FrozenParams, rollout: Rollout):
         params, rows = Trainable(state.policy, state.value), response_rows(rollout)
         if hp.packed:
             out, scores, layout = run_packed(functools.partial(packed, params, frozen), rows, hp)

@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from ppo_jax import sharding
 from ppo_jax.config import check
 from ppo_jax.models import boxed_params
-from ppo_jax.rl.state import FrozenParams, TrainState
+from ppo_jax.rl.state import FrozenParams, PPOState
 
 
 LORA_SYNC = ("adapters", "merged")
@@ -188,7 +188,7 @@ class SamplerShardings:
     merged: bool = False
 
 
-def sampler_shardings(modules, state_shardings: TrainState, frozen_shardings: FrozenParams,
+def sampler_shardings(modules, state_shardings: PPOState, frozen_shardings: FrozenParams,
                       sampler_mesh, shared: bool, merged: bool = False) -> SamplerShardings:
     """The policy's shardings on the sampler's mesh (`rl/roles.py`), by the same logical rules;
     merged: the sampler decodes a merged copy of a LoRA policy (roles.lora_sync)."""

@@ -36,7 +36,7 @@ from ppo_jax.models import lora as lora_lib
 from ppo_jax.rl import roles
 from ppo_jax.rl.build import Steps
 from ppo_jax.rl.settings import Settings
-from ppo_jax.rl.state import FrozenParams, Rollout, TrainState
+from ppo_jax.rl.state import FrozenParams, Rollout, PPOState
 
 IN_FLIGHT_ITEM = "in_flight_rollout"
 
@@ -123,7 +123,7 @@ class Rollouts:
         with sharding.mesh_context(self.meshes.sampler):
             return self.merge_jit(base, adapters)
 
-    def sampler_weights(self, state: TrainState) -> roles.SyncedWeights:
+    def sampler_weights(self, state: PPOState) -> roles.SyncedWeights:
         """`state`'s policy on the sampler's mesh: synced once per train step (nothing is copied when
         the sampler shares the trainer's mesh; with LoRA only the adapters travel)."""
         step = int(state.step)
@@ -142,12 +142,12 @@ class Rollouts:
         self.synced = roles.SyncedWeights(step, params, adapters)
         return self.synced
 
-    def sample(self, state: TrainState, prompt_tokens, prompt_mask, key) -> sampling.SampleOutput:
+    def sample(self, state: PPOState, prompt_tokens, prompt_mask, key) -> sampling.SampleOutput:
         """Responses of `state`'s policy to prompts [B, Lq] batch-sharded on the sampler's mesh."""
         weights = self.sampler_weights(state)
         return self.steps.sampler(weights.params, prompt_tokens, prompt_mask, key, adapters=weights.adapters)
 
-    def start(self, state: TrainState, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key) -> StartedRollout:
+    def start(self, state: PPOState, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key) -> StartedRollout:
         """Dispatches the sampling of this process's prompt rows (host arrays), and with
         roles.scoring="sampler" its scoring, and returns at once."""
         mesh = self.meshes.sampler
@@ -182,7 +182,7 @@ class Rollouts:
         fields = sharding.reshard(fields, {k: data for k in fields})
         return Rollout(**fields, host_scores=sharding.put_batch(host_scores, trainer_mesh))
 
-    def rollout(self, state: TrainState, prompt_tokens: np.ndarray, prompt_mask: np.ndarray,
+    def rollout(self, state: PPOState, prompt_tokens: np.ndarray, prompt_mask: np.ndarray,
                 key) -> tuple[Rollout, sampling.SampleOutput]:
         """Samples responses with `state`'s policy and scores them with the Python reward functions."""
         started = self.start(state, prompt_tokens, prompt_mask, key)
@@ -191,7 +191,7 @@ class Rollouts:
     def iteration_key(self, iteration: int):
         return jax.random.fold_in(self.sample_key, iteration)
 
-    def next(self, state: TrainState) -> tuple[Rollout, sampling.SampleOutput]:
+    def next(self, state: PPOState) -> tuple[Rollout, sampling.SampleOutput]:
         """The rollout of iteration `state.step`. On-policy: sampled now. One-step off-policy: the one
         started in the previous iteration (or now, in a run's first), after starting the next one
         with the current weights (the last iteration starts none). Same prompts and keys either way."""

@@ -3,13 +3,13 @@
 Shapes: B rollout rows (prompts x samples), Lq prompt length, Lr response length. Trainable state is
 donated to the update; frozen parameters (reference, reward, a LoRA policy's base) never are.
 
-With LoRA (policy.lora.rank > 0) `TrainState.policy` holds only the adapters (the "lora" collection)
+With LoRA (policy.lora.rank > 0) `PPOState.policy` holds only the adapters (the "lora" collection)
 and `FrozenParams.policy` the base they apply to; the reference is that same base with the adapters
 off, so `FrozenParams.reference` is None and no copy of the policy exists. With policy.lora.init_from
 the reference is that base + the imported adapters: `FrozenParams.reference` is then an adapters-only
 tree (the frozen starting adapters).
 
-With value LoRA (value.lora.rank > 0) `TrainState.value` holds {"lora": adapters, "score": head} and
+With value LoRA (value.lora.rank > 0) `PPOState.value` holds {"lora": adapters, "score": head} and
 `FrozenParams.value` the transformer they apply to: a subtree of a frozen tree the run holds anyway
 (the policy's base, the reference, or the reward model), the very same arrays, never a copy.
 """
@@ -40,8 +40,10 @@ class Modules:
     reward: ScalarModel | None  # None when only Python reward functions score
 
 @flax.struct.dataclass
-class TrainState:
-    """Everything the update changes; donated to the update step."""
+class PPOState:
+    """Everything the PPO update changes (policy and value with their optimizer states, the KL
+    controller, the key); donated to the update step. Named apart from the supervised trainers'
+    `TrainState` (one model and its optimizer state)."""
 
     step: Array  # [] int32, PPO iterations done
     policy: Params  # the policy's params; with LoRA, its adapters only

@@ -21,7 +21,7 @@ from ppo_jax.models import packing
 from ppo_jax.models.forward import sequence_inputs
 from ppo_jax.rl.objective import LossBatch, packed_loss, padded_loss
 from ppo_jax.rl.settings import PPOHyper
-from ppo_jax.rl.state import Experience, FrozenParams, Modules, PackedExperience, Trainable, TrainState
+from ppo_jax.rl.state import Experience, FrozenParams, Modules, PackedExperience, Trainable, PPOState
 
 Array = jax.Array
 
@@ -88,8 +88,8 @@ def accumulate(grads_of: Callable, items, used: Array | None = None):
     return acc
 
 
-def guarded_step(state: TrainState, grads: Trainable, ok: Array, policy_tx: optax.GradientTransformation,
-                 value_tx: optax.GradientTransformation | None) -> TrainState:
+def guarded_step(state: PPOState, grads: Trainable, ok: Array, policy_tx: optax.GradientTransformation,
+                 value_tx: optax.GradientTransformation | None) -> PPOState:
     """One optimizer step on the policy (and value) where `ok` [] bool, else `state` exactly as it was.
 
     where(ok, new, old) leaf by leaf, not lax.cond(ok, apply, identity): XLA fuses the select into
@@ -107,7 +107,7 @@ def guarded_step(state: TrainState, grads: Trainable, ok: Array, policy_tx: opta
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
 
 
-def update_metrics(metrics: dict[str, Array], state: TrainState) -> dict[str, Array]:
+def update_metrics(metrics: dict[str, Array], state: PPOState) -> dict[str, Array]:
     """The logged scalars of one update from the per-minibatch metrics ([epochs, minibatches] each):
     averages under TRL's names, plus the very first minibatch, where the policy has not moved yet (its
     ratio must be exactly 1, DESIGN.md §5)."""
@@ -123,7 +123,7 @@ def update_metrics(metrics: dict[str, Array], state: TrainState) -> dict[str, Ar
     return out
 
 
-def step_kl_controller(state: TrainState, exp: Experience, exp_finite: Array, hp: PPOHyper, rows: int) -> TrainState:
+def step_kl_controller(state: PPOState, exp: Experience, exp_finite: Array, hp: PPOHyper, rows: int) -> PPOState:
     """The KL controller stepped on the rollout's mean sequence KL (unchanged after a non-finite
     experience), and the iteration counted."""
     mask = exp.mask.astype(jnp.float32)
@@ -154,7 +154,7 @@ def make_update_fn(modules: Modules, policy_tx: optax.GradientTransformation,
     packed_sharding = (None if batch_sharding is None else
                        NamedSharding(batch_sharding.mesh, PartitionSpec(None, *batch_sharding.spec)))
 
-    def minibatch_step(state: TrainState, frozen: FrozenParams, exp: Experience, exp_finite, idx):
+    def minibatch_step(state: PPOState, frozen: FrozenParams, exp: Experience, exp_finite, idx):
         """idx [num_microbatches, micro_rows] -> one optimizer step on the policy (and value). A
         non-finite experience or gradient skips it: `skipped` says so."""
         picked = idx.reshape(-1)
@@ -186,7 +186,7 @@ def make_update_fn(modules: Modules, policy_tx: optax.GradientTransformation,
         metrics["token_efficiency"] = token_efficiency.astype(jnp.float32)
         return guarded_step(state, grads, ok, policy_tx, value_tx), metrics
 
-    def update(state: TrainState, base, value_base, exp: Experience):
+    def update(state: PPOState, base, value_base, exp: Experience):
         frozen = FrozenParams(reference=None, reward=None, policy=base, value=value_base)
         epoch_keys = jax.random.split(jax.random.fold_in(jax.random.fold_in(state.key, state.step), 1), hp.epochs)
         exp_finite = all_finite(exp)
