@@ -70,7 +70,8 @@ def synthetic_rollout(kind: str, shapes: Shapes, vocab: int, seed: int):
     tokens = rng.integers(4, vocab, size=(b, lr)) * mask
     return Rollout(prompt_tokens=jnp.asarray(prompt_tokens, jnp.int32), prompt_mask=jnp.asarray(prompt_mask),
                    tokens=jnp.asarray(tokens, jnp.int32), mask=jnp.asarray(mask),
-                   sampler_logprobs=jnp.zeros((b, lr), jnp.float32), stopped=jnp.asarray(r < lr),
+                   sampler_logprobs=jnp.zeros((b, lr), jnp.float32), behaviour_logprobs=jnp.zeros((b, lr), jnp.float32),
+                   stopped=jnp.asarray(r < lr),
                    host_scores=jnp.zeros((b,), jnp.float32))
 
 

@@ -212,7 +212,7 @@ def _rollout(vocab: int, seed: int = 3) -> Rollout:
                    prompt_mask=jnp.asarray(prompt_mask), tokens=jnp.asarray(rng.integers(1, vocab, (b, lr)) * mask,
                                                                             jnp.int32),
                    mask=jnp.asarray(mask), sampler_logprobs=jnp.zeros((b, lr), jnp.float32),
-                   stopped=jnp.asarray(r < lr), host_scores=jnp.asarray(rng.standard_normal(b), jnp.float32))
+                   behaviour_logprobs=jnp.zeros((b, lr), jnp.float32), stopped=jnp.asarray(r < lr), host_scores=jnp.asarray(rng.standard_normal(b), jnp.float32))
 
 
 def _step(trainer, rollout):

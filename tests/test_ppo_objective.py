@@ -79,7 +79,8 @@ def microbatch() -> LossBatch:
     b, lq = MASK.shape[0], 2
     exp = Experience(prompt_tokens=np.ones((b, lq), np.int32), prompt_mask=np.ones((b, lq), np.int32),
                      tokens=TOKENS, mask=MASK.astype(np.int32), old_logprobs=OLD_LOGP, ref_logprobs=REF_LOGP,
-                     values=OLD_VALUES, advantages=ADVANTAGES * MASK, returns=RETURNS, scores=np.zeros(b, np.float32))
+                     values=OLD_VALUES, advantages=ADVANTAGES * MASK, returns=RETURNS, scores=np.zeros(b, np.float32),
+                     sequence_kl=np.zeros(b, np.float32))
     return LossBatch(experience=jax.tree.map(jnp.asarray, exp), num_tokens=jnp.float32(NUM_TOKENS),
                      kl_coef=jnp.float32(0.05))
 
@@ -132,7 +133,8 @@ def test_experience_from_outputs_shapes_kl_rewards_and_gae_advantages_as_numpy()
     beta, host = 0.1, np.array([0.5, 2.0], np.float32)
     rollout = Rollout(prompt_tokens=jnp.ones((2, 2), jnp.int32), prompt_mask=jnp.ones((2, 2), jnp.int32),
                       tokens=jnp.asarray(TOKENS), mask=jnp.asarray(MASK, jnp.int32),
-                      sampler_logprobs=jnp.asarray(OLD_LOGP * MASK), stopped=jnp.array([True, False]),
+                      sampler_logprobs=jnp.asarray(OLD_LOGP * MASK), behaviour_logprobs=jnp.asarray(OLD_LOGP * MASK),
+                      stopped=jnp.array([True, False]),
                       host_scores=jnp.asarray(host))
     out = ForwardOutputs(logprobs=jnp.asarray(OLD_LOGP * MASK), ref_logprobs=jnp.asarray(REF_LOGP * MASK),
                          entropy=jnp.zeros(MASK.shape), values=jnp.asarray(VALUES * MASK),
@@ -178,7 +180,7 @@ def test_padded_loss_on_its_own_log_probs_has_ratio_one_and_is_minus_the_mean_ad
     adv = jnp.asarray(np.random.default_rng(1).normal(size=rows.mask.shape), jnp.float32) * rows.mask
     exp = Experience(prompt_tokens=rows.prompt_tokens, prompt_mask=rows.prompt_mask, tokens=rows.tokens,
                      mask=rows.mask, old_logprobs=old, ref_logprobs=old, values=jnp.zeros_like(old), advantages=adv,
-                     returns=jnp.zeros_like(old), scores=jnp.zeros(4))
+                     returns=jnp.zeros_like(old), scores=jnp.zeros(4), sequence_kl=jnp.zeros(4))
     loss, metrics = padded_loss(modules, Trainable(params, None), FrozenParams(None, None), LossBatch(exp, 20.0, 0.0),
                                 hp)
     final = stats.finalize_metrics(metrics)
@@ -219,7 +221,7 @@ def test_a_non_finite_gradient_leaves_the_train_state_exactly_as_it_was():
     zeros = jnp.zeros(rows.mask.shape, jnp.float32)
     exp = Experience(prompt_tokens=rows.prompt_tokens, prompt_mask=rows.prompt_mask, tokens=rows.tokens, mask=rows.mask,
                      old_logprobs=zeros - 1.0, ref_logprobs=zeros - 1.0, values=zeros, advantages=zeros + rows.mask,
-                     returns=zeros, scores=jnp.zeros(4))
+                     returns=zeros, scores=jnp.zeros(4), sequence_kl=jnp.zeros(4))
     update = jax.jit(make_update_fn(modules, policy_tx, None, hp, 4, None))
     before = jax.device_get((state.policy, state.policy_opt))
     new, metrics = update(state, None, None, exp)
@@ -228,3 +230,79 @@ def test_a_non_finite_gradient_leaves_the_train_state_exactly_as_it_was():
         np.testing.assert_array_equal(a, b)  # NaN == NaN here: the NaN weight is the one we put in
     assert float(metrics["nonfinite/skipped_minibatches"]) == 2
     assert int(new.step) == 1  # the iteration counts; only the optimizer steps were skipped
+
+
+# The off-policy correction (issue 44 items 3 and 6): weights pi_current / pi_behaviour of the tokens
+# as sampled, the behaviour being the distribution actually sampled (top-k / top-p truncated).
+BEHAVIOUR_LOGP = np.array([[-0.1, -2.0, -0.5, -1.5], [-1.9, -0.3, -4.0, -4.0]], np.float32)  # row 1 ends at 2
+FULL_LOGP = BEHAVIOUR_LOGP - 0.7  # the full tempered distribution: truncation only lowers a token's log-prob
+
+
+def off_policy_rollout():
+    return Rollout(prompt_tokens=jnp.ones((2, 2), jnp.int32), prompt_mask=jnp.ones((2, 2), jnp.int32),
+                   tokens=jnp.asarray(TOKENS), mask=jnp.asarray(MASK, jnp.int32),
+                   sampler_logprobs=jnp.asarray(FULL_LOGP * MASK), behaviour_logprobs=jnp.asarray(BEHAVIOUR_LOGP * MASK),
+                   stopped=jnp.array([True, True]), host_scores=jnp.asarray([0.5, 2.0], jnp.float32))
+
+
+def test_truncated_is_weights_the_policy_gradient_by_the_capped_ratio_to_the_sampled_distribution():
+    """Per token w = exp(logp_current - logp_behaviour) (current over behaviour, not the reverse), with
+    the behaviour's log-probs those of the distribution sampled (not the full one, which the rollout
+    carries for the mismatch metric only); capped at is_cap exactly; the advantages are multiplied by
+    it and nothing else: the ratio's log-probs stay the current ones and the returns (value targets)
+    are the uncorrected ones. Masked tokens have no weight in any metric."""
+    cap = 1.5
+    rollout = off_policy_rollout()
+    out = ForwardOutputs(logprobs=jnp.asarray(OLD_LOGP * MASK), ref_logprobs=jnp.asarray(REF_LOGP * MASK),
+                         entropy=jnp.zeros(MASK.shape), values=jnp.asarray(VALUES * MASK), scores=jnp.array([1.0, -3.0]))
+    on_policy, _ = experience_from_outputs(out, rollout, jnp.float32(0.1), hyper())
+    corrected, metrics = experience_from_outputs(out, rollout, jnp.float32(0.1),
+                                                 hyper(off_policy_ratio="truncated_is", is_cap=cap))
+    w = np.exp(OLD_LOGP.astype(np.float64) - BEHAVIOUR_LOGP)
+    assert (w[MASK > 0] > cap).any() and (w[MASK > 0] < 1).any()  # the cap and the other side both tested
+    capped = np.minimum(w, cap)
+    np.testing.assert_allclose(np.asarray(corrected.advantages), np.asarray(on_policy.advantages) * capped * MASK,
+                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(corrected.old_logprobs), np.asarray(on_policy.old_logprobs))
+    np.testing.assert_array_equal(np.asarray(corrected.returns), np.asarray(on_policy.returns))
+    real = MASK > 0
+    np.testing.assert_allclose(float(metrics["off_policy/is_weight_mean"]), w[real].mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["off_policy/is_weight_max"]), w[real].max(), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["off_policy/is_truncated_frac"]), (w[real] > cap).mean(), rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["off_policy/behaviour_kl"]), -np.log(w[real]).mean(), rtol=1e-5)
+
+
+def test_behaviour_ratio_divides_by_the_sampled_distributions_log_probs():
+    """off_policy_ratio="behaviour": the PPO ratio's denominator is the behaviour's log-prob of each
+    token under the distribution it was drawn from, 0 on masked tokens, and no advantage weight."""
+    rollout = off_policy_rollout()
+    out = ForwardOutputs(logprobs=jnp.asarray(OLD_LOGP * MASK), ref_logprobs=jnp.asarray(REF_LOGP * MASK),
+                         entropy=jnp.zeros(MASK.shape), values=jnp.asarray(VALUES * MASK), scores=jnp.array([1.0, -3.0]))
+    on_policy, _ = experience_from_outputs(out, rollout, jnp.float32(0.1), hyper())
+    exp, _ = experience_from_outputs(out, rollout, jnp.float32(0.1), hyper(off_policy_ratio="behaviour"))
+    np.testing.assert_array_equal(np.asarray(exp.old_logprobs), BEHAVIOUR_LOGP * MASK)
+    np.testing.assert_array_equal(np.asarray(exp.advantages), np.asarray(on_policy.advantages))
+
+
+def test_the_adaptive_kl_controller_reads_the_kl_of_the_policy_being_updated():
+    """Off-policy with the "behaviour" ratio, the experience's old log-probs are the stale sampler's;
+    the controller must step on the KL of the policy about to be updated (what the rewards were
+    shaped with), Ziegler et al.'s rule written out here: beta * (1 + clip(KL / target - 1, ±0.2) * n / H)."""
+    from ppo_jax import ppo
+    from ppo_jax.rl.state import PPOState
+    from ppo_jax.rl.update import step_kl_controller
+
+    rollout = off_policy_rollout()
+    out = ForwardOutputs(logprobs=jnp.asarray(OLD_LOGP * MASK), ref_logprobs=jnp.asarray(REF_LOGP * MASK),
+                         entropy=jnp.zeros(MASK.shape), values=jnp.asarray(VALUES * MASK), scores=jnp.array([1.0, -3.0]))
+    exp, _ = experience_from_outputs(out, rollout, jnp.float32(0.1), hyper(off_policy_ratio="behaviour"))
+    beta, target, horizon, rows = 0.1, 0.04, 100.0, 2
+    state = PPOState(step=jnp.zeros((), jnp.int32), policy=None, policy_opt=None, value=None, value_opt=None,
+                     kl=ppo.init_kl_controller("adaptive", beta, target=target, horizon=horizon), key=jax.random.key(0))
+    new = step_kl_controller(state, exp, jnp.array(True), rows)
+    current_kl = ((OLD_LOGP - REF_LOGP).astype(np.float64) * MASK).sum(-1).mean()  # k1 of the current policy
+    stale_kl = ((BEHAVIOUR_LOGP - REF_LOGP).astype(np.float64) * MASK).sum(-1).mean()
+    expected = beta * (1 + np.clip(current_kl / target - 1, -0.2, 0.2) * rows / horizon)
+    assert abs(np.clip(stale_kl / target - 1, -0.2, 0.2) - np.clip(current_kl / target - 1, -0.2, 0.2)) > 0.05
+    np.testing.assert_allclose(float(new.kl.coef), expected, rtol=1e-6)
+    assert int(new.step) == 1

@@ -276,7 +276,8 @@ def plain_off_policy_loop(trainer: PPOTrainer, iterations: int) -> list[dict]:
         prompts, responses = trainer.decode(host["pt"], host["pm"], host["t"], host["m"])
         scores = np.asarray(reward_fns.toy_target_count(prompts, responses), np.float32)
         rollout = Rollout(prompt_tokens=out.prompt_tokens, prompt_mask=out.prompt_mask, tokens=out.tokens,
-                          mask=out.mask, sampler_logprobs=out.logprobs, stopped=out.stopped,
+                          mask=out.mask, sampler_logprobs=out.logprobs, behaviour_logprobs=out.sampling_logprobs,
+                          stopped=out.stopped,
                           host_scores=sharding.put_batch(scores, trainer.mesh))
         # Batch k + 1 samples the weights before update k.
         behaviour = sharding.copy_tree(trainer.state.policy, trainer.state_shardings.policy)

@@ -284,10 +284,10 @@ def test_sampling_logprobs_follow_the_truncated_distribution(gpt2, min_run, top_
 
 
 def test_truncation_metrics(stop_run, top_p_run):
-    untruncated = jax.device_get(truncation_metrics(stop_run))
+    untruncated = jax.device_get(truncation_metrics(stop_run.logprobs, stop_run.sampling_logprobs, stop_run.mask))
     assert untruncated["sampling/kept_mass"] == pytest.approx(1.0)
     assert untruncated["sampling/log_ratio"] == pytest.approx(0.0)
-    truncated = jax.device_get(truncation_metrics(top_p_run))
+    truncated = jax.device_get(truncation_metrics(top_p_run.logprobs, top_p_run.sampling_logprobs, top_p_run.mask))
     mask = top_p_run.mask.astype(bool)
     log_kept = (top_p_run.logprobs - top_p_run.sampling_logprobs)[mask]
     assert truncated["sampling/log_ratio"] == pytest.approx(log_kept.mean(), abs=1e-6)

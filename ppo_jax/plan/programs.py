@@ -173,7 +173,8 @@ def lower_programs(run: PlannedRun) -> LoweredRun:
     batch_sh = sharding.data_sharding(mesh)
     rollout = Rollout(
         prompt_tokens=sample.prompt_tokens, prompt_mask=sample.prompt_mask, tokens=sample.tokens,
-        mask=sample.mask, sampler_logprobs=sample.logprobs, stopped=sample.stopped,
+        mask=sample.mask, sampler_logprobs=sample.logprobs, behaviour_logprobs=sample.sampling_logprobs,
+        stopped=sample.stopped,
         host_scores=jax.ShapeDtypeStruct((sample.tokens.shape[0],), jnp.float32, sharding=batch_sh),
         **dict(zip(("ref_logprobs", "model_scores"), scores)))
     rollout = rollout if meshes.shared else placed(rollout, batch_sh)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from ppo_jax import ppo
+from ppo_jax import ppo, sampling
 from ppo_jax.models import packing
 from ppo_jax.rl.forwards import (ForwardOutputs, ResponseRows, microbatched, packed_forwards, packed_scores,
                                  padded_forwards, run_packed, score_responses)
@@ -79,12 +79,13 @@ def experience_from_outputs(out: ForwardOutputs, rollout: Rollout, kl_coef: jax.
         kl_coef=reward_kl_coef, group_size=hp.group_size, gamma=hp.gamma, lam=hp.lam,
         # Critic-free estimators normalise in their own way (group or batch statistics).
         whiten=hp.whiten_advantages if hp.estimator == "gae" else None)
-    ratio_logp, is_weights, off_policy_metrics = off_policy_correction(hp, out.logprobs, rollout.sampler_logprobs,
+    ratio_logp, is_weights, off_policy_metrics = off_policy_correction(hp, out.logprobs, rollout.behaviour_logprobs,
                                                                        mask)
     exp = Experience(
         prompt_tokens=rollout.prompt_tokens, prompt_mask=rollout.prompt_mask,
         tokens=rollout.tokens, mask=rollout.mask, old_logprobs=ratio_logp, ref_logprobs=out.ref_logprobs,
-        values=out.values, advantages=advantages * is_weights * mask, returns=returns * mask, scores=scores)
+        values=out.values, advantages=advantages * is_weights * mask, returns=returns * mask, scores=scores,
+        sequence_kl=kl.sum(-1))
     non_score = -(kl_coef * kl).sum(-1)
     metrics = {
         "objective/scores": scores.mean(),
@@ -124,6 +125,8 @@ def rollout_metrics(out: ForwardOutputs, rollout: Rollout, mask: jax.Array) -> d
         "response/length_max": lengths.max(),
         "policy/rollout_logprob_diff_max": jnp.abs(out.logprobs - rollout.sampler_logprobs * mask).max(),
         "policy/rollout_logprob_diff_mean": ppo.masked_mean(jnp.abs(out.logprobs - rollout.sampler_logprobs), mask),
+        # What top-k / top-p / min_new_tokens truncation did to the sampled distribution (1 and 0 without).
+        **sampling.truncation_metrics(rollout.sampler_logprobs, rollout.behaviour_logprobs, mask),
     }
 
 

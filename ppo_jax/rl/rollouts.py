@@ -174,7 +174,8 @@ class Rollouts:
         else:
             host_scores = np.zeros(out.tokens.shape[0], np.float32)
         fields = dict(prompt_tokens=out.prompt_tokens, prompt_mask=out.prompt_mask, tokens=out.tokens,
-                      mask=out.mask, sampler_logprobs=out.logprobs, stopped=out.stopped)
+                      mask=out.mask, sampler_logprobs=out.logprobs, behaviour_logprobs=out.sampling_logprobs,
+                      stopped=out.stopped)
         if started.ref_logprobs is not None:
             fields.update(ref_logprobs=started.ref_logprobs, model_scores=started.model_scores)
         trainer_mesh = self.meshes.trainer

@@ -104,7 +104,11 @@ class Rollout:
     prompt_mask: Array  # [B, Lq]
     tokens: Array  # [B, Lr]
     mask: Array  # [B, Lr], 1 up to and including the first stop token
-    sampler_logprobs: Array  # [B, Lr], the sampler's own log-probs (for the mismatch metric)
+    sampler_logprobs: Array  # [B, Lr], the sampler's log-probs under the full tempered distribution (the mismatch metric)
+    # [B, Lr] the sampled tokens' log-probs under the distribution they were drawn from (top-k / top-p /
+    # min_new_tokens truncated and renormalised; equal to sampler_logprobs without truncation): the
+    # behaviour policy of the off-policy correction.
+    behaviour_logprobs: Array
     stopped: Array  # [B] bool
     host_scores: Array  # [B] float32, weighted Python reward functions (0 when none)
     # roles.scoring="sampler": the frozen models' outputs, computed on the sampler's mesh (else None:
@@ -127,6 +131,10 @@ class Experience:
     advantages: Array  # [B, Lr]
     returns: Array  # [B, Lr]
     scores: Array  # [B]
+    # [B] each response's summed KL estimate of the policy about to be updated against the reference
+    # (not of a stale sampler's: off-policy, old_logprobs may be the sampler's): what the adaptive KL
+    # controller steps on.
+    sequence_kl: Array
 
 
 

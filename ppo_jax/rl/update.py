@@ -123,12 +123,10 @@ def update_metrics(metrics: dict[str, Array], state: PPOState) -> dict[str, Arra
     return out
 
 
-def step_kl_controller(state: PPOState, exp: Experience, exp_finite: Array, hp: PPOHyper, rows: int) -> PPOState:
-    """The KL controller stepped on the rollout's mean sequence KL (unchanged after a non-finite
-    experience), and the iteration counted."""
-    mask = exp.mask.astype(jnp.float32)
-    seq_kl = (ppo.kl_penalty(exp.old_logprobs, exp.ref_logprobs, hp.kl_estimator) * mask).sum(-1).mean()
-    kl = ppo.update_kl_controller(state.kl, seq_kl, rows)
+def step_kl_controller(state: PPOState, exp: Experience, exp_finite: Array, rows: int) -> PPOState:
+    """The KL controller stepped on the rollout's mean sequence KL of the policy being updated
+    (unchanged after a non-finite experience), and the iteration counted."""
+    kl = ppo.update_kl_controller(state.kl, exp.sequence_kl.mean(), rows)
     kl = jax.tree.map(lambda new, old: jnp.where(exp_finite, new, old), kl, state.kl)
     return state.replace(kl=kl, step=state.step + 1)
 
@@ -197,7 +195,7 @@ def make_update_fn(modules: Modules, policy_tx: optax.GradientTransformation,
             return jax.lax.scan(lambda s, i: minibatch_step(s, frozen, exp, exp_finite, i), state, idx)
 
         state, metrics = jax.lax.scan(epoch_step, state, epoch_keys)
-        state = step_kl_controller(state, exp, exp_finite, hp, rows)
+        state = step_kl_controller(state, exp, exp_finite, rows)
         return state, update_metrics(metrics, state)
 
     return update

@@ -173,17 +173,18 @@ class SampleOutput:
     slot_steps_at_finish: Array
 
 
-def truncation_metrics(output: SampleOutput) -> dict[str, Array]:
-    """What truncated sampling does to the PPO ratio, averaged over response tokens.
+def truncation_metrics(logprobs: Array, sampling_logprobs: Array, mask: Array) -> dict[str, Array]:
+    """What truncated sampling does to the PPO ratio, averaged over response tokens: a SampleOutput's
+    (or a rollout's) `logprobs`, `sampling_logprobs` and `mask`, each [R, N].
 
     kept_mass: probability mass of the tempered distribution that top-k/top-p/min-tokens kept
         (1.0 when nothing truncates); the initial ratio of the full-distribution policy to the
         behaviour policy is kept_mass per token, not 1.
     log_ratio: mean of logprobs - sampling_logprobs = log kept_mass (<= 0).
     """
-    mask = output.mask.astype(jnp.float32)
+    mask = mask.astype(jnp.float32)
     count = jnp.maximum(mask.sum(), 1.0)
-    log_ratio = (output.logprobs - output.sampling_logprobs) * mask
+    log_ratio = (logprobs - sampling_logprobs) * mask
     return {
         "sampling/kept_mass": (jnp.exp(log_ratio) * mask).sum() / count,
         "sampling/log_ratio": log_ratio.sum() / count,
