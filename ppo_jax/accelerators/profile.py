@@ -151,9 +151,6 @@ class ProgramProfile:
         timed = [(k, k.seconds(device) * k.executions) for k in self.kernels]
         return sorted(timed, key=lambda kt: -kt[1])[:n]
 
-    def loop(self, name: str) -> Loop:
-        return next(loop for loop in self.loops if loop.name == name)
-
     def outer_unknown_loop(self) -> Loop | None:
         """The outermost loop whose trip count is not proved (a sampler's decode loop), if any."""
         unknown = [loop for loop in self.loops if not loop.known and not loop.parent]
