@@ -1,0 +1,225 @@
+"""The sandbox lets nothing out (issue 45 item 5). Each escape is tried against each layer alone that
+claims to stop it (the others switched off), so a test goes red when its layer is removed; kernel
+layers the machine does not permit are skipped with the reason. Limits are tight: every test is
+well under 2 s, and none can hurt the machine when its layer is broken (allocations, forks and output
+are bounded in the attacking code itself, or stopped by a second, independent limit)."""
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import tracemalloc
+
+import pytest
+
+from ppo_jax.agentic.sandbox import Limits, run_python
+
+TIGHT = Limits(wall_seconds=1.5, cpu_seconds=1, memory_bytes=256 << 20, file_bytes=1 << 20,
+               output_bytes=64 << 10, processes=8)
+NO_LAYERS = dict(isolate_network=False, isolate_pids=False, drop_privileges=False, audit_hook=False)
+
+
+def only(layer: str, **limits) -> Limits:
+    """TIGHT with one isolation layer on (rlimits and the trainer's limits always apply)."""
+    switches = dict(NO_LAYERS)
+    switches[{"network_namespace": "isolate_network", "pid_namespace": "isolate_pids",
+              "unprivileged_user": "drop_privileges", "audit_hook": "audit_hook"}[layer]] = True
+    fields = {**TIGHT.__dict__, **switches, **limits}
+    return Limits(**fields)
+
+
+def run_with(layer: str, code: str, **limits):
+    """Runs `code` with `layer` alone, skipping when the kernel does not grant that layer here."""
+    result = run_python(code, only(layer, **limits))
+    if layer not in result.layers:
+        pytest.skip(f"{layer} is not available on this machine (layers in place: {result.layers})")
+    return result
+
+
+def sandbox_processes() -> list[int]:
+    """PIDs of live (not zombie) processes running the sandbox's supervisor script."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"_sandbox_child.py" in cmdline and state != "Z":
+            found.append(int(pid))
+    return found
+
+
+def my_children() -> int:
+    count = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                    count += 1
+        except OSError:
+            continue
+    return count
+
+
+def wait_until_gone(seconds: float = 1.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (left := sandbox_processes()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return left
+
+
+def test_ordinary_code_runs_and_every_layer_is_in_place_by_default():
+    result = run_python("import fractions\nprint(fractions.Fraction(2, 6), 2 ** 70)", TIGHT)
+    assert result.status == "ok", result
+    assert result.stdout == "1/3 1180591620717411303424\n"
+    assert {"rlimits", "audit_hook", "unprivileged_user"} <= set(result.layers)
+
+
+def test_an_exception_is_an_error_observation_without_the_sandboxs_own_frames():
+    result = run_python("def f():\n    return 1 / 0\nf()", TIGHT)
+    assert result.status == "error" and result.exit_code == 1
+    assert "ZeroDivisionError" in result.observation() and "_sandbox_child" not in result.stderr
+
+
+@pytest.mark.parametrize("layer", ["audit_hook", "network_namespace"])
+def test_a_socket_cannot_reach_even_the_hosts_loopback(layer):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.setblocking(False)
+    port = server.getsockname()[1]
+    code = ("import socket\n"
+            f"s = socket.create_connection(('127.0.0.1', {port}), timeout=0.5)\n"
+            "s.sendall(b'leak')\nprint('CONNECTED')")
+    try:
+        result = run_with(layer, code)
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nobody connected
+    finally:
+        server.close()
+    assert result.status == "error" and "CONNECTED" not in result.stdout, result
+
+
+@pytest.mark.parametrize("layer", ["audit_hook", "unprivileged_user"])
+def test_files_outside_the_sandbox_cannot_be_read(tmp_path, layer):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOP-SECRET")
+    secret.chmod(0o600)
+    result = run_with(layer, f"print(open({str(secret)!r}).read())")
+    assert result.status == "error" and "TOP-SECRET" not in result.stdout
+    assert "PermissionError" in result.stderr
+
+
+def test_the_hook_refuses_world_readable_host_files_and_symlinks_out():
+    result = run_with("audit_hook", "import os\nos.symlink('/etc/passwd', 'p')\nprint(open('p').read())")
+    assert result.status == "error" and "root:" not in result.stdout and "PermissionError" in result.stderr
+
+
+@pytest.mark.parametrize("layer", ["audit_hook", "unprivileged_user"])
+def test_nothing_outside_the_sandbox_can_be_written(tmp_path, layer):
+    existing = tmp_path / "existing.txt"
+    existing.write_text("original")
+    code = (f"open({str(tmp_path / 'planted.txt')!r}, 'w').write('x')\n"
+            f"open({str(existing)!r}, 'w').write('changed')")
+    result = run_with(layer, code)
+    assert result.status == "error" and "PermissionError" in result.stderr
+    assert not (tmp_path / "planted.txt").exists() and existing.read_text() == "original"
+
+
+def test_the_sandbox_directory_is_writable_and_files_are_size_capped():
+    code = ("try:\n    open('big', 'wb').write(b'x' * (4 << 20))\nexcept OSError as e:\n    print(type(e).__name__)\n"
+            "import os\nprint(os.path.getsize('big'))")
+    result = run_python(code, TIGHT)
+    assert result.status == "ok", result
+    assert result.stdout.split()[-1] == str(1 << 20)  # RLIMIT_FSIZE: the write stopped at 1 MiB
+
+
+def test_the_process_count_is_capped():
+    """RLIMIT_NPROC binds only an unprivileged user: the run drops to one (as root) or is one. Forks
+    that succeed are counted; each child sleeps, so without the cap 40 would (and get killed after)."""
+    code = ("import os, time\nn = 0\nfor _ in range(40):\n    try:\n        pid = os.fork()\n"
+            "    except OSError:\n        continue\n    if pid == 0:\n        time.sleep(30)\n        os._exit(0)\n"
+            "    n += 1\nprint(n)")
+    result = run_with("unprivileged_user", code)
+    assert "process_cap" in result.layers
+    assert result.status == "ok" and int(result.stdout) < TIGHT.processes, result
+    assert wait_until_gone() == []
+
+
+def test_a_fork_bomb_is_stopped_and_nothing_of_it_is_left():
+    """Its children leave the process group (setsid), escaping a group kill; the PID namespace takes
+    them anyway (its first process dies, the kernel kills the rest). The process cap keeps the bomb
+    small, and escapees spin, so RLIMIT_CPU would end them within seconds were the namespace broken."""
+    children_before = my_children()
+    code = ("import os\nwhile True:\n    try:\n        if os.fork() == 0:\n            os.setsid()\n"
+            "    except OSError:\n        pass")
+    limits = Limits(**{**TIGHT.__dict__, **NO_LAYERS, "isolate_pids": True, "drop_privileges": True,
+                       "wall_seconds": 1.0})
+    result = run_python(code, limits)
+    if not {"pid_namespace", "process_cap"} <= set(result.layers):
+        pytest.skip(f"needs a PID namespace and the process cap (layers here: {result.layers})")
+    assert result.status == "timeout", result
+    assert wait_until_gone(0.3) == []
+    assert my_children() == children_before
+
+
+def test_the_hook_refuses_forks():
+    result = run_with("audit_hook", "import os\nos.fork()\nprint('forked')")
+    assert result.status == "error" and "forked" not in result.stdout and "os.fork" in result.stderr
+
+
+def test_allocating_without_end_is_a_memory_status():
+    """Bounded at 1 GiB (4 x the limit) so that a broken limit cannot take the machine's memory."""
+    result = run_python("x = []\nfor _ in range(100):\n    x.append(b'x' * 10 ** 7)", TIGHT)
+    assert result.status == "memory", result
+    assert "memory limit" in result.observation()
+
+
+def test_an_endless_loop_is_stopped_by_the_wall_clock():
+    result = run_python("import time\nwhile True:\n    time.sleep(0.01)", Limits(**{**TIGHT.__dict__, "wall_seconds": 0.5}))
+    assert result.status == "timeout" and 0.5 <= result.wall_seconds < 1.5, result
+    assert wait_until_gone() == []
+
+
+def test_an_endless_computation_is_stopped_by_the_cpu_limit():
+    result = run_python("while True:\n    pass", Limits(**{**TIGHT.__dict__, "wall_seconds": 10.0}))
+    assert result.status == "timeout" and result.signal in (signal.SIGXCPU, signal.SIGKILL), result
+    assert result.wall_seconds < 5.0 and "CPU time limit" in result.observation()
+
+
+def test_printing_gigabytes_stops_at_the_output_cap_and_the_parent_holds_only_the_cap():
+    tracemalloc.start()
+    try:
+        result = run_python("import sys\nwhile True:\n    sys.stdout.write('x' * 10 ** 6)", TIGHT)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.status == "output_limit", result
+    assert len(result.stdout) + len(result.stderr) <= TIGHT.output_bytes
+    assert peak < 4 * TIGHT.output_bytes + (1 << 20), peak
+
+
+def test_killing_its_parent_kills_only_the_supervisor_and_the_trainer_goes_on():
+    """All isolation layers off: the code's parent is the supervisor, never this process."""
+    result = run_python("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nimport time\ntime.sleep(5)",
+                        Limits(**{**TIGHT.__dict__, **NO_LAYERS}))
+    assert result.status == "killed", result
+    assert wait_until_gone() == []
+    os.kill(os.getpid(), 0)  # still here
+
+
+@pytest.mark.parametrize("layer", ["audit_hook", "unprivileged_user", "pid_namespace"])
+def test_a_process_of_the_trainers_user_cannot_be_signalled(layer):
+    bystander = subprocess.Popen(["sleep", "30"])
+    try:
+        result = run_with(layer, f"import os, signal\nos.kill({bystander.pid}, signal.SIGKILL)\nprint('sent')")
+        time.sleep(0.05)
+        assert bystander.poll() is None, "the sandboxed code killed a host process"
+        assert result.status == "error" and "sent" not in result.stdout
+    finally:
+        bystander.kill()
+        bystander.wait()
