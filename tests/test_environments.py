@@ -1,0 +1,145 @@
+"""Environments (issue 45 item 1): named like reward functions, one clear line for bad input, the tool
+environment's episode (calls, results, the end, max_turns), and rows stepped in parallel."""
+
+import time
+
+import pytest
+
+from ppo_jax.agentic import environment, tool_format, tools
+from ppo_jax.agentic.environment import StepResult, ToolEnvironment, Turn
+from ppo_jax.agentic.sandbox import Limits
+from ppo_jax.config import ConfigError
+
+
+class SleepyEnvironment:
+    """Answers every turn after `seconds` (a stand-in for a slow tool or a remote environment)."""
+
+    stop_strings = ("</tool_call>",)
+
+    def __init__(self, seconds: float = 0.2):
+        self.seconds = seconds
+
+    def reset(self, record):
+        return record["prompt"]
+
+    def step(self, turn_text, turn_token_ids):
+        time.sleep(self.seconds)
+        return StepResult(observation=f"seen {len(turn_token_ids)} tokens", reward=1.0, done=True)
+
+
+def sleepy(seconds: float = 0.2):
+    return SleepyEnvironment(seconds)
+
+
+def call(name, **arguments):
+    return tool_format.render_tool_call(tool_format.ToolCall(name, arguments))
+
+
+def test_a_registered_name_and_a_module_path_resolve():
+    assert environment.resolve("tools") is environment.tool_environment
+    assert environment.resolve(" ppo_jax.agentic.environment:tool_environment ") is environment.tool_environment
+    assert environment.resolve("test_environments:sleepy")(0.0).step("x", [1, 2]).observation == "seen 2 tokens"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("no_such_environment", "rollout.environment='no_such_environment' is not a registered environment"),
+    ("no_such_module_ppo_jax:make", "rollout.environment='no_such_module_ppo_jax:make' does not resolve: "
+                                    "cannot import module 'no_such_module_ppo_jax'"),
+    ("ppo_jax.agentic.environment:nothing_here", "has no callable 'nothing_here'"),
+])
+def test_a_spec_that_does_not_resolve_is_one_config_error_line(spec, message):
+    with pytest.raises(ConfigError) as raised:
+        environment.resolve(spec)
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+    assert "reward function" not in str(raised.value)
+
+
+def test_max_turns_below_one_and_undeclared_tools_are_config_errors():
+    with pytest.raises(ConfigError, match=r"rollout.max_turns=0: an episode needs at least 1 turn"):
+        environment.tool_environment("calculator", max_turns=0)
+    with pytest.raises(ConfigError, match=r"tool\(s\) \['shell'\] are not declared"):
+        environment.resolve_tools("calculator, shell")
+    with pytest.raises(ConfigError, match="named twice"):
+        environment.resolve_tools(["calculator", "calculator"])
+
+
+def test_a_registered_tool_can_be_named():
+    @environment.register_tool("echo_for_test")
+    def echo():
+        return tools.Tool("echo_for_test", "echoes", {"type": "object", "properties": {"text": {"type": "string"}}},
+                          run=lambda args: args.get("text", ""))
+
+    env = environment.tool_environment("echo_for_test")
+    env.reset({"prompt": "say hi"})
+    assert env.step(call("echo_for_test", text="hi"), [0]).observation == "<tool_result>hi</tool_result>"
+
+
+def test_a_turn_stop_the_tokenizer_cannot_encode_is_a_config_error():
+    pytest.importorskip("transformers")
+    from ppo_jax.data.tokenizers import build_word_tokenizer
+
+    plain = build_word_tokenizer(["what", "is"])
+    with pytest.raises(ConfigError, match=r"rollout.turn_stop='</tool_call>': the tokenizer cannot encode it"):
+        environment.check_turn_stop(plain, "</tool_call>")
+    environment.check_turn_stop(build_word_tokenizer(["what"], extra_special_tokens=["</tool_call>"]), "</tool_call>")
+
+
+def test_a_tool_episode_calls_answers_and_ends_at_the_answer_with_the_reward():
+    env = ToolEnvironment([tools.calculator()], max_turns=4,
+                          reward=lambda record, text: float(text.strip().endswith(record["answer"])))
+    prompt = env.reset({"prompt": "what is 12 * 34", "answer": "408"})
+    assert "calculator" in prompt and prompt.endswith("assistant:")
+    first = env.step("Let me use the tool. " + call("calculator", expression="12 * 34"), [5, 6, 7])
+    assert first == StepResult("<tool_result>408</tool_result>", 0.0, False,
+                               {"tool_calls": 1.0, "tool_errors": 0.0, "tool_timeouts": 0.0})
+    last = env.step("The answer is 408", [8])
+    assert last.done and last.reward == 1.0 and last.observation == ""
+
+
+def test_mistakes_are_observations_and_the_episode_goes_on():
+    env = ToolEnvironment([tools.calculator()], max_turns=5)
+    env.reset({"prompt": "what is 2 + 2"})
+    unknown = env.step(call("shell", cmd="ls"), [1])
+    assert not unknown.done and "there is no tool 'shell'" in unknown.observation and unknown.info["tool_errors"] == 1
+    malformed = env.step("<tool_call>{not json}</tool_call>", [1])
+    assert not malformed.done and "not valid JSON" in malformed.observation
+    bad_expression = env.step(call("calculator", expression="import os"), [1])
+    assert bad_expression.observation.startswith("<tool_result>error: not an arithmetic expression")
+
+
+def test_the_episode_ends_at_max_turns_even_mid_tool_use():
+    env = ToolEnvironment([tools.calculator()], max_turns=2, reward=lambda record, text: -1.0)
+    env.reset({"prompt": "loop"})
+    assert not env.step(call("calculator", expression="1"), [1]).done
+    ended = env.step(call("calculator", expression="2"), [1])
+    assert ended.done and ended.reward == -1.0 and ended.info["tool_calls"] == 1
+
+
+def test_rows_wait_for_their_environments_in_parallel():
+    envs = [SleepyEnvironment(0.2) for _ in range(8)]
+    batch = environment.step_all(envs, [Turn("hi", [1] * i) for i in range(8)], max_workers=8)
+    assert [r.observation for r in batch.results] == [f"seen {i} tokens" for i in range(8)]
+    assert all(s >= 0.2 for s in batch.seconds)
+    assert batch.wall_seconds < 0.2 * 8 / 2, batch.wall_seconds  # one by one would take 1.6 s
+
+
+def test_sandboxed_tool_calls_run_in_parallel_too():
+    limits = Limits(wall_seconds=3.0, cpu_seconds=1, memory_bytes=256 << 20)
+    envs = [ToolEnvironment([tools.python(limits)], max_turns=3) for _ in range(4)]
+    for env in envs:
+        env.reset({"prompt": "sleep"})
+    turns = [Turn(call("python", code=f"import time\ntime.sleep(0.5)\nprint({i})"), [1]) for i in range(4)]
+    batch = environment.step_all(envs, turns, max_workers=4)
+    assert [r.observation for r in batch.results] == [f"<tool_result>{i}\n</tool_result>" for i in range(4)]
+    assert batch.wall_seconds < 0.5 * 4 * 0.75, batch.wall_seconds
+
+
+def test_an_environment_that_raises_names_its_row():
+    class Broken(SleepyEnvironment):
+        def step(self, turn_text, turn_token_ids):
+            raise KeyError("state")
+
+    with pytest.raises(RuntimeError, match="the environment of row 1 raised KeyError"):
+        environment.step_all([SleepyEnvironment(0.0), Broken()], [Turn("a", [1]), Turn("b", [2])])
+    with pytest.raises(ConfigError, match="rollout.environment_workers=0"):
+        environment.step_all([SleepyEnvironment(0.0)], [Turn("a", [1])], max_workers=0)
