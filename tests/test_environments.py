@@ -143,3 +143,62 @@ def test_an_environment_that_raises_names_its_row():
         environment.step_all([SleepyEnvironment(0.0), Broken()], [Turn("a", [1]), Turn("b", [2])])
     with pytest.raises(ConfigError, match="rollout.environment_workers=0"):
         environment.step_all([SleepyEnvironment(0.0)], [Turn("a", [1])], max_workers=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The arithmetic task (issue 45 item 6, data only).
+
+from ppo_jax.agentic import arithmetic_task  # noqa: E402
+from ppo_jax.agentic.arithmetic_task import ArithmeticTask  # noqa: E402
+
+
+def test_the_generator_is_deterministic_in_its_seed_and_the_splits_are_disjoint():
+    task = ArithmeticTask(seed=3, digits=6)
+    train, again = task.prompts(50, "train"), ArithmeticTask(seed=3, digits=6).prompts(50, "train")
+    assert train == again and len(set(train)) == 50
+    assert train != ArithmeticTask(seed=4, digits=6).prompts(50, "train")
+    evals = task.prompts(50, "eval")
+    assert not set(train) & set(evals)
+    a, b = arithmetic_task.operands(train[0])
+    assert 10 ** 5 <= a < 10 ** 6 and 10 ** 5 <= b < 10 ** 6
+    assert [task.demonstration(p, i) for i, p in enumerate(train[:10])] == [
+        d for _, d in task.demonstrations(10)]
+
+
+@pytest.mark.parametrize("response, correct", [
+    ("the answer is 56088", True),
+    ("<tool_call>{\"name\": \"calculator\", \"arguments\": {\"expression\": \"123 * 456\"}}</tool_call>"
+     "<tool_result>56088</tool_result>the answer is 56088", True),
+    ("<tool_result>56088</tool_result>", False),  # the tool's number is not an answer
+    ("<tool_call>{\"name\": \"calculator\", \"arguments\": {\"expression\": \"56088\"}}", False),
+    ("56088 is close, the answer is 56089", False),
+    ("the answer is 5608", False),
+    ("I do not know", False),
+])
+def test_the_reward_is_exact_match_of_the_final_answer(response, correct):
+    assert arithmetic_task.arithmetic_exact(["what is 123 * 456"], [response]) == [float(correct)]
+
+
+def test_demonstrations_call_the_calculator_and_a_share_of_them_are_wrong():
+    task = ArithmeticTask(seed=0, digits=6, wrong_rate=0.25)
+    pairs = task.demonstrations(200)
+    wrong = 0
+    for prompt, turns in pairs:
+        assert [t.role for t in turns] == ["assistant", "tool", "assistant"]
+        (call,) = tool_format.parse_tool_calls(turns[0].content)
+        assert call.name == "calculator"
+        text = "".join(t.content for t in turns)
+        wrong += not arithmetic_task.is_correct(prompt, text)
+    assert 0.15 < wrong / len(pairs) < 0.35, wrong
+    assert all(arithmetic_task.is_correct(p, "".join(t.content for t in turns))
+               for p, turns in ArithmeticTask(seed=0, wrong_rate=0.0).demonstrations(50))
+
+
+def test_the_arithmetic_environment_pays_the_exact_product():
+    env = environment.resolve("arithmetic")(max_turns=3)
+    prompt = ArithmeticTask(seed=1).prompts(1)[0]
+    env.reset({"prompt": prompt})
+    a, b = arithmetic_task.operands(prompt)
+    observed = env.step(call("calculator", expression=f"{a} * {b}"), [1])
+    assert observed.observation == f"<tool_result>{a * b}</tool_result>"
+    assert env.step(f"the answer is {a * b}", [2]).reward == 1.0

@@ -1,0 +1,10 @@
+"""Multi-turn and tool-using RL (issue 45): environments, tools, their text format and the sandbox.
+
+    sandbox.py          untrusted Python in a limited, isolated process (stdlib only)
+    tools.py            the Tool protocol, an exact calculator, the sandboxed Python tool
+    tool_format.py      <tool_call>/<tool_result> text and chat templates that take `tools`
+    environment.py      the Environment protocol, its resolution by name, ToolEnvironment, step_all
+    arithmetic_task.py  a task where the tool matters: prompts, gold answers, reward, demonstrations
+
+Not built yet: multi-turn rollouts in the samplers and the RL run on the task (docs/agentic.md).
+"""
