@@ -17,14 +17,16 @@ from ppo_jax.agentic.sandbox import Limits, run_python
 
 TIGHT = Limits(wall_seconds=1.5, cpu_seconds=1, memory_bytes=256 << 20, file_bytes=1 << 20,
                output_bytes=64 << 10, processes=8)
-NO_LAYERS = dict(isolate_network=False, isolate_pids=False, drop_privileges=False, audit_hook=False)
+NO_LAYERS = dict(isolate_network=False, isolate_pids=False, private_disk=False, drop_privileges=False,
+                 audit_hook=False)
 
 
 def only(layer: str, **limits) -> Limits:
     """TIGHT with one isolation layer on (rlimits and the trainer's limits always apply)."""
     switches = dict(NO_LAYERS)
     switches[{"network_namespace": "isolate_network", "pid_namespace": "isolate_pids",
-              "unprivileged_user": "drop_privileges", "audit_hook": "audit_hook"}[layer]] = True
+              "unprivileged_user": "drop_privileges", "audit_hook": "audit_hook",
+              "disk_quota": "private_disk"}[layer]] = True
     fields = {**TIGHT.__dict__, **switches, **limits}
     return Limits(**fields)
 
@@ -138,6 +140,17 @@ def test_the_sandbox_directory_is_writable_and_files_are_size_capped():
     result = run_python(code, TIGHT)
     assert result.status == "ok", result
     assert result.stdout.split()[-1] == str(1 << 20)  # RLIMIT_FSIZE: the write stopped at 1 MiB
+
+
+def test_all_files_together_are_capped_and_the_host_sees_none_of_them():
+    """1 MiB files (the RLIMIT_FSIZE cap) until the 4 MiB tmpfs is full; at most 32 tried, so a broken
+    quota writes 32 MiB, not the disk."""
+    code = ("written = 0\ntry:\n    for i in range(32):\n        with open(f'f{i}', 'wb') as f:\n"
+            "            f.write(b'x' * (1 << 20))\n        written += 1\nexcept OSError as e:\n"
+            "    print(type(e).__name__, e.errno)\nprint(written)")
+    result = run_with("disk_quota", code, disk_bytes=4 << 20)
+    assert result.status == "ok", result
+    assert int(result.stdout.split()[-1]) < 4 and "OSError 28" in result.stdout  # ENOSPC
 
 
 def test_the_process_count_is_capped():

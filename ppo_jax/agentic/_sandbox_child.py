@@ -4,7 +4,8 @@ Standard library only, and it imports nothing of ppo_jax (`-I` keeps the package
 Two processes, so the untrusted code is never the trainer's direct child:
 
     supervisor (this script's process: the trainer's child, leader of a new session)
-      limits (rlimits), unshares a network and a PID namespace where the kernel permits, forks, waits,
+      limits (rlimits), unshares a network, a PID and a mount namespace (a size-capped tmpfs over the
+      sandbox directory) where the kernel permits, forks, waits,
       and writes two JSON lines to the status pipe: the layers it put in place, and how the code ended.
     └── runner (PID 1 of the new PID namespace, when there is one)
           drops to an unprivileged user (when started as root), caps the processes of that user,
@@ -23,6 +24,8 @@ import traceback
 
 CLONE_NEWNET = 0x40000000
 CLONE_NEWPID = 0x20000000
+CLONE_NEWNS = 0x00020000
+MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
 MEMORY_EXIT = 99  # the runner caught MemoryError (the RLIMIT_AS cap, normally)
 SETUP_EXIT = 98  # a sandbox layer could not be put in place; no user code ran
 
@@ -60,6 +63,29 @@ def _unshare(flag):
     namespaces; refused in many containers, in which case the run goes on without that layer)."""
     libc = ctypes.CDLL(None, use_errno=True)
     return libc.unshare(flag) == 0
+
+
+def _private_disk(config):
+    """Mounts a tmpfs of `disk_bytes` over the sandbox directory in a new mount namespace, so all the
+    code's files together are capped by the kernel (RLIMIT_FSIZE caps one file) and vanish with it.
+    The trainer's view of the directory is untouched. False when the kernel refuses (not root)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNS) != 0:
+        return False
+    # Mount events must not travel back to the host's namespace.
+    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        return False
+    directory = config["directory"]
+    with open(os.path.join(directory, "main.py"), "rb") as f:
+        source = f.read()
+    uid, gid = config["drop_to"] if config["drop_to"] is not None else (os.getuid(), os.getgid())
+    options = f"size={config['disk_bytes']},mode=0700,uid={uid},gid={gid}".encode()
+    if libc.mount(b"tmpfs", directory.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options) != 0:
+        return False
+    with open(os.path.join(directory, "main.py"), "wb") as f:
+        f.write(source)
+    os.chown(os.path.join(directory, "main.py"), uid, gid)
+    return True
 
 
 def _threads_of(uid):
@@ -175,6 +201,8 @@ def main():
         layers.append("network_namespace")
     if config["isolate_pids"] and _unshare(CLONE_NEWPID):
         layers.append("pid_namespace")
+    if config["private_disk"] and _private_disk(config):
+        layers.append("disk_quota")
     if config["drop_to"] is not None or os.geteuid() != 0:
         layers.append("unprivileged_user")
     if config["processes"] is not None and "unprivileged_user" in layers:

@@ -13,7 +13,8 @@ where; `SandboxResult.layers` says which were in place for a run):
   the kernel kills everything in it when its first process dies;
 - the kernel (`_sandbox_child.py`): RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE, no core
   files; a new network namespace (no interfaces but a down loopback) and PID namespace where the
-  kernel permits unsharing them; when the trainer runs as root, the code runs as `nobody` (file
+  kernel permits unsharing them, and a mount namespace in which the directory is a tmpfs of
+  `disk_bytes` (all files together); when the trainer runs as root, the code runs as `nobody` (file
   permissions then guard the host's files, other users' processes cannot be signalled, and
   RLIMIT_NPROC, which does not bind root, caps its processes);
 - an audit hook (`sys.addaudithook`) in the code's interpreter: no sockets, processes, ctypes or
@@ -53,11 +54,13 @@ class Limits:
     cpu_seconds: int = 5  # RLIMIT_CPU per process (SIGXCPU, then SIGKILL a second later)
     memory_bytes: int = 512 << 20  # RLIMIT_AS per process (address space, so above the data size)
     file_bytes: int = 16 << 20  # RLIMIT_FSIZE: the largest file the code may write
+    disk_bytes: int = 64 << 20  # all its files together (a tmpfs), where a mount namespace is permitted
     output_bytes: int = 64 << 10  # stdout + stderr read before the run is killed
     processes: int | None = 8  # RLIMIT_NPROC headroom (binds only an unprivileged user); None = none
     # The layers, each switchable so the tests can show that each one holds on its own.
     isolate_network: bool = True  # new network namespace where the kernel permits it
     isolate_pids: bool = True  # new PID namespace where the kernel permits it
+    private_disk: bool = True  # the directory as a tmpfs of disk_bytes in a new mount namespace
     drop_privileges: bool = True  # when running as root, run the code as `nobody`
     audit_hook: bool = True
 
@@ -65,8 +68,8 @@ class Limits:
         if self.wall_seconds <= 0 or self.cpu_seconds < 1:
             raise ValueError(f"sandbox limits: wall_seconds={self.wall_seconds} must be > 0 and "
                              f"cpu_seconds={self.cpu_seconds} >= 1")
-        if min(self.memory_bytes, self.file_bytes, self.output_bytes) <= 0:
-            raise ValueError("sandbox limits: memory_bytes, file_bytes and output_bytes must be > 0")
+        if min(self.memory_bytes, self.file_bytes, self.disk_bytes, self.output_bytes) <= 0:
+            raise ValueError("sandbox limits: memory_bytes, file_bytes, disk_bytes and output_bytes must be > 0")
         if self.processes is not None and self.processes < 1:
             raise ValueError(f"sandbox limits: processes={self.processes} must be >= 1 (or None)")
 
@@ -129,6 +132,7 @@ def run_python(code: str, limits: Limits = Limits()) -> SandboxResult:
                   "cpu_seconds": limits.cpu_seconds, "memory_bytes": limits.memory_bytes,
                   "file_bytes": limits.file_bytes, "processes": limits.processes,
                   "isolate_network": limits.isolate_network, "isolate_pids": limits.isolate_pids,
+                  "private_disk": limits.private_disk, "disk_bytes": limits.disk_bytes,
                   "audit_hook": limits.audit_hook}
         env = {"PATH": "/usr/bin:/bin", "HOME": directory, "TMPDIR": directory, "LANG": "C.UTF-8"}
         # start_new_session: the code's processes form their own group, signalled as one; stdin is
