@@ -182,9 +182,16 @@ def test_a_fork_bomb_is_stopped_and_nothing_of_it_is_left():
     assert my_children() == children_before
 
 
-def test_the_hook_refuses_forks():
-    result = run_with("audit_hook", "import os\nos.fork()\nprint('forked')")
-    assert result.status == "error" and "forked" not in result.stdout and "os.fork" in result.stderr
+@pytest.mark.parametrize("code, refused", [
+    ("import os\nos.fork()", "os.fork"),
+    ("import subprocess\nsubprocess.run(['true'])", "_posixsubprocess"),  # its fork_exec raises no event
+    ("import os\nos.system('true')", "os.system"),
+    ("import ctypes\nctypes.CDLL(None).getpid()", "ctypes.dlopen"),
+    ("import gc\ngc.get_objects()", "gc.get_objects"),
+])
+def test_the_hook_refuses_new_processes_foreign_code_and_object_walks(code, refused):
+    result = run_with("audit_hook", code + "\nprint('done')")
+    assert result.status == "error" and "done" not in result.stdout and refused in result.stderr, result
 
 
 def test_allocating_without_end_is_a_memory_status():

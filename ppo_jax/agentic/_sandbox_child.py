@@ -35,13 +35,18 @@ SETUP_EXIT = 98  # a sandbox layer could not be put in place; no user code ran
 PRELOADED_MODULES = ("math", "cmath", "fractions", "decimal", "itertools", "functools", "collections",
                      "re", "json", "statistics", "random", "string", "datetime", "heapq", "bisect",
                      "operator", "textwrap", "typing", "dataclasses", "numbers", "copy", "io", "time", "socket",
-                     "signal", "subprocess", "select", "errno", "pathlib", "shutil", "tempfile", "struct",
+                     "signal", "select", "errno", "pathlib", "shutil", "tempfile", "struct",
                      "hashlib", "base64", "array", "traceback")
 
 # Audit events refused outright: no sockets (the kernel layer is the network namespace), no new
 # programs or processes, no foreign code through ctypes (which could undo the hook).
 _REFUSED_PREFIXES = ("socket.", "subprocess.", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
-                     "os.fork", "os.forkpty", "pty.", "ctypes.", "os.setuid", "os.setgid", "os.chroot")
+                     "os.fork", "os.forkpty", "pty.", "ctypes.", "os.chroot",
+                     # gc's object walks would reach the hook's closure and let code rewrite its roots.
+                     "gc.get_objects", "gc.get_referrers", "gc.get_referents")
+# Modules whose functions raise no audit event for what they do: `_posixsubprocess.fork_exec` starts
+# programs (subprocess and multiprocessing use it), so it may not even be imported (never preloaded).
+_REFUSED_IMPORTS = {"_posixsubprocess", "_xxsubinterpreters", "_testcapi", "_testinternalcapi"}
 _PATH_EVENTS = {"os.listdir": 0, "os.scandir": 0, "os.remove": 0, "os.rmdir": 0, "os.mkdir": 0,
                 "os.chmod": 0, "os.chown": 0, "os.truncate": 0, "os.utime": 0, "os.rename": (0, 1),
                 "os.link": (0, 1), "os.symlink": (0, 1), "shutil.rmtree": 0, "os.chdir": 0}
@@ -124,6 +129,8 @@ def _audit_hook(directory, readable):
     def hook(event, args):
         if event.startswith(_REFUSED_PREFIXES):
             raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "import" and args[0] in _REFUSED_IMPORTS:
+            raise PermissionError(f"sandbox: importing {args[0]} is not allowed")
         if event in ("os.kill", "os.killpg", "signal.pthread_kill") and args[0] not in (me, 0):
             raise PermissionError(f"sandbox: {event} of another process is not allowed")
         if event == "open":
