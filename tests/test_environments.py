@@ -202,3 +202,19 @@ def test_the_arithmetic_environment_pays_the_exact_product():
     observed = env.step(call("calculator", expression=f"{a} * {b}"), [1])
     assert observed.observation == f"<tool_result>{a * b}</tool_result>"
     assert env.step(f"the answer is {a * b}", [2]).reward == 1.0
+
+
+def test_the_guides_example_environment_works_as_written():
+    import os
+    import re
+
+    guide = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "agentic.md"),
+                 encoding="utf-8").read()
+    example = re.search(r"## Bring your own environment.*?```python\n(.*?)```", guide, flags=re.S).group(1)
+    namespace = {}
+    exec(compile(example, "docs/agentic.md", "exec"), namespace)  # noqa: S102 -- our own guide
+    env = environment.resolve("guess_the_number")()
+    assert env.reset({"prompt": "guess", "secret": 42}) == "guess"
+    assert env.step("<guess>7</guess>", [1]).observation == "higher"
+    assert env.step("<guess>x</guess>", [1]).observation == "write <guess>a number</guess>"
+    assert env.step("<guess>42</guess>", [1]) == StepResult("", 1.0, True)
