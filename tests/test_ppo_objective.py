@@ -268,8 +268,8 @@ def test_truncated_is_weights_the_policy_gradient_by_the_capped_ratio_to_the_sam
     real = MASK > 0
     np.testing.assert_allclose(float(metrics["off_policy/is_weight_mean"]), w[real].mean(), rtol=1e-5)
     np.testing.assert_allclose(float(metrics["off_policy/is_weight_max"]), w[real].max(), rtol=1e-5)
-    np.testing.assert_allclose(float(metrics["off_policy/is_truncated_frac"]), (w[real] > cap).mean(), rtol=1e-6)
-    np.testing.assert_allclose(float(metrics["off_policy/behaviour_kl"]), -np.log(w[real]).mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["rollout/truncated_frac"]), (w[real] > cap).mean(), rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["rollout/mismatch_kl"]), (w[real] - 1 - np.log(w[real])).mean(), rtol=1e-5)
 
 
 def test_behaviour_ratio_divides_by_the_sampled_distributions_log_probs():

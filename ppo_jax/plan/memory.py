@@ -308,7 +308,7 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
     low = lower_programs(run)
     trees = tree_bytes(run)
     held = holdings(trees, low)
-    live = role_memory.phase_live(held, role_memory.layout(run.meshes), s.rollout.off_policy_steps == 1)
+    live = role_memory.phase_live(held, role_memory.layout(run.meshes), s.rollout.off_policy_steps)
     options = dict(CPU_COMPILER_OPTIONS) if run.platform == "cpu" else {}
     compiled = tuple(_compile(name, low.lowered[name], live[name], options, inspect)
                      for name in programs if name in phases)

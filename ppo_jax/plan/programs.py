@@ -176,6 +176,7 @@ def lower_programs(run: PlannedRun) -> LoweredRun:
         mask=sample.mask, sampler_logprobs=sample.logprobs, behaviour_logprobs=sample.sampling_logprobs,
         stopped=sample.stopped,
         host_scores=jax.ShapeDtypeStruct((sample.tokens.shape[0],), jnp.float32, sharding=batch_sh),
+        policy_version=jax.ShapeDtypeStruct((sample.tokens.shape[0],), jnp.int32, sharding=batch_sh),
         **dict(zip(("ref_logprobs", "model_scores"), scores)))
     rollout = rollout if meshes.shared else placed(rollout, batch_sh)
     with sharding.mesh_context(mesh):

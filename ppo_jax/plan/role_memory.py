@@ -60,15 +60,16 @@ class Holdings:
     scores: int = 0
 
 
-def phase_live(h: Holdings, where: str, off_policy: bool) -> dict[str, int]:
+def phase_live(h: Holdings, where: str, samples_in_flight: int) -> dict[str, int]:
     """Per-device live bytes when each phase starts, on the devices that run it.
 
-    The trainer keeps the sample it scores (on the sampler's mesh) until its iteration ends, and
-    with one-step off-policy rollouts the next sample (with its scores) is in flight during the
-    experience and update, and the current one still referenced while the next one decodes and is
-    scored. The scoring program starts with the sampler's holdings and the sample it scores.
+    The trainer keeps the sample it scores (on the sampler's mesh) until its iteration ends. With
+    k-step off-policy rollouts (samples_in_flight = rollout.off_policy_steps = k) k samples (with their
+    scores) are in flight throughout: the next k during the experience and update, and while batch
+    i+k decodes and is scored, batches i .. i+k-1 (the current one still referenced). The scoring
+    program starts with the sampler's holdings and the sample it scores.
     """
-    in_flight = h.sample + h.scores if off_policy else 0
+    in_flight = samples_in_flight * (h.sample + h.scores)
     scored = h.sample if where != "shared" else 0  # shared: the rollout *is* the sample
     trainer = h.trainer_resident + h.held
     sampler_own = h.policy_copy + h.scorer_frozen + h.prompts + in_flight

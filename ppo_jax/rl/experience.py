@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 
 from ppo_jax import ppo, sampling
 from ppo_jax.models import packing
+from ppo_jax.rl.corrections import off_policy_correction, policy_lag_metrics
 from ppo_jax.rl.forwards import (ForwardOutputs, ResponseRows, microbatched, packed_forwards, packed_scores,
                                  padded_forwards, run_packed, score_responses)
 from ppo_jax.rl.settings import PPOHyper
@@ -28,41 +29,13 @@ def explained_variance(values, returns, mask):
     return 1.0 - ppo.masked_var(returns - values, mask) / jnp.maximum(var_returns, 1e-8)
 
 
-def off_policy_correction(hp: PPOHyper, logp, behaviour_logp, mask):
-    """How the update corrects for rollouts sampled by older weights (rollout.off_policy_steps=1):
-    (the log-probs the PPO ratio divides by [B, Lr], per-token advantage weights [B, Lr], metrics).
-
-    logp: the recomputed log-probs of the weights about to be updated; behaviour_logp: the sampler's
-    (the weights one update older). On-policy both are the same weights: the recomputed log-probs and
-    weight 1. "behaviour": the ratio to the behaviour policy itself, so PPO's clip bounds the step
-    from the policy that sampled. "truncated_is" (decoupled PPO, Hilton et al. 2021; the async peers'
-    truncated importance sampling): the ratio to the recomputed policy, which keeps ratio == 1 on the
-    first minibatch, and each token's advantage weighted by min(pi / pi_behaviour, is_cap), a
-    constant of the update. Weighting the advantage equals weighting the token's clipped loss (the
-    weight is positive), and leaves the value targets alone.
-    """
-    ones = jnp.ones_like(logp)
-    if not hp.off_policy_ratio:
-        return logp, ones, {}
-    log_w = (logp - behaviour_logp) * mask
-    weights = jnp.exp(log_w)
-    metrics = {
-        # k1 estimate of KL(behaviour || current) per token, under the behaviour's samples.
-        "off_policy/behaviour_kl": ppo.masked_mean(-log_w, mask),
-        "off_policy/is_weight_mean": ppo.masked_mean(weights, mask),
-        "off_policy/is_weight_max": (weights * mask).max(),
-        "off_policy/is_truncated_frac": ppo.masked_mean((weights > hp.is_cap).astype(jnp.float32), mask),
-    }
-    if hp.off_policy_ratio == "behaviour":
-        return behaviour_logp * mask, ones, metrics
-    return logp, jax.lax.stop_gradient(jnp.minimum(weights, hp.is_cap)), metrics
-
-
-def experience_from_outputs(out: ForwardOutputs, rollout: Rollout, kl_coef: jax.Array,
-                            hp: PPOHyper) -> tuple[Experience, dict[str, jax.Array]]:
+def experience_from_outputs(out: ForwardOutputs, rollout: Rollout, kl_coef: jax.Array, hp: PPOHyper,
+                            step: jax.Array | None = None) -> tuple[Experience, dict[str, jax.Array]]:
     """The models' outputs over the rollout [B, Lr] -> (Experience, metrics): scores, per-token
-    KL-shaped rewards, advantages and returns, the off-policy correction. kl_coef: the KL
-    controller's beta []."""
+    KL-shaped rewards, advantages and returns, the rollout correction (`rl/corrections.py`: it
+    weights the advantages, the policy-gradient term's only input). kl_coef: the KL controller's
+    beta []; step: the train step being updated [] (the policy lag of a rollout stamped with the
+    versions that sampled it)."""
     mask = rollout.mask.astype(jnp.float32)
     raw_scores = hp.model_weight * out.scores + rollout.host_scores
     scores = ppo.process_scores(
@@ -79,12 +52,12 @@ def experience_from_outputs(out: ForwardOutputs, rollout: Rollout, kl_coef: jax.
         kl_coef=reward_kl_coef, group_size=hp.group_size, gamma=hp.gamma, lam=hp.lam,
         # Critic-free estimators normalise in their own way (group or batch statistics).
         whiten=hp.whiten_advantages if hp.estimator == "gae" else None)
-    ratio_logp, is_weights, off_policy_metrics = off_policy_correction(hp, out.logprobs, rollout.behaviour_logprobs,
-                                                                       mask)
+    correction = off_policy_correction(hp.off_policy_ratio, hp.is_cap, out.logprobs, rollout.behaviour_logprobs, mask)
     exp = Experience(
         prompt_tokens=rollout.prompt_tokens, prompt_mask=rollout.prompt_mask,
-        tokens=rollout.tokens, mask=rollout.mask, old_logprobs=ratio_logp, ref_logprobs=out.ref_logprobs,
-        values=out.values, advantages=advantages * is_weights * mask, returns=returns * mask, scores=scores,
+        tokens=rollout.tokens, mask=rollout.mask, old_logprobs=correction.ratio_logprobs,
+        ref_logprobs=out.ref_logprobs, values=out.values, advantages=advantages * correction.pg_weights * mask,
+        returns=returns * mask, scores=scores,
         sequence_kl=kl.sum(-1))
     non_score = -(kl_coef * kl).sum(-1)
     metrics = {
@@ -102,7 +75,8 @@ def experience_from_outputs(out: ForwardOutputs, rollout: Rollout, kl_coef: jax.
         "advantages/std": jnp.sqrt(ppo.masked_var(advantages, mask)),
         "returns/mean": ppo.masked_mean(returns, mask),
         "returns/std": jnp.sqrt(ppo.masked_var(returns, mask)),
-        **off_policy_metrics,
+        **correction.metrics,
+        **({} if step is None else policy_lag_metrics(step, rollout.policy_version)),
     }
     if hp.uses_critic:
         metrics.update({
@@ -160,7 +134,7 @@ def make_experience_fn(modules: Modules, hp: PPOHyper, batch_sharding: NamedShar
             efficiency = packing.padded_token_efficiency(rollout.prompt_mask, rollout.mask)
         if hp.scored_outside:
             out = out.replace(ref_logprobs=rollout.ref_logprobs, scores=rollout.model_scores)
-        exp, metrics = experience_from_outputs(out, rollout, state.kl.coef, hp)
+        exp, metrics = experience_from_outputs(out, rollout, state.kl.coef, hp, step=state.step)
         return exp, {**metrics, "perf/experience_token_efficiency": efficiency}
 
     return experience

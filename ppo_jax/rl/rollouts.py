@@ -1,26 +1,31 @@
 """A PPO run's rollouts: the policy synced to the sampler's mesh (`rl/roles.py`), sampling, host
-rewards, the hand-over to the trainer's mesh, and the one-step off-policy pipeline
-(rollout.off_policy_steps=1: the next batch is sampled with the weights before this update while
-the trainer updates on this one).
+rewards, the hand-over to the trainer's mesh, and the k-step off-policy pipeline
+(rollout.off_policy_steps=k: the sampler runs k batches ahead of the trainer, batch i+k sampled with
+the weights before update i while the trainer updates on batch i).
 
 `Rollouts` holds the sampler's side of a run: the policy's copy on the sampler's mesh (synced once
 per train step; with LoRA the frozen base, copied there once), the log of the syncs since the last
 iteration, with roles.scoring="sampler" the scorer (the reference and reward model on the sampler's
-mesh), and the sample in flight. It reads the trainer's state only as the argument of each call.
+mesh), and the samples in flight, each stamped with the policy version (train step) that sampled it.
+It reads the trainer's state only as the argument of each call.
 
-The pipelined iteration k (θ_k: the weights before update k):
+The pipelined iteration i (θ_i: the weights before update i; k = 1 shown, k > 1 the same with
+batches i+1 .. i+k in flight):
 
-    sync θ_k -> sampler;  start sample k+1 (θ_k)   ─┐ sampler devices, asynchronous
-    wait for sample k (θ_{k-1}); host rewards        │
-    experience k; update k -> θ_{k+1}               ─┘ trainer devices, meanwhile
+    sync θ_i -> sampler;  start sample i+k (θ_i)   ─┐ sampler devices, asynchronous
+    wait for sample i (θ_{i-k}); host rewards        │
+    experience i; update i -> θ_{i+1}               ─┘ trainer devices, meanwhile
 
-The sample in flight at a checkpoint is saved with it (its arrays, in the step's JSON item), so a
-resumed run continues with the very rollout the uninterrupted one would have used.
+The first iteration starts batches 0 .. k with θ_0 (batch j's lag is j until the pipeline is full,
+then k); the last k iterations start none. The samples in flight at a checkpoint are saved with it
+(their arrays and versions, in the step's JSON item), so a resumed run continues with the very
+rollouts the uninterrupted one would have used.
 """
 
 from __future__ import annotations
 
 import base64
+import collections
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -72,10 +77,12 @@ class Texts:
 
 @dataclasses.dataclass
 class StartedRollout:
-    """A rollout dispatched to the sampler's mesh: its sample and, with roles.scoring="sampler",
-    the frozen models' outputs there (reference log-probs [B, Lr], raw model scores [B])."""
+    """A rollout dispatched to the sampler's mesh: its sample, the policy version (train step) whose
+    weights sampled it and, with roles.scoring="sampler", the frozen models' outputs there (reference
+    log-probs [B, Lr], raw model scores [B])."""
 
     sample: sampling.SampleOutput
+    version: int
     ref_logprobs: jax.Array | None = None
     model_scores: jax.Array | None = None
 
@@ -94,7 +101,9 @@ class Rollouts:
         self.prompts, self.sample_key = prompts, sample_key
         self.synced: roles.SyncedWeights | None = None  # the policy on the sampler's mesh, as of a train step
         self.sync_log: list[tuple[float, int]] = []  # (seconds, bytes) of the syncs since the last iteration
-        self.in_flight: StartedRollout | None = None  # off-policy: the next iteration's sample
+        # Off-policy: the next iterations' samples, oldest first (batches step, step + 1, ... at the
+        # start of `next`; at most rollout.off_policy_steps between iterations).
+        self.in_flight: collections.deque[StartedRollout] = collections.deque()
         self.merge_jit = None
         self.sampler_base = None  # LoRA: the frozen base on the sampler's mesh (copied once: it never changes)
         if lora is not None:
@@ -111,8 +120,9 @@ class Rollouts:
                 policy=self.sampler_base)
 
     @property
-    def off_policy(self) -> bool:
-        return self.settings.rollout.off_policy_steps == 1
+    def steps_ahead(self) -> int:
+        """rollout.off_policy_steps: batches the sampler runs ahead of the trainer (0: on-policy)."""
+        return self.settings.rollout.off_policy_steps
 
     def _merge_adapters(self, base, adapters):
         """base + scale * A @ B on the sampler's shardings (roles.lora_sync="merged")."""
@@ -152,15 +162,15 @@ class Rollouts:
         roles.scoring="sampler" its scoring, and returns at once."""
         mesh = self.meshes.sampler
         toks, mask = sharding.put_local_batch((prompt_tokens, prompt_mask), mesh)
-        return self._scored(self.sample(state, toks, mask, sharding.replicate(key, mesh)))
+        return self._scored(self.sample(state, toks, mask, sharding.replicate(key, mesh)), int(state.step))
 
-    def _scored(self, out: sampling.SampleOutput) -> StartedRollout:
+    def _scored(self, out: sampling.SampleOutput, version: int) -> StartedRollout:
         if self.scorer is None:
-            return StartedRollout(out)
+            return StartedRollout(out, version)
         with sharding.mesh_context(self.meshes.sampler):
             ref_logprobs, model_scores = self.steps.scoring_jit(self.scorer, out.prompt_tokens, out.prompt_mask,
                                                                 out.tokens, out.mask)
-        return StartedRollout(out, ref_logprobs, model_scores)
+        return StartedRollout(out, version, ref_logprobs, model_scores)
 
     def finish(self, started: StartedRollout) -> Rollout:
         """A sample scored by the Python reward functions (on the host; this waits for it) and moved to
@@ -181,7 +191,10 @@ class Rollouts:
         trainer_mesh = self.meshes.trainer
         data = sharding.data_sharding(trainer_mesh)  # a no-op when the sampler shares the trainer's mesh
         fields = sharding.reshard(fields, {k: data for k in fields})
-        return Rollout(**fields, host_scores=sharding.put_batch(host_scores, trainer_mesh))
+        # Every row of a batch was sampled by the same weights (per row: a partial rollout may mix them).
+        version = np.full(host_scores.shape, started.version, np.int32)
+        return Rollout(**fields, host_scores=sharding.put_batch(host_scores, trainer_mesh),
+                       policy_version=sharding.put_batch(version, trainer_mesh))
 
     def rollout(self, state: PPOState, prompt_tokens: np.ndarray, prompt_mask: np.ndarray,
                 key) -> tuple[Rollout, sampling.SampleOutput]:
@@ -193,18 +206,18 @@ class Rollouts:
         return jax.random.fold_in(self.sample_key, iteration)
 
     def next(self, state: PPOState) -> tuple[Rollout, sampling.SampleOutput]:
-        """The rollout of iteration `state.step`. On-policy: sampled now. One-step off-policy: the one
-        started in the previous iteration (or now, in a run's first), after starting the next one
-        with the current weights (the last iteration starts none). Same prompts and keys either way."""
+        """The rollout of iteration `state.step`. On-policy: sampled now. k-step off-policy: the one
+        started k iterations ago (in a run's first k, in its first), after starting the batches up to
+        iteration step + k that are not in flight yet with the current weights (none past the last
+        iteration). Same prompts and keys, in the same order, for every k."""
         iteration = int(state.step)
-        if not self.off_policy:
+        if not self.steps_ahead:
             return self.rollout(state, *self.prompts.next_batch(), self.iteration_key(iteration))
-        current = self.in_flight
-        if current is None:
-            current = self.start(state, *self.prompts.next_batch(), self.iteration_key(iteration))
-        self.in_flight = None
-        if iteration + 1 < self.settings.train.iterations:
-            self.in_flight = self.start(state, *self.prompts.next_batch(), self.iteration_key(iteration + 1))
+        last = min(iteration + self.steps_ahead, self.settings.train.iterations - 1)
+        while iteration + len(self.in_flight) <= last:  # in flight: batches iteration, iteration + 1, ...
+            batch = iteration + len(self.in_flight)
+            self.in_flight.append(self.start(state, *self.prompts.next_batch(), self.iteration_key(batch)))
+        current = self.in_flight.popleft()
         return self.finish(current), current.sample
 
     def pop_sync_metrics(self) -> dict[str, float]:
@@ -213,25 +226,33 @@ class Rollouts:
         self.sync_log = []
         return {"time/weight_sync": seconds, "perf/weight_sync_bytes": float(nbytes)}
 
-    # ------------------------------------------------------------------ the sample in flight, in checkpoints
+    # ------------------------------------------------------------------ the samples in flight, in checkpoints
 
-    def in_flight_record(self) -> dict | None:
-        """The sample in flight as JSON values (waits for it), or None."""
-        if self.in_flight is None:
-            return None
-        out = self.in_flight.sample  # its scores are recomputed on restore: the same program on the same inputs
-        host = sharding.to_host({f.name: getattr(out, f.name) for f in dataclasses.fields(out)})
-        return encode_arrays({k: np.asarray(v) for k, v in host.items()})
+    def in_flight_record(self) -> list[dict]:
+        """The samples in flight as JSON values, oldest first (waits for them): each its version and
+        its arrays (its scores are recomputed on restore: the same program on the same inputs)."""
+        records = []
+        for started in self.in_flight:
+            out = started.sample
+            host = sharding.to_host({f.name: getattr(out, f.name) for f in dataclasses.fields(out)})
+            records.append({"version": started.version,
+                            "sample": encode_arrays({k: np.asarray(v) for k, v in host.items()})})
+        return records
 
-    def restore_in_flight(self, record: dict | None) -> None:
-        """The sample a checkpoint saved in flight, back on the sampler's mesh (and scored there with
-        roles.scoring="sampler")."""
-        self.in_flight = None
-        if record is None:
-            return
-        if not self.off_policy:
-            metrics_lib.warn("the checkpoint holds a rollout sampled ahead (rollout.off_policy_steps=1), but this run "
-                             "is on-policy: that batch of prompts is skipped")
-            return
-        arrays = decode_arrays(record)
-        self.in_flight = self._scored(sampling.SampleOutput(**sharding.put_batch(arrays, self.meshes.sampler)))
+    def restore_in_flight(self, record: list[dict] | dict | None, step: int) -> None:
+        """The samples a checkpoint of train step `step` saved in flight, back on the sampler's mesh
+        (and scored there with roles.scoring="sampler"). Reads the one-step format too (one sample's
+        arrays, or None), whose sample the weights before the step's update drew."""
+        self.in_flight = collections.deque()
+        if isinstance(record, dict):
+            record = [{"version": step - 1, "sample": record}]
+        records = record or []
+        if len(records) > self.steps_ahead:
+            metrics_lib.warn(f"the checkpoint holds {len(records)} rollouts sampled ahead, but this run has "
+                             f"rollout.off_policy_steps={self.steps_ahead}: the prompts of the last "
+                             f"{len(records) - self.steps_ahead} are skipped")
+            records = records[:self.steps_ahead]
+        for r in records:
+            arrays = decode_arrays(r["sample"])
+            out = sampling.SampleOutput(**sharding.put_batch(arrays, self.meshes.sampler))
+            self.in_flight.append(self._scored(out, int(r["version"])))

@@ -21,6 +21,7 @@ from ppo_jax.config import (HF_MODEL_DIR, HF_REWARD_DIR, PEFT_ADAPTER_DIR,
 from ppo_jax.data.prompt_stream import PromptDataSettings
 from ppo_jax.distributed import DistributedSettings
 from ppo_jax.models.config import LoraConfig, ModelConfig
+from ppo_jax.rl.corrections import OFF_POLICY_RATIOS, off_policy_ratio
 from ppo_jax.rl.roles import RolesSettings
 from ppo_jax.sampling import SamplingConfig
 from ppo_jax.sampling.config import ENGINES
@@ -30,7 +31,7 @@ ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
 DECODE_LOOPS = {"auto": None, "scan": False, "unrolled": True}
 REFERENCE_DTYPES = ("", "bfloat16", "float16", "float32")
 PACKING = ("auto", "on", "off")
-OFF_POLICY_RATIOS = ("behaviour", "truncated_is")
+MAX_OFF_POLICY_STEPS = 4  # rollout.off_policy_steps: batches the sampler may run ahead of the trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +114,7 @@ class RolloutSettings:
     engine: str = "static"  # "static": all batch_size * num_samples rows decoded at once until the longest stops; "continuous": `slots` decode rows fed from a queue of them, a finished row's slot refilled by the next prompt (sampling/continuous.py; same tokens for the same key)
     slots: int = 0  # continuous: decode rows held at once, a multiple of the data-parallel devices, <= the rows; 0 = half the rows
     prefill_prompts: int = 0  # continuous: prompts prefilled together when a slot is free and no prefilled row waits; 0 = a quarter of the slots' worth
-    off_policy_steps: int = 0  # 0: each rollout samples the policy being updated; 1: the sampler generates batch k+1 with the weights before update k while the trainer updates on batch k (overlapped on disaggregated roles; the ratio: ppo.off_policy_ratio)
+    off_policy_steps: int = 0  # 0..4: 0: each rollout samples the policy being updated; k: the sampler runs k batches ahead, batch i+k sampled with the weights before update i while the trainer updates on batch i (overlapped on disaggregated roles; policy lag k; the correction: ppo.off_policy_ratio)
     tail_halvings: int = -1  # continuous: times the busy rows may move into half as many slots once nothing is left to insert (each a decode program of its own); -1 = 2 with the unrolled decode, 0 with the scanned one (TPU), whose stage caches cost memory there
 
 
@@ -127,8 +128,8 @@ class PPOLossSettings:
     num_microbatches: int = 1  # gradient-accumulation slices per minibatch (padded rows; packed: see max_tokens_per_microbatch)
     packing: str = "auto"  # "on": experience forwards and update on packed rows, only the real tokens computed (models/packing.py); "off": padded rows; "auto": on a CPU only (measured faster there whenever the rows hold padding; on an H200 the default granularity made a no-padding iteration 1.5x slower, long-tailed lengths unmeasured: docs/benchmarks.md). rollout.forward_microbatch applies to padded rows only
     max_tokens_per_microbatch: int = 0  # packed: token slots per update microbatch and per experience forward chunk, a multiple of data.prompt_length + rollout.response_length (one row); 0 = an eighth of a padded microbatch's (bench/bench_packing.py: 0.90 token efficiency, 1.57x on CPU at uniform lengths)
-    off_policy_ratio: str = "behaviour"  # rollout.off_policy_steps=1: "behaviour": the ratio's denominator is the sampler's log-probs (the weights one update old); "truncated_is": the ratio to the recomputed log-probs of the weights being updated, each token's advantage weighted by min(pi_recomputed / pi_sampler, ppo.is_cap) (decoupled PPO, as the async peers' truncated importance sampling)
-    is_cap: float = 2.0  # "truncated_is": the cap of the per-token importance weight (>= 1)
+    off_policy_ratio: str = "auto"  # the rollout correction for a sampler whose weights (rollout.off_policy_steps) or numerics differ from the trainer's, w = pi_trainer / pi_sampler (docs/off_policy.md): "none"; "behaviour": the ratio's denominator is the sampler's log-probs; "truncated_is" / "sequence_truncated_is": the ratio to the trainer's recomputed log-probs, each token's advantage weighted by min(w, ppo.is_cap), w per token or the row's product; "masked_is" / "sequence_masked_is": weighted by w, 0 (dropped) outside [1/is_cap, is_cap]; "auto": behaviour off-policy, none on-policy
+    is_cap: float = 2.0  # the truncated_is cap of the importance weight, and the masked_is bounds [1/is_cap, is_cap] (>= 1)
     clip_eps: float = 0.2  # policy ratio clip (lower side, and upper side unless clip_eps_high is set)
     clip_eps_high: float = 0.0  # upper ratio clip for asymmetric clipping; 0 = same as clip_eps
     dual_clip: float = 0.0  # dual-clip constant c > 1 for negative advantages; 0 = off
@@ -218,7 +219,26 @@ class Settings(RunSettings):
 
         reward_in_code: reward functions are passed in code, so a config without any reward is fine.
         """
-        r, p, t = self.rollout, self.ppo, self.train
+        t = self.train
+        self._validate_rollout()
+        self.compute.validate()
+        self._validate_models()
+        self._validate_ppo()
+        self.optim.validate("optim", {"policy_lr": self.optim.policy_lr, "value_lr": self.optim.value_lr})
+        check(self.reward.missing_stop in ("none", "replace", "penalty"),
+              f"reward.missing_stop={self.reward.missing_stop!r}: use none, replace or penalty")
+        check(reward_in_code or bool(self.reward.path) or bool(self.reward.functions),
+              "no reward: set reward.path (a reward model) and/or reward.functions (Python reward functions)")
+        check(self.data.truncation in ("left", "error"), f"data.truncation={self.data.truncation!r}: use left or error")
+        check(t.iterations >= 1, f"train.iterations must be >= 1, got {t.iterations}")
+        check(t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}")
+        check(t.best_mode in ("max", "min"), f"train.best_mode={t.best_mode!r}: use max or min")
+        check(t.max_consecutive_nonfinite >= 1,
+              f"train.max_consecutive_nonfinite must be >= 1, got {t.max_consecutive_nonfinite}")
+
+    def _validate_rollout(self) -> None:
+        """rollout.*: the batch, sampling, the engine, how far the sampler runs ahead."""
+        r = self.rollout
         check(r.batch_size > 0, f"rollout.batch_size must be positive, got {r.batch_size}")
         check(r.num_samples >= 1, f"rollout.num_samples must be >= 1, got {r.num_samples}")
         check(r.response_length > 0, f"rollout.response_length must be positive, got {r.response_length}")
@@ -229,13 +249,6 @@ class Settings(RunSettings):
               f"rollout.min_new_tokens={r.min_new_tokens} must be in [0, rollout.response_length={r.response_length}]")
         check(r.top_k >= 0, f"rollout.top_k must be >= 0 (0 = off), got {r.top_k}")
         check(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
-        self.compute.validate()
-        self.policy.lora.lora_config()  # LoraConfig's checks (the model family is checked with the model)
-        check(self.policy.reference_dtype in REFERENCE_DTYPES,
-              f"policy.reference_dtype={self.policy.reference_dtype!r}: use one of {REFERENCE_DTYPES} (\"\" = the policy's)")
-        check(not self.policy.reference_dtype or self.policy.lora.rank == 0 and not self.policy.lora.init_from,
-              f"policy.reference_dtype={self.policy.reference_dtype!r} with a LoRA policy: the frozen base is the "
-              "reference, held in the policy's dtype (policy.param_dtype); set policy.reference_dtype=\"\"")
         check(r.steps_per_sync >= 0, f"rollout.steps_per_sync must be >= 0 (0: by platform), got {r.steps_per_sync}")
         check(r.decode in DECODE_LOOPS, f"rollout.decode={r.decode!r}: use one of {sorted(DECODE_LOOPS)}")
         check(r.engine in ENGINES, f"rollout.engine={r.engine!r}: use one of {', '.join(ENGINES)}")
@@ -248,6 +261,18 @@ class Settings(RunSettings):
               f"rollout.slots={r.slots}, rollout.prefill_prompts={r.prefill_prompts} are settings of the continuous "
               f"engine: set rollout.engine=continuous, or leave them 0")
         stop_token_ids(r, None)  # parses
+        check(0 <= r.off_policy_steps <= MAX_OFF_POLICY_STEPS,
+              f"rollout.off_policy_steps={r.off_policy_steps}: use 0 (on-policy) to {MAX_OFF_POLICY_STEPS} "
+              "(batches the sampler runs ahead of the trainer)")
+
+    def _validate_models(self) -> None:
+        """The policy's and value model's LoRA and dtypes, and where the roles put the frozen models."""
+        check(self.policy.reference_dtype in REFERENCE_DTYPES,
+              f"policy.reference_dtype={self.policy.reference_dtype!r}: use one of {REFERENCE_DTYPES} (\"\" = the policy's)")
+        self.policy.lora.lora_config()  # LoraConfig's checks (the model family is checked with the model)
+        check(not self.policy.reference_dtype or self.policy.lora.rank == 0 and not self.policy.lora.init_from,
+              f"policy.reference_dtype={self.policy.reference_dtype!r} with a LoRA policy: the frozen base is the "
+              "reference, held in the policy's dtype (policy.param_dtype); set policy.reference_dtype=\"\"")
         self.roles.validate()
         lora_policy = self.policy.lora.rank > 0 or bool(self.policy.lora.init_from)
         # A LoRA value model shares a frozen transformer: the reward model's, or without a LoRA policy the reference's.
@@ -259,19 +284,26 @@ class Settings(RunSettings):
               "transformer, which the trainer needs; use a full value model (value.lora.rank=0) or roles.scoring=trainer")
         check(self.roles.lora_sync == "adapters" or lora_policy,
               f"roles.lora_sync={self.roles.lora_sync!r} applies to a LoRA policy (policy.lora.rank > 0)")
-        check(r.off_policy_steps in (0, 1), f"rollout.off_policy_steps={r.off_policy_steps}: use 0 (on-policy) or 1 "
-              "(one-step off-policy)")
+        check(self.value.init in ("policy", "reward"), f"value.init={self.value.init!r}: use policy or reward")
+        self.value.lora.lora_config()  # LoraConfig's checks, as policy.lora's
+        check(self.value.lora.rank == 0 or self.uses_critic,
+              f"value.lora.rank={self.value.lora.rank}, but ppo.advantage_estimator="
+              f"{self.ppo.advantage_estimator!r} trains no value model; set value.lora.rank=0")
+        if self.value.init == "reward" and self.uses_critic:
+            check(bool(self.reward.path), "value.init='reward' needs reward.path (a reward model to start the "
+                  "value model from)")
+
+    def _validate_ppo(self) -> None:
+        """ppo.*: the rollout correction, the estimator, the batch split, the losses and the KL leash."""
+        p = self.ppo
         check(p.off_policy_ratio in OFF_POLICY_RATIOS,
               f"ppo.off_policy_ratio={p.off_policy_ratio!r}: use one of {', '.join(OFF_POLICY_RATIOS)}")
-        check(r.off_policy_steps == 1 or (p.off_policy_ratio, p.is_cap) == ("behaviour", 2.0),
-              f"ppo.off_policy_ratio={p.off_policy_ratio!r}, ppo.is_cap={p.is_cap} correct one-step off-policy "
-              "rollouts: set rollout.off_policy_steps=1, or leave them at their defaults")
         check(p.is_cap >= 1 and math.isfinite(p.is_cap), f"ppo.is_cap must be a finite number >= 1, got {p.is_cap}")
         check(p.advantage_estimator in ESTIMATORS,
               f"ppo.advantage_estimator={p.advantage_estimator!r}: use one of {', '.join(ESTIMATORS)}")
         if p.advantage_estimator in ("grpo", "rloo"):
-            check(r.num_samples >= 2, f"ppo.advantage_estimator={p.advantage_estimator!r} compares samples of "
-                  f"the same prompt: set rollout.num_samples >= 2 (got {r.num_samples})")
+            check(self.rollout.num_samples >= 2, f"ppo.advantage_estimator={p.advantage_estimator!r} compares "
+                  f"samples of the same prompt: set rollout.num_samples >= 2 (got {self.rollout.num_samples})")
         check(p.epochs >= 1, f"ppo.epochs must be >= 1, got {p.epochs}")
         check(p.num_minibatches >= 1, f"ppo.num_minibatches must be >= 1, got {p.num_minibatches}")
         check(p.num_microbatches >= 1, f"ppo.num_microbatches must be >= 1, got {p.num_microbatches}")
@@ -293,25 +325,6 @@ class Settings(RunSettings):
         if p.kl_controller == "adaptive":
             check(p.kl_target > 0 and p.kl_horizon > 0,
                   "ppo.kl_target and ppo.kl_horizon must be > 0 for the adaptive controller")
-        self.optim.validate("optim", {"policy_lr": self.optim.policy_lr, "value_lr": self.optim.value_lr})
-        check(self.value.init in ("policy", "reward"), f"value.init={self.value.init!r}: use policy or reward")
-        self.value.lora.lora_config()  # LoraConfig's checks, as policy.lora's
-        check(self.value.lora.rank == 0 or self.uses_critic,
-              f"value.lora.rank={self.value.lora.rank}, but ppo.advantage_estimator="
-              f"{p.advantage_estimator!r} trains no value model; set value.lora.rank=0")
-        if self.value.init == "reward" and self.uses_critic:
-            check(bool(self.reward.path), "value.init='reward' needs reward.path (a reward model to start the "
-                  "value model from)")
-        check(self.reward.missing_stop in ("none", "replace", "penalty"),
-              f"reward.missing_stop={self.reward.missing_stop!r}: use none, replace or penalty")
-        check(reward_in_code or bool(self.reward.path) or bool(self.reward.functions),
-              "no reward: set reward.path (a reward model) and/or reward.functions (Python reward functions)")
-        check(self.data.truncation in ("left", "error"), f"data.truncation={self.data.truncation!r}: use left or error")
-        check(t.iterations >= 1, f"train.iterations must be >= 1, got {t.iterations}")
-        check(t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}")
-        check(t.best_mode in ("max", "min"), f"train.best_mode={t.best_mode!r}: use max or min")
-        check(t.max_consecutive_nonfinite >= 1,
-              f"train.max_consecutive_nonfinite must be >= 1, got {t.max_consecutive_nonfinite}")
 
 
 def ppo_config() -> ml_collections.ConfigDict:
@@ -375,7 +388,7 @@ class PPOHyper:
     router_z_coef: float = 0.0
     packed_rows: int = 0  # packed rows per microbatch (M); 0 = padded rows
     packed_length: int = 0  # slots per packed row (T)
-    off_policy_ratio: str = ""  # "" = on-policy rollouts; "behaviour" or "truncated_is" (rollout.off_policy_steps=1)
+    off_policy_ratio: str = ""  # "" = no correction; else one of rl/corrections.CORRECTIONS (ppo.off_policy_ratio)
     is_cap: float = 2.0
     scored_outside: bool = False  # roles.scoring="sampler": reference log-probs and model scores come with the rollout
 
@@ -402,7 +415,7 @@ class PPOHyper:
             vf_coef=p.vf_coef, ent_coef=p.ent_coef, router_aux_coef=p.router_aux_coef,
             router_z_coef=p.router_z_coef, packed_rows=sizes.packed_rows,
             packed_length=sizes.packed_length,
-            off_policy_ratio=p.off_policy_ratio if s.rollout.off_policy_steps else "", is_cap=p.is_cap,
+            off_policy_ratio=off_policy_ratio(p.off_policy_ratio, s.rollout.off_policy_steps), is_cap=p.is_cap,
             scored_outside=s.roles.scoring == "sampler")
 
     @property

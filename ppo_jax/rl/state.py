@@ -115,6 +115,10 @@ class Rollout:
     # the experience step computes them).
     ref_logprobs: Array | None = None  # [B, Lr]
     model_scores: Array | None = None  # [B] the reward model's, before gain and bias
+    # [B] int32 the policy version (train step) of the weights that sampled each row: the policy lag is
+    # the step being updated minus it (rollout.off_policy_steps = k: k once the pipeline is full). None:
+    # not stamped (rollouts made outside the trainer), no lag metrics.
+    policy_version: Array | None = None
 
 
 @flax.struct.dataclass

@@ -164,11 +164,11 @@ class PPOTrainer:
         return weights, None
 
     def _restore_positions(self, extra: dict) -> None:
-        """Where a resumed run's data streams stood, and the sample it had in flight."""
+        """Where a resumed run's data streams stood, and the samples it had in flight."""
         self.prompts.restore(extra["data"])
         if self.eval_prompts is not None and extra.get("eval_data"):
             self.eval_prompts.restore(extra["eval_data"])
-        self.rollouts.restore_in_flight(extra.get(IN_FLIGHT_ITEM))
+        self.rollouts.restore_in_flight(extra.get(IN_FLIGHT_ITEM), int(self.state.step))
 
     def _open_logs(self) -> metrics_lib.MetricWriter:
         """The metrics writer; on process 0 the sample logs cut back to the step resumed from (they
@@ -253,11 +253,11 @@ class PPOTrainer:
         return ref_logprobs, scores
 
     def save_checkpoint(self, force: bool = False) -> bool:
-        """Saves trainable state + data position + the sample in flight (the reference once, in frozen/;
+        """Saves trainable state + data position + the samples in flight (the reference once, in frozen/;
         a LoRA base, imported adapters and a LoRA value base never, only their checksums)."""
         items = {"data": self.prompts.state(),
                  "eval_data": self.eval_prompts.state() if self.eval_prompts is not None else None,
-                 # Off-policy: the sample started with the weights before this step's update (waits for it).
+                 # Off-policy: the samples started ahead, with their versions (waits for them).
                  IN_FLIGHT_ITEM: self.rollouts.in_flight_record()}
         return self.checkpointing.save(self.state, self.reference_params, items,
                                        self.history[-1] if self.history else None, force=force)

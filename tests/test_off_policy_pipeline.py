@@ -1,0 +1,131 @@
+"""k-step off-policy rollouts (issue 44 item 1): the sampler keeps rollout.off_policy_steps = k batches in
+flight ahead of the trainer, each stamped with the policy version that sampled it. On the tiny config
+with k = 2: the pipelined run equals a plain loop written here (batch j sampled with the weights before
+update j - k), the policy lag is k once the pipeline is full, a SIGTERM with two batches in flight
+resumes bit for bit, the one-step checkpoint format still reads, and the planner counts k samples."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import make_test_mesh
+from test_reliability import _toy_reward_then_sigterm_at
+from test_roles import assert_same_metrics, comparable
+from tiny_configs import tiny_config
+
+from ppo_jax import reward_functions as reward_fns
+from ppo_jax import sharding
+from ppo_jax.plan import role_memory
+from ppo_jax.rl.state import Rollout, policy_variables
+from ppo_jax.rl.trainer import PPOTrainer
+
+K = 2
+ITERATIONS = 4
+OVERRIDES = {"rollout.off_policy_steps": K, "train.iterations": ITERATIONS, "ppo.off_policy_ratio": "truncated_is",
+             "ppo.is_cap": 1.5, "rollout.batch_size": 16, "rollout.forward_microbatch": 0}
+TOY = [(reward_fns.toy_target_count, 1.0)]
+
+
+def trainer_at(workdir, reward_functions=TOY, **overrides) -> PPOTrainer:
+    return PPOTrainer(tiny_config(**{**OVERRIDES, **overrides}), str(workdir), reward_functions=reward_functions,
+                      mesh=make_test_mesh((1, 1, 1)))
+
+
+def plain_k_step_loop(trainer: PPOTrainer, iterations: int, k: int) -> list[dict]:
+    """k-step off-policy written out plainly: batch j sampled with θ_{max(0, j - k)} (the weights before
+    update j - k), prompts and keys in the order an on-policy run draws them; the experience and update
+    steps are the trainer's."""
+    before_update = []  # θ_j: the policy before update j
+    history = []
+    for j in range(iterations):
+        before_update.append(sharding.copy_tree(trainer.state.policy, trainer.state_shardings.policy))
+        behaviour = before_update[max(0, j - k)]
+        prompt_tokens, prompt_mask = trainer.prompts.next_batch()
+        toks, mask = sharding.put_local_batch((prompt_tokens, prompt_mask), trainer.mesh)
+        params, adapters = policy_variables(behaviour, trainer.frozen.policy)
+        out = trainer.steps.sampler(params, toks, mask, sharding.replicate(trainer.iteration_key(j), trainer.mesh),
+                                    adapters=adapters)
+        host = jax.device_get({"pt": out.prompt_tokens, "pm": out.prompt_mask, "t": out.tokens, "m": out.mask})
+        scores = np.asarray(reward_fns.toy_target_count(*trainer.decode(host["pt"], host["pm"], host["t"], host["m"])),
+                            np.float32)
+        rollout = Rollout(prompt_tokens=out.prompt_tokens, prompt_mask=out.prompt_mask, tokens=out.tokens,
+                          mask=out.mask, sampler_logprobs=out.logprobs, behaviour_logprobs=out.sampling_logprobs,
+                          stopped=out.stopped, host_scores=sharding.put_batch(scores, trainer.mesh))
+        with sharding.mesh_context(trainer.mesh):
+            exp, exp_metrics = trainer.steps.experience_jit(trainer.state, trainer.frozen, rollout)
+            trainer.state, upd_metrics = trainer.steps.update_jit(trainer.state, trainer.frozen.policy,
+                                                                  trainer.frozen.value, exp)
+        history.append({k: float(v) for k, v in {**jax.device_get(exp_metrics), **jax.device_get(upd_metrics)}.items()})
+    return history
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted k = 2 run: (its history, its final policy on the host)."""
+    trainer = trainer_at(tmp_path_factory.mktemp("straight"))
+    history = trainer.train()
+    assert not trainer.rollouts.in_flight  # the last k iterations started none
+    assert trainer.trace_counts == {"experience": 1, "update": 1} and trainer.sampler.trace_count == 1
+    policy = jax.device_get(trainer.state.policy)
+    trainer.close()
+    return history, policy
+
+
+def test_k_step_pipeline_equals_the_plain_loop_and_its_lag_reaches_k(straight, tmp_path):
+    history, _ = straight
+    reference = trainer_at(tmp_path / "plain")
+    expected = plain_k_step_loop(reference, ITERATIONS, K)
+    reference.close()
+    assert_same_metrics(expected, [{k: v for k, v in row.items() if k in expected[0]} for row in history])
+    # Batches 0 .. k all come from θ_0, so batch j's lag is j until the pipeline is full, then k.
+    lags = [row["rollout/policy_lag_mean"] for row in history]
+    assert lags == [0.0, 1.0, 2.0, 2.0] and [row["rollout/policy_lag_max"] for row in history] == lags
+    assert history[0]["rollout/mismatch_kl"] < 1e-6  # batch 0: the very weights being updated
+    assert history[2]["rollout/mismatch_kl"] > history[1]["rollout/mismatch_kl"] > 1e-8  # staler, further
+
+
+def test_sigterm_with_two_batches_in_flight_resumes_bit_for_bit(straight, tmp_path):
+    """Stopped after iteration 1, batches 1 and 2 (both sampled by θ_0) are in flight: both are saved
+    with their versions, and the resumed run continues with them: identical metrics and parameters."""
+    expected, expected_policy = straight
+    first = trainer_at(tmp_path, [(_toy_reward_then_sigterm_at(1), 1.0)])
+    partial = first.train()
+    assert first.stopped_by == "SIGTERM" and len(partial) == 1
+    first.close()
+    resumed = trainer_at(tmp_path)
+    assert resumed.resumed_from == 1
+    assert [r.version for r in resumed.rollouts.in_flight] == [0, 0]
+    rest = resumed.train()
+    assert len(rest) == ITERATIONS - 1
+    for want, got in zip(expected[1:], rest):
+        assert comparable(got) == comparable(want)  # bitwise
+    for a, b in zip(jax.tree.leaves(expected_policy), jax.tree.leaves(jax.device_get(resumed.state.policy))):
+        np.testing.assert_array_equal(a, b)
+    resumed.close()
+
+
+def test_the_one_step_checkpoint_format_still_reads(tmp_path):
+    """Before k-step rollouts a checkpoint held one sample's arrays (or None): it is the sample the
+    weights before the saved step's update drew, so its version is step - 1."""
+    trainer = trainer_at(tmp_path, **{"rollout.off_policy_steps": 1})
+    trainer.rollouts.next(trainer.state)  # iteration 0 starts batch 1 ahead
+    (record,) = trainer.rollouts.in_flight_record()
+    trainer.rollouts.restore_in_flight(record["sample"], step=3)  # the old format: the arrays alone
+    (restored,) = trainer.rollouts.in_flight
+    assert restored.version == 2
+    saved = trainer.rollouts.in_flight_record()[0]["sample"]
+    assert saved == record["sample"]  # the same arrays, bit for bit
+    trainer.rollouts.restore_in_flight(None, step=3)
+    assert not trainer.rollouts.in_flight
+    trainer.close()
+
+
+def test_the_planner_holds_k_samples_in_flight():
+    held = role_memory.Holdings(trainer_resident=1000, held=100, rollout=50, experience=70, prompts=5,
+                                policy_copy=300, sample=40, scorer_frozen=200, scores=8)
+    for where in ("shared", "colocated", "disaggregated"):
+        on_policy = role_memory.phase_live(held, where, 0)
+        for k in (1, 2, 4):
+            live = role_memory.phase_live(held, where, k)
+            assert live["sampler"] - on_policy["sampler"] == k * (40 + 8), (where, k)
+            extra = 0 if where == "disaggregated" else k * (40 + 8)  # held beside the trainer's phases
+            assert live["update"] - on_policy["update"] == extra, (where, k)
