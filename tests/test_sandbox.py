@@ -81,6 +81,13 @@ def test_ordinary_code_runs_and_every_layer_is_in_place_by_default():
     assert {"rlimits", "audit_hook", "unprivileged_user"} <= set(result.layers)
 
 
+def test_closing_its_output_does_not_end_the_run_early():
+    code = "import os, time\nos.close(1)\nos.close(2)\ntime.sleep(0.3)\nopen('x', 'w')\nos._exit(3)"
+    result = run_python(code, TIGHT)
+    assert result.status == "error" and result.exit_code == 3 and result.wall_seconds >= 0.3, result
+    assert run_python("x = 1", TIGHT).observation() == "(no output)"
+
+
 def test_an_exception_is_an_error_observation_without_the_sandboxs_own_frames():
     result = run_python("def f():\n    return 1 / 0\nf()", TIGHT)
     assert result.status == "error" and result.exit_code == 1

@@ -90,8 +90,8 @@ class SandboxResult:
 
     def observation(self, max_chars: int = 2000) -> str:
         """The text a policy sees: stdout when it worked, else what went wrong, both cut to `max_chars`."""
-        if self.status == "ok":
-            return _cut(self.stdout, max_chars)
+        if self.status == "ok":  # "(no output)" rather than nothing: the policy should learn to print
+            return _cut(self.stdout, max_chars) if self.stdout else "(no output)"
         what = {"error": f"error (exit code {self.exit_code})",
                 "timeout": (f"stopped: CPU time limit ({self.cpu_seconds:.1f} s)" if self.signal else
                             f"stopped: time limit ({self.wall_seconds:.1f} s)"),
@@ -153,9 +153,9 @@ def run_python(code: str, limits: Limits = Limits()) -> SandboxResult:
 
 
 def _watch(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[str | None, bytes, bytes]:
-    """Reads stdout and stderr until both close, the deadline passes or `cap` bytes came; then kills
-    the process group. Returns (why the trainer stopped it: "timeout" / "output_limit" / None, stdout,
-    stderr). Holds at most `cap` bytes, whatever the code prints."""
+    """Reads stdout and stderr until the code has exited and both pipes closed, the deadline passes or
+    `cap` bytes came; then kills the process group. Returns (why the trainer stopped it: "timeout" /
+    "output_limit" / None, stdout, stderr). Holds at most `cap` bytes, whatever the code prints."""
     out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
     buffers = {out_fd: bytearray(), err_fd: bytearray()}
     selector = selectors.DefaultSelector()
@@ -164,12 +164,15 @@ def _watch(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[str | Non
         selector.register(fd, selectors.EVENT_READ)
     stopped, exited = None, False
     try:
-        while selector.get_map() and stopped is None:
+        # Closed pipes are not the end: code may close its stdout and go on running.
+        while stopped is None and not (exited and not selector.get_map()):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 stopped = "timeout"
                 break
-            for key, _ in selector.select(min(remaining, 0.1)):
+            if not selector.get_map():
+                time.sleep(min(remaining, 0.01))
+            for key, _ in selector.select(min(remaining, 0.1)) if selector.get_map() else ():
                 chunk = os.read(key.fd, 1 << 16)
                 if not chunk:
                     selector.unregister(key.fd)
