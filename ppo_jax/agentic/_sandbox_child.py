@@ -12,13 +12,14 @@ Two processes, so the untrusted code is never the trainer's direct child:
           installs the audit hook, runs `main.py` from the sandbox directory.
 
 Every step before the user's code fails closed: a requested privilege drop that does not work ends
-the run before any user code runs (SETUP_EXIT).
+the run before any user code runs, reported as {"setup_error": ...} on the status pipe.
 """
 
 import ctypes
 import json
 import os
 import resource
+import signal
 import sys
 import traceback
 
@@ -27,7 +28,8 @@ CLONE_NEWPID = 0x20000000
 CLONE_NEWNS = 0x00020000
 MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
 MEMORY_EXIT = 99  # the runner caught MemoryError (the RLIMIT_AS cap, normally)
-SETUP_EXIT = 98  # a sandbox layer could not be put in place; no user code ran
+CPU_EXIT = 97  # the runner got SIGXCPU (the RLIMIT_CPU soft limit)
+SETUP_EXIT = 98  # a sandbox layer could not be put in place; no user code ran (reported on the pipe)
 
 # The Python installation may not be readable by the unprivileged user (e.g. a pyenv under /root, mode
 # 0700), so the modules a tool call usually wants are imported while still privileged. Anything else
@@ -150,8 +152,10 @@ def _audit_hook(directory, readable):
     sys.addaudithook(hook)
 
 
-def _run(config):
-    """The runner: never returns (os._exit), so nothing of the supervisor's code runs after it."""
+def _run(config, status_fd):
+    """The runner: never returns (os._exit), so nothing of the supervisor's code runs after it. It
+    holds the status pipe until its set-up is done, to report a failed set-up where the user's code
+    cannot forge the report: the pipe is closed before that code runs."""
     try:
         for name in PRELOADED_MODULES:
             __import__(name)
@@ -173,8 +177,12 @@ def _run(config):
                                                       sys.base_exec_prefix)} | {"/dev/null", "/dev/urandom"}
             _audit_hook(directory, tuple(readable))
     except BaseException as e:  # fail closed
-        os.write(2, f"sandbox setup failed: {e!r}\n".encode())
+        os.write(status_fd, (json.dumps({"setup_error": repr(e)}) + "\n").encode())
         os._exit(SETUP_EXIT)
+    os.close(status_fd)
+    # As a PID namespace's first process the runner ignores signals it has no handler for, SIGXCPU
+    # included: without this the CPU limit would act only at the hard limit, a second later.
+    signal.signal(signal.SIGXCPU, lambda *_: os._exit(CPU_EXIT))
     sys.argv = ["main.py"]
     code = 0
     try:
@@ -210,19 +218,18 @@ def main():
         layers.append("pid_namespace")
     if config["private_disk"] and _private_disk(config):
         layers.append("disk_quota")
-    if config["drop_to"] is not None or os.geteuid() != 0:
+    if config["drop_to"] is not None:  # a user of its own: the trainer's files and processes are foreign
         layers.append("unprivileged_user")
-    if config["processes"] is not None and "unprivileged_user" in layers:
+    if config["processes"] is not None and (config["drop_to"] is not None or os.geteuid() != 0):
         layers.append("process_cap")  # RLIMIT_NPROC does not bind root
     if config["audit_hook"]:
         layers.append("audit_hook")
     os.write(status_fd, (json.dumps({"layers": layers}) + "\n").encode())
     pid = os.fork()
     if pid == 0:
-        os.close(status_fd)
-        _run(config)
-    # The runner's CPU time tells the CPU limit's kill apart from others: as a PID namespace's first
-    # process it ignores SIGXCPU, so the hard limit's SIGKILL is what ends it there.
+        _run(config, status_fd)
+    # The runner's CPU time tells the CPU limit's ending apart from others (its SIGXCPU handler's exit,
+    # or the hard limit's SIGKILL where the code replaced that handler).
     _, status, usage = os.wait4(pid, 0)
     ending = {"cpu_seconds": usage.ru_utime + usage.ru_stime}
     if os.WIFSIGNALED(status):

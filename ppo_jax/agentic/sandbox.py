@@ -41,9 +41,16 @@ import tempfile
 import time
 
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
-MEMORY_EXIT = 99  # = _sandbox_child.MEMORY_EXIT (that script is not importable by design)
-SETUP_EXIT = 98  # = _sandbox_child.SETUP_EXIT
+# = _sandbox_child's (that script is not importable by design). Code may exit with these itself: it
+# only mislabels its own ending.
+MEMORY_EXIT, CPU_EXIT = 99, 97
 STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "killed")
+
+
+class SandboxSetupError(RuntimeError):
+    """The sandbox could not be put in place on this host (e.g. root without the right to change user:
+    set `Limits.drop_privileges=False` to run as the trainer's user). A problem of the host, not of the
+    code: no code ran, and the run should stop rather than feed the policy an observation."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +84,7 @@ class Limits:
 @dataclasses.dataclass(frozen=True)
 class SandboxResult:
     """How one run ended. `status` is one of STATUSES; `exit_code` is None when a signal ended it
-    (then `signal` names it); `layers` are the isolation layers that were in place."""
+    (then `signal` names it); `layers` are the isolation layers that were in place (docs/agentic.md)."""
 
     status: str
     stdout: str
@@ -86,6 +93,7 @@ class SandboxResult:
     signal: int | None
     wall_seconds: float
     cpu_seconds: float  # the code's first process's CPU time (0 when it was killed from outside)
+    limit: str | None  # the Limits field that stopped it (e.g. "cpu_seconds"), None when none did
     layers: tuple[str, ...]
 
     def observation(self, max_chars: int = 2000) -> str:
@@ -93,7 +101,7 @@ class SandboxResult:
         if self.status == "ok":  # "(no output)" rather than nothing: the policy should learn to print
             return _cut(self.stdout, max_chars) if self.stdout else "(no output)"
         what = {"error": f"error (exit code {self.exit_code})",
-                "timeout": (f"stopped: CPU time limit ({self.cpu_seconds:.1f} s)" if self.signal else
+                "timeout": (f"stopped: CPU time limit ({self.cpu_seconds:.1f} s)" if self.limit == "cpu_seconds" else
                             f"stopped: time limit ({self.wall_seconds:.1f} s)"),
                 "memory": "stopped: memory limit reached",
                 "output_limit": "stopped: output limit reached",
@@ -116,7 +124,8 @@ def _unprivileged_ids() -> tuple[int, int]:
 
 def run_python(code: str, limits: Limits = Limits()) -> SandboxResult:
     """Runs `code` under `limits` (see the module docstring) and returns how it ended. Thread-safe:
-    many runs may go on at once from a thread pool (each one is its own processes)."""
+    many runs may go on at once from a thread pool (each one is its own processes). Raises only
+    SandboxSetupError (before any code ran); whatever the code does is the result."""
     start = time.monotonic()
     directory = tempfile.mkdtemp(prefix="ppo_jax_sandbox_")
     status_r = status_w = -1
@@ -125,10 +134,15 @@ def run_python(code: str, limits: Limits = Limits()) -> SandboxResult:
             f.write(code)
         drop_to = _unprivileged_ids() if limits.drop_privileges and os.geteuid() == 0 else None
         if drop_to is not None:
-            for path in (directory, os.path.join(directory, "main.py")):
-                os.chown(path, *drop_to)
+            try:
+                for path in (directory, os.path.join(directory, "main.py")):
+                    os.chown(path, *drop_to)
+            except PermissionError as e:  # root without CAP_CHOWN (a restricted container)
+                raise SandboxSetupError(f"the sandbox could not be set up: {e!r}; Limits(drop_privileges="
+                                        "False) runs the code as this user") from None
         status_r, status_w = os.pipe()
-        config = {"directory": directory, "status_fd": status_w, "drop_to": drop_to,
+        # trainer_pid: which process started a sandbox, for `ps` (and for the tests to find their own).
+        config = {"trainer_pid": os.getpid(), "directory": directory, "status_fd": status_w, "drop_to": drop_to,
                   "cpu_seconds": limits.cpu_seconds, "memory_bytes": limits.memory_bytes,
                   "file_bytes": limits.file_bytes, "processes": limits.processes,
                   "isolate_network": limits.isolate_network, "isolate_pids": limits.isolate_pids,
@@ -144,6 +158,9 @@ def run_python(code: str, limits: Limits = Limits()) -> SandboxResult:
         status_w = -1
         stopped, out, err = _watch(proc, start + limits.wall_seconds, limits.output_bytes)
         report = _read_report(status_r)
+        if "setup_error" in report:
+            raise SandboxSetupError(f"the sandbox could not be set up: {report['setup_error']} (as root, the code "
+                                    "runs as 'nobody'; Limits(drop_privileges=False) runs it as this user)")
     finally:
         for fd in (status_r, status_w):
             if fd >= 0:
@@ -227,22 +244,24 @@ def _read_report(fd: int) -> dict:
 
 def _result(stopped: str | None, report: dict, out: bytes, err: bytes, wall: float,
             cpu_limit: int) -> SandboxResult:
-    """The status from who stopped the run: the trainer (timeout, output cap), the kernel (SIGXCPU is
-    the CPU limit, a MemoryError the memory limit), a signal from elsewhere (killed), or the code."""
+    """The status from who stopped the run: the trainer (wall clock, output cap), the kernel (the CPU
+    limit: SIGXCPU or the hard limit's SIGKILL once the CPU time is spent; the memory limit: a
+    MemoryError), a signal from elsewhere (killed), or the code itself (ok, error)."""
     exit_code, sig, cpu = report.get("exit_code"), report.get("signal"), report.get("cpu_seconds", 0.0)
+    limit = None
     if stopped is not None:
-        status = stopped
+        status, limit = stopped, {"timeout": "wall_seconds", "output_limit": "output_bytes"}[stopped]
     elif "exit_code" not in report:
         status, sig = "killed", signal.SIGKILL  # the supervisor died before reporting: killed from inside
-    elif sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= cpu_limit):
-        status = "timeout"
+    elif sig == signal.SIGXCPU or exit_code == CPU_EXIT or (exit_code != 0 and cpu >= cpu_limit):
+        status, limit = "timeout", "cpu_seconds"
     elif exit_code == MEMORY_EXIT or (exit_code is not None and exit_code != 0 and
                                       err.rstrip().endswith(b"MemoryError")):
-        status = "memory"
+        status, limit = "memory", "memory_bytes"
     elif sig is not None:
         status = "killed"
     else:
         status = "ok" if exit_code == 0 else "error"
     return SandboxResult(status=status, stdout=out.decode("utf-8", "replace"), stderr=err.decode("utf-8", "replace"),
-                         exit_code=exit_code, signal=sig, wall_seconds=wall, cpu_seconds=cpu,
+                         exit_code=exit_code, signal=sig, wall_seconds=wall, cpu_seconds=cpu, limit=limit,
                          layers=tuple(report.get("layers", ())))

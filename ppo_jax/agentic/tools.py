@@ -63,6 +63,8 @@ class Tool:
             return f"error: {problem}"
         try:
             return self.run(arguments)
+        except sandbox.SandboxSetupError:
+            raise  # the host cannot run tools safely: the run stops, the policy is not to blame
         except Exception as e:  # a tool's own bug must not end the run: the observation says it
             return f"error: {self.name} failed: {type(e).__name__}: {e}"
 
