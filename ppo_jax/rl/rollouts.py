@@ -206,10 +206,11 @@ class Rollouts:
         return jax.random.fold_in(self.sample_key, iteration)
 
     def next(self, state: PPOState) -> tuple[Rollout, sampling.SampleOutput]:
-        """The rollout of iteration `state.step`. On-policy: sampled now. k-step off-policy: the one
-        started k iterations ago (in a run's first k, in its first), after starting the batches up to
-        iteration step + k that are not in flight yet with the current weights (none past the last
-        iteration). Same prompts and keys, in the same order, for every k."""
+        """The rollout of iteration `state.step`. On-policy: sampled now. k-step off-policy: first the
+        batches up to iteration step + k not in flight yet are started with the current weights (all
+        k + 1 in a run's first iteration; none past its last), then the oldest in flight is finished:
+        the one started k iterations ago (in the first k iterations, in the first). Same prompts and
+        keys, in the same order, for every k."""
         iteration = int(state.step)
         if not self.steps_ahead:
             return self.rollout(state, *self.prompts.next_batch(), self.iteration_key(iteration))

@@ -274,7 +274,7 @@ class PPOTrainer:
 
     def run_iteration(self) -> dict[str, float]:
         timer = metrics_lib.PhaseTimer()
-        with timer.measure("generate"):  # off-policy: only the wait for the sample started last iteration
+        with timer.measure("generate"):  # off-policy: only the wait for the sample started k iterations ago
             rollout, sample = self.rollouts.next(self.state)
             jax.block_until_ready(rollout.tokens)
         with timer.measure("experience"):
