@@ -67,15 +67,18 @@ def phase_live(h: Holdings, where: str, samples_in_flight: int) -> dict[str, int
     k-step off-policy rollouts (samples_in_flight = rollout.off_policy_steps = k) k samples (with their
     scores) are in flight throughout: the next k during the experience and update, and while batch
     i+k decodes and is scored, batches i .. i+k-1 (the current one still referenced). The scoring
-    program starts with the sampler's holdings and the sample it scores.
+    program starts with the sampler's holdings and the sample it scores. Off-policy, the sync of θ_i
+    to the sampler lands while batch i+k-1 may still decode with θ_{i-1}: the sampler's devices hold
+    two policy copies then (the older one goes when that decode ends).
     """
     in_flight = samples_in_flight * (h.sample + h.scores)
+    syncing = h.policy_copy if samples_in_flight else 0
     scored = h.sample if where != "shared" else 0  # shared: the rollout *is* the sample
     trainer = h.trainer_resident + h.held
     sampler_own = h.policy_copy + h.scorer_frozen + h.prompts + in_flight
     # The sampler's own holdings on the trainer's devices, unless it has devices of its own.
     beside = h.policy_copy + h.scorer_frozen + scored + in_flight if where != "disaggregated" else 0
-    sampler = sampler_own + (trainer if where != "disaggregated" else 0)
+    sampler = sampler_own + syncing + (trainer if where != "disaggregated" else 0)
     return {
         "sampler": sampler,
         "scoring": sampler + h.sample,
