@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import make_test_mesh
 from test_reliability import _toy_reward_then_sigterm_at
-from test_roles import assert_same_metrics, comparable
+from test_roles import assert_same_metrics, comparable, layout_trainer, reward_dir  # noqa: F401 (a fixture)
 from tiny_configs import tiny_config
 
 from ppo_jax import reward_functions as reward_fns
@@ -98,6 +98,26 @@ def test_sigterm_with_two_batches_in_flight_resumes_bit_for_bit(straight, tmp_pa
     assert len(rest) == ITERATIONS - 1
     for want, got in zip(expected[1:], rest):
         assert comparable(got) == comparable(want)  # bitwise
+    for a, b in zip(jax.tree.leaves(expected_policy), jax.tree.leaves(jax.device_get(resumed.state.policy))):
+        np.testing.assert_array_equal(a, b)
+    resumed.close()
+
+
+def test_disaggregated_sampler_scoring_two_batches_in_flight_resumes_bit_for_bit(reward_dir, tmp_path):
+    """The sampler on devices of its own, the reference and reward model scoring there: both samples in
+    flight are restored onto the sampler's mesh and scored again there, bit for bit."""
+    overrides = {**OVERRIDES, "train.iterations": 3, "roles.scoring": "sampler", "reward.path": reward_dir}
+    straight = layout_trainer("disaggregated", tmp_path / "straight", TOY, **overrides)
+    expected = straight.train()
+    expected_policy = jax.device_get(straight.state.policy)
+    straight.close()
+    first = layout_trainer("disaggregated", tmp_path / "run", [(_toy_reward_then_sigterm_at(1), 1.0)], **overrides)
+    assert len(first.train()) == 1 and first.stopped_by == "SIGTERM"
+    first.close()
+    resumed = layout_trainer("disaggregated", tmp_path / "run", TOY, **overrides)
+    assert len(resumed.rollouts.in_flight) == 2 and all(r.ref_logprobs is not None for r in resumed.rollouts.in_flight)
+    rest = resumed.train()
+    assert [comparable(row) for row in rest] == [comparable(row) for row in expected[1:]]  # bitwise
     for a, b in zip(jax.tree.leaves(expected_policy), jax.tree.leaves(jax.device_get(resumed.state.policy))):
         np.testing.assert_array_equal(a, b)
     resumed.close()
