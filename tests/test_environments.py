@@ -124,14 +124,14 @@ def test_rows_wait_for_their_environments_in_parallel():
 
 
 def test_sandboxed_tool_calls_run_in_parallel_too():
-    limits = Limits(wall_seconds=3.0, cpu_seconds=1, memory_bytes=256 << 20)
+    limits = Limits(wall_seconds=10.0, cpu_seconds=1, memory_bytes=256 << 20)
     envs = [ToolEnvironment([tools.python(limits)], max_turns=3) for _ in range(4)]
     for env in envs:
         env.reset({"prompt": "sleep"})
-    turns = [Turn(call("python", code=f"import time\ntime.sleep(0.5)\nprint({i})"), [1]) for i in range(4)]
+    turns = [Turn(call("python", code=f"import time\ntime.sleep(1.0)\nprint({i})"), [1]) for i in range(4)]
     batch = environment.step_all(envs, turns, max_workers=4)
     assert [r.observation for r in batch.results] == [f"<tool_result>{i}\n</tool_result>" for i in range(4)]
-    assert batch.wall_seconds < 0.5 * 4 * 0.75, batch.wall_seconds
+    assert batch.wall_seconds < 3.0, batch.wall_seconds  # one by one: over 4 s
 
 
 def test_an_environment_that_raises_names_its_row():

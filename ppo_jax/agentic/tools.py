@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import decimal
 from collections.abc import Callable, Mapping
 from fractions import Fraction
 from typing import Any
@@ -90,6 +91,15 @@ def _bits(x: Fraction) -> int:
     return max(x.numerator.bit_length(), x.denominator.bit_length())
 
 
+def _decimal_literal(text: str) -> Fraction:
+    """A decimal literal as written ("0.1" is 1/10, not the nearest binary float). Its exponent is
+    checked first: Fraction("1e999999999") would compute a billion-digit power of ten."""
+    number = decimal.Decimal(text.replace("_", ""))
+    if abs(number.adjusted()) > MAX_RESULT_BITS // 3:  # 10**e has ~3.3 e bits
+        raise CalculatorError(f"the number {text[:20]} is too large or too small (over {MAX_RESULT_BITS} bits)")
+    return Fraction(number)
+
+
 def _power(base: Fraction, exponent: Fraction) -> Fraction:
     if exponent.denominator != 1:
         raise CalculatorError("the exponent must be an integer (results stay exact rationals)")
@@ -104,8 +114,12 @@ def _evaluate(node: ast.AST, source: str) -> Fraction:
     if isinstance(node, ast.Expression):
         return _evaluate(node.body, source)
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        # A decimal literal is taken as written ("0.1" is 1/10), not as the nearest binary float.
-        return Fraction(ast.get_source_segment(source, node)) if isinstance(node.value, float) else Fraction(node.value)
+        value = _decimal_literal(ast.get_source_segment(source, node)) if isinstance(node.value, float) else \
+            Fraction(node.value)
+        if _bits(value) > MAX_RESULT_BITS:
+            raise CalculatorError(f"the number {ast.get_source_segment(source, node)[:20]}... has more than "
+                                  f"{MAX_RESULT_BITS} bits")
+        return value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
         value = _evaluate(node.operand, source)
         return value if isinstance(node.op, ast.UAdd) else -value
