@@ -107,6 +107,18 @@ def test_mistakes_are_observations_and_the_episode_goes_on():
     assert bad_expression.observation.startswith("<tool_result>error: not an arithmetic expression")
 
 
+def test_tool_failures_and_time_outs_are_counted_apart():
+    slow = tools.Tool("slow", "times out", {"type": "object", "properties": {}},
+                      run=lambda args: "stopped: time limit (10.0 s)")
+    env = ToolEnvironment([tools.calculator(), slow], max_turns=3)
+    env.reset({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1/0?"}]})
+    step = env.step(call("calculator", expression="1/0") + call("slow") + call("calculator", expression="2"), [1])
+    assert step.info == {"tool_calls": 3.0, "tool_errors": 1.0, "tool_timeouts": 1.0}
+    assert step.observation.count("<tool_result>") == 3
+    assert [tools.outcome(o) for o in ("killed (signal 9)", "stopped: memory limit reached", "42")] == [
+        "error", "error", "ok"]
+
+
 def test_the_episode_ends_at_max_turns_even_mid_tool_use():
     env = ToolEnvironment([tools.calculator()], max_turns=2, reward=lambda record, text: -1.0)
     env.reset({"prompt": "loop"})

@@ -143,7 +143,8 @@ class ToolEnvironment:
 
     def reset(self, record: Mapping[str, Any]) -> str:
         self._record, self._turns = record, []
-        messages = [{"role": "user", "content": str(record["prompt"])}]
+        # A chat record brings its own messages; a plain one is a single user message.
+        messages = record.get("messages") or [{"role": "user", "content": str(record["prompt"])}]
         return tool_format.render_conversation(messages, list(self.tools.values()), self.tokenizer)
 
     def step(self, turn_text: str, turn_token_ids: Sequence[int]) -> StepResult:
@@ -157,8 +158,8 @@ class ToolEnvironment:
         if not calls:
             return self._end({"tool_calls": 0.0, "tool_errors": 0.0, "tool_timeouts": 0.0})
         observations = [self._call(call) for call in calls]
-        errors = sum(o.startswith(("error", "stopped: memory", "stopped: output")) for o in observations)
-        timeouts = sum(o.startswith(("stopped: time", "stopped: CPU")) for o in observations)
+        outcomes = [tools_lib.outcome(o) for o in observations]
+        errors, timeouts = outcomes.count("error"), outcomes.count("timeout")
         return self._answer(observations, calls=len(calls), errors=errors, timeouts=timeouts)
 
     def _call(self, call: tool_format.ToolCall) -> str:

@@ -70,6 +70,17 @@ class Tool:
             return f"error: {self.name} failed: {type(e).__name__}: {e}"
 
 
+def outcome(observation: str) -> str:
+    """"ok", "error" or "timeout": how a tool call went, read off its observation (for the metrics
+    tool errors and time-outs). Tools say failure with an "error" prefix; the sandbox's observations
+    start "error", "stopped: ..." or "killed"."""
+    if observation.startswith(("stopped: time limit", "stopped: CPU time limit")):
+        return "timeout"
+    if observation.startswith(("error", "stopped:", "killed")):
+        return "error"
+    return "ok"
+
+
 # ----------------------------------------------------------------------------------------------
 # The calculator: exact integers and rationals, evaluated by walking the AST (never eval).
 
