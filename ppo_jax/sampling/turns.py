@@ -1,0 +1,301 @@
+"""Multi-turn decoding on the device: the three compiled pieces a host loop over turns strings
+together (`TurnDecoder`). Pure and jittable; the environment lives on the host
+(`ppo_jax.agentic.rollout`).
+
+    state = start(prompts)                 # prefill the prompts, choose each row's first token
+    state = decode(state)                  # every active row decodes until its turn ends
+    state = append(state, observations)    # resumed rows: prefill [last token, observation] only
+
+Conventions: R rows (one episode each; for several samples per prompt repeat the prompt, every row
+needs its own environment), Lq prompt length (left-padded), T = `sampling.max_new_tokens` the whole
+response (actions and observations together), O = `max_observation_tokens` per turn, C = Lq + T + O
+cache slots per row, W the longest turn-stop sequence.
+
+Row layout. Response column c of row r is cache slot Lq + c and position prompt_length[r] + c,
+whatever the other rows do: every row writes its own cache slot (`KVCache.index` [R]), so a row
+that waits for its environment while others decode leaves no gap, and its cache holds exactly its
+tokens, in order. That is why the teacher-forced forward over prompt + response reproduces the
+rollout's log-probs: same tokens, same positions, same visible keys.
+
+Randomness. The token at response column t of row r is drawn with the uniform (r, t) of
+`response_uniforms`, as in the one-turn engines: a first turn that the environment ends at once
+draws exactly what `loop.sample` draws (its stop tokens including the single-token turn stops).
+Observation columns leave their uniforms unused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from ppo_jax.models import forward
+from ppo_jax.models.cache import KVCache, init_cache, split_cache
+from ppo_jax.models.transformer import CausalLM, positions_from_mask
+from ppo_jax.ppo.stats import last_token_index
+from ppo_jax.sampling.config import SamplingConfig, validate_inputs
+from ppo_jax.sampling.loop import constrain, constrain_cache, decode_layers, forward_last, is_stop_token
+from ppo_jax.sampling.token_choice import TokenChoice, choose_tokens, response_uniforms
+
+Array = jax.Array
+
+# Why a row's current turn ended (`TurnState.reason`).
+RUNNING, TURN_STOP, FINAL_STOP, LENGTH = 0, 1, 2, 3
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnConfig:
+    """How to decode turns (static: hashable, part of the compiled programs).
+
+    sampling: token choice and sizes; `max_new_tokens` is T, the whole response; `stop_token_ids`
+        (EOS) end the episode; `num_samples` must be 1 and `engine` "static".
+    turn_stops: token-id sequences that end a turn (e.g. the ids of `</tool_call>`); a sequence
+        matches only inside the current turn's own tokens.
+    max_observation_tokens: O, the observation tokens one turn may append (longer ones are cut).
+    """
+
+    sampling: SamplingConfig
+    turn_stops: tuple[tuple[int, ...], ...]
+    max_observation_tokens: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "turn_stops", tuple(tuple(int(t) for t in s) for s in self.turn_stops))
+        if not self.turn_stops or any(not s for s in self.turn_stops):
+            raise ValueError(f"turn_stops must be non-empty token sequences, got {self.turn_stops}")
+        if self.sampling.num_samples != 1:
+            raise ValueError("multi-turn decoding takes one row per episode (num_samples=1): repeat the "
+                             "prompts, each row gets its own environment")
+        if self.sampling.engine != "static":
+            raise ValueError("multi-turn decoding is built on the static engine only (engine='static')")
+        if self.max_observation_tokens < 1:
+            raise ValueError(f"max_observation_tokens must be >= 1, got {self.max_observation_tokens}")
+
+    @property
+    def window(self) -> int:
+        """W: the longest turn-stop sequence."""
+        return max(len(s) for s in self.turn_stops)
+
+
+@flax.struct.dataclass
+class TurnState:
+    """Carry of every piece (R rows, T response columns, C cache slots, W).
+
+    cache: KV cache with a per-row index (or one per layer, unrolled); kv_mask [R, C]: written real
+    slots; prompt_length [R]; column [R]: response tokens recorded (the next one goes there);
+    active [R] bool: decoding in this segment; reason [R]: why the row's last turn ended (RUNNING
+    while active); recent [R, W]: the current turn's last W tokens (-1 before its start);
+    tokens, logprobs, sampling_logprobs, mask, action_mask [R, T]; uniforms [R, T].
+    """
+
+    cache: KVCache | tuple[KVCache, ...]
+    kv_mask: Array
+    prompt_length: Array
+    column: Array
+    active: Array
+    reason: Array
+    recent: Array
+    tokens: Array
+    logprobs: Array
+    sampling_logprobs: Array
+    mask: Array
+    action_mask: Array
+    uniforms: Array
+
+
+def turn_stop_hit(recent: Array, turn_stops: tuple[tuple[int, ...], ...]) -> Array:
+    """recent [R, W] (a turn's last W tokens, newest last, -1 before the turn) -> [R] bool: they end
+    with one of the `turn_stops` sequences."""
+    width = recent.shape[1]
+    hit = jnp.zeros(recent.shape[:1], bool)
+    for stop in turn_stops:
+        hit |= jnp.all(recent[:, width - len(stop):] == jnp.asarray(stop, recent.dtype), axis=1)
+    return hit
+
+
+def _with_index(cache, index: Array):
+    """The cache (stacked or per layer) writing row r's next tokens from slot index[r] on."""
+    if isinstance(cache, tuple):
+        return tuple(c.replace(index=index) for c in cache)
+    return cache.replace(index=index)
+
+
+def _record(state: TurnState, choice: TokenChoice, config: TurnConfig) -> TurnState:
+    """Writes the active rows' choices at their columns and ends the turns that stop: a final stop
+    token, a turn-stop sequence, or the last column (in that order of precedence)."""
+    sampling, new = config.sampling, state.tokens.shape[1]
+    active = state.active
+    rows = jnp.arange(active.shape[0])
+    at = jnp.where(active, state.column, new)  # past the end: the write is dropped
+
+    def put(buffer, values):
+        return buffer.at[rows, at].set(values.astype(buffer.dtype), mode="drop")
+
+    tokens = choice.tokens
+    recent = jnp.where(active[:, None], jnp.concatenate([state.recent[:, 1:], tokens[:, None]], axis=1),
+                       state.recent)
+    column = state.column + active
+    reason = jnp.where(is_stop_token(tokens, sampling), FINAL_STOP,
+                       jnp.where(turn_stop_hit(recent, config.turn_stops), TURN_STOP,
+                                 jnp.where(column >= new, LENGTH, RUNNING)))
+    reason = jnp.where(active, reason, state.reason)
+    one = jnp.ones_like(tokens)
+    return state.replace(
+        tokens=put(state.tokens, tokens), logprobs=put(state.logprobs, choice.logprobs),
+        sampling_logprobs=put(state.sampling_logprobs, choice.sampling_logprobs),
+        mask=put(state.mask, one), action_mask=put(state.action_mask, one),
+        column=column, recent=recent, reason=reason, active=active & (reason == RUNNING))
+
+
+def _choose(state: TurnState, logits: Array, config: TurnConfig) -> TokenChoice:
+    """Each row's token at its own column, with that column's uniform."""
+    column = jnp.minimum(state.column, state.tokens.shape[1] - 1)
+    draws = jnp.take_along_axis(state.uniforms, column[:, None], axis=1)[:, 0]
+    return choose_tokens(logits, column, draws, config.sampling)
+
+
+def _by_rows(x: Array) -> Array:
+    return constrain(x, ("batch",) + ("length",) * (x.ndim > 1) + (None,) * max(x.ndim - 2, 0))
+
+
+def start(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *, model: CausalLM,
+          config: TurnConfig, adapters: Any = None) -> TurnState:
+    """Prefills the left-padded prompts [R, Lq] into a C-slot cache and chooses each row's first
+    token (column 0) from the uniforms of `key`."""
+    sampling = config.sampling
+    validate_inputs(model, sampling, prompt_tokens.shape, prompt_mask.shape)
+    rows, prompt_len = prompt_tokens.shape
+    new, extra = sampling.max_new_tokens, config.max_observation_tokens
+    prompt_mask = prompt_mask.astype(jnp.int32)
+    cache = constrain_cache(init_cache(model.config, rows, prompt_len + new + extra, sampling.cache_dtype))
+    kv_mask = _by_rows(jnp.concatenate([prompt_mask, jnp.zeros((rows, new + extra), jnp.int32)], axis=1))
+    logits, cache = model.apply(forward.variables(params, adapters), prompt_tokens.astype(jnp.int32),
+                                positions_from_mask(prompt_mask), kv_mask, cache,
+                                jnp.maximum(last_token_index(prompt_mask), 0), method=forward_last)
+    cache = cache.replace(index=jnp.zeros((rows,), jnp.int32))
+    if decode_layers(params, adapters, sampling).unroll:
+        cache = tuple(constrain_cache(layer) for layer in split_cache(cache))
+
+    def zeros(dtype, fill=0):
+        return _by_rows(jnp.full((rows, new), fill, dtype))
+
+    state = TurnState(
+        cache=cache, kv_mask=kv_mask, prompt_length=prompt_mask.sum(-1), column=jnp.zeros((rows,), jnp.int32),
+        active=jnp.ones((rows,), bool), reason=jnp.zeros((rows,), jnp.int32),
+        recent=jnp.full((rows, config.window), -1, jnp.int32), tokens=zeros(jnp.int32, sampling.pad_token_id),
+        logprobs=zeros(jnp.float32), sampling_logprobs=zeros(jnp.float32), mask=zeros(jnp.int32),
+        action_mask=zeros(jnp.int32), uniforms=_by_rows(response_uniforms(key, rows, new)))
+    return _record(state, _choose(state, logits, config), config)
+
+
+def _prompt_len(state: TurnState, config: TurnConfig) -> int:
+    """Lq, read off the static shapes (C = Lq + T + O)."""
+    return state.kv_mask.shape[1] - state.tokens.shape[1] - config.max_observation_tokens
+
+
+def _last_tokens(state: TurnState) -> Array:
+    """[R]: each row's last recorded token (its column - 1), the one not yet in the cache."""
+    return jnp.take_along_axis(state.tokens, jnp.maximum(state.column - 1, 0)[:, None], axis=1)[:, 0]
+
+
+def decode(params: Any, state: TurnState, *, model: CausalLM, config: TurnConfig,
+           adapters: Any = None) -> TurnState:
+    """Decodes one token per step for every active row until none is: each row stops at its turn's
+    end (`reason`), the others' stops do not hold it."""
+    sampling, prompt_len = config.sampling, _prompt_len(state, config)
+    variables = forward.variables(params, adapters)
+    layers = decode_layers(params, adapters, sampling)
+    rows = jnp.arange(state.column.shape[0])
+    per_sync = max(1, min(sampling.steps_per_sync, sampling.max_new_tokens - 1))
+
+    def decode_one(state: TurnState) -> TurnState:
+        # Feed the last token at slot Lq + column - 1. An inactive row writes there too (static
+        # shapes), at position 0 and masked: a waiting row's slot is rewritten by `append`.
+        slot = prompt_len + state.column - 1
+        kv_mask = state.kv_mask.at[rows, slot].max(state.active.astype(jnp.int32))
+        positions = jnp.where(state.active, state.prompt_length + state.column - 1, 0)[:, None]
+        logits, cache = model.apply(variables, _last_tokens(state)[:, None], positions, kv_mask,
+                                    _with_index(state.cache, slot), jnp.zeros_like(slot), layers.params,
+                                    layers.adapters, method=forward_last)
+        state = state.replace(cache=cache, kv_mask=kv_mask)
+        return _record(state, _choose(state, logits, config), config)
+
+    def decode_group(state: TurnState) -> TurnState:
+        if per_sync == 1:
+            return decode_one(state)
+        # Steps past every row's turn end change nothing: no row is active.
+        return jax.lax.fori_loop(0, per_sync, lambda _, s: decode_one(s), state)
+
+    return jax.lax.while_loop(lambda s: jnp.any(s.active), decode_group, state)
+
+
+def append(params: Any, state: TurnState, observations: Array, observation_lengths: Array, resume: Array, *,
+           model: CausalLM, config: TurnConfig, adapters: Any = None) -> TurnState:
+    """Appends each resumed row's observation and chooses the first token of its next turn.
+
+    observations [R, O] int32 (padded with anything: masked); observation_lengths [R] (k, with
+    column + k < T for a resumed row); resume [R] bool. One forward of [last token, observation]
+    [R, 1 + O] per row from its own slot Lq + column - 1 on, not a re-prefill of the row; the slots
+    past a row's k + 1 real ones are masked (and rewritten by its next turn). Rows not resumed stay
+    ended (their forward is padding at position 0).
+    """
+    sampling, new = config.sampling, state.tokens.shape[1]
+    width, prompt_len = config.max_observation_tokens, _prompt_len(state, config)
+    lengths = jnp.where(resume, observation_lengths.astype(jnp.int32), 0)
+    start_slot = prompt_len + state.column - 1
+    offsets = jnp.arange(1 + width)
+    real = resume[:, None] & (offsets[None, :] <= lengths[:, None])  # [R, 1 + O]
+    chunk = jnp.concatenate([_last_tokens(state)[:, None], observations.astype(jnp.int32)], axis=1)
+    chunk = jnp.where(real, chunk, sampling.pad_token_id)
+    positions = jnp.where(real, (state.prompt_length + state.column - 1)[:, None] + offsets[None, :], 0)
+    slots = jnp.arange(state.kv_mask.shape[1])[None, :]
+    written = resume[:, None] & (slots >= start_slot[:, None]) & (slots <= (start_slot + lengths)[:, None])
+    kv_mask = state.kv_mask | written.astype(jnp.int32)
+    layers = decode_layers(params, adapters, sampling)
+    logits, cache = model.apply(forward.variables(params, adapters), chunk, positions, kv_mask,
+                                _with_index(state.cache, start_slot), lengths, layers.params, layers.adapters,
+                                method=forward_last)
+    # The observation into the response buffers: context, not actions (action_mask 0, log-prob 0).
+    rows = jnp.arange(new)[None, :]
+    into = resume[:, None] & (rows >= state.column[:, None]) & (rows < (state.column + lengths)[:, None])
+    gathered = jnp.take_along_axis(observations.astype(jnp.int32),
+                                   jnp.clip(rows - state.column[:, None], 0, width - 1), axis=1)
+    state = state.replace(
+        cache=cache, kv_mask=kv_mask, tokens=jnp.where(into, gathered, state.tokens),
+        mask=state.mask | into.astype(jnp.int32), column=state.column + lengths, active=resume,
+        reason=jnp.where(resume, RUNNING, state.reason), recent=jnp.where(resume[:, None], -1, state.recent))
+    return _record(state, _choose(state, logits, config), config)
+
+
+class TurnDecoder:
+    """`start`, `decode` and `append` jitted for one model and TurnConfig (one program each per
+    shape; `decode` and `append` donate the state, so the cache is updated in place). With a mesh
+    they run under it (batch-major arrays split over its batch axes by the constraints inside)."""
+
+    def __init__(self, model: CausalLM, config: TurnConfig, mesh: jax.sharding.Mesh | None = None):
+        self.model, self.config, self.mesh = model, config, mesh
+        static = dict(model=model, config=config)
+        self._start = jax.jit(lambda p, t, m, k, a: start(p, t, m, k, adapters=a, **static))
+        self._decode = jax.jit(lambda p, s, a: decode(p, s, adapters=a, **static), donate_argnums=1)
+        self._append = jax.jit(lambda p, s, o, n, r, a: append(p, s, o, n, r, adapters=a, **static),
+                               donate_argnums=1)
+
+    def _run(self, fn, *args):
+        if self.mesh is None:
+            return fn(*args)
+        from ppo_jax import sharding
+
+        with sharding.mesh_context(self.mesh):
+            return fn(*args)
+
+    def start(self, params, prompt_tokens, prompt_mask, key, adapters=None) -> TurnState:
+        return self._run(self._start, params, prompt_tokens, prompt_mask, key, adapters)
+
+    def decode(self, params, state: TurnState, adapters=None) -> TurnState:
+        return self._run(self._decode, params, state, adapters)
+
+    def append(self, params, state: TurnState, observations, observation_lengths, resume,
+               adapters=None) -> TurnState:
+        return self._run(self._append, params, state, observations, observation_lengths, resume, adapters)
