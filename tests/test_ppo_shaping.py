@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from ppo_jax.ppo.shaping import process_scores, shape_rewards, whiten_rewards
+from ppo_jax.ppo.shaping import overlong_penalty, process_scores, shape_rewards, whiten_rewards
 from ppo_jax.ppo.stats import last_token_index
 
 
@@ -93,3 +93,29 @@ def test_reward_whitening_scales_real_tokens_only():
     expected = (real - real.mean()) / np.sqrt(real.var() + 1e-8) + real.mean()
     np.testing.assert_allclose(out[mask], expected, rtol=1e-5)
     assert np.all(out[~mask] == 0)
+
+
+def test_overlong_penalty_matches_dapo_soft_punishment():
+    # DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) written out: 0 up to L_max - L_cache,
+    # linear in between, the whole penalty for a row the budget cut (no stop token).
+    max_length, buffer, penalty = 16, 4, 1.5
+    lengths = np.array([1, 11, 12, 13, 14, 15, 16, 16, 9], np.int32)
+    stopped = np.array([True, True, True, True, True, True, True, False, False])
+
+    def reference(n, stop):
+        if not stop:
+            return penalty
+        if n <= max_length - buffer:
+            return 0.0
+        return penalty * (n - (max_length - buffer)) / buffer
+
+    expected = [reference(n, s) for n, s in zip(lengths, stopped)]
+    got = overlong_penalty(lengths, stopped, max_length=max_length, buffer=buffer, penalty=penalty)
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-6)
+    assert np.asarray(got)[4] == pytest.approx(0.75)  # halfway through the buffer: half the penalty
+
+
+def test_overlong_penalty_rejects_a_buffer_outside_the_budget():
+    for buffer in (0, 17):
+        with pytest.raises(ValueError, match="overlong buffer"):
+            overlong_penalty(np.array([3]), np.array([True]), max_length=16, buffer=buffer, penalty=1.0)

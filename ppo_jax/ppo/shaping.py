@@ -80,3 +80,21 @@ def whiten_rewards(rewards: Array, mask: Array, shift_mean: bool = False) -> Arr
     """Optional reward whitening over real tokens (scale only by default, as in the reference PPO
     implementations, so the sign of the mean reward survives). [B, L] -> [B, L], 0 on padding."""
     return masked_whiten(rewards, mask, shift_mean=shift_mean)
+
+
+def overlong_penalty(lengths: Array, stopped: Array, *, max_length: int, buffer: int,
+                     penalty: float) -> Array:
+    """The soft overlong punishment of DAPO (Yu et al. 2025, §3.4): what to subtract from each score.
+    lengths [B] (response tokens, the stop token included), stopped [B] -> [B] float32.
+
+    0 up to `max_length - buffer` tokens, then rising linearly to `penalty` at `max_length`; a row cut
+    at the budget without a stop token gets the whole `penalty`. Why: when only the unfinished rows are
+    punished, the reward has a cliff at the budget, and a proxy that likes longer answers pulls the
+    policy to its edge, where a small change of the per-token stop probability tips many rows over at
+    once (docs/demo.md, "The spike"). The ramp turns the cliff into a slope the policy feels first.
+    """
+    if not 0 < buffer <= max_length:
+        raise ValueError(f"the overlong buffer must be in 1..{max_length} tokens, got {buffer}")
+    lengths = jnp.asarray(lengths, jnp.float32)
+    excess = jnp.clip((lengths - (max_length - buffer)) / buffer, 0.0, 1.0)
+    return penalty * jnp.where(jnp.asarray(stopped).astype(bool), excess, 1.0)
