@@ -209,6 +209,9 @@ def test_max_turns_and_total_length(lm):
     for row in range(ROWS):
         if out.turns[row] == 3 and not out.stopped[row] and lengths[row] < new:
             assert len(envs[row].seen) == 3  # the last allowed turn is stepped, nothing appended after
+        assert out.action_mask[row, lengths[row] - 1] == 1  # an observation never ends a row
+    cut_by_cap = np.asarray([max(e.length - OBS, 0) for e in envs]) * (out.turns - 1)
+    assert (out.observations_truncated > cut_by_cap).any()  # some observation was cut to the room left
     metrics = rollout_lib.rollout_metrics(out)
     assert metrics["rollout/action_tokens"] + metrics["rollout/observation_tokens"] == lengths.sum()
 

@@ -237,9 +237,10 @@ def append(params: Any, state: TurnState, observations: Array, observation_lengt
 
     observations [R, O] int32 (padded with anything: masked); observation_lengths [R] (k, with
     column + k < T for a resumed row); resume [R] bool. One forward of [last token, observation]
-    [R, 1 + O] per row from its own slot Lq + column - 1 on, not a re-prefill of the row; the slots
-    past a row's k + 1 real ones are masked (and rewritten by its next turn). Rows not resumed stay
-    ended (their forward is padding at position 0).
+    [R, 1 + O] per row from its own slot Lq + column - 1 on, not a re-prefill of the row. The slots
+    past a row's k + 1 real ones stay out of the kv mask; causality by slot hides them from this
+    forward's real queries anyway, and the row's next tokens overwrite them before any query sits
+    past them. Rows not resumed stay ended (their forward is padding at position 0).
     """
     sampling, new = config.sampling, state.tokens.shape[1]
     width, prompt_len = config.max_observation_tokens, _prompt_len(state, config)
