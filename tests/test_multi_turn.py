@@ -81,13 +81,13 @@ _decoders = {}
 
 def _run(lm, config, envs, key=3, max_turns=3, mesh=None):
     tokenizer, model, params = lm
-    if (config, mesh) not in _decoders:
-        _decoders[config, mesh] = TurnDecoder(model, config, mesh)
+    if (model, config, mesh) not in _decoders:
+        _decoders[model, config, mesh] = TurnDecoder(model, config, mesh)
     tokens, mask = _prompts(tokenizer)
     if mesh is not None:
         params = jax.device_put(params, _shardings_on(model, mesh))
         tokens, mask = sharding.put_batch((tokens, mask), mesh)
-    return rollout_lib.rollout(_decoders[config, mesh], params, tokens, mask, envs, jax.random.key(key),
+    return rollout_lib.rollout(_decoders[model, config, mesh], params, tokens, mask, envs, jax.random.key(key),
                                tokenizer=tokenizer, max_turns=max_turns)
 
 
@@ -135,6 +135,23 @@ def test_action_logprobs_equal_teacher_forced_forward(lm, run):
     np.testing.assert_allclose(out.logprobs, expected, atol=1e-5, rtol=0)
     np.testing.assert_array_equal(out.sampling_logprobs, out.logprobs)  # nothing truncates
     assert (out.action_mask * out.logprobs < -0.01).sum() > 50  # real log-probs, not zeros
+
+
+def test_llama_scanned_layers_and_several_steps_per_sync(lm):
+    """(a) again on the other paths: a Llama (RoPE, grouped KV heads) with scanned layers, decoded
+    on the stacked cache (the TPU default) with 3 decode steps per stop test."""
+    tokenizer = lm[0]
+    config = ModelConfig(arch="llama", vocab_size=len(tokenizer), hidden_size=32, num_layers=2, num_heads=4,
+                         num_kv_heads=2, max_position_embeddings=64, scan_layers=True)
+    model = CausalLM(config)
+    params, _ = init_params(model, jax.random.key(0), make_test_mesh((1, 1, 1)))
+    params["transformer"]["embed"]["embedding"] = params["transformer"]["embed"]["embedding"] * 3.0
+    turn_config = _turn_config(tokenizer, unroll_layers=False, steps_per_sync=3)
+    out = _run((tokenizer, model, params), turn_config, [Scripted(row) for row in range(ROWS)])
+    logits = forward.response_logits(model, params, out.prompt_tokens, out.prompt_mask, out.tokens, out.mask, 1.0)
+    expected = np.asarray(forward.token_logprobs(logits, out.tokens, out.action_mask))
+    np.testing.assert_allclose(out.logprobs, expected, atol=1e-5, rtol=0)
+    assert (out.turns >= 2).sum() >= 3 and (out.mask != out.action_mask).sum() > 8
 
 
 def test_observations_are_context_not_actions(lm, run):
