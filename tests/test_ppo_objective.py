@@ -306,3 +306,21 @@ def test_the_adaptive_kl_controller_reads_the_kl_of_the_policy_being_updated():
     assert abs(np.clip(stale_kl / target - 1, -0.2, 0.2) - np.clip(current_kl / target - 1, -0.2, 0.2)) > 0.05
     np.testing.assert_allclose(float(new.kl.coef), expected, rtol=1e-6)
     assert int(new.step) == 1
+
+
+def test_the_overlong_penalty_lowers_the_score_and_the_health_metrics_are_logged():
+    """reward.overlong_buffer=2 over a 4-token budget: the full row (4 tokens, stopped) loses the whole
+    penalty, the 2-token row nothing; the rollout's health metrics read the same KL as objective/kl."""
+    rollout = Rollout(prompt_tokens=jnp.ones((2, 2), jnp.int32), prompt_mask=jnp.ones((2, 2), jnp.int32),
+                      tokens=jnp.asarray(TOKENS), mask=jnp.asarray(MASK, jnp.int32),
+                      sampler_logprobs=jnp.asarray(OLD_LOGP * MASK), behaviour_logprobs=jnp.asarray(OLD_LOGP * MASK),
+                      stopped=jnp.array([True, True]), host_scores=jnp.zeros(2))
+    out = ForwardOutputs(logprobs=jnp.asarray(OLD_LOGP * MASK), ref_logprobs=jnp.asarray(REF_LOGP * MASK),
+                         entropy=jnp.zeros(MASK.shape), values=jnp.asarray(VALUES * MASK), scores=jnp.array([1.0, -3.0]))
+    exp, metrics = experience_from_outputs(out, rollout, jnp.float32(0.1),
+                                           hyper(overlong_buffer=2, overlong_penalty=0.7))
+    np.testing.assert_allclose(np.asarray(exp.scores), [1.0 - 0.7, -3.0], rtol=1e-6)
+    kl = (OLD_LOGP - REF_LOGP).astype(np.float64) * MASK
+    np.testing.assert_allclose(float(metrics["objective/kl_max"]), kl.sum(-1).max(), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["objective/kl_at_stop_token"]), (kl[0, 3] + kl[1, 1]) / 2, rtol=1e-5)
+    assert float(metrics["response/repeated_token_share"]) == 0.0  # TOKENS hold no back-to-back repeat

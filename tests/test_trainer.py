@@ -149,6 +149,7 @@ INVALID = [
     ({"rollout.engine": "vllm"}, "rollout.engine='vllm': use one of static, continuous"),
     ({"rollout.slots": 8}, "rollout.slots=8, rollout.prefill_prompts=0 are settings of the continuous engine"),
     ({"rollout.engine": "continuous", "rollout.slots": 64}, "rollout.slots=64 is more than the 32 rows"),
+    ({"reward.overlong_buffer": 99}, "reward.overlong_buffer=99, reward.overlong_penalty=1.0: the buffer is 0 (off) to"),
 ]
 
 

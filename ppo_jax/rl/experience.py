@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 
 from ppo_jax import ppo, sampling
 from ppo_jax.models import packing
+from ppo_jax.ppo.diagnostics import response_diagnostics
 from ppo_jax.rl.corrections import off_policy_correction, policy_lag_metrics
 from ppo_jax.rl.forwards import (ForwardOutputs, ResponseRows, microbatched, packed_forwards, packed_scores,
                                  padded_forwards, run_packed, score_responses)
@@ -42,6 +43,9 @@ def experience_from_outputs(out: ForwardOutputs, rollout: Rollout, kl_coef: jax.
         raw_scores, rollout.stopped, missing_stop=hp.missing_stop,
         missing_stop_value=hp.missing_stop_value, gain=hp.score_gain, bias=hp.score_bias,
         clip=hp.score_clip or None)
+    if hp.overlong_buffer:
+        scores = scores - ppo.overlong_penalty(mask.sum(-1), rollout.stopped, max_length=mask.shape[-1],
+                                               buffer=hp.overlong_buffer, penalty=hp.overlong_penalty)
     kl = ppo.kl_penalty(out.logprobs, out.ref_logprobs, hp.kl_estimator) * mask
     reward_kl_coef = kl_coef if hp.kl_in_reward else jnp.zeros((), jnp.float32)
     rewards = ppo.shape_rewards(scores, kl, mask, reward_kl_coef)
@@ -71,6 +75,7 @@ def experience_from_outputs(out: ForwardOutputs, rollout: Rollout, kl_coef: jax.
         "objective/non_score_reward": non_score.mean(),
         "objective/rlhf_reward": (scores + non_score).mean(),
         **rollout_metrics(out, rollout, mask),
+        **response_diagnostics(rollout.tokens, mask, rollout.stopped, kl),
         "advantages/mean": ppo.masked_mean(advantages, mask),
         "advantages/std": jnp.sqrt(ppo.masked_var(advantages, mask)),
         "returns/mean": ppo.masked_mean(returns, mask),

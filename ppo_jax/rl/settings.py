@@ -85,6 +85,8 @@ class RewardSettings:
     clip: float = 0.0  # clip |score| to this value; 0 = no clipping
     missing_stop: str = "none"  # rows without a stop token: "none", "replace" (score := missing_stop_value) or "penalty"
     missing_stop_value: float = -1.0  # the replacement score ("replace") or the penalty subtracted ("penalty")
+    overlong_buffer: int = 0  # soft overlong punishment (DAPO): over the budget's last N tokens a penalty rises to reward.overlong_penalty, all of it for a row cut without a stop token; 0 = off
+    overlong_penalty: float = 1.0  # the largest overlong penalty (subtracted from the score; with reward.overlong_buffer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +229,9 @@ class Settings(RunSettings):
         self.optim.validate("optim", {"policy_lr": self.optim.policy_lr, "value_lr": self.optim.value_lr})
         check(self.reward.missing_stop in ("none", "replace", "penalty"),
               f"reward.missing_stop={self.reward.missing_stop!r}: use none, replace or penalty")
+        check(0 <= self.reward.overlong_buffer <= self.rollout.response_length and self.reward.overlong_penalty >= 0,
+              f"reward.overlong_buffer={self.reward.overlong_buffer}, reward.overlong_penalty="
+              f"{self.reward.overlong_penalty}: the buffer is 0 (off) to rollout.response_length tokens, the penalty >= 0")
         check(reward_in_code or bool(self.reward.path) or bool(self.reward.functions),
               "no reward: set reward.path (a reward model) and/or reward.functions (Python reward functions)")
         check(self.data.truncation in ("left", "error"), f"data.truncation={self.data.truncation!r}: use left or error")
@@ -391,6 +396,8 @@ class PPOHyper:
     off_policy_ratio: str = ""  # "" = no correction; else one of rl/corrections.CORRECTIONS (ppo.off_policy_ratio)
     is_cap: float = 2.0
     scored_outside: bool = False  # roles.scoring="sampler": reference log-probs and model scores come with the rollout
+    overlong_buffer: int = 0  # reward.overlong_buffer (0 = no overlong penalty)
+    overlong_penalty: float = 0.0
 
     @property
     def packed(self) -> bool:
@@ -407,7 +414,8 @@ class PPOHyper:
             temperature=s.rollout.temperature, estimator=p.advantage_estimator, gamma=p.gamma, lam=p.lam,
             whiten_advantages=p.whiten_advantages, whiten_rewards=p.whiten_rewards,
             kl_estimator=p.kl_estimator, kl_in_reward=p.kl_in_reward, model_weight=r.model_weight,
-            missing_stop=r.missing_stop, missing_stop_value=r.missing_stop_value, score_gain=r.gain,
+            missing_stop=r.missing_stop, missing_stop_value=r.missing_stop_value,
+            overlong_buffer=r.overlong_buffer, overlong_penalty=r.overlong_penalty, score_gain=r.gain,
             score_bias=r.bias, score_clip=r.clip, group_size=s.rollout.num_samples, epochs=p.epochs,
             num_minibatches=p.num_minibatches, num_microbatches=p.num_microbatches,
             forward_microbatches=sizes.rollout_rows // sizes.forward_rows, clip_eps=p.clip_eps,
