@@ -62,6 +62,11 @@ def test_every_output_is_written(result):
     val = [json.loads(line) for line in open(os.path.join(w, "preferences", "val.jsonl"))]
     assert all(v["gold_chosen"] > v["gold_rejected"] for v in val)  # validation labels are the gold ones
     assert "gold reward, PPO policy" in r.table() and "reward model val accuracy" in r.table()
+    # The largest training-rollout KL and its iteration, read from what the trainer logged.
+    logged = [(row["objective/kl"], row["step"]) for row in map(json.loads, open(os.path.join(w, "ppo", "metrics.jsonl")))
+              if "objective/kl" in row]
+    assert len(logged) == config.ppo.train.iterations  # the demo logs every iteration
+    assert (summary["max_rollout_kl"], summary["max_rollout_kl_step"]) == pytest.approx(max(logged), rel=1e-6)
 
 
 def test_dpo_is_judged_beside_ppo(result):

@@ -78,6 +78,10 @@ class DemoResult:
     workdir: str
     targets_met: dict[str, bool]  # rm_accuracy, gap_closed, kl
     dpo: DPOSummary | None = None  # the DPO stage's row (with run_dpo)
+    # The largest KL to the SFT policy of any iteration's training rollouts (objective/kl, nats per
+    # response) and its iteration: a collapse the final evaluation no longer shows (docs/demo.md).
+    max_rollout_kl: float = 0.0
+    max_rollout_kl_step: int = 0
 
     def table(self) -> str:
         kl_row = f"final KL to SFT (bound {self.kl_bound:g})"
@@ -90,6 +94,8 @@ class DemoResult:
             ("share of the gap closed by PPO", f"{self.gap_closed:.1%}", self.targets_met["gap_closed"]),
             ("RM score, SFT -> PPO", f"{self.sft_rm_score:+.2f} -> {self.ppo_rm_score:+.2f}", None),
             (kl_row, f"{self.final_kl:.2f} nats", self.targets_met["kl"]),
+            ("largest training-rollout KL", f"{self.max_rollout_kl:.2f} nats (iteration {self.max_rollout_kl_step})",
+             None),
             ("wall time", " + ".join(f"{k} {v:.0f}s" for k, v in self.seconds.items() if k != "total")
              + f" = {self.seconds['total']:.0f}s", None),
         ]
@@ -194,6 +200,10 @@ def run(config, workdir: str = DEFAULT_WORKDIR, *, mesh=None, verbose: bool = Tr
     seconds["total"] = time.perf_counter() - t_start
 
     first, last = ppo.evals[0], ppo.evals[-1]
+    # The history holds the iterations this process ran (a resumed run: the last ones), in order.
+    offset = settings.ppo.train.iterations - len(ppo.history)
+    rollout_kl = [(row["objective/kl"], offset + i + 1) for i, row in enumerate(ppo.history) if "objective/kl" in row]
+    max_kl, max_kl_step = max(rollout_kl, default=(0.0, 0))
     best = world.best_gold
     gap_closed = (last.gold - first.gold) / (best - first.gold)
     result = DemoResult(
@@ -202,7 +212,8 @@ def run(config, workdir: str = DEFAULT_WORKDIR, *, mesh=None, verbose: bool = Tr
         ppo_rm_score=last.rm_score, seconds=seconds, evals=ppo.evals, workdir=workdir,
         targets_met={"rm_accuracy": rm_accuracy >= t.rm_accuracy, "gap_closed": gap_closed >= t.gap_closed,
                      "kl": last.kl < t.kl_bound},
-        dpo=None if dpo is None else dpo_summary(dpo, first.gold, best))
+        dpo=None if dpo is None else dpo_summary(dpo, first.gold, best),
+        max_rollout_kl=float(max_kl), max_rollout_kl_step=int(max_kl_step))
     if jax.process_index() == 0:
         summary = {k: v for k, v in dataclasses.asdict(result).items() if k != "evals"}
         summary["load_average_at_start"] = list(load) if load else None
