@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
 from ppo_jax.models import lora, moe
-from ppo_jax.models.transformer import CausalLM, ScalarModel, positions_from_mask, score_at_last_token
+from ppo_jax.models.transformer import (CausalLM, ScalarModel, chosen_experts, positions_from_mask,
+                                        score_at_last_token)
 
 Array = jax.Array
 Params = Any
@@ -37,28 +39,61 @@ def sequence_inputs(prompt_tokens, prompt_mask, tokens, mask):
     return seq, positions_from_mask(seq_mask), seq_mask
 
 
+@flax.struct.dataclass
+class HiddenStates:
+    """A forward's final hidden states [B, T, D]; an MoE model's RouterLosses (with `router`); under
+    routing replay the tokens whose own top k differs from the replayed experts, [B, T] float32
+    (`moe.routing_flips`)."""
+
+    hidden: Array
+    router: moe.RouterLosses | None = None
+    flips: Array | None = None
+
+
+def forward_hidden(model: CausalLM, variables_: dict[str, Params], tokens, positions, kv_mask, segment_ids=None,
+                   router: bool = False, experts=None) -> HiddenStates:
+    """CausalLM.hidden with what an MoE forward reports: its RouterLosses over its real tokens with
+    `router`; with experts [B, T, Lm, k] (routing replay, -1: a token's own top k) the flips."""
+    mutable = [moe.ROUTER] * router + [moe.CHOSEN] * (experts is not None)
+    if not mutable:
+        return HiddenStates(model.apply(variables_, tokens, positions, kv_mask, segment_ids, method=CausalLM.hidden))
+    hidden, sown = model.apply(variables_, tokens, positions, kv_mask, segment_ids, experts, method=CausalLM.hidden,
+                               mutable=mutable)
+    losses = moe.router_losses(sown[moe.ROUTER], model.config.experts_per_token) if router else None
+    flips = None if experts is None else moe.routing_flips(chosen_experts(sown[moe.CHOSEN], "own"), experts)
+    return HiddenStates(hidden, losses, flips)
+
+
 def hidden_states(model: CausalLM, variables_: dict[str, Params], tokens, positions, kv_mask, segment_ids=None,
                   router: bool = False):
     """(CausalLM.hidden [B, T, D], the forward's RouterLosses over its real tokens with `router` (an
     MoE model), else None)."""
-    if not router:
-        return model.apply(variables_, tokens, positions, kv_mask, segment_ids, method=CausalLM.hidden), None
-    hidden, sown = model.apply(variables_, tokens, positions, kv_mask, segment_ids, method=CausalLM.hidden,
-                               mutable=[moe.ROUTER])
-    return hidden, moe.router_losses(sown, model.config.experts_per_token)
+    out = forward_hidden(model, variables_, tokens, positions, kv_mask, segment_ids, router)
+    return out.hidden, out.router
+
+
+def response_outputs(model: CausalLM, params, prompt_tokens, prompt_mask, tokens, mask, temperature,
+                     adapters=None, router: bool = False, experts=None) -> HiddenStates:
+    """`response_logits` as a HiddenStates whose `hidden` is the tempered logits [B, Lr, V] and `flips`
+    (with experts [B, Lq + Lr, Lm, k]: routing replay over the prompt + response) those of the
+    response tokens [B, Lr]."""
+    seq, pos, seq_mask = sequence_inputs(prompt_tokens, prompt_mask, tokens, mask)
+    out = forward_hidden(model, variables(params, adapters), seq, pos, seq_mask, router=router, experts=experts)
+    lq, lr = prompt_tokens.shape[1], tokens.shape[1]
+    # Position t predicts token t + 1: the response tokens are predicted from positions Lq-1 .. Lq+Lr-2.
+    hidden = out.hidden[:, lq - 1: lq + lr - 1]
+    logits = model.apply(variables(params, adapters), hidden, method=CausalLM.project) / temperature
+    return out.replace(hidden=logits, flips=None if out.flips is None else out.flips[:, lq:])
 
 
 def response_logits(model: CausalLM, params, prompt_tokens, prompt_mask, tokens, mask, temperature,
-                    adapters=None, router: bool = False):
+                    adapters=None, router: bool = False, experts=None):
     """Tempered logits that predicted each response token: [B, Lr, V] float32; with `router` (an MoE
-    policy) also the RouterLosses of the prompt + response forward: (logits, RouterLosses)."""
-    seq, pos, seq_mask = sequence_inputs(prompt_tokens, prompt_mask, tokens, mask)
-    hidden, losses = hidden_states(model, variables(params, adapters), seq, pos, seq_mask, router=router)
-    lq, lr = prompt_tokens.shape[1], tokens.shape[1]
-    # Position t predicts token t + 1: the response tokens are predicted from positions Lq-1 .. Lq+Lr-2.
-    hidden = hidden[:, lq - 1: lq + lr - 1]
-    logits = model.apply(variables(params, adapters), hidden, method=CausalLM.project) / temperature
-    return (logits, losses) if router else logits
+    policy) also the RouterLosses of the prompt + response forward: (logits, RouterLosses).
+    experts [B, Lq + Lr, Lm, k]: routing replay (`Transformer.__call__`)."""
+    out = response_outputs(model, params, prompt_tokens, prompt_mask, tokens, mask, temperature, adapters, router,
+                           experts)
+    return (out.hidden, out.router) if router else out.hidden
 
 
 def token_logprobs(logits, tokens, mask):

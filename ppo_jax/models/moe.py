@@ -7,9 +7,11 @@ sorted by expert and each expert's rows multiply its weights in one grouped matm
 routed tokens, with no capacity factor and no padding to it.
 
 A token's output depends only on the token (routing, the grouped matmuls and the weighted sum are
-all per row), so the sampler's cached decode and the training forward route every token to the same
-experts and give the same numbers: no routing replay is needed for rollout log-probs to be training
-log-probs.
+all per row), so with the same weights and numerics the sampler's cached decode and the training
+forward route every token to the same experts. When they differ (a bf16 sampler, stale weights) a
+near-tie of two router logits can resolve the other way: routing replay (`moe.router_replay`,
+docs/off_policy.md) records the sampler's choice (the CHOSEN collection) and the training forward
+takes it (`MoEMLP`'s `experts`) instead of its own top-k.
 """
 
 from __future__ import annotations
@@ -34,31 +36,56 @@ Array = jax.Array
 # makes it mutable: `apply(..., mutable=[ROUTER])`. Forwards that do not (the sampler, scoring)
 # compute nothing for it.
 ROUTER = "router_stats"
+# The collection MoEMLP sows each token's chosen experts into ([B, T, k] int32 per layer) when a
+# forward makes it mutable: the sampler's record for routing replay.
+CHOSEN = "chosen_experts"
 
 
 @dataclasses.dataclass(frozen=True)
 class Routing:
-    """Each token's experts and their weights: experts [N, k] int32, weights [N, k] (compute dtype)."""
+    """Each token's experts and their weights: experts [N, k] int32, weights [N, k] (compute dtype);
+    with routing replay also own [N, k] int32, the token's own top k (what replay overrode)."""
 
     experts: Array
     weights: Array
+    own: Array | None = None
 
 
-def route(router_logits: Array, k: int, normalize: bool, dtype, softmax: str = "all") -> Routing:
+def route(router_logits: Array, k: int, normalize: bool, dtype, softmax: str = "all",
+          replay: Array | None = None) -> Routing:
     """The top k experts of each token and their weights, in float32. router_logits [N, E].
 
     softmax "all": softmax over all experts, then the top k; `normalize` rescales the k weights to
     sum to 1 (Mixtral always; Qwen3-MoE's norm_topk_prob). "topk": the top k logits, then a softmax
-    over those k (GPT-OSS)."""
+    over those k (GPT-OSS).
+
+    replay [N, k] int (routing replay): the experts to use instead of the top k, -1 for a token whose
+    own top k stands. The weights are the same function of these logits evaluated at the replayed
+    experts (the router still gets its gradient through them); at a token whose replayed experts are
+    its own top k they are the very same numbers, so replay changes nothing where routing agrees."""
     logits = router_logits.astype(jnp.float32)
+    scores = logits if softmax == "topk" else jax.nn.softmax(logits, axis=-1)
+    _, own = jax.lax.top_k(scores, k)
+    experts = own if replay is None else jnp.where(replay[:, :1] >= 0, replay.astype(own.dtype), own)
+    picked = jnp.take_along_axis(scores, experts, axis=-1)  # == top_k's values where not replayed
     if softmax == "topk":
-        top, experts = jax.lax.top_k(logits, k)
-        weights = jax.nn.softmax(top, axis=-1)
+        weights = jax.nn.softmax(picked, axis=-1)
     else:
-        weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
-        if normalize:
-            weights = weights / weights.sum(-1, keepdims=True)
-    return Routing(experts=experts, weights=weights.astype(dtype))
+        weights = picked / picked.sum(-1, keepdims=True) if normalize else picked
+    return Routing(experts=experts, weights=weights.astype(dtype), own=None if replay is None else own)
+
+
+def index_dtype(num_experts: int):
+    """The narrowest signed int holding an expert index and the -1 of "not recorded": a recorded
+    routing [R, T, Lm, k] is the sampler's largest buffer after the KV cache."""
+    return jnp.int8 if num_experts <= 127 else jnp.int16
+
+
+def routing_flips(own: Array, recorded: Array) -> Array:
+    """[..., T] float32: 1 where a token's own top k differs (as a set) from its recorded experts in
+    any MoE layer, 0 elsewhere and where nothing was recorded (-1). own, recorded [..., T, Lm, k]."""
+    differs = jnp.any(jnp.sort(own, axis=-1) != jnp.sort(recorded.astype(own.dtype), axis=-1), axis=-1)
+    return jnp.any(differs & (recorded[..., 0] >= 0), axis=-1).astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,9 +268,11 @@ class MoEMLP(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: Array, real: Array | None = None) -> Array:
+    def __call__(self, x: Array, real: Array | None = None, experts: Array | None = None) -> Array:
         """real [B, T]: the real (non-padding) tokens; with it, and the ROUTER collection mutable,
-        the layer sows its `router_stats`."""
+        the layer sows its `router_stats`. experts [B, T, k] int: routing replay (`route`'s
+        `replay`), None: each token's own top k. With the CHOSEN collection mutable the layer sows
+        the experts it used [B, T, k] int32."""
         cfg = self.config
         b, t, d = x.shape
         e, f, k = cfg.num_experts, cfg.expert_mlp_dim, cfg.experts_per_token
@@ -251,7 +280,12 @@ class MoEMLP(nn.Module):
         init = nn.initializers.normal(0.02)
         logits = DenseGeneral((d,), (e,), ("embed", "expert"), cfg.router_bias, dtype, param_dtype,
                               name="router")(x)
-        routing = route(logits.reshape(b * t, e), k, cfg.norm_topk_prob, dtype, cfg.router_softmax)
+        replay = None if experts is None else experts.reshape(b * t, k)
+        routing = route(logits.reshape(b * t, e), k, cfg.norm_topk_prob, dtype, cfg.router_softmax, replay)
+        if self.is_mutable_collection(CHOSEN):
+            self.sow(CHOSEN, "experts", routing.experts.reshape(b, t, k).astype(jnp.int32))
+            if routing.own is not None:  # what this forward would have chosen: the replay's mismatch metric
+                self.sow(CHOSEN, "own", routing.own.reshape(b, t, k).astype(jnp.int32))
         if real is not None and self.is_mutable_collection(ROUTER):
             self.sow(ROUTER, "stats", router_stats(logits.reshape(b * t, e), routing, real.reshape(-1)))
 

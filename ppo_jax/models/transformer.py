@@ -25,6 +25,7 @@ slicing out and re-stacking every layer's whole slab.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import flax.linen as nn
@@ -36,7 +37,7 @@ from ppo_jax.models.attention import Attention, attention_mask
 from ppo_jax.models.cache import KVCache
 from ppo_jax.models.config import ModelConfig
 from ppo_jax.models.layers import MLP, DenseGeneral, norm, softcap
-from ppo_jax.models.moe import ROUTER, MoEMLP
+from ppo_jax.models.moe import CHOSEN, ROUTER, MoEMLP
 from ppo_jax.models.rope import rope_tables
 from ppo_jax.ppo.stats import last_token_index
 
@@ -87,6 +88,31 @@ def _for_layer(sliding, full_inputs, sliding_inputs):
     return jax.tree.map(lambda full, local: jnp.where(sliding, local, full), full_inputs, sliding_inputs)
 
 
+def layer_experts(cfg: ModelConfig, experts: Array | None) -> list:
+    """Each layer's replayed experts [B, T, k] out of experts [B, T, Lm, k] over the Lm MoE layers
+    (None for a dense layer, or every layer without replay)."""
+    moe_index = [sum(cfg.layer_moe[:i]) if m else None for i, m in enumerate(cfg.layer_moe)]
+    return [None if experts is None or j is None else experts[:, :, j] for j in moe_index]
+
+
+def chosen_experts(sown: Any, name: str = "experts") -> Array:
+    """The experts each token went to, [B, T, Lm, k] int32 over the Lm MoE layers in order, from the
+    CHOSEN collection a forward sowed (`apply(..., mutable=[CHOSEN])`): stacked [Lm, B, T, k] under
+    scanned layers, else one entry per layer (`layers_i`, or `decode_i` from `Transformer.unrolled`).
+    name "own": under replay, each token's own top k instead (`MoEMLP`)."""
+    entries = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(sown)[0]:
+        names = [getattr(p, "key", "") for p in path]
+        if name not in names and not any(str(n).startswith("decode_") for n in names):
+            continue
+        index = next((int(m.group(1)) for n in names if (m := re.fullmatch(r"(?:layers|decode)_(\d+)", str(n)))), None)
+        entries.append((index, leaf[None] if index is not None else leaf))
+    if not entries:
+        raise ValueError("the forward sowed no chosen experts: the model has no MoE layers")
+    stacked = jnp.concatenate([leaf for _, leaf in sorted(entries, key=lambda e: e[0] or 0)])
+    return jnp.moveaxis(stacked, 0, 2)
+
+
 class Block(nn.Module):
     """Pre-norm residual block. The scan carry is (residual stream x [B, T, D], whole-cache (k, v)
     or None); the scanned inputs are the layer index and whether the layer is a sliding-window one.
@@ -100,7 +126,9 @@ class Block(nn.Module):
     moe: bool | None = None  # whether the MLP is the mixture of experts; None: as config.num_experts says
 
     @nn.compact
-    def __call__(self, carry, layer, sliding, ropes, masks, cache_index, segment_ids=None, lengths=None):
+    def __call__(self, carry, layer, sliding, ropes, masks, cache_index, segment_ids=None, lengths=None,
+                 experts=None):
+        """experts [B, T, k] int: an MoE layer's replayed routing (`MoEMLP`), None: its own."""
         x, cache_kv = carry
         if self.config.sliding_layers is None:
             (cos, sin), mask = ropes[0], masks[0]
@@ -116,7 +144,7 @@ class Block(nn.Module):
         if self.config.num_experts if self.moe is None else self.moe:
             # Without a cache query slot t is key slot t: the mask's diagonal is the real tokens.
             real = jnp.diagonal(mask, axis1=1, axis2=2) if cache_kv is None else None
-            mlp_out = MoEMLP(self.config, name="mlp")(h, real)
+            mlp_out = MoEMLP(self.config, name="mlp")(h, real, experts)
         else:
             mlp_out = MLP(self.config, name="mlp")(h)
         if self.config.post_norms:
@@ -165,9 +193,9 @@ class Transformer(nn.Module):
         if cfg.scan_layers:
             self.layers = nn.scan(
                 block,
-                variable_axes={"params": 0, lora.COLLECTION: 0, ROUTER: 0},
+                variable_axes={"params": 0, lora.COLLECTION: 0, ROUTER: 0, CHOSEN: 0},
                 split_rngs={"params": True},
-                in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+                in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0),
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )(cfg)
@@ -176,13 +204,14 @@ class Transformer(nn.Module):
         self.ln_f = norm(cfg, "ln_f")
 
     def __call__(self, tokens: Array, positions: Array, kv_mask: Array,
-                 cache: KVCache | None = None, segment_ids: Array | None = None
+                 cache: KVCache | None = None, segment_ids: Array | None = None, experts: Array | None = None
                  ) -> tuple[Array, KVCache | None]:
         """tokens, positions [B, T]; kv_mask [B, S] -> hidden [B, T, D], cache (advanced by T).
 
         segment_ids [B, T] (no cache): packed rows, several sequences per row (`models/packing.py`):
         each slot's sequence id, 0 on padding; a token attends only within its own sequence, and
-        `positions` restart at 0 for each sequence."""
+        `positions` restart at 0 for each sequence. experts [B, T, Lm, k] int: routing replay, each
+        token's experts in each of the Lm MoE layers (-1: its own top k; `chosen_experts`)."""
         if segment_ids is not None and cache is not None:
             raise ValueError("segment_ids (packed rows) are for cache-free forwards only")
         aligned = self.aligned_rows(cache, segment_ids)
@@ -191,6 +220,7 @@ class Transformer(nn.Module):
             # each row's real tokens are moved to slots [0, length), and the hidden states back.
             shift = leading_padding(kv_mask)
             tokens, positions, kv_mask = (roll_rows(x, shift) for x in (tokens, positions, kv_mask))
+            experts = None if experts is None else roll_rows(experts, shift)
         lengths = kv_mask.sum(-1).astype(jnp.int32) if aligned else None
         cache_index = cache.index if cache is not None else jnp.zeros((), jnp.int32)
         x, ropes, masks = self._block_inputs(tokens, positions, kv_mask, cache_index, segment_ids)
@@ -199,12 +229,14 @@ class Transformer(nn.Module):
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         if cfg.scan_layers:
             sliding = jnp.asarray(cfg.layer_sliding)
+            per_layer = None if experts is None else jnp.moveaxis(experts, 2, 0)  # [L, B, T, k]: scanned
             (x, cache_kv), _ = self.layers((x, cache_kv), layer_ids, sliding, ropes, masks, cache_index,
-                                           segment_ids, lengths)
+                                           segment_ids, lengths, per_layer)
         else:
-            for layer, local, block in zip(layer_ids, cfg.layer_sliding, self.layers):
+            for layer, local, block, replay in zip(layer_ids, cfg.layer_sliding, self.layers,
+                                                   layer_experts(cfg, experts)):
                 (x, cache_kv), _ = block((x, cache_kv), layer, local, ropes, masks, cache_index, segment_ids,
-                                         lengths)
+                                         lengths, replay)
         if cache is not None:
             cache = KVCache(k=cache_kv[0], v=cache_kv[1], index=cache.index + tokens.shape[1])
         x = self.ln_f(x)
@@ -237,13 +269,18 @@ class Transformer(nn.Module):
         x, ropes, masks = self._block_inputs(tokens, positions, kv_mask, cache_index)
         new_caches = []
         adapters = layer_adapters if layer_adapters is not None else (None,) * len(layer_params)
-        for params, lora_params, cache, local, moe in zip(layer_params, adapters, caches, self.config.layer_sliding,
-                                                          self.config.layer_moe, strict=True):
+        # The blocks are applied unbound: their CHOSEN experts are sown again here, one entry per layer.
+        record = [CHOSEN] if self.is_mutable_collection(CHOSEN) else False
+        for i, (params, lora_params, cache, local, moe) in enumerate(zip(
+                layer_params, adapters, caches, self.config.layer_sliding, self.config.layer_moe, strict=True)):
             block = Block(self.config, moe, parent=None)  # unbound: applied to this layer's own parameters
             variables = {"params": params} if lora_params is None else {"params": params,
                                                                         lora.COLLECTION: lora_params}
-            (x, (k, v)), _ = block.apply(variables, (x, (cache.k, cache.v)), None, local, ropes,
-                                         masks, cache_index)
+            out = block.apply(variables, (x, (cache.k, cache.v)), None, local, ropes, masks, cache_index,
+                              mutable=record)
+            ((x, (k, v)), _), sown = out if record else (out, None)
+            if sown and CHOSEN in sown:
+                self.sow(CHOSEN, f"decode_{i}", sown[CHOSEN]["mlp"]["experts"][0])
             new_caches.append(KVCache(k=k, v=v, index=cache.index + tokens.shape[1]))
         return self.ln_f(x), tuple(new_caches)
 
@@ -294,10 +331,10 @@ class CausalLM(nn.Module):
         hidden, cache = self.transformer(tokens, positions, kv_mask, cache)
         return self.project(hidden), cache
 
-    def hidden(self, tokens, positions, kv_mask, segment_ids=None):
+    def hidden(self, tokens, positions, kv_mask, segment_ids=None, experts=None):
         """Final hidden states [B, T, D] without the output projection (slice before projecting);
-        segment_ids: packed rows (`Transformer.__call__`)."""
-        return self.transformer(tokens, positions, kv_mask, segment_ids=segment_ids)[0]
+        segment_ids: packed rows, experts [B, T, Lm, k]: routing replay (`Transformer.__call__`)."""
+        return self.transformer(tokens, positions, kv_mask, segment_ids=segment_ids, experts=experts)[0]
 
     def project(self, hidden: Array) -> Array:
         """[..., D] -> [..., V] float32, soft-capped when the config says (Gemma 2). Flattened to

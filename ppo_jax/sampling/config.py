@@ -71,6 +71,8 @@ class SamplingConfig:
                     while sampling (none for unscanned params) and a decode program that grows with
                     depth; a bf16 cache saves less on CPU, as XLA:CPU converts each layer's slab to
                     f32 for its dots. None: on except on TPU (not measured there).
+    record_experts: an MoE model's routing of every prompt and response token is returned
+                    (`SampleOutput.routed_experts`), for routing replay in training; static engine only.
     """
 
     max_new_tokens: int
@@ -89,6 +91,7 @@ class SamplingConfig:
     tail_halvings: int | None = None
     steps_per_sync: int = 1
     unroll_layers: bool | None = None
+    record_experts: bool = False
 
     def __post_init__(self):
         # Accept any sequence of ids but store a tuple so the config stays hashable.
@@ -126,6 +129,8 @@ class SamplingConfig:
             raise ValueError(f"sampling.steps_per_sync must be >= 1, got {self.steps_per_sync}")
         if self.tail_halvings is not None and self.tail_halvings < 0:
             raise ValueError(f"sampling.tail_halvings must be >= 0, got {self.tail_halvings}")
+        if self.record_experts and self.engine != "static":
+            raise ValueError("sampling.record_experts (routing replay) is implemented on the static engine only")
         if self.prefill_prompts < 0:
             raise ValueError(f"sampling.prefill_prompts must be >= 0 (0: a quarter of the slots), got "
                              f"{self.prefill_prompts}")
@@ -160,6 +165,9 @@ class SampleOutput:
         the engine had decoded when the row's last token was chosen (its first token comes from its
         prefill); the static engine's is (length - 1) * R. `slot_occupancy` reads the work done from
         it: its maximum is every slot-step of the call.
+    routed_experts [R, Lq + N, Lm, k] int8/int16 (`SamplingConfig.record_experts`, else None): the
+        experts each prompt and response token went to in each of the Lm MoE layers, aligned with the
+        prompt + response; -1 on padding and on a row's last token (never fed back: no routing).
     """
 
     prompt_tokens: Array
@@ -171,6 +179,7 @@ class SampleOutput:
     lengths: Array
     stopped: Array
     slot_steps_at_finish: Array
+    routed_experts: Array | None = None
 
 
 def truncation_metrics(logprobs: Array, sampling_logprobs: Array, mask: Array) -> dict[str, Array]:

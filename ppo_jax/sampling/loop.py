@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from ppo_jax import sharding
-from ppo_jax.models import forward
+from ppo_jax.models import forward, moe
 from ppo_jax.models.cache import KV_CACHE_AXES, KVCache, init_cache, split_cache
-from ppo_jax.models.transformer import CausalLM, positions_from_mask, split_layer_params
+from ppo_jax.models.transformer import CausalLM, chosen_experts, positions_from_mask, split_layer_params
 from ppo_jax.ppo.stats import last_token_index
 from ppo_jax.sampling.config import SampleOutput, SamplingConfig, validate_inputs
 from ppo_jax.sampling.token_choice import TokenChoice, choose_tokens, response_uniforms
@@ -44,7 +44,9 @@ class DecodeState:
 
     step []: response tokens already chosen; cache: KV cache (index = Lq + step - 1), or one per layer
     when the decode is unrolled; kv_mask [R, S]; stopped [R]: row produced a stop token;
-    done [R]: row has stopped or reached its limit; the [R, N] buffers are filled column by column.
+    done [R]: row has stopped or reached its limit; the [R, N] buffers are filled column by column;
+    experts [R, N, Lm, k]: with `record_experts`, column j the routing of response token j, written
+    when the token is fed back (the step after it was chosen), else None.
     """
 
     step: Array
@@ -56,6 +58,7 @@ class DecodeState:
     logprobs: Array
     sampling_logprobs: Array
     mask: Array
+    experts: Array | None = None
 
 
 def constrain(x: Array, logical_names: tuple[str | None, ...]) -> Array:
@@ -86,6 +89,20 @@ def forward_last(module: CausalLM, tokens, positions, kv_mask, cache, last_index
                                                     layer_adapters)
     last_hidden = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)
     return module.project(last_hidden)[:, 0], cache
+
+
+def apply_last(module: CausalLM, variables, *args, record: bool):
+    """(logits, cache) of `forward_last`, and with `record` the experts its tokens went to
+    [B, T, Lm, k] (`moe.index_dtype`), else None."""
+    if not record:
+        return module.apply(variables, *args, method=forward_last), None
+    out, sown = module.apply(variables, *args, method=forward_last, mutable=[moe.CHOSEN])
+    return out, chosen_experts(sown[moe.CHOSEN]).astype(moe.index_dtype(module.config.num_experts))
+
+
+def unrecorded(experts: Array, mask: Array) -> Array:
+    """experts [R, T, Lm, k] with -1 where mask [R, T] is 0 (padding: nothing to replay)."""
+    return jnp.where(mask.astype(bool)[..., None, None], experts, jnp.asarray(-1, experts.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,13 +183,16 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
     cache = constrain_cache(init_cache(mc, batch, slots, config.cache_dtype))
     kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((batch, new - 1), jnp.int32)], axis=1)
     variables = forward.variables(params, adapters)
-    logits, cache = model.apply(variables, prompt_tokens, positions_from_mask(prompt_mask), kv_mask,
-                                cache, jnp.maximum(last_token_index(prompt_mask), 0), method=forward_last)
+    record = config.record_experts
+    (logits, cache), prompt_experts = apply_last(
+        model, variables, prompt_tokens, positions_from_mask(prompt_mask), kv_mask, cache,
+        jnp.maximum(last_token_index(prompt_mask), 0), record=record)
     if n > 1:
         def repeat(x, axis=0):
-            return jnp.repeat(x, n, axis=axis)
+            return None if x is None else jnp.repeat(x, n, axis=axis)
 
-        prompt_tokens, prompt_mask, kv_mask, logits = map(repeat, (prompt_tokens, prompt_mask, kv_mask, logits))
+        prompt_tokens, prompt_mask, kv_mask, logits, prompt_experts = map(
+            repeat, (prompt_tokens, prompt_mask, kv_mask, logits, prompt_experts))
         cache = constrain_cache(cache.replace(k=repeat(cache.k, 1), v=repeat(cache.v, 1)))
     rows = batch * n
     prompt_lengths = prompt_mask.sum(axis=-1)
@@ -196,7 +216,9 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
     state = DecodeState(
         step=jnp.zeros((), jnp.int32), cache=cache, kv_mask=kv_mask, stopped=jnp.zeros((rows,), bool),
         done=jnp.zeros((rows,), bool), tokens=zeros(jnp.int32) + config.pad_token_id,
-        logprobs=zeros(jnp.float32), sampling_logprobs=zeros(jnp.float32), mask=zeros(jnp.int32))
+        logprobs=zeros(jnp.float32), sampling_logprobs=zeros(jnp.float32), mask=zeros(jnp.int32),
+        experts=None if not record else jnp.full((rows, new + per_sync - 1) + prompt_experts.shape[2:], -1,
+                                                 prompt_experts.dtype))
     state = _record(state, choose(logits, state.step), config, limits)
 
     def keep_going(state: DecodeState) -> Array:
@@ -208,9 +230,12 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
         slot = prompt_len + state.step - 1
         kv_mask = jax.lax.dynamic_update_slice(state.kv_mask, jnp.ones((rows, 1), jnp.int32), (0, slot))
         positions = (prompt_lengths + state.step - 1)[:, None]
-        logits, cache = model.apply(variables, previous, positions, kv_mask, state.cache,
-                                    jnp.zeros((rows,), jnp.int32), layers.params, layers.adapters,
-                                    method=forward_last)
+        (logits, cache), experts = apply_last(model, variables, previous, positions, kv_mask, state.cache,
+                                              jnp.zeros((rows,), jnp.int32), layers.params, layers.adapters,
+                                              record=record)
+        if record:  # the routing of the token just fed: response column step - 1
+            state = state.replace(experts=jax.lax.dynamic_update_slice_in_dim(
+                state.experts, experts, state.step - 1, axis=1))
         state = state.replace(cache=cache, kv_mask=kv_mask)
         return _record(state, choose(logits, state.step), config, limits)
 
@@ -223,7 +248,11 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
     tokens, logprobs, sampling_logprobs, mask = (x[:, :new] for x in (
         state.tokens, state.logprobs, state.sampling_logprobs, state.mask))
     lengths = mask.sum(axis=-1)
+    routed = None
+    if record:
+        routed = jnp.concatenate([unrecorded(prompt_experts, prompt_mask),
+                                  unrecorded(state.experts[:, :new], mask)], axis=1)
     return SampleOutput(
         prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=tokens, logprobs=logprobs,
         sampling_logprobs=sampling_logprobs, mask=mask, lengths=lengths, stopped=state.stopped,
-        slot_steps_at_finish=(lengths - 1) * rows)
+        slot_steps_at_finish=(lengths - 1) * rows, routed_experts=routed)

@@ -33,6 +33,8 @@ class Sampler:
         self.trace_count = 0
         batch = sharding.data_sharding(mesh)
         out_shardings = SampleOutput(**{f.name: batch for f in dataclasses.fields(SampleOutput)})
+        if not config.record_experts:
+            out_shardings = out_shardings.replace(routed_experts=None)
 
         self.takes_adapters = adapter_shardings is not None
         engine = sample_continuous if config.engine == "continuous" else sample
