@@ -30,6 +30,8 @@ _jitted_sample = jax.jit(sample, static_argnames=("model", "config"))
 WORDS = [f"w{i}" for i in range(26)] + ["call", "done", "obs"]
 STOP_WORDS = ["call", "w1", "w2", "w3", "w4"]  # single-token turn stops: about 1 draw in 6
 ROWS, PROMPT_LEN, NEW, OBS = 8, 8, 40, 4
+# Two-token turn stops: every pair of STOP_WORDS, and "obs" (also an observation word) then any word.
+PAIR_STOPS = [[a, b] for a in STOP_WORDS for b in STOP_WORDS] + [["obs", w] for w in WORDS]
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +46,13 @@ def lm():
     return tokenizer, model, params
 
 
-def _turn_config(tokenizer, new=NEW, multi_token_stop=True, **sampling):
-    stops = [(t,) for t in tokenizer.convert_tokens_to_ids(STOP_WORDS)]
-    if multi_token_stop:
-        stops.append(tuple(tokenizer.convert_tokens_to_ids(["done", "w5"])))
+def _turn_config(tokenizer, new=NEW, turn_stops=None, **sampling):
+    """Single-token turn stops (STOP_WORDS) unless `turn_stops` (lists of words) are given."""
+    stops = [[w] for w in STOP_WORDS] if turn_stops is None else turn_stops
     config = SamplingConfig(max_new_tokens=new, pad_token_id=tokenizer.pad_token_id,
                             stop_token_ids=(tokenizer.eos_token_id,), **sampling)
-    return TurnConfig(sampling=config, turn_stops=tuple(stops), max_observation_tokens=OBS)
+    return TurnConfig(sampling=config, turn_stops=tuple(tuple(tokenizer.convert_tokens_to_ids(s)) for s in stops),
+                      max_observation_tokens=OBS)
 
 
 def _prompts(tokenizer):
@@ -79,15 +81,20 @@ class Scripted:
 _decoders = {}
 
 
-def _run(lm, config, envs, key=3, max_turns=3, mesh=None):
-    tokenizer, model, params = lm
+def _decoder(model, config, mesh=None):
+    """One TurnDecoder (three compiled programs) per model, config and mesh, shared by the tests."""
     if (model, config, mesh) not in _decoders:
         _decoders[model, config, mesh] = TurnDecoder(model, config, mesh)
+    return _decoders[model, config, mesh]
+
+
+def _run(lm, config, envs, key=3, max_turns=3, mesh=None):
+    tokenizer, model, params = lm
     tokens, mask = _prompts(tokenizer)
     if mesh is not None:
         params = jax.device_put(params, _shardings_on(model, mesh))
         tokens, mask = sharding.put_batch((tokens, mask), mesh)
-    return rollout_lib.rollout(_decoders[model, config, mesh], params, tokens, mask, envs, jax.random.key(key),
+    return rollout_lib.rollout(_decoder(model, config, mesh), params, tokens, mask, envs, jax.random.key(key),
                                tokenizer=tokenizer, max_turns=max_turns)
 
 
@@ -237,9 +244,10 @@ def test_max_turns_and_total_length(lm):
 def test_first_turn_equals_one_turn_sampler(lm, greedy):
     """(e) An environment that ends the episode at its first step: the rollout is the one-turn
     sampler's (`sampling.sample` with the turn stops as stop tokens), same key, same tokens, mask and
-    log-probs. By design: row r's token at column t uses the uniform (r, t) in both."""
+    log-probs, sampled and greedy. By design: row r's token at column t uses the uniform (r, t) in
+    both."""
     tokenizer, model, params = lm
-    config = _turn_config(tokenizer, multi_token_stop=False, greedy=greedy, temperature=0.8)
+    config = _turn_config(tokenizer, greedy=greedy)
     out = _run(lm, config, [Scripted(row, turns=1) for row in range(ROWS)], key=11)
     one_turn = dataclasses.replace(config.sampling, stop_token_ids=config.sampling.stop_token_ids +
                                    tuple(s[0] for s in config.turn_stops))
@@ -253,6 +261,27 @@ def test_first_turn_equals_one_turn_sampler(lm, greedy):
     assert reference.stopped.any() and reference.lengths.min() < reference.lengths.max()
 
 
+def test_multi_token_turn_stops_match_inside_the_turn_only(lm):
+    """Two-token turn stops: every pair of STOP_WORDS, and "obs" followed by any word. A turn that
+    went on ended with one of them, both tokens its own; an observation's last "obs" never combines
+    with the next turn's first token (a turn of one token would have gone on)."""
+    tokenizer = lm[0]
+    config = _turn_config(tokenizer, turn_stops=PAIR_STOPS)
+    envs = [Scripted(row, turns=3) for row in range(ROWS)]
+    out = _run(lm, config, envs, max_turns=3)
+    pairs = {tuple(s) for s in config.turn_stops}
+    went_on = 0
+    for row, env in enumerate(envs):
+        starts = [0] + [out.turn_ends[row, t] + 1 + min(env.length, OBS, NEW - out.turn_ends[row, t] - 2)
+                        for t in range(out.turns[row] - 1)]
+        for turn in range(out.turns[row] - 1):  # every turn but the last ended at a turn stop
+            begin, end = starts[turn], out.turn_ends[row, turn]
+            assert end - begin >= 1, (row, turn)  # both tokens inside the turn
+            assert tuple(out.tokens[row, end - 1:end + 1].tolist()) in pairs
+            went_on += 1
+    assert went_on >= 3
+
+
 def test_eight_devices_give_the_same_rollout(lm, run):
     """(f) On a (2, 2, 2) mesh of the 8 fake CPU devices (batch split 4 ways, tensor-parallel
     layers) the rollout is the one-device rollout: same tokens and masks, log-probs to 1e-5."""
@@ -262,6 +291,37 @@ def test_eight_devices_give_the_same_rollout(lm, run):
     for field in ("tokens", "mask", "action_mask", "turns", "turn_ends", "observations_truncated"):
         np.testing.assert_array_equal(getattr(out, field), getattr(reference, field), err_msg=field)
     np.testing.assert_allclose(out.logprobs, reference.logprobs, atol=1e-5, rtol=0)
+
+
+def test_append_starts_a_fresh_turn(lm):
+    """The compiled pieces directly, with two-token stops: after `append`, a resumed row's observation
+    sits at its columns (mask 1, action 0), its turn-stop window holds only the new turn's first token
+    (the last turn's tokens are gone from it), and it decodes again; rows not resumed are untouched."""
+    from ppo_jax.sampling.turns import RUNNING, TURN_STOP
+
+    tokenizer, model, params = lm
+    decoder = _decoder(model, _turn_config(tokenizer, turn_stops=PAIR_STOPS))
+    tokens, mask = _prompts(tokenizer)
+    state = decoder.decode(params, decoder.start(params, tokens, mask, jax.random.key(3)))
+    before = jax.device_get(state)
+    resume = (before.reason == TURN_STOP) & (before.column < NEW - 3) & (np.arange(ROWS) % 3 != 0)
+    assert resume.sum() >= 2 and (~resume).sum() >= 1
+    obs = tokenizer.convert_tokens_to_ids("obs")
+    observations = np.full((ROWS, OBS), obs, np.int32)
+    after = jax.device_get(decoder.append(params, state, observations, np.full(ROWS, 2, np.int32), resume))
+    for row in range(ROWS):
+        column = before.column[row]
+        if not resume[row]:
+            assert after.column[row] == column and not after.active[row]
+            np.testing.assert_array_equal(after.tokens[row], before.tokens[row])
+            continue
+        assert after.column[row] == column + 3
+        assert after.tokens[row, column:column + 2].tolist() == [obs, obs]
+        assert after.mask[row, column:column + 3].tolist() == [1, 1, 1]
+        assert after.action_mask[row, column:column + 3].tolist() == [0, 0, 1]
+        assert after.recent[row, :-1].tolist() == [-1] * (after.recent.shape[1] - 1)
+        assert after.recent[row, -1] == after.tokens[row, column + 2]
+        assert after.active[row] == (after.reason[row] == RUNNING)
 
 
 def test_turn_stop_sequences_match_only_inside_the_turn():
