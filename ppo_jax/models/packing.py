@@ -28,7 +28,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from ppo_jax.models.forward import hidden_states, variables
+from ppo_jax.models.forward import HiddenStates, forward_hidden, variables
 from ppo_jax.models.transformer import CausalLM, ScalarModel
 from ppo_jax.ppo.stats import last_token_index
 
@@ -78,6 +78,7 @@ class PackedRows:
     tokens: Array
     positions: Array  # restart at 0 for each sequence
     segment_ids: Array  # 1 + the padded row a slot's token came from; 0 on padding
+    experts: Array | None = None  # [..., M, T, Lm, k]: routing replay (moe.router_replay), -1 on padding; else None
 
 
 def plan(seq_mask: Array, shape: tuple[int, int, int]) -> Packing:
@@ -111,10 +112,11 @@ def plan(seq_mask: Array, shape: tuple[int, int, int]) -> Packing:
 
 
 def scatter(values: Array, slots: Array, packing: Packing, fill=0) -> Array:
-    """Padded values [B, N] (tokens, or per-token quantities) at `slots` [B, N] -> packed [K, M, T];
-    `fill` where nothing lands."""
-    flat = jnp.full(packing.end, fill, values.dtype)
-    return flat.at[slots.reshape(-1)].set(values.reshape(-1), mode="drop").reshape(packing.shape)
+    """Padded values [B, N, ...] (tokens, or per-token quantities) at `slots` [B, N] -> packed
+    [K, M, T, ...]; `fill` where nothing lands."""
+    extra = values.shape[slots.ndim:]
+    flat = jnp.full((packing.end,) + extra, fill, values.dtype)
+    return flat.at[slots.reshape(-1)].set(values.reshape((-1,) + extra), mode="drop").reshape(packing.shape + extra)
 
 
 def gather(packed: Array, slots: Array) -> Array:
@@ -122,14 +124,16 @@ def gather(packed: Array, slots: Array) -> Array:
     return packed.reshape(-1).at[slots].get(mode="fill", fill_value=0)
 
 
-def pack_rows(seq_tokens: Array, packing: Packing) -> PackedRows:
-    """The packed model inputs of a padded batch seq_tokens [B, L] placed by `packing`."""
+def pack_rows(seq_tokens: Array, packing: Packing, experts: Array | None = None) -> PackedRows:
+    """The packed model inputs of a padded batch seq_tokens [B, L] placed by `packing`; experts
+    [B, L, Lm, k]: its recorded routing (routing replay), None: none."""
     batch, length = seq_tokens.shape
     rank = jnp.cumsum(packing.slots < packing.end, axis=-1, dtype=jnp.int32) - 1  # position in its sequence
     row_ids = jnp.broadcast_to(jnp.arange(1, batch + 1, dtype=jnp.int32)[:, None], (batch, length))
     return PackedRows(tokens=scatter(seq_tokens.astype(jnp.int32), packing.slots, packing),
                       positions=scatter(rank, packing.slots, packing),
-                      segment_ids=scatter(row_ids, packing.slots, packing))
+                      segment_ids=scatter(row_ids, packing.slots, packing),
+                      experts=None if experts is None else scatter(experts, packing.slots, packing, fill=-1))
 
 
 def prediction_slots(packing: Packing, prompt_length: int, response_mask: Array) -> Array:
@@ -145,14 +149,25 @@ def last_slots(packing: Packing, seq_mask: Array) -> Array:
     return jnp.take_along_axis(packing.slots, jnp.maximum(last_token_index(seq_mask), 0)[:, None], axis=1)
 
 
+def next_token_outputs(model: CausalLM, params, rows: PackedRows, temperature: float, adapters=None,
+                       router: bool = False) -> HiddenStates:
+    """`next_token_logits` as a HiddenStates: `hidden` the logits [M, T, V]; with `rows.experts` (routing
+    replay) `flips` [M, T] at slot t says whether the token at slot t + 1 flipped (the slot that
+    predicts it, where every per-token quantity of packed rows lives)."""
+    out = forward_hidden(model, variables(params, adapters), rows.tokens, rows.positions, rows.segment_ids != 0,
+                         rows.segment_ids, router=router, experts=rows.experts)
+    logits = model.apply(variables(params, adapters), out.hidden, method=CausalLM.project) / temperature
+    flips = None if out.flips is None else jnp.concatenate([out.flips[:, 1:], jnp.zeros_like(out.flips[:, :1])], 1)
+    return out.replace(hidden=logits, flips=flips)
+
+
 def next_token_logits(model: CausalLM, params, rows: PackedRows, temperature: float, adapters=None,
                       router: bool = False):
     """Tempered logits of packed rows [M, T] -> [M, T, V] float32: slot t predicts slot t + 1; with
-    `router` (an MoE policy) also the forward's RouterLosses: (logits, RouterLosses)."""
-    hidden, losses = hidden_states(model, variables(params, adapters), rows.tokens, rows.positions,
-                                   rows.segment_ids != 0, rows.segment_ids, router=router)
-    logits = model.apply(variables(params, adapters), hidden, method=CausalLM.project) / temperature
-    return (logits, losses) if router else logits
+    `router` (an MoE policy) also the forward's RouterLosses: (logits, RouterLosses). Routing replay
+    when `rows.experts` is given."""
+    out = next_token_outputs(model, params, rows, temperature, adapters, router)
+    return (out.hidden, out.router) if router else out.hidden
 
 
 def next_token_logprobs(logits: Array, tokens: Array) -> Array:

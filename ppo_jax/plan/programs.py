@@ -174,7 +174,7 @@ def lower_programs(run: PlannedRun) -> LoweredRun:
     rollout = Rollout(
         prompt_tokens=sample.prompt_tokens, prompt_mask=sample.prompt_mask, tokens=sample.tokens,
         mask=sample.mask, sampler_logprobs=sample.logprobs, behaviour_logprobs=sample.sampling_logprobs,
-        stopped=sample.stopped,
+        stopped=sample.stopped, routed_experts=sample.routed_experts,
         host_scores=jax.ShapeDtypeStruct((sample.tokens.shape[0],), jnp.float32, sharding=batch_sh),
         policy_version=jax.ShapeDtypeStruct((sample.tokens.shape[0],), jnp.int32, sharding=batch_sh),
         **dict(zip(("ref_logprobs", "model_scores"), scores)))

@@ -93,6 +93,7 @@ def policy_model_config(s: Settings, mesh=None) -> ModelConfig:
     cfg = with_lora(cfg, lora, "policy")
     _check_cached_rope(cfg, s.data.prompt_length + s.rollout.response_length)
     sharding.check_experts_split(cfg.num_experts, mesh, "policy", ConfigError)
+    s.moe.check_model(cfg)
     if not cfg.num_experts and (s.ppo.router_aux_coef or s.ppo.router_z_coef):
         raise ConfigError(f"ppo.router_aux_coef={s.ppo.router_aux_coef}, ppo.router_z_coef={s.ppo.router_z_coef}: "
                           f"router losses need a mixture-of-experts policy, and this {cfg.arch} policy has no experts")
@@ -364,6 +365,9 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
     experience = make_experience_fn(modules, hp, batch)
     update = make_update_fn(modules, policy_tx, value_tx, hp, sizes.rollout_rows, batch)
     rollout_sh = jax.tree.map(lambda _: batch, Rollout(*([0] * len(dataclasses.fields(Rollout)))))
+    exp_sh = jax.tree.map(lambda _: batch, Experience(*([0] * len(dataclasses.fields(Experience)))))
+    if not s.moe.router_replay:  # no routing record travels
+        rollout_sh, exp_sh = rollout_sh.replace(routed_experts=None), exp_sh.replace(routed_experts=None)
     scoring_jit, scorer_sh = None, None
     if hp.scored_outside:  # roles.scoring="sampler": the frozen models score on the sampler's mesh
         scorer_sh = roles.scorer_shardings(modules, frozen_shardings, where, sampler_mesh)
@@ -373,7 +377,6 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
                               in_shardings=(scorer_sh,) + (sampler_batch,) * 4, out_shardings=(sampler_batch,) * 2)
     else:
         rollout_sh = rollout_sh.replace(ref_logprobs=None, model_scores=None)
-    exp_sh = jax.tree.map(lambda _: batch, Experience(*([0] * len(dataclasses.fields(Experience)))))
     trace_counts = {"experience": 0, "update": 0}
 
     def traced(name, fn):

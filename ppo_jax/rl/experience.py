@@ -21,6 +21,7 @@ from ppo_jax.ppo.diagnostics import response_diagnostics
 from ppo_jax.rl.corrections import off_policy_correction, policy_lag_metrics
 from ppo_jax.rl.forwards import (ForwardOutputs, ResponseRows, microbatched, packed_forwards, packed_scores,
                                  padded_forwards, run_packed, score_responses)
+from ppo_jax.rl.router_replay import routing_mismatch
 from ppo_jax.rl.settings import PPOHyper
 from ppo_jax.rl.state import Experience, FrozenParams, Modules, Rollout, PPOState, Trainable
 
@@ -62,7 +63,7 @@ def experience_from_outputs(out: ForwardOutputs, rollout: Rollout, kl_coef: jax.
         tokens=rollout.tokens, mask=rollout.mask, old_logprobs=correction.ratio_logprobs,
         ref_logprobs=out.ref_logprobs, values=out.values, advantages=advantages * correction.pg_weights * mask,
         returns=returns * mask, scores=scores,
-        sequence_kl=kl.sum(-1))
+        sequence_kl=kl.sum(-1), routed_experts=rollout.routed_experts)
     non_score = -(kl_coef * kl).sum(-1)
     metrics = {
         "objective/scores": scores.mean(),
@@ -106,11 +107,12 @@ def rollout_metrics(out: ForwardOutputs, rollout: Rollout, mask: jax.Array) -> d
         "policy/rollout_logprob_diff_mean": ppo.masked_mean(jnp.abs(out.logprobs - rollout.sampler_logprobs), mask),
         # What top-k / top-p / min_new_tokens truncation did to the sampled distribution (1 and 0 without).
         **sampling.truncation_metrics(rollout.sampler_logprobs, rollout.behaviour_logprobs, mask),
+        **routing_mismatch(out.routing_flips, mask),
     }
 
 
 def response_rows(rollout: Rollout) -> ResponseRows:
-    return ResponseRows(rollout.prompt_tokens, rollout.prompt_mask, rollout.tokens, rollout.mask)
+    return ResponseRows(rollout.prompt_tokens, rollout.prompt_mask, rollout.tokens, rollout.mask, rollout.routed_experts)
 
 
 def make_experience_fn(modules: Modules, hp: PPOHyper, batch_sharding: NamedSharding | None = None) -> Callable:

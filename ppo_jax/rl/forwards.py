@@ -22,8 +22,8 @@ import jax.numpy as jnp
 
 from ppo_jax import ppo
 from ppo_jax.models import packing
-from ppo_jax.models.forward import (response_logits, response_scores, response_values, sequence_inputs,
-                                    token_logprobs)
+from ppo_jax.models.forward import (response_logits, response_outputs, response_scores, response_values,
+                                    sequence_inputs, token_logprobs)
 from ppo_jax.rl.settings import PPOHyper
 from ppo_jax.rl.state import FrozenParams, Modules, Trainable, policy_variables, reference_variables, value_variables
 
@@ -38,6 +38,7 @@ class ResponseRows:
     prompt_mask: Array  # [B, Lq]
     tokens: Array  # [B, Lr]
     mask: Array  # [B, Lr], 1 up to and including the first stop token
+    experts: Array | None = None  # [B, Lq + Lr, Lm, k]: the policy forward's routing replay (moe.router_replay)
 
 
 @flax.struct.dataclass
@@ -50,6 +51,7 @@ class ForwardOutputs:
     entropy: Array  # the policy's
     values: Array  # the value model's; 0 without a critic
     scores: Array  # the reward model's raw scores (before gain and bias); 0 without one or when the sampler scored
+    routing_flips: Array | None = None  # routing replay: 1 where the token's own top k differs from the recorded one
 
 
 def padded_forwards(modules: Modules, params: Trainable, frozen: FrozenParams, rows: ResponseRows,
@@ -57,7 +59,9 @@ def padded_forwards(modules: Modules, params: Trainable, frozen: FrozenParams, r
     """Every model's outputs over padded rows."""
     pt, pm, tokens, mask = rows.prompt_tokens, rows.prompt_mask, rows.tokens, rows.mask
     policy_params, adapters = policy_variables(params.policy, frozen.policy)
-    logits = response_logits(modules.policy, policy_params, pt, pm, tokens, mask, hp.temperature, adapters=adapters)
+    policy = response_outputs(modules.policy, policy_params, pt, pm, tokens, mask, hp.temperature, adapters,
+                              experts=rows.experts)
+    logits = policy.hidden
     zeros = jnp.zeros(tokens.shape, jnp.float32)
     ref_logp, scores = zeros, jnp.zeros(tokens.shape[:1], jnp.float32)
     if not hp.scored_outside:
@@ -66,7 +70,7 @@ def padded_forwards(modules: Modules, params: Trainable, frozen: FrozenParams, r
     values = (response_values(modules.value, value_params, pt, pm, tokens, mask, adapters=value_adapters)
               if params.value is not None else zeros)
     return ForwardOutputs(token_logprobs(logits, tokens, mask), ref_logp, ppo.entropy_from_logits(logits, mask),
-                          values, scores)
+                          values, scores, policy.flips)
 
 
 def packed_forwards(modules: Modules, params: Trainable, frozen: FrozenParams, rows: packing.PackedRows,
@@ -74,7 +78,8 @@ def packed_forwards(modules: Modules, params: Trainable, frozen: FrozenParams, r
     """Every model's per-slot outputs over one packed microbatch [M, T] (`run_packed` reads them at
     the right slots); the reward model's scores per slot too."""
     policy_params, adapters = policy_variables(params.policy, frozen.policy)
-    logits = packing.next_token_logits(modules.policy, policy_params, rows, hp.temperature, adapters)
+    policy = packing.next_token_outputs(modules.policy, policy_params, rows, hp.temperature, adapters)
+    logits = policy.hidden
     zeros = jnp.zeros(rows.tokens.shape, jnp.float32)
     ref_logp, scores = zeros, zeros
     if not hp.scored_outside:
@@ -83,7 +88,7 @@ def packed_forwards(modules: Modules, params: Trainable, frozen: FrozenParams, r
     values = (packing.scalar_outputs(modules.value, value_params, rows, value_adapters)
               if params.value is not None else zeros)
     return ForwardOutputs(packing.next_token_logprobs(logits, rows.tokens), ref_logp,
-                          ppo.entropy_from_logits(logits), values, scores)
+                          ppo.entropy_from_logits(logits), values, scores, policy.flips)
 
 
 def score_responses(modules: Modules, frozen: FrozenParams, rows: ResponseRows, hp: PPOHyper) -> tuple[Array, Array]:
@@ -104,7 +109,8 @@ def packed_scores(modules: Modules, frozen: FrozenParams, rows: packing.PackedRo
     """`score_responses` per slot of one packed microbatch [M, T]: the reference's log-probs and the
     reward model's scores (0 without one)."""
     ref_params, ref_adapters = reference_variables(frozen)
-    ref_logits = packing.next_token_logits(modules.policy, ref_params, rows, hp.temperature, ref_adapters)
+    ref_rows = rows.replace(experts=None)  # the reference routes by its own router: replay is the policy's
+    ref_logits = packing.next_token_logits(modules.policy, ref_params, ref_rows, hp.temperature, ref_adapters)
     scores = (packing.scalar_outputs(modules.reward, frozen.reward, rows) if frozen.reward is not None
               else jnp.zeros(rows.tokens.shape, jnp.float32))
     return packing.next_token_logprobs(ref_logits, rows.tokens), scores
@@ -138,7 +144,8 @@ def run_packed(forward: Callable, rows: ResponseRows, hp: PPOHyper):
     leaves, 0 on padding; the scores read at each row's last real token [B]; the Packing)."""
     seq, _, seq_mask = sequence_inputs(rows.prompt_tokens, rows.prompt_mask, rows.tokens, rows.mask)
     layout = packing.plan(seq_mask, hp.packed_shape(seq.shape[0]))
-    per_slot, slot_scores = packing.map_used(forward, layout.microbatches_used, packing.pack_rows(seq, layout))
+    packed = packing.pack_rows(seq, layout, rows.experts)
+    per_slot, slot_scores = packing.map_used(forward, layout.microbatches_used, packed)
     slots = packing.prediction_slots(layout, rows.prompt_tokens.shape[1], rows.mask)
     scores = packing.gather(slot_scores, packing.last_slots(layout, seq_mask))[:, 0]
     return jax.tree.map(lambda x: packing.gather(x, slots), per_slot), scores, layout

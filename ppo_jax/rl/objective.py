@@ -98,7 +98,7 @@ def padded_outputs(modules: Modules, params: Trainable, frozen: FrozenParams, mb
     policy_params, adapters = policy_variables(params.policy, frozen.policy)
     logits, router = _split_router(response_logits(policy_model, policy_params, mb.prompt_tokens, mb.prompt_mask,
                                                    mb.tokens, mb.mask, hp.temperature, adapters=adapters,
-                                                   router=moe), moe)
+                                                   router=moe, experts=mb.routed_experts), moe)
     values = None
     if params.value is not None:
         value_params, value_adapters = value_variables(params.value, frozen.value)

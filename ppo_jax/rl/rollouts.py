@@ -188,6 +188,8 @@ class Rollouts:
                       stopped=out.stopped)
         if started.ref_logprobs is not None:
             fields.update(ref_logprobs=started.ref_logprobs, model_scores=started.model_scores)
+        if out.routed_experts is not None:  # moe.router_replay
+            fields.update(routed_experts=out.routed_experts)
         trainer_mesh = self.meshes.trainer
         data = sharding.data_sharding(trainer_mesh)  # a no-op when the sampler shares the trainer's mesh
         fields = sharding.reshard(fields, {k: data for k in fields})
@@ -235,7 +237,8 @@ class Rollouts:
         records = []
         for started in self.in_flight:
             out = started.sample
-            host = sharding.to_host({f.name: getattr(out, f.name) for f in dataclasses.fields(out)})
+            host = sharding.to_host({f.name: getattr(out, f.name) for f in dataclasses.fields(out)
+                                     if getattr(out, f.name) is not None})
             records.append({"version": started.version,
                             "sample": encode_arrays({k: np.asarray(v) for k, v in host.items()})})
         return records

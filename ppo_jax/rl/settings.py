@@ -23,6 +23,7 @@ from ppo_jax.distributed import DistributedSettings
 from ppo_jax.models.config import LoraConfig, ModelConfig
 from ppo_jax.rl.corrections import OFF_POLICY_RATIOS, off_policy_ratio
 from ppo_jax.rl.roles import RolesSettings
+from ppo_jax.rl.router_replay import MoeSettings
 from ppo_jax.sampling import SamplingConfig
 from ppo_jax.sampling.config import ENGINES
 
@@ -200,6 +201,7 @@ class Settings(RunSettings):
     data: PromptDataSettings = PromptDataSettings()
     rollout: RolloutSettings = RolloutSettings()
     ppo: PPOLossSettings = PPOLossSettings()
+    moe: MoeSettings = MoeSettings()  # mixture-of-experts policies (rl/router_replay.py)
     optim: PPOOptimSettings = PPOOptimSettings()
     train: PPOTrainSettings = PPOTrainSettings()
     plan: PlanSettings = PlanSettings()
@@ -226,6 +228,7 @@ class Settings(RunSettings):
         self.compute.validate()
         self._validate_models()
         self._validate_ppo()
+        self.moe.validate(self.rollout.engine)
         self.optim.validate("optim", {"policy_lr": self.optim.policy_lr, "value_lr": self.optim.value_lr})
         check(self.reward.missing_stop in ("none", "replace", "penalty"),
               f"reward.missing_stop={self.reward.missing_stop!r}: use none, replace or penalty")
@@ -449,4 +452,4 @@ def sampling_config(s: Settings, stop_ids: Sequence[int], pad_id: int,
         top_k=r.top_k, top_p=r.top_p, stop_token_ids=tuple(stop_ids), pad_token_id=int(pad_id),
         num_samples=r.num_samples, cache_dtype=r.cache_dtype or None, engine=r.engine, slots=slots,
         prefill_prompts=r.prefill_prompts, tail_halvings=None if r.tail_halvings < 0 else r.tail_halvings,
-        steps_per_sync=steps_per_sync, unroll_layers=unroll_layers)
+        steps_per_sync=steps_per_sync, unroll_layers=unroll_layers, record_experts=s.moe.router_replay)

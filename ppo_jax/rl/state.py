@@ -119,6 +119,9 @@ class Rollout:
     # the step being updated minus it (rollout.off_policy_steps = k: k once the pipeline is full). None:
     # not stamped (rollouts made outside the trainer), no lag metrics.
     policy_version: Array | None = None
+    # [B, Lq + Lr, Lm, k] int8/int16 (moe.router_replay, else None): the experts the sampler routed each
+    # prompt and response token to in each MoE layer, -1 where nothing was recorded (rl/router_replay.py).
+    routed_experts: Array | None = None
 
 
 @flax.struct.dataclass
@@ -139,6 +142,7 @@ class Experience:
     # (not of a stale sampler's: off-policy, old_logprobs may be the sampler's): what the adaptive KL
     # controller steps on.
     sequence_kl: Array
+    routed_experts: Array | None = None  # [B, Lq + Lr, Lm, k]: the rollout's, replayed by the update (moe.router_replay)
 
 
 

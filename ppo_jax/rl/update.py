@@ -68,7 +68,7 @@ def pack_minibatch(exp: Experience, idx: Array, hp: PPOHyper) -> tuple[PackedExp
     slots = packing.prediction_slots(layout, picked.prompt_tokens.shape[1], picked.mask)
     at_slots = functools.partial(packing.scatter, slots=slots, packing=layout)
     packed = PackedExperience(
-        rows=packing.pack_rows(seq, layout), mask=at_slots(picked.mask.astype(jnp.float32)),
+        rows=packing.pack_rows(seq, layout, picked.routed_experts), mask=at_slots(picked.mask.astype(jnp.float32)),
         old_logprobs=at_slots(picked.old_logprobs), ref_logprobs=at_slots(picked.ref_logprobs),
         values=at_slots(picked.values), advantages=at_slots(picked.advantages), returns=at_slots(picked.returns))
     return packed, layout
