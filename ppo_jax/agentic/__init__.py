@@ -5,6 +5,9 @@
     tool_format.py      <tool_call>/<tool_result> text and chat templates that take `tools`
     environment.py      the Environment protocol, its resolution by name, ToolEnvironment, step_all
     arithmetic_task.py  a task where the tool matters: prompts, gold answers, reward, demonstrations
+    rollout.py          multi-turn rollouts: turns decoded by sampling/turns.py, every waiting row's
+                        environment stepped at once, observations appended to the KV cache
 
-Not built yet: multi-turn rollouts in the samplers and the RL run on the task (docs/agentic.md).
+Not built yet: multi-turn rows in the PPO trainer, the continuous engine's multi-turn mode and the
+RL run on the task (docs/agentic.md).
 """

@@ -5,6 +5,7 @@ Modules, each importing only those below it:
     texts         generate_texts / sample_prompts / decode_responses: strings in, strings out
     sampler       Sampler / make_sampler: `sample` jitted over a mesh, batch checks
     continuous    sample_continuous: the same on a fixed number of decode slots fed from a queue
+    turns         TurnDecoder: multi-turn decoding (turn segments, observations appended to the cache)
     loop          sample: prefill + `lax.while_loop` decode over a preallocated KV cache
     token_choice  choose_tokens: one step's logits [R, V] -> tokens and log-probs [R]
     config        SamplingConfig, validate_inputs, SampleOutput, truncation_metrics
