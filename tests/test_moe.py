@@ -365,6 +365,8 @@ def test_ppo_on_an_moe_policy_keeps_the_invariants(tmp_path, mesh_shape, layer_l
     overrides = {f"policy.model.{name}": value for name, value in model.items()}
     if layer_loop == "scan":  # the router losses on, and their metrics reported
         overrides.update({"ppo.router_aux_coef": 0.01, "ppo.router_z_coef": 0.001})
+    else:  # routing replay on (tests/test_router_replay.py): the trainer carries the record through
+        overrides["moe.router_replay"] = True
     config = tiny_config(**{"train.iterations": 2, "policy.model.num_heads": 4, "policy.model.num_experts": 4,
                             "policy.model.experts_per_token": 2, "compute.layer_loop": layer_loop, **overrides})
     if lora:
@@ -374,6 +376,7 @@ def test_ppo_on_an_moe_policy_keeps_the_invariants(tmp_path, mesh_shape, layer_l
     for row in history:
         assert abs(row["first_minibatch/ratio"] - 1.0) < 1e-6
         assert row["policy/rollout_logprob_diff_max"] < 1e-5
+        assert row.get("rollout/routing_mismatch", 0.0) == 0.0 and ("rollout/routing_mismatch" in row) == (layer_loop != "scan")
         # What holds for any routing (E = 4, k = 2): 0 < E sum_e f_e P_e <= E (f_e <= 1, sum P = 1), the
         # busiest expert between the mean and E / k times it; the exact values are the formulas' (above).
         assert 0.0 < row["moe/balance_loss"] <= 4.0 and row["moe/z_loss"] > 0

@@ -9,6 +9,7 @@ bytes they add there, by shape arithmetic (exact, whatever the compiler).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -56,19 +57,21 @@ def sampler_inputs(policy: Any, base: Any, where: roles.SamplerShardings, shared
     trainable tree (full params, or LoRA adapters on `base`). On the trainer's own mesh the sampler
     reads the trainer's trees; on its own mesh it keeps a copy (with LoRA: of the base, synced once,
     and of the adapters, synced each step). roles.lora_sync="merged" decodes a merged copy of the
-    base's shapes instead of the adapters (kept beside the base copy it is rebuilt from)."""
+    base's shapes instead of the adapters (kept beside the base copy it is rebuilt from). A copy is
+    held in `where.dtype` (bf16 beside fp32 master weights: `roles.sampler_dtype`)."""
     params, adapters = policy_variables(policy, base)
+    held = functools.partial(roles.cast_for_sampler, dtype=where.dtype)  # the dtype the sync sends and it holds
     if base is None:
-        params = params if shared else placed(params, where.params)
+        params = params if shared else held(placed(params, where.params))
         return SamplerInputs(params, None, 0 if shared else device_bytes(params))
-    base_copy = 0 if shared else device_bytes(placed(base, where.params))
+    base_copy = 0 if shared else device_bytes(held(placed(base, where.params)))
     if where.merged:
         merged = placed(base, where.params)
         return SamplerInputs(merged, None, base_copy + device_bytes(merged))
     if shared:
         return SamplerInputs(params, adapters, 0)
-    adapters = placed(adapters, where.synced_adapters)
-    return SamplerInputs(placed(base, where.params), adapters, base_copy + device_bytes(adapters))
+    adapters = held(placed(adapters, where.synced_adapters))
+    return SamplerInputs(held(placed(base, where.params)), adapters, base_copy + device_bytes(adapters))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -313,11 +313,14 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
     compiled = tuple(_compile(name, low.lowered[name], live[name], options, inspect)
                      for name in programs if name in phases)
     kv_cache = kv_cache_bytes(run, low.steps, low.sample.tokens.shape[0])
+    sync_dtype = low.steps.sampler_shardings.dtype
     role_plan = role_memory.roles_plan(
         run.meshes, compiled, held, train_state=trees.train_state, frozen=trees.resident - trees.train_state,
         kv_cache=kv_cache,
-        sync_bytes=roles.tree_bytes(run.state.policy),  # the trainable policy: full params, or with LoRA the adapters
-        base_sync_bytes=roles.tree_bytes(run.base) if run.base is not None else 0, scoring=s.roles.scoring)
+        # the trainable policy (full params, or with LoRA the adapters) in the dtype the sync sends
+        sync_bytes=roles.tree_bytes(roles.cast_for_sampler(run.state.policy, sync_dtype)),
+        base_sync_bytes=roles.tree_bytes(roles.cast_for_sampler(run.base, sync_dtype)) if run.base is not None else 0,
+        scoring=s.roles.scoring)
     mesh = run.mesh
     return MemoryPlan(
         mesh_shape=tuple(int(mesh.shape[a]) for a in sharding.MESH_AXES),

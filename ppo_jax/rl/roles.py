@@ -20,17 +20,20 @@ as it is sampled, so the trainer's devices hold neither frozen tree.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from ppo_jax import sharding
 from ppo_jax.config import check
 from ppo_jax.models import boxed_params
+from ppo_jax.models.config import ModelConfig, to_dtype
 from ppo_jax.rl.state import FrozenParams, PPOState
 
 
@@ -156,12 +159,51 @@ def tree_bytes(tree: Any) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def sync_to(tree: Any, shardings: Any) -> tuple[Any, float, int]:
-    """(tree on `shardings`, seconds until the copy finished, bytes copied): the weight sync."""
-    moved = sum(tree_bytes(x) for x, sh in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)) if x.sharding != sh)
-    if not moved:
+def sampler_dtype(cfg: ModelConfig) -> str | None:
+    """The dtype the policy travels in to a sampler of its own and is held in there: the compute dtype
+    when it is narrower than the parameter dtype (bf16 matmuls on fp32 master weights: half the bytes
+    moved and held), else None (as the trainer holds it)."""
+    narrower = jnp.dtype(to_dtype(cfg.dtype)).itemsize < jnp.dtype(to_dtype(cfg.param_dtype)).itemsize
+    return cfg.dtype if narrower else None
+
+
+# Leaves a forward may read in float32 whatever the compute dtype (LayerNorm's and Gemma's / GPT-OSS's
+# RMSNorm scales and biases, attention sinks) stay as held, a few vectors per layer; every other weight
+# is cast to the compute dtype where it is used, so the cast copy computes the very same numbers.
+KEPT_AS_HELD = ("scale", "bias", "sinks")
+
+
+def cast_for_sampler(tree: Any, dtype: str | None) -> Any:
+    """`tree` (arrays or ShapeDtypeStructs) with its floating leaves in `dtype`, but those named in
+    KEPT_AS_HELD; None: unchanged."""
+    if dtype is None or tree is None:
+        return tree
+
+    def cast(path, x):
+        if getattr(path[-1], "key", None) in KEPT_AS_HELD or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, to_dtype(dtype), sharding=x.sharding)
+        return x.astype(to_dtype(dtype))
+
+    return jax.tree_util.tree_map_with_path(cast, tree)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast_where_held(tree: Any, dtype: str) -> Any:
+    """`cast_for_sampler` on the trainer's devices (each shard cast where it lies, before the copy)."""
+    return cast_for_sampler(tree, dtype)
+
+
+def sync_to(tree: Any, shardings: Any, dtype: str | None = None) -> tuple[Any, float, int]:
+    """(tree on `shardings`, seconds until the copy finished, bytes copied): the weight sync. dtype
+    (`sampler_dtype`): cast on the trainer's side first, so the copy moves (and the sampler holds) the
+    narrower tree; a tree that does not move (the sampler reads the trainer's) is never cast."""
+    if not any(x.sharding != sh for x, sh in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings))):
         return tree, 0.0, 0
     start = time.perf_counter()
+    tree = tree if dtype is None else _cast_where_held(tree, dtype)
+    moved = sum(tree_bytes(x) for x, sh in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)) if x.sharding != sh)
     out = jax.block_until_ready(sharding.reshard(tree, shardings))
     return out, time.perf_counter() - start, moved
 
@@ -180,12 +222,14 @@ class SamplerShardings:
     roles.lora_sync="merged" the merged copy) and `adapters` (what the sampler is called with: LoRA's
     adapters, None without LoRA or merged), on the sampler's mesh; the trainer's own shardings when
     the sampler shares its mesh. `synced_adapters`: where a LoRA policy's adapters travel each step
-    (None without LoRA)."""
+    (None without LoRA). `dtype`: `sampler_dtype` on a mesh of the sampler's own (None when shared,
+    or for a merged LoRA copy, merged from the trainer's dtype)."""
 
     params: Any
     adapters: Any
     synced_adapters: Any = None
     merged: bool = False
+    dtype: str | None = None  # what the policy travels and is held in on the sampler's own mesh (`sampler_dtype`)
 
 
 def sampler_shardings(modules, state_shardings: PPOState, frozen_shardings: FrozenParams,
@@ -193,12 +237,14 @@ def sampler_shardings(modules, state_shardings: PPOState, frozen_shardings: Froz
     """The policy's shardings on the sampler's mesh (`rl/roles.py`), by the same logical rules;
     merged: the sampler decodes a merged copy of a LoRA policy (roles.lora_sync)."""
     lora = frozen_shardings.policy is not None
+    dtype = None if shared or merged else sampler_dtype(modules.policy.config)
     if not lora:
-        return SamplerShardings(state_shardings.policy if shared else policy_shardings(modules, sampler_mesh), None)
+        return SamplerShardings(state_shardings.policy if shared else policy_shardings(modules, sampler_mesh), None,
+                                dtype=dtype)
     params = frozen_shardings.policy if shared else policy_shardings(modules, sampler_mesh)
     adapters = (state_shardings.policy if shared else
                 sharding.tree_shardings(boxed_params(modules.policy, collection="lora"), sampler_mesh))
-    return SamplerShardings(params, None if merged else adapters, synced_adapters=adapters, merged=merged)
+    return SamplerShardings(params, None if merged else adapters, synced_adapters=adapters, merged=merged, dtype=dtype)
 
 
 def trainer_frozen(frozen: FrozenParams) -> FrozenParams:

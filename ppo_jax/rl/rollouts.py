@@ -107,7 +107,8 @@ class Rollouts:
         self.merge_jit = None
         self.sampler_base = None  # LoRA: the frozen base on the sampler's mesh (copied once: it never changes)
         if lora is not None:
-            self.sampler_base, seconds, nbytes = roles.sync_to(frozen.policy, steps.sampler_shardings.params)
+            where = steps.sampler_shardings
+            self.sampler_base, seconds, nbytes = roles.sync_to(frozen.policy, where.params, where.dtype)
             if nbytes:
                 metrics_lib.warn(f"copied the frozen LoRA base to the sampler's mesh once ({nbytes / 2**30:.3f} GiB, "
                                  f"{seconds:.2f} s); each iteration syncs only the adapters")
@@ -142,12 +143,12 @@ class Rollouts:
         self.synced = None  # the older copy goes before the new one arrives (an in-flight sample keeps its own)
         where = self.steps.sampler_shardings
         if self.lora is not None:  # the trainable tree is the adapters, on the base copied there once
-            adapters, seconds, nbytes = roles.sync_to(state.policy, where.synced_adapters)
+            adapters, seconds, nbytes = roles.sync_to(state.policy, where.synced_adapters, where.dtype)
             params = self.sampler_base
             if where.merged:  # folded into the decoding copy on the sampler's devices (the base stays)
                 params, adapters = self._merge_adapters(params, adapters), None
         else:
-            (params, seconds, nbytes), adapters = roles.sync_to(state.policy, where.params), None
+            (params, seconds, nbytes), adapters = roles.sync_to(state.policy, where.params, where.dtype), None
         self.sync_log.append((seconds, nbytes))
         self.synced = roles.SyncedWeights(step, params, adapters)
         return self.synced

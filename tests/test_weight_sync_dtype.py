@@ -1,0 +1,89 @@
+"""The weight sync sends the sampler's dtype (issue 44 item 7, `rl/roles.py`): a policy that computes
+in bf16 on fp32 master weights travels to a sampler of its own cast to bf16 on the trainer's side
+(half the bytes moved and held), except the few vectors a forward reads in float32 (norm scales and
+biases, attention sinks). The cast copy samples exactly what the fp32 weights sample; the planner
+counts the copy and the sync at that dtype."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_test_mesh
+from tiny_configs import tiny_config
+
+from ppo_jax import sharding
+from ppo_jax import plan as plan_lib
+from ppo_jax.models import ModelConfig, init_params
+from ppo_jax.models.transformer import CausalLM
+from ppo_jax.rl import roles
+from ppo_jax.rl.trainer import PPOTrainer
+from ppo_jax.sampling.config import SamplingConfig
+from ppo_jax.sampling.loop import sample
+
+BF16 = {"policy.dtype": "bfloat16"}
+DISAGGREGATED = {"mesh.shape": (4, 1, 1), "roles.sampler_devices": 4, "roles.sampler_mesh": (1, 2, 2)}
+
+
+def leaf_dtypes(tree) -> dict[str, set]:
+    """{leaf name: its dtypes}"""
+    out = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        out.setdefault(path[-1].key, set()).add(jnp.dtype(x.dtype).name)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_the_cast_copy_samples_exactly_what_the_fp32_weights_sample(arch):
+    """gpt2's LayerNorm reads its scale and bias in float32 (kept as held); Llama's RMSNorm casts its
+    scale to the compute dtype, so there every leaf cast by hand samples the same too."""
+    cfg = ModelConfig(arch=arch, vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64,
+                      dtype="bfloat16")
+    model = CausalLM(cfg)
+    params, _ = init_params(model, jax.random.key(0), make_test_mesh((1, 1, 1)))
+    assert roles.sampler_dtype(cfg) == "bfloat16" and roles.sampler_dtype(cfg.replace(dtype="float32")) is None
+    cast = roles.cast_for_sampler(params, roles.sampler_dtype(cfg))
+    dtypes = leaf_dtypes(cast)
+    assert dtypes["kernel"] == dtypes["embedding"] == {"bfloat16"} and dtypes["scale"] == {"float32"}
+    assert roles.tree_bytes(cast) < 0.55 * roles.tree_bytes(params)
+    config = SamplingConfig(max_new_tokens=12, pad_token_id=0, num_samples=2)
+    run = jax.jit(functools.partial(sample, model=model, config=config))
+    prompts = jnp.asarray(np.random.default_rng(0).integers(1, 64, (4, 5)), jnp.int32)
+    mask = jnp.ones((4, 5), jnp.int32).at[1, :2].set(0)
+    want = run(params, prompts, mask, jax.random.key(3))
+    candidates = [cast] + ([jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)] if arch == "llama" else [])
+    for weights in candidates:
+        got = run(weights, prompts, mask, jax.random.key(3))
+        np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+        np.testing.assert_array_equal(np.asarray(got.logprobs), np.asarray(want.logprobs))
+
+
+def test_a_sampler_of_its_own_gets_a_bf16_copy_and_the_sync_moves_half_the_bytes(tmp_path):
+    trainer = PPOTrainer(tiny_config(**{"train.iterations": 1, **BF16, **DISAGGREGATED}), str(tmp_path))
+    synced = trainer.sampler_weights()
+    assert leaf_dtypes(synced.params)["kernel"] == {"bfloat16"}
+    assert leaf_dtypes(synced.params)["scale"] == {"float32"}
+    (_, nbytes), = trainer.rollouts.sync_log
+    assert nbytes == roles.tree_bytes(synced.params) < 0.55 * roles.tree_bytes(trainer.state.policy)
+    # The tokens the run samples are those of a sampler given the weights cast here, by hand.
+    by_hand = jax.device_put(jax.tree.map(lambda x: np.asarray(x, jnp.bfloat16) if x.ndim > 1 else np.asarray(x),
+                                          jax.device_get(trainer.state.policy)), trainer.steps.sampler_shardings.params)
+    prompts = sharding.put_batch({"t": np.arange(16 * 8).reshape(16, 8) % 31 + 1, "m": np.ones((16, 8), np.int32)},
+                                 trainer.meshes.sampler)
+    key = sharding.replicate(jax.random.key(7), trainer.meshes.sampler)
+    ours = trainer.sample(prompts["t"], prompts["m"], key)
+    theirs = trainer.steps.sampler(by_hand, prompts["t"], prompts["m"], key)
+    np.testing.assert_array_equal(np.asarray(ours.tokens), np.asarray(theirs.tokens))
+    trainer.close()
+
+
+def test_the_planner_counts_the_samplers_copy_and_the_sync_at_bf16():
+    config = tiny_config(**{**BF16, **DISAGGREGATED})
+    plan = plan_lib.plan_memory(config, phases=("sampler",), devices=jax.devices())
+    fp32 = plan_lib.plan_memory(tiny_config(**DISAGGREGATED), phases=("sampler",), devices=jax.devices())
+    run_params = fp32.roles.sync_bytes // 4  # fp32: 4 bytes per parameter
+    assert fp32.roles.sync_bytes == 4 * run_params
+    # the matrices at 2 bytes, the norm scales and biases at 4
+    assert run_params * 2 < plan.roles.sync_bytes < run_params * 2.2
+    assert plan.roles.sampler.policy_copy_bytes < 0.6 * fp32.roles.sampler.policy_copy_bytes
