@@ -22,6 +22,7 @@ from ppo_jax.data.prompt_stream import PromptDataSettings
 from ppo_jax.distributed import DistributedSettings
 from ppo_jax.models.config import LoraConfig, ModelConfig
 from ppo_jax.rl.corrections import OFF_POLICY_RATIOS, off_policy_ratio
+from ppo_jax.rl.environment_settings import EnvironmentSettings
 from ppo_jax.rl.roles import RolesSettings
 from ppo_jax.rl.router_replay import MoeSettings
 from ppo_jax.sampling import SamplingConfig
@@ -202,6 +203,7 @@ class Settings(RunSettings):
     rollout: RolloutSettings = RolloutSettings()
     ppo: PPOLossSettings = PPOLossSettings()
     moe: MoeSettings = MoeSettings()  # mixture-of-experts policies (rl/router_replay.py)
+    environment: EnvironmentSettings = EnvironmentSettings()  # multi-turn episodes (rl/environment_settings.py)
     optim: PPOOptimSettings = PPOOptimSettings()
     train: PPOTrainSettings = PPOTrainSettings()
     plan: PlanSettings = PlanSettings()
@@ -229,13 +231,16 @@ class Settings(RunSettings):
         self._validate_models()
         self._validate_ppo()
         self.moe.validate(self.rollout.engine)
+        r = self.rollout
+        self.environment.validate(engine=r.engine, num_samples=r.num_samples, off_policy_steps=r.off_policy_steps,
+                                  router_replay=self.moe.router_replay, chat_template=self.data.chat_template)
         self.optim.validate("optim", {"policy_lr": self.optim.policy_lr, "value_lr": self.optim.value_lr})
         check(self.reward.missing_stop in ("none", "replace", "penalty"),
               f"reward.missing_stop={self.reward.missing_stop!r}: use none, replace or penalty")
         check(0 <= self.reward.overlong_buffer <= self.rollout.response_length and self.reward.overlong_penalty >= 0,
               f"reward.overlong_buffer={self.reward.overlong_buffer}, reward.overlong_penalty="
               f"{self.reward.overlong_penalty}: the buffer is 0 (off) to rollout.response_length tokens, the penalty >= 0")
-        check(reward_in_code or bool(self.reward.path) or bool(self.reward.functions),
+        check(reward_in_code or bool(self.reward.path) or bool(self.reward.functions) or self.environment.enabled,
               "no reward: set reward.path (a reward model) and/or reward.functions (Python reward functions)")
         check(self.data.truncation in ("left", "error"), f"data.truncation={self.data.truncation!r}: use left or error")
         check(t.iterations >= 1, f"train.iterations must be >= 1, got {t.iterations}")
