@@ -154,12 +154,15 @@ def test_the_experience_and_the_update_replay_the_record_and_count_the_flips(pac
     want = forward.response_outputs(model, params, rows.prompt_tokens, rows.prompt_mask, rows.tokens, rows.mask,
                                     1.0, experts=rows.experts)
     want_logp = np.asarray(forward.token_logprobs(want.hidden, rows.tokens, rows.mask))
-    own = np.asarray(forward.token_logprobs(forward.response_outputs(
-        model, params, rows.prompt_tokens, rows.prompt_mask, rows.tokens, rows.mask, 1.0).hidden, rows.tokens, rows.mask))
+    own = forward.response_logits(model, params, rows.prompt_tokens, rows.prompt_mask, rows.tokens, rows.mask, 1.0)
+    own = np.asarray(forward.token_logprobs(own, rows.tokens, rows.mask))
     assert np.abs(own - want_logp).max() > 1e-2  # the forced routing matters
     params_t = Trainable(params, None)
     if packed:
-        out, _, _ = run_packed(lambda r: (packed_forwards(modules, params_t, frozen, r, hp).replace(scores=None), r.tokens), rows, hp)
+        def forward_packed(r):
+            return packed_forwards(modules, params_t, frozen, r, hp).replace(scores=None), r.tokens
+
+        out, _, _ = run_packed(forward_packed, rows, hp)
     else:
         out = padded_forwards(modules, params_t, frozen, rows, hp)
     np.testing.assert_allclose(np.asarray(out.logprobs), want_logp, atol=2e-5)

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 
 from ppo_jax import ppo, sampling
 from ppo_jax.models import packing
+from ppo_jax.ppo.action_mask import action_rewards
 from ppo_jax.ppo.diagnostics import response_diagnostics
 from ppo_jax.rl.corrections import off_policy_correction, policy_lag_metrics
 from ppo_jax.rl.forwards import (ForwardOutputs, ResponseRows, microbatched, packed_forwards, packed_scores,
@@ -39,6 +40,12 @@ def experience_from_outputs(out: ForwardOutputs, rollout: Rollout, kl_coef: jax.
     beta []; step: the train step being updated [] (the policy lag of a rollout stamped with the
     versions that sampled it)."""
     mask = rollout.mask.astype(jnp.float32)
+    if rollout.action_mask is not None:
+        # Multi-turn rows: the forwards read the observations as context; everything trained on or
+        # logged per token (log-probs, KL, rewards, GAE, losses) reads the policy's tokens only.
+        mask = rollout.action_mask.astype(jnp.float32)
+        out = out.replace(logprobs=out.logprobs * mask, ref_logprobs=out.ref_logprobs * mask,
+                          entropy=out.entropy * mask, values=out.values * mask)
     raw_scores = hp.model_weight * out.scores + rollout.host_scores
     scores = ppo.process_scores(
         raw_scores, rollout.stopped, missing_stop=hp.missing_stop,
@@ -49,7 +56,10 @@ def experience_from_outputs(out: ForwardOutputs, rollout: Rollout, kl_coef: jax.
                                                buffer=hp.overlong_buffer, penalty=hp.overlong_penalty)
     kl = ppo.kl_penalty(out.logprobs, out.ref_logprobs, hp.kl_estimator) * mask
     reward_kl_coef = kl_coef if hp.kl_in_reward else jnp.zeros((), jnp.float32)
-    rewards = ppo.shape_rewards(scores, kl, mask, reward_kl_coef)
+    if rollout.turn_rewards is None:
+        rewards = ppo.shape_rewards(scores, kl, mask, reward_kl_coef)
+    else:  # each turn's environment reward on its last action token, the score on the last one
+        rewards = action_rewards(scores, kl, mask, reward_kl_coef, rollout.turn_rewards, rollout.turn_ends)
     if hp.whiten_rewards:
         rewards = ppo.masked_whiten(rewards, mask, shift_mean=False)
     advantages, returns = ppo.estimate_advantages(
@@ -63,7 +73,7 @@ def experience_from_outputs(out: ForwardOutputs, rollout: Rollout, kl_coef: jax.
         tokens=rollout.tokens, mask=rollout.mask, old_logprobs=correction.ratio_logprobs,
         ref_logprobs=out.ref_logprobs, values=out.values, advantages=advantages * correction.pg_weights * mask,
         returns=returns * mask, scores=scores,
-        sequence_kl=kl.sum(-1), routed_experts=rollout.routed_experts)
+        sequence_kl=kl.sum(-1), routed_experts=rollout.routed_experts, action_mask=rollout.action_mask)
     non_score = -(kl_coef * kl).sum(-1)
     metrics = {
         "objective/scores": scores.mean(),
@@ -84,6 +94,8 @@ def experience_from_outputs(out: ForwardOutputs, rollout: Rollout, kl_coef: jax.
         **correction.metrics,
         **({} if step is None else policy_lag_metrics(step, rollout.policy_version)),
     }
+    if rollout.turn_rewards is not None:  # multi-turn: what the environments paid, per episode
+        metrics["objective/environment_rewards"] = rollout.turn_rewards.sum(-1).mean()
     if hp.uses_critic:
         metrics.update({
             "values/mean": ppo.masked_mean(out.values, mask),
@@ -112,7 +124,8 @@ def rollout_metrics(out: ForwardOutputs, rollout: Rollout, mask: jax.Array) -> d
 
 
 def response_rows(rollout: Rollout) -> ResponseRows:
-    return ResponseRows(rollout.prompt_tokens, rollout.prompt_mask, rollout.tokens, rollout.mask, rollout.routed_experts)
+    return ResponseRows(rollout.prompt_tokens, rollout.prompt_mask, rollout.tokens, rollout.mask,
+                        rollout.routed_experts)
 
 
 def make_experience_fn(modules: Modules, hp: PPOHyper, batch_sharding: NamedSharding | None = None) -> Callable:

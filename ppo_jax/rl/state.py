@@ -122,6 +122,13 @@ class Rollout:
     # [B, Lq + Lr, Lm, k] int8/int16 (moe.router_replay, else None): the experts the sampler routed each
     # prompt and response token to in each MoE layer, -1 where nothing was recorded (rl/router_replay.py).
     routed_experts: Array | None = None
+    # Multi-turn episodes (environment.name, rl/episodes.py; else None): action_mask [B, Lr] int32, 1 on
+    # the policy's tokens (`mask` also covers the observations, which the forwards read as context);
+    # turn_rewards [B, M] float32 and turn_ends [B, M] int32, each turn's environment reward and the
+    # column of its last action token (-1: no such turn).
+    action_mask: Array | None = None
+    turn_rewards: Array | None = None
+    turn_ends: Array | None = None
 
 
 @flax.struct.dataclass
@@ -142,7 +149,14 @@ class Experience:
     # (not of a stale sampler's: off-policy, old_logprobs may be the sampler's): what the adaptive KL
     # controller steps on.
     sequence_kl: Array
-    routed_experts: Array | None = None  # [B, Lq + Lr, Lm, k]: the rollout's, replayed by the update (moe.router_replay)
+    routed_experts: Array | None = None  # [B, Lq + Lr, Lm, k]: the rollout's, the update replays it (moe.router_replay)
+    action_mask: Array | None = None  # [B, Lr] multi-turn rows: the policy's tokens (None: every response token)
+
+    @property
+    def loss_mask(self) -> Array:
+        """[B, Lr] the tokens trained on (log-probs, KL, advantages, losses): the actions of
+        multi-turn rows, else every response token. `mask` stays the forwards' context."""
+        return self.mask if self.action_mask is None else self.action_mask
 
 
 
@@ -152,9 +166,13 @@ class PackedExperience:
     per-token fields sit at the slot that predicts the token (0 elsewhere, mask 0 there)."""
 
     rows: PackedRows  # the model inputs: tokens, positions, segment ids
-    mask: Array  # 1 at the prediction slot of each real response token
+    mask: Array  # 1 at the prediction slot of each response token trained on (`Experience.loss_mask`)
     old_logprobs: Array
     ref_logprobs: Array
     values: Array
     advantages: Array
     returns: Array
+
+    @property
+    def loss_mask(self) -> Array:
+        return self.mask  # packed from `Experience.loss_mask`: the rows' context is in `rows`
