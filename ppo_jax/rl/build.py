@@ -368,6 +368,9 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
     exp_sh = jax.tree.map(lambda _: batch, Experience(*([0] * len(dataclasses.fields(Experience)))))
     if not s.moe.router_replay:  # no routing record travels
         rollout_sh, exp_sh = rollout_sh.replace(routed_experts=None), exp_sh.replace(routed_experts=None)
+    if not s.environment.enabled:  # one-turn rows: no action mask, no turn rewards (the same programs)
+        rollout_sh = rollout_sh.replace(action_mask=None, turn_rewards=None, turn_ends=None)
+        exp_sh = exp_sh.replace(action_mask=None)
     scoring_jit, scorer_sh = None, None
     if hp.scored_outside:  # roles.scoring="sampler": the frozen models score on the sampler's mesh
         scorer_sh = roles.scorer_shardings(modules, frozen_shardings, where, sampler_mesh)

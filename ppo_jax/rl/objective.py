@@ -58,7 +58,7 @@ def ppo_loss(out: TokenOutputs, batch: LossBatch, hp: PPOHyper) -> tuple[Array, 
     """The microbatch loss [] and metrics from the models' outputs and the experience. Every term is a
     token sum over `mask` / `batch.num_tokens`, so the layout (padded or packed) does not matter."""
     exp, num_tokens = batch.experience, batch.num_tokens
-    mask = exp.mask.astype(jnp.float32)
+    mask = exp.loss_mask.astype(jnp.float32)  # multi-turn rows: the policy's tokens only
     loss, metrics = ppo.policy_loss(out.logprobs, exp.old_logprobs, exp.advantages, mask, clip_eps=hp.clip_eps,
                                     clip_eps_high=hp.clip_eps_high, dual_clip=hp.dual_clip, num_tokens=num_tokens)
     ent_loss, ent_metrics = ppo.entropy_loss(out.logits, mask, num_tokens=num_tokens)

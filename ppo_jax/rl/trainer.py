@@ -31,6 +31,7 @@ from ppo_jax.models import hf
 from ppo_jax.reward_functions import parse as parse_reward_functions
 from ppo_jax.rl import build, roles
 from ppo_jax.rl.checkpointing import Checkpointing
+from ppo_jax.rl.episodes import EpisodeRollouts
 from ppo_jax.rl.errors import PREEMPTION_NOTICE, NonFiniteError, RunFailedError
 from ppo_jax.rl.experience import make_scoring_fn
 from ppo_jax.rl.health import NONFINITE_SAMPLES_FILE, NonFiniteGuard
@@ -91,10 +92,13 @@ class PPOTrainer:
         self.steps = build.build_steps(s, self.mesh, self.sizes, self.hp, self.modules, self.policy_tx,
                                        self.value_tx, self.state_shardings, frozen_shardings, self.stop_ids,
                                        int(self.tokenizer.pad_token_id), sampler_mesh=self.meshes.sampler)
-        self.rollouts = Rollouts(s, self.meshes, self.steps, frozen, lora=self.policy_config.lora,
-                                 texts=Texts(self.tokenizer, tuple(self.stop_ids)),
-                                 reward_functions=self.reward_functions, prompts=self.prompts,
-                                 sample_key=self.keys.sample)
+        rollouts = dict(lora=self.policy_config.lora, texts=Texts(self.tokenizer, tuple(self.stop_ids)),
+                        reward_functions=self.reward_functions, prompts=self.prompts, sample_key=self.keys.sample)
+        if s.environment.enabled:  # multi-turn episodes (rl/episodes.py)
+            rollouts.update(model=self.modules.policy, tokenizer=self.tokenizer, turn_stops=self.turn_stops,
+                            prompt_length=s.data.prompt_length)
+        self.rollouts = (EpisodeRollouts if s.environment.enabled else Rollouts)(
+            s, self.meshes, self.steps, frozen, **rollouts)
         # roles.scoring="sampler": the reference and reward model now live with the rollouts' scorer.
         self.frozen, self.frozen_shardings = ((roles.trainer_frozen(frozen), roles.trainer_frozen(frozen_shardings))
                                               if self.hp.scored_outside else (frozen, frozen_shardings))
@@ -129,6 +133,8 @@ class PPOTrainer:
         if not self.stop_ids:
             raise ConfigError("rollout.stop_token_ids is empty and the tokenizer has no EOS token; "
                               "set rollout.stop_token_ids")
+        # Multi-turn: the turn-stop markers as ids, refused now if the tokenizer cannot encode them.
+        self.turn_stops = s.environment.turn_stops(self.tokenizer) if s.environment.enabled else ()
 
     def _load_tokenizer(self):
         if self.settings.policy.path:
@@ -286,8 +292,8 @@ class PPOTrainer:
         occupancy = sampling.slot_occupancy(sample, self.steps.sampling_config, prompts=self.settings.rollout.batch_size)
         scalars = {**jax.device_get(exp_metrics), **jax.device_get(upd_metrics), **timer.pop(),
                    "perf/slot_occupancy": jax.device_get(occupancy)}
-        sync = self.rollouts.pop_sync_metrics()  # it ran inside "generate": time it once
-        scalars["time/generate"] -= sync["time/weight_sync"]
+        sync = self.rollouts.pop_sync_metrics()  # it (and with an environment, its steps) ran inside "generate"
+        scalars["time/generate"] -= sync["time/weight_sync"] + sync.get("time/environment", 0.0)
         scalars.update(sync)
         total = sum(v for k, v in scalars.items() if k.startswith("time/"))
         tokens = float(scalars["response/length_mean"]) * self.sizes.rollout_rows

@@ -68,7 +68,8 @@ def pack_minibatch(exp: Experience, idx: Array, hp: PPOHyper) -> tuple[PackedExp
     slots = packing.prediction_slots(layout, picked.prompt_tokens.shape[1], picked.mask)
     at_slots = functools.partial(packing.scatter, slots=slots, packing=layout)
     packed = PackedExperience(
-        rows=packing.pack_rows(seq, layout, picked.routed_experts), mask=at_slots(picked.mask.astype(jnp.float32)),
+        rows=packing.pack_rows(seq, layout, picked.routed_experts),
+        mask=at_slots(picked.loss_mask.astype(jnp.float32)),
         old_logprobs=at_slots(picked.old_logprobs), ref_logprobs=at_slots(picked.ref_logprobs),
         values=at_slots(picked.values), advantages=at_slots(picked.advantages), returns=at_slots(picked.returns))
     return packed, layout
@@ -156,7 +157,7 @@ def make_update_fn(modules: Modules, policy_tx: optax.GradientTransformation,
         """idx [num_microbatches, micro_rows] -> one optimizer step on the policy (and value). A
         non-finite experience or gradient skips it: `skipped` says so."""
         picked = idx.reshape(-1)
-        num_tokens = jnp.maximum(exp.mask[picked].sum().astype(jnp.float32), 1.0)
+        num_tokens = jnp.maximum(exp.loss_mask[picked].sum().astype(jnp.float32), 1.0)  # the tokens trained on
 
         def grads_of(mb):
             batch = LossBatch(constrain(mb, batch_sharding), num_tokens, state.kl.coef)

@@ -1,0 +1,122 @@
+"""Multi-turn rollouts in a PPO run (`environment.name` set, issue 45): `EpisodeRollouts` is
+`Rollouts` with the one-turn sampler replaced by episodes (`agentic/rollout.py` over
+`sampling/turns.py`): an environment per row answers the policy between its turns, its observations
+are appended to the row as context.
+
+What the rest of the run sees: the same `Rollout`, plus `action_mask` [B, Lr] (the policy's tokens;
+the forwards read `mask`, observations included), `turn_rewards` and `turn_ends` [B, M] (each turn's
+environment reward and its last action column). The reward functions and the reward model score the
+final text (the whole transcript); the experience step puts the turn rewards on each turn's last
+action token (`ppo.action_mask.action_rewards`). Host metrics per iteration: turns, tool calls,
+errors and time-outs per episode, observation vs action tokens, `time/environment`.
+
+A row's record is {"prompt": its prompt's text} (the data stream's tokens decoded); the prompt the
+row is sampled from is what the environment's `reset` returns, tokenised and cut from the left to
+`data.prompt_length`. One process only (the host loop reads every row). Shapes: B rows, Lq prompt
+length, Lr = rollout.response_length, M = environment.max_turns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from ppo_jax import metrics as metrics_lib
+from ppo_jax import sampling, sharding
+from ppo_jax.agentic import rollout as episodes_lib
+from ppo_jax.data.tokenization import PromptTokenizer
+from ppo_jax.models.transformer import CausalLM
+from ppo_jax.rl.rollouts import Rollouts, StartedRollout
+from ppo_jax.rl.state import PPOState, Rollout
+from ppo_jax.sampling.turns import TurnConfig, TurnDecoder
+
+
+@dataclasses.dataclass
+class StartedEpisodes(StartedRollout):
+    """A started rollout with its episodes (host arrays: masks, turn rewards, tool counts)."""
+
+    episodes: episodes_lib.MultiTurnOutput | None = None
+
+
+def sample_output(out: episodes_lib.MultiTurnOutput, mesh) -> sampling.SampleOutput:
+    """The episodes as the one-turn sampler's output, batch-sharded on `mesh` (mask: every real
+    token; log-probs 0 on observations), for the scorer and the reward functions."""
+    rows = out.tokens.shape[0]
+    lengths = out.mask.sum(-1).astype(np.int32)
+    fields = dict(prompt_tokens=out.prompt_tokens, prompt_mask=out.prompt_mask, tokens=out.tokens,
+                  logprobs=out.logprobs, sampling_logprobs=out.sampling_logprobs, mask=out.mask, lengths=lengths,
+                  stopped=out.stopped,
+                  # The static engine's convention: every row decoded for the longest row's steps.
+                  slot_steps_at_finish=np.maximum(lengths - 1, 0).astype(np.int32) * rows)
+    return sampling.SampleOutput(**sharding.put_batch(fields, mesh))
+
+
+class EpisodeRollouts(Rollouts):
+    """`Rollouts` whose samples are multi-turn episodes (see the module docstring)."""
+
+    def __init__(self, *args, model: CausalLM, tokenizer: Any, turn_stops: tuple[tuple[int, ...], ...],
+                 prompt_length: int, **kwargs):
+        """model: the policy's module; turn_stops: the turn-stop markers' ids (checked against the
+        tokenizer before anything compiled: `EnvironmentSettings.turn_stops`)."""
+        super().__init__(*args, **kwargs)
+        env = self.settings.environment
+        self.env_settings, self.tokenizer = env, tokenizer
+        self.factory = env.bind(tokenizer)
+        config = TurnConfig(sampling=self.steps.sampling_config, turn_stops=turn_stops,
+                            max_observation_tokens=env.max_observation_tokens)
+        self.decoder = TurnDecoder(model, config, self.meshes.sampler)
+        self.prompt_tokenizer = PromptTokenizer(tokenizer, max_prompt_length=prompt_length, truncation="left")
+        self.prompt_length = prompt_length
+        self.finished: episodes_lib.MultiTurnOutput | None = None  # the last finished batch's episodes
+        self.episode_metrics: dict[str, float] = {}  # the current iteration's, until popped
+
+    def _records(self, prompt_tokens: np.ndarray, prompt_mask: np.ndarray) -> list[dict[str, str]]:
+        decode = self.tokenizer.decode
+        return [{"prompt": decode([int(t) for t, m in zip(row, rm) if m], skip_special_tokens=True)}
+                for row, rm in zip(prompt_tokens, prompt_mask)]
+
+    def start(self, state: PPOState, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key) -> StartedEpisodes:
+        """Runs the episodes of this process's prompt rows (host arrays) to their end, and with
+        roles.scoring="sampler" dispatches their scoring. Unlike the one-turn sampler this waits:
+        the host steps the environments between turns."""
+        mesh = self.meshes.sampler
+        envs, texts = episodes_lib.reset_episodes(self.factory, self._records(prompt_tokens, prompt_mask))
+        before = self.prompt_tokenizer.num_truncated_prompts
+        batch = self.prompt_tokenizer.prompts(texts, length=self.prompt_length)
+        if self.prompt_tokenizer.num_truncated_prompts > before and not before:  # said once a run
+            metrics_lib.warn(f"the environment's prompts are longer than data.prompt_length={self.prompt_length} "
+                             "tokens: cut from the left (raise data.prompt_length)")
+        tokens, mask = sharding.put_local_batch((np.asarray(batch.tokens), np.asarray(batch.mask)), mesh)
+        weights = self.sampler_weights(state)
+        out = episodes_lib.rollout(self.decoder, weights.params, tokens, mask, envs, sharding.replicate(key, mesh),
+                                   tokenizer=self.tokenizer, max_turns=self.env_settings.max_turns,
+                                   environment_workers=self.env_settings.workers, adapters=weights.adapters)
+        started = self._scored(sample_output(out, mesh), int(state.step))
+        return StartedEpisodes(**{f.name: getattr(started, f.name) for f in dataclasses.fields(StartedRollout)},
+                               episodes=out)
+
+    def finish(self, started: StartedEpisodes) -> Rollout:
+        """`Rollouts.finish` (reward functions on the whole transcript), plus the action mask and the
+        turn rewards on the trainer's mesh."""
+        rollout = super().finish(started)
+        out = started.episodes
+        self.finished = out
+        mesh = self.meshes.trainer
+        extra = sharding.put_batch({"action_mask": out.action_mask.astype(np.int32),
+                                    "turn_rewards": out.turn_rewards.astype(np.float32),
+                                    "turn_ends": out.turn_ends.astype(np.int32)}, mesh)
+        return rollout.replace(**extra)
+
+    def next(self, state: PPOState) -> tuple[Rollout, sampling.SampleOutput]:
+        """`Rollouts.next`; the episodes' host metrics are kept for this iteration's log."""
+        rollout, sample = super().next(state)
+        self.episode_metrics = episodes_lib.rollout_metrics(self.finished)
+        return rollout, sample
+
+    def pop_sync_metrics(self) -> dict[str, float]:
+        """The weight sync's metrics and the iteration's episodes' (turns, tool calls, errors,
+        time-outs, tokens, `time/environment`: part of the generate phase's time)."""
+        metrics, self.episode_metrics = {**super().pop_sync_metrics(), **self.episode_metrics}, {}
+        return metrics

@@ -1,0 +1,183 @@
+"""The PPO trainer on multi-turn rows (environment.name set, rl/episodes.py): DESIGN.md §5's
+invariants where observations are context, not actions.
+
+A tiny GPT-2 on the toy task and a scripted environment: each turn ends at "w3" or "w4"; the
+environment answers with 1-4 "w9" words (by the turn's length, so rows wait for different
+observations and some are cut to the cap), pays 0, 0.25 or 0.5 per turn and ends the episode after 3
+steps. Deterministic: what it answers depends on the tokens only.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_test_mesh
+from tiny_configs import tiny_config
+
+from ppo_jax.agentic import environment
+from ppo_jax.agentic.environment import StepResult
+from ppo_jax.config import ConfigError
+from ppo_jax.models import forward
+from ppo_jax.rl import objective
+from ppo_jax.rl.experience import experience_from_outputs
+from ppo_jax.rl.forwards import ForwardOutputs
+from ppo_jax.rl.objective import LossBatch
+from ppo_jax.rl.state import FrozenParams, Trainable
+from ppo_jax.rl.trainer import PPOTrainer
+
+
+@environment.register("scripted_test_env")
+class Scripted:
+    stop_strings = ("w3", "w4")
+
+    def reset(self, record):
+        self.steps = 0
+        return record["prompt"]
+
+    def step(self, turn_text, turn_token_ids):
+        self.steps += 1
+        n = len(turn_token_ids)
+        return StepResult(observation=" ".join(["w9"] * (1 + n % 4)), reward=0.25 * (n % 3),
+                          done=self.steps >= 3, info={"tool_calls": 1.0, "tool_errors": float(n % 2)})
+
+
+def multi_turn_config(**overrides):
+    return tiny_config(**{"environment.name": "scripted_test_env", "environment.max_turns": 3,
+                          "environment.max_observation_tokens": 3, "rollout.batch_size": 16,
+                          "rollout.response_length": 20, "policy.model.max_position_embeddings": 64,
+                          "train.iterations": 2, **overrides})
+
+
+def run(config, tmp_path, mesh_shape=(1, 1, 1)):
+    trainer = PPOTrainer(config, str(tmp_path), mesh=make_test_mesh(mesh_shape))
+    return trainer, trainer.train()
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    return run(multi_turn_config(), tmp_path_factory.mktemp("multi_turn"))
+
+
+def observations(rollout):
+    """[B, Lr] bool: the observation tokens of a rollout (real, not the policy's)."""
+    mask, actions = np.asarray(rollout.mask), np.asarray(rollout.action_mask)
+    return (mask == 1) & (actions == 0)
+
+
+def test_episodes_have_observations_and_their_metrics(baseline):
+    trainer, history = baseline
+    rollout, _ = trainer._last_rollout
+    assert observations(rollout).sum() > 10  # the invariants below are not vacuous
+    for row in history:
+        assert 1.0 < row["rollout/turns"] <= 3.0
+        assert row["rollout/observation_tokens"] > 0 and row["rollout/action_tokens"] > 0
+        assert row["rollout/tool_calls"] > 0 and row["rollout/tool_errors"] > 0
+        assert row["rollout/observations_truncated"] > 0  # some 4-word answers meet the cap of 3
+        assert row["time/environment"] > 0.0
+        assert row["objective/environment_rewards"] > 0.0
+        # The action tokens only, as the PPO math counts them.
+        assert row["response/length_mean"] * 16 == pytest.approx(row["rollout/action_tokens"])
+
+
+def test_rollout_logprobs_equal_the_training_forward_on_action_tokens(baseline):
+    """Logged: the experience forward's log-probs vs the sampler's, on action tokens. Recomputed
+    here: a fresh rollout of the current policy vs one forward over prompt + response with every
+    real token (observations included) as context."""
+    trainer, history = baseline
+    for row in history:
+        assert row["policy/rollout_logprob_diff_max"] < 1e-5
+    rollout, _ = trainer.rollout(*trainer.prompts.next_batch(), jax.random.key(7))
+    actions = np.asarray(rollout.action_mask)
+    logits = forward.response_logits(trainer.modules.policy, trainer.state.policy, rollout.prompt_tokens,
+                                      rollout.prompt_mask, rollout.tokens, rollout.mask,
+                                      trainer.settings.rollout.temperature)
+    logprobs = np.asarray(forward.token_logprobs(logits, rollout.tokens, rollout.action_mask))
+    sampled = np.asarray(rollout.sampler_logprobs)
+    assert observations(rollout).any() and np.all(sampled[observations(rollout)] == 0.0)
+    np.testing.assert_allclose(logprobs * actions, sampled * actions, atol=1e-5)
+
+
+def test_first_minibatch_ratio_is_one(baseline):
+    _, history = baseline
+    for row in history:
+        assert abs(row["first_minibatch/ratio"] - 1.0) < 1e-6
+        assert row["first_minibatch/approxkl"] < 1e-12
+        assert row["first_minibatch/clipfrac"] == 0.0
+    assert history[0]["val/ratio"] != 1.0  # the policy did move
+
+
+def test_learning_rate_zero_changes_nothing(tmp_path):
+    config = multi_turn_config(**{"optim.policy_lr": 0.0, "optim.value_lr": 0.0})
+    trainer = PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
+    before = jax.device_get((trainer.state.policy, trainer.state.value))
+    history = trainer.train()
+    after = jax.device_get((trainer.state.policy, trainer.state.value))
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(a, b)
+    for row in history:
+        assert row["objective/kl"] == 0.0
+        assert abs(row["val/ratio"] - 1.0) < 1e-6
+        assert row["policy/approxkl_avg"] < 1e-12
+
+
+def _perturbed(x, where, by=3.0):
+    return jnp.where(jnp.asarray(where), x + by, x)
+
+
+def test_observation_tokens_get_no_advantage_and_do_not_change_the_loss(baseline):
+    trainer, _ = baseline
+    rollout, exp = trainer._last_rollout
+    obs = observations(rollout)
+    for name in ("advantages", "returns", "old_logprobs", "ref_logprobs", "values"):
+        assert np.all(np.asarray(getattr(exp, name))[obs] == 0.0), name
+    # The experience math: the models' outputs on observation tokens (a value is GAE's bootstrap, a
+    # log-prob the KL's input) change nothing it computes.
+    b, length = rollout.tokens.shape
+    key = jax.random.key(3)
+    out = ForwardOutputs(*(jax.random.normal(jax.random.fold_in(key, i), (b, length)) for i in range(4)),
+                         scores=jnp.zeros((b,)))
+    noisy = out.replace(**{f: _perturbed(getattr(out, f), obs) for f in ("logprobs", "ref_logprobs", "values",
+                                                                        "entropy")})
+    hp = trainer.hp
+    coef = jnp.asarray(0.05)
+    want, _ = experience_from_outputs(out, rollout, coef, hp)
+    got, _ = experience_from_outputs(noisy, rollout, coef, hp)
+    for field in ("advantages", "returns", "old_logprobs", "ref_logprobs", "values", "sequence_kl", "scores"):
+        np.testing.assert_allclose(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)), rtol=1e-6,
+                                   atol=1e-6, err_msg=field)
+    # The loss: advantages, old log-probs, returns and values of observation tokens are not read.
+    params, frozen = Trainable(trainer.state.policy, trainer.state.value), FrozenParams(None, None)
+    num_tokens = jnp.asarray(float(np.asarray(rollout.action_mask).sum()))
+
+    def loss_of(e):
+        return objective.padded_loss(trainer.modules, params, frozen, LossBatch(e, num_tokens, coef), hp)[0]
+
+    fields = ("advantages", "old_logprobs", "returns", "values")
+    base = float(loss_of(exp))
+    moved = float(loss_of(exp.replace(**{f: _perturbed(getattr(exp, f), obs) for f in fields})))
+    assert moved == pytest.approx(base, rel=1e-6, abs=1e-7)
+    # ... while the same change on action tokens does move it (the check can fail).
+    actions = np.asarray(rollout.action_mask) == 1
+    assert float(loss_of(exp.replace(advantages=_perturbed(exp.advantages, actions)))) != pytest.approx(base)
+
+
+def test_eight_devices_give_the_same_metrics(baseline, tmp_path):
+    _, expected = baseline
+    _, history = run(multi_turn_config(), tmp_path, (2, 2, 2))
+    for want, got in zip(expected, history):
+        for key, value in want.items():
+            if key.startswith(("time/", "perf/")):
+                continue
+            np.testing.assert_allclose(got[key], value, rtol=2e-3, atol=2e-4, err_msg=key)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"environment.turn_stop": "</tool_call>"}, "environment.turn_stop='</tool_call>': the tokenizer cannot encode it"),
+    ({"environment.name": "no_such_environment"}, "environment.name='no_such_environment' is not a registered"),
+    ({"environment.max_turns": 0}, "environment.max_turns=0: an episode needs at least 1 turn"),
+    ({"rollout.engine": "continuous"}, "multi-turn rollouts run on the static engine only"),
+])
+def test_bad_multi_turn_settings_fail_before_compiling(overrides, message, tmp_path):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        PPOTrainer(multi_turn_config(**overrides), str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
+
