@@ -37,8 +37,11 @@ def test_stop_token_kl_reads_the_last_real_token_of_stopped_rows_only():
 def test_kl_max_is_the_largest_row_sum_and_padding_is_ignored():
     tokens, mask, stopped, kl, lengths = _rows(seed=2)
     noisy = kl + 100.0 * (1 - mask)  # garbage in padding must not count
-    out = response_diagnostics(tokens, mask, stopped, noisy)
+    logprobs = -np.abs(kl) * mask
+    out = response_diagnostics(tokens, mask, stopped, noisy, logprobs)
     expected = max(sum(kl[b, :n]) for b, n in enumerate(lengths))
     np.testing.assert_allclose(float(out["objective/kl_max"]), expected, rtol=1e-6)
     at_stop = [kl[b, n - 1] for b, n in enumerate(lengths) if stopped[b] and n > 0]
     np.testing.assert_allclose(float(out["objective/kl_at_stop_token"]), np.mean(at_stop), rtol=1e-6)
+    stop_logprobs = [logprobs[b, n - 1] for b, n in enumerate(lengths) if stopped[b] and n > 0]
+    np.testing.assert_allclose(float(out["objective/stop_token_logprob"]), np.mean(stop_logprobs), rtol=1e-6)

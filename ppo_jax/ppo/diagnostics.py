@@ -32,20 +32,29 @@ def repeated_token_share(tokens: Array, mask: Array) -> Array:
     return masked_mean(same.astype(jnp.float32), follows)
 
 
-def stop_token_kl(kl: Array, mask: Array, stopped: Array) -> Array:
-    """Mean per-token KL at the stop token of the rows that stopped ([] float32; 0 when none did).
-
-    The stop token is the last real token of a stopped row."""
+def at_stop_token(x: Array, mask: Array, stopped: Array) -> Array:
+    """Mean of a per-token quantity x [B, L] at the stop token of the rows that stopped ([] float32;
+    0 when none did). The stop token is the last real token of a stopped row."""
     last = last_token_index(mask)
-    at_stop = jnp.take_along_axis(kl, jnp.maximum(last, 0)[:, None], axis=1)[:, 0]
+    at_stop = jnp.take_along_axis(x, jnp.maximum(last, 0)[:, None], axis=1)[:, 0]
     counted = jnp.asarray(stopped).astype(bool) & (last >= 0)
     return masked_mean(at_stop, counted)
 
 
-def response_diagnostics(tokens: Array, mask: Array, stopped: Array, kl: Array) -> dict[str, Array]:
-    """The rollout's health metrics ([B, L], [B, L], [B], [B, L] -> scalars); docs/metrics.md."""
+def stop_token_kl(kl: Array, mask: Array, stopped: Array) -> Array:
+    """Mean per-token KL at the stop token of the rows that stopped ([] float32; 0 when none did)."""
+    return at_stop_token(kl, mask, stopped)
+
+
+def response_diagnostics(tokens: Array, mask: Array, stopped: Array, kl: Array, logprobs: Array) -> dict[str, Array]:
+    """The rollout's health metrics ([B, L], [B, L], [B], [B, L], [B, L] -> scalars); docs/metrics.md.
+
+    logprobs: the policy's log-probs of the sampled tokens. Their mean at the stop token is how surely
+    the policy stops where it stops: a stop the reference takes with p ~ 1 hides its eroding logit
+    margin from the ratio and approxkl (p = 0.9999 -> 0.99 is a log-ratio of 0.01), but not from this."""
     sequence_kl = jnp.where(jnp.asarray(mask) != 0, kl, 0).sum(-1)
     return {
+        "objective/stop_token_logprob": at_stop_token(logprobs, mask, stopped),
         "response/repeated_token_share": repeated_token_share(tokens, mask),
         "objective/kl_max": sequence_kl.max(),
         "objective/kl_at_stop_token": stop_token_kl(kl, mask, stopped),

@@ -86,7 +86,7 @@ def experience_from_outputs(out: ForwardOutputs, rollout: Rollout, kl_coef: jax.
         "objective/non_score_reward": non_score.mean(),
         "objective/rlhf_reward": (scores + non_score).mean(),
         **rollout_metrics(out, rollout, mask),
-        **response_diagnostics(rollout.tokens, mask, rollout.stopped, kl),
+        **response_diagnostics(rollout.tokens, mask, rollout.stopped, kl, out.logprobs),
         "advantages/mean": ppo.masked_mean(advantages, mask),
         "advantages/std": jnp.sqrt(ppo.masked_var(advantages, mask)),
         "returns/mean": ppo.masked_mean(returns, mask),
