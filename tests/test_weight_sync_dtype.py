@@ -42,6 +42,10 @@ def test_the_cast_copy_samples_exactly_what_the_fp32_weights_sample(arch):
                       dtype="bfloat16")
     model = CausalLM(cfg)
     params, _ = init_params(model, jax.random.key(0), make_test_mesh((1, 1, 1)))
+    # Norm scales and biases off their init (1 and 0 are exact in bf16), as a trained model's are.
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x + 0.1 * jax.random.normal(jax.random.key(len(path)), x.shape)
+        if path[-1].key in ("scale", "bias") else x, params)
     assert roles.sampler_dtype(cfg) == "bfloat16" and roles.sampler_dtype(cfg.replace(dtype="float32")) is None
     cast = roles.cast_for_sampler(params, roles.sampler_dtype(cfg))
     dtypes = leaf_dtypes(cast)
@@ -52,11 +56,14 @@ def test_the_cast_copy_samples_exactly_what_the_fp32_weights_sample(arch):
     prompts = jnp.asarray(np.random.default_rng(0).integers(1, 64, (4, 5)), jnp.int32)
     mask = jnp.ones((4, 5), jnp.int32).at[1, :2].set(0)
     want = run(params, prompts, mask, jax.random.key(3))
-    candidates = [cast] + ([jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)] if arch == "llama" else [])
-    for weights in candidates:
+    every_leaf = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    for weights in (cast, every_leaf):
         got = run(weights, prompts, mask, jax.random.key(3))
-        np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
-        np.testing.assert_array_equal(np.asarray(got.logprobs), np.asarray(want.logprobs))
+        same = (np.array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+                and np.array_equal(np.asarray(got.logprobs), np.asarray(want.logprobs)))
+        # Every leaf cast by hand: the same on Llama (RMSNorm casts its scale), not on gpt2 (LayerNorm
+        # reads scale and bias in float32): why those stay as held.
+        assert same == (weights is cast or arch == "llama")
 
 
 def test_a_sampler_of_its_own_gets_a_bf16_copy_and_the_sync_moves_half_the_bytes(tmp_path):
