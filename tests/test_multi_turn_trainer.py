@@ -107,7 +107,8 @@ def test_first_minibatch_ratio_is_one(baseline):
 
 
 def test_learning_rate_zero_changes_nothing(tmp_path):
-    config = multi_turn_config(**{"optim.policy_lr": 0.0, "optim.value_lr": 0.0})
+    """On padded rows (the baseline runs packed on a CPU): both layouts' loss masks are checked."""
+    config = multi_turn_config(**{"optim.policy_lr": 0.0, "optim.value_lr": 0.0, "ppo.packing": "off"})
     trainer = PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
     before = jax.device_get((trainer.state.policy, trainer.state.value))
     history = trainer.train()
@@ -159,6 +160,44 @@ def test_observation_tokens_get_no_advantage_and_do_not_change_the_loss(baseline
     # ... while the same change on action tokens does move it (the check can fail).
     actions = np.asarray(rollout.action_mask) == 1
     assert float(loss_of(exp.replace(advantages=_perturbed(exp.advantages, actions)))) != pytest.approx(base)
+
+
+def _compressed(x, actions):
+    """[B, L] -> each row's action-token values moved to its first columns, 0 after."""
+    x, out = np.asarray(x), np.zeros(np.shape(x), np.asarray(x).dtype)
+    for r, keep in enumerate(actions):
+        out[r, :keep.sum()] = x[r, keep]
+    return out
+
+
+def test_gae_over_actions_is_gae_of_the_rows_without_their_observations(baseline):
+    """The experience of multi-turn rows == that of the same rows with the observation tokens cut
+    out (actions moved together, each turn's end moved with them): the advantages, returns and
+    rewards see the policy's tokens as one sequence, the next action's value as the bootstrap."""
+    trainer, _ = baseline
+    rollout, _ = trainer._last_rollout
+    actions = np.asarray(rollout.action_mask) == 1
+    b, length = actions.shape
+    key = jax.random.key(5)
+    out = ForwardOutputs(*(np.asarray(jax.random.normal(jax.random.fold_in(key, i), (b, length))) for i in range(4)),
+                         scores=np.zeros((b,), np.float32))
+    ends = np.asarray(rollout.turn_ends)
+    cut_ends = np.where(ends >= 0, np.cumsum(actions, axis=1)[np.arange(b)[:, None], np.maximum(ends, 0)] - 1, -1)
+    lengths = actions.sum(1)
+    cut_mask = (np.arange(length)[None, :] < lengths[:, None]).astype(np.int32)
+    cut_rollout = rollout.replace(
+        tokens=_compressed(rollout.tokens, actions), mask=cut_mask, action_mask=cut_mask,
+        sampler_logprobs=_compressed(rollout.sampler_logprobs, actions),
+        behaviour_logprobs=_compressed(rollout.behaviour_logprobs, actions), turn_ends=cut_ends.astype(np.int32))
+    cut_out = out.replace(**{f: _compressed(getattr(out, f), actions) for f in ("logprobs", "ref_logprobs", "values",
+                                                                               "entropy")})
+    coef = jnp.asarray(0.05)
+    want, _ = experience_from_outputs(cut_out, cut_rollout, coef, trainer.hp)
+    got, _ = experience_from_outputs(out, rollout, coef, trainer.hp)
+    for field in ("advantages", "returns", "old_logprobs", "values"):
+        np.testing.assert_allclose(_compressed(getattr(got, field), actions), np.asarray(getattr(want, field)),
+                                   rtol=1e-5, atol=1e-5, err_msg=field)
+    np.testing.assert_allclose(np.asarray(got.sequence_kl), np.asarray(want.sequence_kl), rtol=1e-5, atol=1e-6)
 
 
 def test_eight_devices_give_the_same_metrics(baseline, tmp_path):
