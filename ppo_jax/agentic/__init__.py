@@ -8,6 +8,7 @@
     rollout.py          multi-turn rollouts: turns decoded by sampling/turns.py, every waiting row's
                         environment stepped at once, observations appended to the KV cache
 
-Not built yet: multi-turn rows in the PPO trainer, the continuous engine's multi-turn mode and the
-RL run on the task (docs/agentic.md).
+The PPO trainer runs these episodes when the config names an environment (`environment.name`,
+rl/episodes.py). Not built yet: the continuous engine's multi-turn mode and the RL run on the task
+(docs/agentic.md).
 """
