@@ -102,10 +102,11 @@ def chosen_experts(sown: Any, name: str = "experts") -> Array:
     name "own": under replay, each token's own top k instead (`MoEMLP`)."""
     entries = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(sown)[0]:
-        names = [getattr(p, "key", "") for p in path]
-        if name not in names and not any(str(n).startswith("decode_") for n in names):
+        names = [str(getattr(p, "key", "")) for p in path]
+        decoded = any(n.startswith("decode_") for n in names)  # the unrolled decode's: always the experts used
+        if name not in names and not (decoded and name == "experts"):
             continue
-        index = next((int(m.group(1)) for n in names if (m := re.fullmatch(r"(?:layers|decode)_(\d+)", str(n)))), None)
+        index = next((int(m.group(1)) for n in names if (m := re.fullmatch(r"(?:layers|decode)_(\d+)", n))), None)
         entries.append((index, leaf[None] if index is not None else leaf))
     if not entries:
         raise ValueError("the forward sowed no chosen experts: the model has no MoE layers")
