@@ -42,8 +42,8 @@ def test_a_registered_name_and_a_module_path_resolve():
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("no_such_environment", "rollout.environment='no_such_environment' is not a registered environment"),
-    ("no_such_module_ppo_jax:make", "rollout.environment='no_such_module_ppo_jax:make' does not resolve: "
+    ("no_such_environment", "environment.name='no_such_environment' is not a registered environment"),
+    ("no_such_module_ppo_jax:make", "environment.name='no_such_module_ppo_jax:make' does not resolve: "
                                     "cannot import module 'no_such_module_ppo_jax'"),
     ("ppo_jax.agentic.environment:nothing_here", "has no callable 'nothing_here'"),
 ])
@@ -55,7 +55,7 @@ def test_a_spec_that_does_not_resolve_is_one_config_error_line(spec, message):
 
 
 def test_max_turns_below_one_and_undeclared_tools_are_config_errors():
-    with pytest.raises(ConfigError, match=r"rollout.max_turns=0: an episode needs at least 1 turn"):
+    with pytest.raises(ConfigError, match=r"environment.max_turns=0: an episode needs at least 1 turn"):
         environment.tool_environment("calculator", max_turns=0)
     with pytest.raises(ConfigError, match=r"tool\(s\) \['shell'\] are not declared"):
         environment.resolve_tools("calculator, shell")
@@ -79,7 +79,7 @@ def test_a_turn_stop_the_tokenizer_cannot_encode_is_a_config_error():
     from ppo_jax.data.tokenizers import build_word_tokenizer
 
     plain = build_word_tokenizer(["what", "is"])
-    with pytest.raises(ConfigError, match=r"rollout.turn_stop='</tool_call>': the tokenizer cannot encode it"):
+    with pytest.raises(ConfigError, match=r"environment.turn_stop='</tool_call>': the tokenizer cannot encode it"):
         environment.check_turn_stop(plain, "</tool_call>")
     environment.check_turn_stop(build_word_tokenizer(["what"], extra_special_tokens=["</tool_call>"]), "</tool_call>")
 
@@ -153,7 +153,7 @@ def test_an_environment_that_raises_names_its_row():
 
     with pytest.raises(RuntimeError, match="the environment of row 1 raised KeyError"):
         environment.step_all([SleepyEnvironment(0.0), Broken()], [Turn("a", [1]), Turn("b", [2])])
-    with pytest.raises(ConfigError, match="rollout.environment_workers=0"):
+    with pytest.raises(ConfigError, match="environment.workers=0"):
         environment.step_all([SleepyEnvironment(0.0)], [Turn("a", [1])], max_workers=0)
 
 

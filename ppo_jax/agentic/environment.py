@@ -73,7 +73,7 @@ def register(name: str):
     return wrap
 
 
-def resolve(spec: str, field: str = "rollout.environment") -> EnvironmentFactory:
+def resolve(spec: str, field: str = "environment.name") -> EnvironmentFactory:
     """A registered name or "module:function" -> the factory, or one ConfigError line naming `field`."""
     spec = spec.strip()
     if spec in _REGISTRY:
@@ -88,7 +88,7 @@ def resolve(spec: str, field: str = "rollout.environment") -> EnvironmentFactory
     return factory
 
 
-def check_turn_stop(tokenizer: Any, stop: str, field: str = "rollout.turn_stop") -> None:
+def check_turn_stop(tokenizer: Any, stop: str, field: str = "environment.turn_stop") -> None:
     """A turn stop marker must survive encode -> decode, or the sampler could never see it (a word
     tokenizer turns an unknown word into <unk>)."""
     ids = tokenizer.encode(stop, add_special_tokens=False)
@@ -135,7 +135,7 @@ class ToolEnvironment:
 
     def __init__(self, tools: Sequence[tools_lib.Tool], max_turns: int = 4,
                  reward: Callable[[Mapping[str, Any], str], float] | None = None, tokenizer: Any = None):
-        check(max_turns >= 1, f"rollout.max_turns={max_turns}: an episode needs at least 1 turn")
+        check(max_turns >= 1, f"environment.max_turns={max_turns}: an episode needs at least 1 turn")
         self.tools = {tool.name: tool for tool in tools}
         self.max_turns, self.reward, self.tokenizer = max_turns, reward, tokenizer
         self._record: Mapping[str, Any] | None = None
@@ -213,7 +213,7 @@ def step_all(envs: Sequence[Environment], turns: Sequence[Turn], max_workers: in
     (rows wait for their environments in parallel, never one after another). An environment that
     raises is a bug in it, not the policy's doing: it propagates, naming the row."""
     check(len(envs) == len(turns), f"step_all: {len(envs)} environments but {len(turns)} turns")
-    check(max_workers >= 1, f"rollout.environment_workers={max_workers}: use at least 1")
+    check(max_workers >= 1, f"environment.workers={max_workers}: use at least 1")
     start = time.perf_counter()
     if not envs:
         return StepBatch(results=(), seconds=(), wall_seconds=0.0)

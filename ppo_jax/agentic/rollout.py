@@ -148,7 +148,7 @@ def rollout(decoder: TurnDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
     config = decoder.config
     new, width = config.sampling.max_new_tokens, config.max_observation_tokens
     rows = int(np.shape(prompt_tokens)[0])
-    check(max_turns >= 1, f"rollout.max_turns={max_turns}: an episode needs at least 1 turn")
+    check(max_turns >= 1, f"environment.max_turns={max_turns}: an episode needs at least 1 turn")
     check(len(environments) == rows, f"rollout: {len(environments)} environments for {rows} rows")
     decode_turn = decode_turn or turn_decoder(tokenizer, config.sampling.stop_token_ids)
     state = decoder.start(params, prompt_tokens, prompt_mask, key, adapters)
