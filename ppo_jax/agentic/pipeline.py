@@ -72,9 +72,10 @@ class PipelineSettings:
     wrong_rate: float = 0.25  # demonstrations with a mistake (a mistyped call or a misread result)
     demonstrations: int = 2048
     sft_steps: int = 600
-    ppo_iterations: int = 20
+    ppo_iterations: int = 200
+    policy_lr: float = 1e-4
     batch_size: int = 32  # PPO prompts per iteration, and evaluation rows per batch
-    eval_batches: int = 4  # held-out prompts: eval_batches * batch_size
+    eval_batches: int = 8  # held-out prompts: eval_batches * batch_size
     prompt_length: int = 16
     response_length: int = 40
     hidden_size: int = 64
@@ -117,7 +118,7 @@ def ppo_config(p: PipelineSettings, sft_dir: str):
     c.environment.name, c.environment.max_turns, c.environment.max_observation_tokens = "arithmetic_bare", 2, 12
     c.data.prompt_length, c.rollout.response_length, c.rollout.batch_size = p.prompt_length, p.response_length, p.batch_size
     c.ppo.epochs, c.ppo.num_minibatches, c.ppo.kl_coef = 2, 2, 0.02
-    c.optim.policy_lr, c.optim.value_lr = 3e-5, 1e-4
+    c.optim.policy_lr, c.optim.value_lr = p.policy_lr, 1e-4
     c.train.iterations, c.train.progress, c.train.sample_every = p.ppo_iterations, False, 0
     return c
 
