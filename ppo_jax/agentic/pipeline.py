@@ -131,19 +131,32 @@ def interval(successes: float, n: int) -> list[float]:
     return [centre - half, centre + half]
 
 
-def evaluate(trainer, prompts: list[str], batch_size: int, seed: int) -> dict[str, Any]:
+def without_tool() -> BareArithmetic:
+    """The same episodes with no tool declared: a call is answered with an error naming none."""
+    return BareArithmetic([], max_turns=2, reward=arithmetic_task.record_reward)
+
+
+def evaluate(trainer, prompts: list[str], batch_size: int, seed: int, factory=None) -> dict[str, Any]:
     """The current policy's episodes on `prompts` with fixed keys: accuracy (the environment's
-    end-of-episode reward, 1 for the exact product) and the share of episodes that call the tool."""
-    correct, called, n = 0.0, 0.0, 0
-    for i in range(0, len(prompts), batch_size):
-        batch = trainer.prompts.tokenizer.prompts(prompts[i:i + batch_size], length=trainer.settings.data.prompt_length)
-        trainer.rollout(np.asarray(batch.tokens), np.asarray(batch.mask), jax.random.key(seed * 1000 + i))
-        episodes = trainer.rollouts.finished
-        correct += float(episodes.rewards.sum())
-        called += float((episodes.tool_calls > 0).sum())
-        n += len(episodes.rewards)
+    end-of-episode reward, 1 for the exact product) and the share of episodes that call the tool.
+    factory: another environment for these episodes (e.g. `without_tool`)."""
+    own, trainer.rollouts.factory = trainer.rollouts.factory, factory or trainer.rollouts.factory
+    try:
+        batches = [_episodes(trainer, prompts[i:i + batch_size], jax.random.key(seed * 1000 + i))
+                   for i in range(0, len(prompts), batch_size)]
+    finally:
+        trainer.rollouts.factory = own
+    correct = sum(float(e.rewards.sum()) for e in batches)
+    n = sum(len(e.rewards) for e in batches)
     return {"accuracy": correct / n, "accuracy_interval": interval(correct, n),
-            "tool_call_share": called / n, "episodes": n}
+            "tool_call_share": sum(float((e.tool_calls > 0).sum()) for e in batches) / n, "episodes": n}
+
+
+def _episodes(trainer, prompts: list[str], key):
+    """One batch of episodes (`MultiTurnOutput`) of the trainer's current policy."""
+    batch = trainer.prompts.tokenizer.prompts(prompts, length=trainer.settings.data.prompt_length)
+    trainer.rollout(np.asarray(batch.tokens), np.asarray(batch.mask), key)
+    return trainer.rollouts.finished
 
 
 def run(workdir: str, p: PipelineSettings = PipelineSettings()) -> dict[str, Any]:
@@ -159,12 +172,15 @@ def run(workdir: str, p: PipelineSettings = PipelineSettings()) -> dict[str, Any
     trainer = PPOTrainer(ppo_config(p, sft_dir), os.path.join(workdir, "ppo"),
                          prompts=task.prompts(4 * p.batch_size * p.ppo_iterations, "train"))
     before = evaluate(trainer, eval_prompts, p.batch_size, p.seed)
+    before_bare = evaluate(trainer, eval_prompts, p.batch_size, p.seed, without_tool)
     history = trainer.train()
     after = evaluate(trainer, eval_prompts, p.batch_size, p.seed)
+    after_bare = evaluate(trainer, eval_prompts, p.batch_size, p.seed, without_tool)
     summary = {
         "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
         "accuracy_before_interval": before["accuracy_interval"], "accuracy_after_interval": after["accuracy_interval"],
         "tool_call_share_before": before["tool_call_share"], "tool_call_share_after": after["tool_call_share"],
+        "accuracy_without_tool_before": before_bare["accuracy"], "accuracy_without_tool_after": after_bare["accuracy"],
         "eval_episodes": after["episodes"], "settings": dataclasses.asdict(p),
         "train_environment_reward_first": history[0].get("objective/environment_rewards"),
         "train_environment_reward_last": history[-1].get("objective/environment_rewards"),
