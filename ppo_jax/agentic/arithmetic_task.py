@@ -10,8 +10,8 @@ reward function): the last integer the response states outside tool calls and to
 The SFT demonstrations call the calculator and are imperfect on purpose (`demonstration`): a share
 copy a digit of the question wrong into the call, or misread the tool's result, so the SFT policy
 imitates mistakes and RL on the 1/0 reward has something to correct. Train and eval prompts are
-disjoint: a prompt's split is a fixed hash of its numbers. Data only; the episode loop that samples
-these turns is not built yet (docs/agentic.md).
+disjoint: a prompt's split is a fixed hash of its numbers. The SFT-then-RL run on it:
+`python -m ppo_jax.agentic` (agentic/pipeline.py, docs/agentic.md).
 """
 
 from __future__ import annotations
