@@ -14,7 +14,8 @@ from ppo_jax.rl import corrections
 from ppo_jax.rl.experience import experience_from_outputs
 from ppo_jax.rl.forwards import ForwardOutputs
 from ppo_jax.rl.objective import LossBatch, TokenOutputs, ppo_loss
-from ppo_jax.rl.settings import PPOHyper, Settings
+from ppo_jax.rl.hyper import PPOHyper
+from ppo_jax.rl.settings import Settings
 from ppo_jax.rl.sizes import derive_sizes
 from ppo_jax.ppo.stats import SumCount
 from ppo_jax.rl.state import Experience, Rollout

@@ -16,7 +16,8 @@ from ppo_jax.models import CausalLM, ModelConfig, packing
 from ppo_jax.models.attention import splash_interpret
 from ppo_jax.models.forward import response_logits, response_scores, response_values, token_logprobs
 from ppo_jax.models.transformer import ScalarModel
-from ppo_jax.rl.settings import PPOHyper, Settings
+from ppo_jax.rl.hyper import PPOHyper
+from ppo_jax.rl.settings import Settings
 from ppo_jax.rl.sizes import derive_sizes
 from ppo_jax.rl.state import Rollout
 from ppo_jax.rl.trainer import PPOTrainer

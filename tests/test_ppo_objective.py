@@ -16,7 +16,8 @@ from ppo_jax.rl import build
 from ppo_jax.rl.experience import experience_from_outputs
 from ppo_jax.rl.forwards import ForwardOutputs, ResponseRows, padded_forwards
 from ppo_jax.rl.objective import LossBatch, TokenOutputs, padded_loss, ppo_loss
-from ppo_jax.rl.settings import PPOHyper, Settings
+from ppo_jax.rl.hyper import PPOHyper
+from ppo_jax.rl.settings import Settings
 from ppo_jax.rl.state import Experience, FrozenParams, Rollout, Trainable
 
 from conftest import make_test_mesh

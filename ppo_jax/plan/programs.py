@@ -21,7 +21,8 @@ from ppo_jax.config import from_config
 from ppo_jax.models import KV_CACHE_AXES, ModelConfig, boxed_params, init_cache
 from ppo_jax.plan.inputs import SamplerInputs, ScorerInputs, device_bytes, placed, sampler_inputs, scorer_inputs
 from ppo_jax.rl import build, roles
-from ppo_jax.rl.settings import DerivedSizes, PPOHyper, Settings, stop_token_ids
+from ppo_jax.rl.hyper import DerivedSizes, PPOHyper
+from ppo_jax.rl.settings import Settings, stop_token_ids
 from ppo_jax.rl.sizes import derive_sizes
 from ppo_jax.rl.state import FrozenParams, Modules, Rollout, PPOState
 

@@ -24,7 +24,8 @@ from ppo_jax.models import CausalLM, LoraConfig, ModelConfig, ScalarModel, boxed
 from ppo_jax.optim import make_optimizer
 from ppo_jax.rl import roles
 from ppo_jax.rl.experience import make_experience_fn, make_scoring_fn
-from ppo_jax.rl.settings import DECODE_LOOPS, DerivedSizes, PolicyLoraSettings, PPOHyper, Settings, sampling_config
+from ppo_jax.rl.hyper import DerivedSizes, PPOHyper
+from ppo_jax.rl.settings import DECODE_LOOPS, PolicyLoraSettings, Settings, sampling_config
 from ppo_jax.rl.state import Experience, FrozenParams, Modules, Rollout, PPOState
 from ppo_jax.rl.update import make_update_fn
 

@@ -23,7 +23,7 @@ from ppo_jax.rl.corrections import off_policy_correction, policy_lag_metrics
 from ppo_jax.rl.forwards import (ForwardOutputs, ResponseRows, microbatched, packed_forwards, packed_scores,
                                  padded_forwards, run_packed, score_responses)
 from ppo_jax.rl.router_replay import routing_mismatch
-from ppo_jax.rl.settings import PPOHyper
+from ppo_jax.rl.hyper import PPOHyper
 from ppo_jax.rl.state import Experience, FrozenParams, Modules, Rollout, PPOState, Trainable
 
 

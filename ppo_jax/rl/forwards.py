@@ -24,7 +24,7 @@ from ppo_jax import ppo
 from ppo_jax.models import packing
 from ppo_jax.models.forward import (response_logits, response_outputs, response_scores, response_values,
                                     sequence_inputs, token_logprobs)
-from ppo_jax.rl.settings import PPOHyper
+from ppo_jax.rl.hyper import PPOHyper
 from ppo_jax.rl.state import FrozenParams, Modules, Trainable, policy_variables, reference_variables, value_variables
 
 Array = jax.Array

@@ -27,7 +27,7 @@ from ppo_jax import ppo
 from ppo_jax.models import packing
 from ppo_jax.models.forward import response_logits, response_values, token_logprobs
 from ppo_jax.models.moe import RouterCoefs, RouterLosses
-from ppo_jax.rl.settings import PPOHyper
+from ppo_jax.rl.hyper import PPOHyper
 from ppo_jax.rl.state import (Experience, FrozenParams, Modules, PackedExperience, Trainable, policy_variables,
                               value_variables)
 

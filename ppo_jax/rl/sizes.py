@@ -7,7 +7,8 @@ from __future__ import annotations
 import jax
 
 from ppo_jax.config import check, check_positions
-from ppo_jax.rl.settings import DerivedSizes, RolloutSettings, Settings, stop_token_ids
+from ppo_jax.rl.hyper import DerivedSizes
+from ppo_jax.rl.settings import RolloutSettings, Settings, stop_token_ids
 
 
 def packing_on(packing: str, platform: str | None) -> bool:

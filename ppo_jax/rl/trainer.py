@@ -36,7 +36,8 @@ from ppo_jax.rl.errors import PREEMPTION_NOTICE, NonFiniteError, RunFailedError
 from ppo_jax.rl.experience import make_scoring_fn
 from ppo_jax.rl.health import NONFINITE_SAMPLES_FILE, NonFiniteGuard
 from ppo_jax.rl.rollouts import IN_FLIGHT_ITEM, Rollouts, Texts
-from ppo_jax.rl.settings import PPOHyper, Settings, stop_token_ids
+from ppo_jax.rl.hyper import PPOHyper
+from ppo_jax.rl.settings import Settings, stop_token_ids
 from ppo_jax.rl.sizes import derive_sizes
 from ppo_jax.rl.state import FrozenParams, Rollout
 

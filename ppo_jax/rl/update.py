@@ -20,7 +20,7 @@ from ppo_jax import ppo
 from ppo_jax.models import packing
 from ppo_jax.models.forward import sequence_inputs
 from ppo_jax.rl.objective import LossBatch, packed_loss, padded_loss
-from ppo_jax.rl.settings import PPOHyper
+from ppo_jax.rl.hyper import PPOHyper
 from ppo_jax.rl.state import Experience, FrozenParams, Modules, PackedExperience, Trainable, PPOState
 
 Array = jax.Array
