@@ -210,6 +210,18 @@ def test_eight_devices_give_the_same_metrics(baseline, tmp_path):
             np.testing.assert_allclose(got[key], value, rtol=2e-3, atol=2e-4, err_msg=key)
 
 
+def test_resume_continues_the_episodes_exactly(baseline, tmp_path):
+    """Stopped after iteration 1 (saved), resumed for iteration 2: the baseline's iteration 2 (the
+    same prompts, keys and episodes; an episode never spans iterations, so none is in flight)."""
+    _, expected = baseline
+    run(multi_turn_config(**{"train.iterations": 1}), tmp_path)
+    trainer, history = run(multi_turn_config(), tmp_path)
+    assert trainer.resumed_from == 1 and len(history) == 1
+    for key, value in expected[1].items():
+        if not key.startswith(("time/", "perf/")):
+            assert history[0][key] == value, key
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"environment.turn_stop": "</tool_call>"}, "environment.turn_stop='</tool_call>': the tokenizer cannot encode it"),
     ({"environment.name": "no_such_environment"}, "environment.name='no_such_environment' is not a registered"),
