@@ -116,7 +116,8 @@ def ppo_config(p: PipelineSettings, sft_dir: str):
     c.seed = p.seed
     c.policy.path = sft_dir
     c.environment.name, c.environment.max_turns, c.environment.max_observation_tokens = "arithmetic_bare", 2, 12
-    c.data.prompt_length, c.rollout.response_length, c.rollout.batch_size = p.prompt_length, p.response_length, p.batch_size
+    c.data.prompt_length, c.rollout.response_length = p.prompt_length, p.response_length
+    c.rollout.batch_size = p.batch_size
     c.ppo.epochs, c.ppo.num_minibatches, c.ppo.kl_coef = 2, 2, 0.02
     c.optim.policy_lr, c.optim.value_lr = p.policy_lr, 1e-4
     c.train.iterations, c.train.progress, c.train.sample_every = p.ppo_iterations, False, 0
