@@ -115,8 +115,8 @@ class EpisodeRollouts(Rollouts):
         self.episode_metrics = episodes_lib.rollout_metrics(self.finished)
         return rollout, sample
 
-    def pop_sync_metrics(self) -> dict[str, float]:
+    def pop_generate_metrics(self) -> dict[str, float]:
         """The weight sync's metrics and the iteration's episodes' (turns, tool calls, errors,
         time-outs, tokens, `time/environment`: part of the generate phase's time)."""
-        metrics, self.episode_metrics = {**super().pop_sync_metrics(), **self.episode_metrics}, {}
+        metrics, self.episode_metrics = {**super().pop_generate_metrics(), **self.episode_metrics}, {}
         return metrics

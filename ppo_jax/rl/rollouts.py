@@ -224,7 +224,9 @@ class Rollouts:
         current = self.in_flight.popleft()
         return self.finish(current), current.sample
 
-    def pop_sync_metrics(self) -> dict[str, float]:
+    def pop_generate_metrics(self) -> dict[str, float]:
+        """What ran inside the generate phase since the last call, apart from sampling: the weight
+        syncs (`time/weight_sync`, `perf/weight_sync_bytes`); episode rollouts add their own."""
         seconds = sum(s for s, _ in self.sync_log)
         nbytes = sum(b for _, b in self.sync_log)
         self.sync_log = []

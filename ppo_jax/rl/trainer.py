@@ -293,9 +293,9 @@ class PPOTrainer:
         occupancy = sampling.slot_occupancy(sample, self.steps.sampling_config, prompts=self.settings.rollout.batch_size)
         scalars = {**jax.device_get(exp_metrics), **jax.device_get(upd_metrics), **timer.pop(),
                    "perf/slot_occupancy": jax.device_get(occupancy)}
-        sync = self.rollouts.pop_sync_metrics()  # it (and with an environment, its steps) ran inside "generate"
-        scalars["time/generate"] -= sync["time/weight_sync"] + sync.get("time/environment", 0.0)
-        scalars.update(sync)
+        inside = self.rollouts.pop_generate_metrics()  # the syncs (and an environment's steps) ran inside "generate"
+        scalars["time/generate"] -= inside["time/weight_sync"] + inside.get("time/environment", 0.0)
+        scalars.update(inside)
         total = sum(v for k, v in scalars.items() if k.startswith("time/"))
         tokens = float(scalars["response/length_mean"]) * self.sizes.rollout_rows
         scalars["time/iteration"] = total
