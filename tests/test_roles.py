@@ -24,7 +24,7 @@ from ppo_jax.rl import build
 from ppo_jax.rl.held_out import HeldOutSampler
 from ppo_jax.rl.settings import Settings
 from ppo_jax.rl import roles
-from ppo_jax.rl.state import Rollout, policy_variables
+from ppo_jax.rl.state import policy_variables
 from ppo_jax.rl.trainer import PPOTrainer
 
 # name -> (mesh.shape, roles overrides): the trainer's mesh, and where the sampler runs.
@@ -259,40 +259,13 @@ def test_bad_role_settings_fail_before_compiling(overrides, message, tmp_path):
 OFF_POLICY = {"rollout.off_policy_steps": 1, "train.iterations": 3}
 
 
-def plain_off_policy_loop(trainer: PPOTrainer, iterations: int) -> list[dict]:
-    """One-step off-policy written out plainly, one phase after another: batch k is sampled with the
-    weights from before update k - 1 (the initial weights for batches 0 and 1), prompts and keys in
-    the order an on-policy run draws them; the experience and update steps are the trainer's."""
-    behaviour = sharding.copy_tree(trainer.state.policy, trainer.state_shardings.policy)  # θ_0
-    history = []
-    for k in range(iterations):
-        prompt_tokens, prompt_mask = trainer.prompts.next_batch()
-        toks, mask = sharding.put_local_batch((prompt_tokens, prompt_mask), trainer.mesh)
-        params, adapters = policy_variables(behaviour, trainer.frozen.policy)
-        out = trainer.steps.sampler(params, toks, mask, sharding.replicate(trainer.iteration_key(k), trainer.mesh),
-                                    adapters=adapters)
-        host = jax.device_get({"pt": out.prompt_tokens, "pm": out.prompt_mask, "t": out.tokens, "m": out.mask})
-        prompts, responses = trainer.decode(host["pt"], host["pm"], host["t"], host["m"])
-        scores = np.asarray(reward_fns.toy_target_count(prompts, responses), np.float32)
-        rollout = Rollout(prompt_tokens=out.prompt_tokens, prompt_mask=out.prompt_mask, tokens=out.tokens,
-                          mask=out.mask, sampler_logprobs=out.logprobs, behaviour_logprobs=out.sampling_logprobs,
-                          stopped=out.stopped,
-                          host_scores=sharding.put_batch(scores, trainer.mesh))
-        # Batch k + 1 samples the weights before update k.
-        behaviour = sharding.copy_tree(trainer.state.policy, trainer.state_shardings.policy)
-        with sharding.mesh_context(trainer.mesh):
-            exp, exp_metrics = trainer.steps.experience_jit(trainer.state, trainer.frozen, rollout)
-            trainer.state, upd_metrics = trainer.steps.update_jit(trainer.state, trainer.frozen.policy,
-                                                                  trainer.frozen.value, exp)
-        history.append({k: float(v) for k, v in {**jax.device_get(exp_metrics), **jax.device_get(upd_metrics)}.items()})
-    return history
-
-
 @pytest.mark.parametrize("ratio", ["behaviour", "truncated_is"])
 def test_pipelined_off_policy_equals_the_plain_loop(ratio, tmp_path):
     overrides = {**OFF_POLICY, "ppo.off_policy_ratio": ratio, "ppo.is_cap": 1.5}
     reference = PPOTrainer(tiny_config(**overrides), str(tmp_path / "plain"), mesh=make_test_mesh((1, 1, 1)))
-    expected = plain_off_policy_loop(reference, 3)
+    from test_off_policy_pipeline import plain_k_step_loop  # (it imports this module's helpers)
+
+    expected = plain_k_step_loop(reference, 3, k=1)  # batch j sampled with the weights before update j - 1
     trainer = layout_trainer("disaggregated", tmp_path / "pipelined", **overrides)
     history = trainer.train()
     assert_same_metrics(expected, [{k: v for k, v in row.items() if k in expected[0]} for row in history])
