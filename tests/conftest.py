@@ -41,6 +41,20 @@ def make_test_mesh(shape):
     return sharding.make_mesh(shape, jax.devices()[:n])
 
 
+def train_and_check_nothing_moved(trainer) -> None:
+    """DESIGN.md §5, lr = 0 changes nothing: a trainer built with zero learning rates trains and ends
+    with its parameters bit for bit as they were, the policy at KL 0 to its reference and ratio 1."""
+    before = jax.device_get((trainer.state.policy, trainer.state.value))
+    history = trainer.train()
+    after = jax.device_get((trainer.state.policy, trainer.state.value))
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(a, b)
+    for row in history:
+        assert row["objective/kl"] == 0.0
+        assert abs(row["val/ratio"] - 1.0) < 1e-6
+        assert row["policy/approxkl_avg"] < 1e-12
+
+
 @pytest.fixture(params=MESH_SHAPES, ids=lambda s: "mesh" + "x".join(map(str, s)))
 def mesh(request):
     """Each mesh shape in turn (data, fsdp, tensor)."""
