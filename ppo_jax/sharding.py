@@ -3,7 +3,10 @@
 Mesh axes: `data` (pure data parallel), `fsdp` (data parallel with sharded parameters and optimizer
 state), `tensor` (Megatron-style heads / MLP / vocabulary split), `expert` (expert parallelism: a
 mixture-of-experts layer's experts split over it, `ppo_jax.models.moe`; everywhere else it is one more
-FSDP axis, so its devices share the batch and the dense weights instead of repeating them). Models
+FSDP axis, so its devices share the batch and the dense weights instead of repeating them), `context`
+(sequence parallelism: a cache-free forward's activations split along the sequence between attention
+calls, each device attending with its queries over the keys and values all-gathered along the axis,
+`ppo_jax.models.context`; for the weights it is one more FSDP axis, for the batch a replica). Models
 name their parameter axes logically ("embed", "heads", "mlp", ...); the rules below map logical names
 to mesh axes. A mesh axis is dropped from a parameter's spec where it does not divide that dimension,
 so any model runs on any mesh shape (a 2-kv-head model on a 4-way tensor mesh keeps its kv heads
@@ -25,14 +28,15 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
+MESH_AXES = ("data", "fsdp", "tensor", "expert", "context")
 BATCH_AXES = ("data", "fsdp", "expert")
+CONTEXT_AXIS = "context"
 
 # logical axis -> mesh axes, tried in order.
 DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("batch", BATCH_AXES),
     ("vocab", "tensor"),
-    ("embed", ("fsdp", "expert")),
+    ("embed", ("fsdp", "expert", "context")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
@@ -43,19 +47,20 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("norm", None),
     ("score", None),
     ("lora_rank", None),  # LoRA adapters' rank axis: small, replicated (A and B shard like their kernel)
-    ("length", None),
+    ("length", None),  # the sampler's rows and KV cache: whole on every device of the context axis
+    ("act_length", CONTEXT_AXIS),  # a cache-free forward's activations [B, T, D]: split along the sequence
     ("act_embed", None),
 )
 
 
 def make_mesh(shape: Sequence[int] = (1, -1, 1), devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Mesh over (data, fsdp, tensor, expert); `shape` gives 3 entries (expert = 1) or 4, one of which
-    may be -1 to take the remaining devices."""
+    """Mesh over (data, fsdp, tensor, expert, context); `shape` gives 3 entries (expert = context = 1),
+    4 (context = 1) or 5, one of which may be -1 to take the remaining devices."""
     devices = list(devices if devices is not None else jax.devices())
     shape = list(shape)
-    if len(shape) not in (3, 4):
-        raise ValueError(f"mesh shape must have 3 entries (data, fsdp, tensor) or 4 (data, fsdp, tensor, "
-                         f"expert), got {tuple(shape)}")
+    if len(shape) not in (3, 4, 5):
+        raise ValueError(f"mesh shape must have 3 entries (data, fsdp, tensor), 4 (+ expert) or 5 (data, fsdp, "
+                         f"tensor, expert, context), got {tuple(shape)}")
     shape += [1] * (len(MESH_AXES) - len(shape))
     if shape.count(-1) > 1:
         raise ValueError(f"at most one mesh axis may be -1, got {tuple(shape)}")
@@ -330,3 +335,43 @@ def on_mesh(fn: Callable, mesh: Mesh) -> Callable:
             return fn(*args)
 
     return run
+
+
+def context_axis_size(mesh=None) -> int:
+    """How many ways `mesh` (concrete or abstract; None: the mesh being traced under) splits a row's
+    sequence; 1 outside a mesh or on one without a context axis."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if mesh is None or mesh.empty or CONTEXT_AXIS not in mesh.axis_names:
+        return 1
+    return int(mesh.shape[CONTEXT_AXIS])
+
+
+def check_context_split(length: int, mesh, what: str, error: type[Exception] = ValueError) -> None:
+    """Rows of `length` slots must split evenly over the context axis (each device holds length /
+    context of them); raises `error` naming the padding that would make them divide."""
+    n = context_axis_size(mesh)
+    if n > 1 and length % n:
+        pad = -length % n
+        raise error(f"{what}: rows of {length} tokens do not split over the mesh's context axis of {n} devices; "
+                    f"pad them by {pad} to {length + pad} tokens, or use a context axis that divides {length}")
+
+
+def over_context(fn: Callable, in_axes: Sequence[int | None], out_axis: int) -> Callable:
+    """`fn` run per device of the context axis (`jax.shard_map`, manual over that axis only; the
+    others stay with XLA's partitioner): each positional argument split along its `in_axes` entry
+    (None: whole on every device), the result split along `out_axis`."""
+    def spec(axis):
+        return P() if axis is None else P(*((None,) * axis), CONTEXT_AXIS)
+
+    return jax.shard_map(fn, in_specs=tuple(spec(a) for a in in_axes), out_specs=spec(out_axis),
+                         axis_names={CONTEXT_AXIS}, check_vma=False)
+
+
+def gather_context(x: jax.Array, axis: int) -> jax.Array:
+    """Inside `over_context`: every device's part of x, concatenated along `axis` in device order."""
+    return jax.lax.all_gather(x, CONTEXT_AXIS, axis=axis, tiled=True)
+
+
+def context_index() -> jax.Array:
+    """Inside `over_context`: [] int32, this device's index along the context axis."""
+    return jax.lax.axis_index(CONTEXT_AXIS)

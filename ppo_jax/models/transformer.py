@@ -32,6 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ppo_jax import sharding
 from ppo_jax.models import lora
 from ppo_jax.models.attention import Attention, attention_mask
 from ppo_jax.models.cache import KVCache
@@ -77,6 +78,13 @@ def roll_rows(x: Array, shift: Array) -> Array:
     (t + shift) mod T. A left-padded row rolled by its `leading_padding` is right-padded."""
     slots = (jnp.arange(x.shape[1])[None, :] + shift[:, None]) % x.shape[1]  # [B, T]
     return jnp.take_along_axis(x, slots.reshape(slots.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def activation_axes(cached: bool) -> tuple[str, str, str]:
+    """Logical names of the hidden states [B, T, D] between layers: a cache-free forward's are split
+    along the sequence over the context axis (`attention.context_attention`); a cached one's (the
+    sampler's prefill and decode) stay whole along it, like its cache."""
+    return ("batch", "length" if cached else "act_length", "act_embed")
 
 
 def _for_layer(sliding, full_inputs, sliding_inputs):
@@ -151,7 +159,7 @@ class Block(nn.Module):
         if self.config.post_norms:
             mlp_out = norm(self.config, "post_mlp_norm")(mlp_out)
         x = x + mlp_out
-        x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
+        x = nn.with_logical_constraint(x, activation_axes(cache_kv is not None))
         return (x, cache_kv), None
 
 
@@ -215,6 +223,8 @@ class Transformer(nn.Module):
         token's experts in each of the Lm MoE layers (-1: its own top k; `chosen_experts`)."""
         if segment_ids is not None and cache is not None:
             raise ValueError("segment_ids (packed rows) are for cache-free forwards only")
+        if cache is None:
+            sharding.check_context_split(tokens.shape[1], None, "a cache-free forward")
         aligned = self.aligned_rows(cache, segment_ids)
         if aligned:
             # The fused kernel takes right-padded rows by their lengths (no mask, no bias tensor):
@@ -224,7 +234,8 @@ class Transformer(nn.Module):
             experts = None if experts is None else roll_rows(experts, shift)
         lengths = kv_mask.sum(-1).astype(jnp.int32) if aligned else None
         cache_index = cache.index if cache is not None else jnp.zeros((), jnp.int32)
-        x, ropes, masks = self._block_inputs(tokens, positions, kv_mask, cache_index, segment_ids)
+        x, ropes, masks = self._block_inputs(tokens, positions, kv_mask, cache_index, segment_ids,
+                                             cached=cache is not None)
         cache_kv = (cache.k, cache.v) if cache is not None else None
         cfg = self.config
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
@@ -246,11 +257,13 @@ class Transformer(nn.Module):
     def aligned_rows(self, cache, segment_ids) -> bool:
         """Whether this call runs right-aligned rows on the fused kernel: cache-free, unpacked, every
         layer on `jax.nn.dot_product_attention`, and a static window in every layer (a scanned body
-        of mixed sliding / full layers keeps the mask). The rows' real tokens must be contiguous
-        (left padding, right padding or both: a prompt + response), as every caller's are."""
+        of mixed sliding / full layers keeps the mask), and rows whole on every device (rolling rows
+        split along the context axis would move them across devices). The rows' real tokens must be
+        contiguous (left padding, right padding or both: a prompt + response), as every caller's are."""
         cfg = self.config
         return (cache is None and segment_ids is None and cfg.fused_attention
-                and not (cfg.scan_layers and cfg.sliding_layers is not None))
+                and not (cfg.scan_layers and cfg.sliding_layers is not None)
+                and sharding.context_axis_size() == 1)
 
     def unrolled(self, tokens: Array, positions: Array, kv_mask: Array, caches: tuple[KVCache, ...],
                  layer_params: tuple[Any, ...], layer_adapters: tuple[Any, ...] | None = None
@@ -285,19 +298,20 @@ class Transformer(nn.Module):
             new_caches.append(KVCache(k=k, v=v, index=cache.index + tokens.shape[1]))
         return self.ln_f(x), tuple(new_caches)
 
-    def _block_inputs(self, tokens, positions, kv_mask, cache_index, segment_ids=None):
+    def _block_inputs(self, tokens, positions, kv_mask, cache_index, segment_ids=None, cached=True):
         """Embedded tokens x [B, T, D] and the pairs `Block` takes: rope tables ((cos, sin), ...)
         [B, T, Dh] each (scalars for GPT-2) and attention masks [B, T, S] of T new tokens written
         from slot `cache_index` on (packed rows: within each sequence of `segment_ids`). The second
         of each pair is for the sliding-window layers of a model that mixes them with
-        full-attention ones (the first again otherwise)."""
+        full-attention ones (the first again otherwise). cached: a KV cache is written (x stays
+        whole along the context axis, `activation_axes`)."""
         cfg = self.config
         x = _lookup(self.embed, tokens)
         if cfg.scale_embeddings:  # sqrt(D) rounded to the compute dtype first, as Gemma does
             x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
         if cfg.family == "gpt2":
             x = x + _lookup(self.pos_embed, positions, rows="positions")
-        x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
+        x = nn.with_logical_constraint(x, activation_axes(cached))
         if cfg.family == "gpt2":
             rope = (jnp.zeros((), jnp.float32),) * 2  # unused
         else:
@@ -339,9 +353,11 @@ class CausalLM(nn.Module):
 
     def project(self, hidden: Array) -> Array:
         """[..., D] -> [..., V] float32, soft-capped when the config says (Gemma 2). Flattened to
-        [N, D] first: the backward pass of a 3-D projection writes its large [V, D] gradient through
-        an extra transpose on XLA:CPU."""
-        flat = hidden.reshape(-1, hidden.shape[-1])
+        [N, D] first (except on a context axis): the backward pass of a 3-D projection writes its
+        large [V, D] gradient through an extra transpose on XLA:CPU."""
+        # Rows split along the sequence over the context axis stay [B, T, D]: their flattening has no
+        # sharding when B is not split (XLA would gather every token's hidden state on every device).
+        flat = hidden if sharding.context_axis_size() > 1 else hidden.reshape(-1, hidden.shape[-1])
         if self.config.tie_word_embeddings:
             logits = self.transformer.logits(flat)
         else:

@@ -1,0 +1,134 @@
+"""The context mesh axis (issue 46): rows split along the sequence over it give the one-device
+forward and gradients exactly, its attention gathers keys and values (never hidden states), and rows
+it cannot split are refused before anything compiles."""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_test_mesh
+
+from ppo_jax import sharding
+from ppo_jax.models import CausalLM, ModelConfig, positions_from_mask
+
+VOCAB, T = 96, 16
+BASE = dict(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=T)
+LLAMA = dict(BASE, num_kv_heads=2, intermediate_size=48, tie_word_embeddings=False)
+CONFIGS = {
+    "gpt2": ModelConfig(arch="gpt2", **BASE),
+    "llama": ModelConfig(arch="llama", **LLAMA),
+    "mistral": ModelConfig(arch="mistral", **dict(LLAMA, sliding_window=4)),
+    # soft-capped scores and logits, a sliding layer then a full one, in one scanned body
+    "gemma2": ModelConfig(arch="gemma2", **dict(LLAMA, tie_word_embeddings=True), scale_embeddings=True,
+                          norm_unit_offset=True, post_norms=True, query_pre_attn_scalar=20, attn_logit_softcap=5.0,
+                          final_logit_softcap=3.0, sliding_window=4, sliding_layers=(True, False)),
+    "moe": ModelConfig(arch="qwen3_moe", **LLAMA, num_experts=4, experts_per_token=2, moe_intermediate_size=16),
+}
+PROMPT_LENGTHS = (16, 9, 3, 12)  # left padding of 0, 7, 13 and 4 slots
+
+
+def _batch():
+    """tokens, positions, mask [B, T]: left-padded rows."""
+    mask = (np.arange(T)[None, :] >= T - np.asarray(PROMPT_LENGTHS)[:, None]).astype(np.int32)
+    tokens = np.random.default_rng(0).integers(1, VOCAB, mask.shape) * mask
+    mask = jnp.asarray(mask)
+    return jnp.asarray(tokens, jnp.int32), positions_from_mask(mask), mask
+
+
+def _host_params(config: ModelConfig):
+    """Random NumPy params, biases and norm scales included (init would leave them 0 and 1)."""
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    abstract = jax.eval_shape(lambda: CausalLM(config).init(jax.random.key(0), tokens, tokens,
+                                                           jnp.ones_like(tokens))["params"])
+    rng = np.random.default_rng(1)
+    return abstract, jax.tree.map(lambda leaf: (0.3 * rng.standard_normal(leaf.shape)).astype(leaf.dtype),
+                                  nn.unbox(abstract))
+
+
+def _loss_and_grads(config: ModelConfig):
+    """jitted (params, tokens, positions, mask[, segment_ids]) -> ((loss, logits [B, T, V]), grads):
+    a weighted sum of every real token's log-probability of the next one."""
+    model = CausalLM(config)
+
+    def loss(params, tokens, positions, mask, segment_ids=None):
+        hidden = model.apply({"params": params}, tokens, positions, mask, segment_ids, method=CausalLM.hidden)
+        logits = model.apply({"params": params}, hidden, method=CausalLM.project)
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+        weights = (mask[:, 1:] * (1 + jnp.arange(T - 1) % 3)).astype(jnp.float32)
+        return -(picked * weights).sum() / weights.sum(), logits
+
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))
+
+
+_REFERENCE = {}
+
+
+def _run(name: str, shape, *inputs):
+    """(loss, logits, grads) as NumPy of config `name` on the mesh `shape`, from the same params."""
+    config = CONFIGS[name]
+    abstract, host = _host_params(config)
+    mesh = make_test_mesh(shape)
+    with sharding.mesh_context(mesh):
+        params = jax.device_put(host, sharding.tree_shardings(abstract, mesh))
+        (loss, logits), grads = _loss_and_grads(config)(params, *sharding.put_batch(inputs, mesh))
+    return jax.device_get((loss, logits, grads))
+
+
+def _assert_same(name, shape, *inputs):
+    key = (name, len(inputs))
+    if key not in _REFERENCE:
+        _REFERENCE[key] = _run(name, (1, 1, 1), *inputs)
+    want = _REFERENCE[key]
+    got = _run(name, shape, *inputs)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5)
+    return max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+
+CASES = [("llama", (1, 1, 1, 1, 2)), ("llama", (1, 1, 1, 1, 4)), ("llama", (1, 1, 1, 1, 8)),
+         ("gpt2", (1, 2, 1, 1, 4)), ("mistral", (1, 1, 2, 1, 4)), ("gemma2", (1, 2, 1, 1, 4)),
+         ("gemma2", (1, 1, 1, 1, 8)), ("moe", (1, 1, 1, 2, 4))]
+
+
+@pytest.mark.parametrize("name,shape", CASES, ids=[f"{n}-{'x'.join(map(str, s))}" for n, s in CASES])
+def test_split_rows_give_the_one_device_logits_and_gradients(name, shape):
+    diff = _assert_same(name, shape, *_batch())
+    print(f"{name} {shape}: max abs diff {diff:.2e}")
+
+
+def _collective_shapes(hlo: str):
+    """(op, result shape) of every collective in compiled HLO text (each element of a tuple result)."""
+    ops = r"all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute"
+    for match in re.finditer(rf"= \(?([^=]*?)\)? ({ops})\(", hlo):
+        for dims in re.findall(r"[a-z]+\d*\[([\d,]*)\]", match.group(1)):
+            yield match.group(2), tuple(int(d) for d in dims.split(",") if d)
+
+
+def test_attention_gathers_keys_and_values_not_hidden_states():
+    """Forward + backward of the whole model with rows split 8 ways: the only collectives over a
+    row's [B, T, ...] activations are the all-gather of each layer's keys and values [B, T, K, Dh]
+    and the reduce-scatter of their gradients; the hidden states, queries and logits stay split."""
+    config = CONFIGS["llama"]
+    model = CausalLM(config)
+    abstract, host = _host_params(config)
+    mesh = make_test_mesh((1, 1, 1, 1, 8))
+
+    def loss(params, tokens, positions, mask):
+        hidden = model.apply({"params": params}, tokens, positions, mask, method=CausalLM.hidden)
+        logits = model.apply({"params": params}, hidden, method=CausalLM.project)
+        return (jax.nn.log_softmax(logits) * mask[..., None]).sum()
+
+    with sharding.mesh_context(mesh):
+        params = jax.device_put(host, sharding.tree_shardings(abstract, mesh))
+        hlo = jax.jit(jax.grad(loss)).lower(params, *sharding.put_batch(_batch(), mesh)).compile().as_text()
+    batch = len(PROMPT_LENGTHS)
+    kv = (batch, T, config.kv_heads, config.dim_per_head)
+    per_row = [(op, shape) for op, shape in _collective_shapes(hlo)
+               if shape[:2] in ((batch, T), (batch, T // 8)) or shape[:1] == (batch * T,)]
+    assert ("all-gather", kv) in per_row, per_row
+    assert {op for op, shape in per_row if shape == kv} == {"all-gather"}
+    assert all(shape[2:] == kv[2:] for _, shape in per_row), per_row  # nothing [B, T, D], [B, T, H, Dh], [B, T, V]
