@@ -168,6 +168,9 @@ class SampleOutput:
     routed_experts [R, Lq + N, Lm, k] int8/int16 (`SamplingConfig.record_experts`, else None): the
         experts each prompt and response token went to in each of the Lm MoE layers, aligned with the
         prompt + response; -1 on padding and on a row's last token (never fed back: no routing).
+    token_policy_version [R, N] int32 (a segmented run, `segments.py`; else None): the policy version
+        whose weights chose each token, -1 where mask is 0. With partial rollouts a row's tokens may
+        come from several versions, each token's log-probs from the weights that chose it.
     """
 
     prompt_tokens: Array
@@ -180,6 +183,7 @@ class SampleOutput:
     stopped: Array
     slot_steps_at_finish: Array
     routed_experts: Array | None = None
+    token_policy_version: Array | None = None
 
 
 def truncation_metrics(logprobs: Array, sampling_logprobs: Array, mask: Array) -> dict[str, Array]:

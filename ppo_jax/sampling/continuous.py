@@ -49,7 +49,9 @@ Array = jax.Array
 @flax.struct.dataclass
 class Responses:
     """The output buffers, by output row: tokens, logprobs, sampling_logprobs, mask [R, N] (filled at
-    (row, step) as slots choose), stopped [R] bool, slot_steps_at_finish [R] int32."""
+    (row, step) as slots choose), stopped [R] bool, slot_steps_at_finish [R] int32; version [R, N]
+    int32: the policy version whose weights chose each token (-1: none), segmented runs only
+    (`segments.py`; else None: the unsegmented program records nothing more)."""
 
     tokens: Array
     logprobs: Array
@@ -57,6 +59,7 @@ class Responses:
     mask: Array
     stopped: Array
     slot_steps_at_finish: Array
+    version: Array | None = None
 
 
 @flax.struct.dataclass
@@ -101,10 +104,10 @@ class Slots:
 
 
 def _record(out: Responses, clock: Array, rows: Array, steps: Array, choice: TokenChoice, limits: Array,
-            config: SamplingConfig) -> tuple[Responses, Array]:
+            config: SamplingConfig, version: Array | None = None) -> tuple[Responses, Array]:
     """Writes the choices of the `rows` [M] (-1: none) at response position `steps` [M] into the
-    Responses, at slot-step `clock`; returns (the updated Responses, which of the M rows finished [M]
-    bool)."""
+    Responses, at slot-step `clock` (and, when the Responses keep versions, `version` []); returns
+    (the updated Responses, which of the M rows finished [M] bool)."""
     live = rows >= 0
     total = out.tokens.shape[0]
     at = jnp.where(live, rows, total)  # an index past the end: the write is dropped
@@ -121,6 +124,8 @@ def _record(out: Responses, clock: Array, rows: Array, steps: Array, choice: Tok
         mask=put(out.mask, jnp.ones_like(tokens)),
         stopped=out.stopped.at[at].set(is_stop, mode="drop"),
         slot_steps_at_finish=out.slot_steps_at_finish.at[at].set(clock, mode="drop"))
+    if out.version is not None:
+        out = out.replace(version=put(out.version, jnp.broadcast_to(version, tokens.shape)))
     return out, finished
 
 
@@ -167,6 +172,7 @@ class Engine:
     uniforms: Array  # [R, N]: row r's draw at step t, wherever it runs
     limits: Array  # [R] int32: each row's max new tokens
     chunk: int  # P, prompts per prefill
+    version: Array | None = None  # [] int32: the policy version of `variables` (segmented runs)
 
     @property
     def batch(self) -> int:
@@ -208,7 +214,7 @@ def _prefill(e: Engine, next_prompt: Array, out: Responses, clock: Array) -> tup
     new_rows = jnp.where(valid, jnp.repeat(prompts, n) * n + jnp.tile(jnp.arange(n), chunk), -1)
     first_steps = jnp.zeros((chunk * n,), jnp.int32)
     choice = e.choose(jnp.repeat(logits, n, axis=0), new_rows, first_steps)
-    out, finished = _record(out, clock, new_rows, first_steps, choice, e.limits, e.config)
+    out, finished = _record(out, clock, new_rows, first_steps, choice, e.limits, e.config, e.version)
     waiting = Prefilled(row=jnp.where(finished, -1, new_rows), last=choice.tokens,
                         prompt_length=jnp.repeat(mask.sum(-1), n), mask=jnp.repeat(mask, n, axis=0),
                         k=cache.k, v=cache.v)
@@ -285,12 +291,14 @@ def _decode(e: Engine, slots: Slots) -> Slots:
                                   method=forward_last)
     slots = slots.replace(cache=cache, kv_mask=kv_mask, clock=slots.clock + size)
     choice = e.choose(logits, slots.row, slots.step)
-    out, finished = _record(slots.out, slots.clock, slots.row, slots.step, choice, e.limits, e.config)
+    out, finished = _record(slots.out, slots.clock, slots.row, slots.step, choice, e.limits, e.config,
+                            e.version)
     return slots.replace(row=jnp.where(finished, -1, slots.row), step=slots.step + busy, last=choice.tokens, out=out)
 
 
-def _initial_slots(e: Engine) -> Slots:
-    """Every slot free, nothing waiting, the output buffers [R, N] empty."""
+def initial_slots(e: Engine, versions: bool = False) -> Slots:
+    """Every slot free, nothing waiting, the output buffers [R, N] empty (with a version per token
+    when `versions`, -1 until chosen)."""
     mc, config, num_slots, chunk, n = e.model.config, e.config, e.config.slots, e.chunk, e.config.num_samples
     rows, new = e.batch * n, config.max_new_tokens
     cache = init_cache(mc, num_slots, e.width, config.cache_dtype)
@@ -318,11 +326,76 @@ def _initial_slots(e: Engine) -> Slots:
         out=Responses(tokens=buffer(jnp.int32, config.pad_token_id), logprobs=buffer(jnp.float32),
                       sampling_logprobs=buffer(jnp.float32), mask=buffer(jnp.int32),
                       stopped=_by_rows(jnp.zeros((rows,), bool)),
-                      slot_steps_at_finish=_by_rows(jnp.zeros((rows,), jnp.int32))))
+                      slot_steps_at_finish=_by_rows(jnp.zeros((rows,), jnp.int32)),
+                      version=buffer(jnp.int32, -1) if versions else None))
 
 
 def _busy_count(slots: Slots) -> Array:
     return jnp.sum(slots.row >= 0)
+
+
+def make_engine(params: Any, prompt_tokens: Array, prompt_mask: Array, uniforms: Array, limits: Array, *,
+                model: CausalLM, config: SamplingConfig, adapters: Any = None, version: Array | None = None) -> Engine:
+    """The Engine of one call: prompts [B, Lq], uniforms [R, N], limits [R] int32; version [] int32
+    (segmented runs: what every token chosen under `params` is stamped with)."""
+    return Engine(model=model, config=config, variables=forward.variables(params, adapters),
+                  layers=decode_layers(params, adapters, config), prompt_tokens=prompt_tokens.astype(jnp.int32),
+                  prompt_mask=prompt_mask.astype(jnp.int32), uniforms=uniforms, limits=limits,
+                  chunk=config.prefill_batch(prompt_tokens.shape[0]), version=version)
+
+
+def _stage_sizes(e: Engine) -> tuple[int, ...]:
+    halvings = e.config.tail_halvings if e.config.tail_halvings is not None else (2 if e.layers.unroll else 0)
+    return stage_sizes(e.config.slots, halvings)
+
+
+def _first_stage_goes_on(e: Engine, slots: Slots) -> Array:
+    """[] bool: stage 0 (inserts and decodes on all the slots) has more to do: something is left to
+    insert, or more rows are busy than the next stage has slots."""
+    sizes = _stage_sizes(e)
+    following = sizes[1] if len(sizes) > 1 else 0
+    return _to_insert(e, slots) | (_busy_count(slots) > following)
+
+
+def first_stage_steps(e: Engine, slots: Slots, budget: Array) -> Slots:
+    """At most `budget` [] int32 decode steps of stage 0 (fewer when it ends): one segment of a
+    segmented run. Every step is the unsegmented engine's, so segments under the same weights
+    decode what one call does."""
+    def go_on(carry):
+        slots, done = carry
+        return (done < budget) & _first_stage_goes_on(e, slots)
+
+    slots, _ = jax.lax.while_loop(go_on, lambda c: (_decode(e, _fill(e, c[0])), c[1] + 1),
+                                  (slots, jnp.zeros((), jnp.int32)))
+    return slots
+
+
+def run_to_end(e: Engine, slots: Slots) -> Slots:
+    """Every row decoded from `slots` on: the rest of stage 0, then each later stage on fewer slots."""
+    # Stage 0 inserts and decodes on all the slots until nothing is left to insert and at most the
+    # next stage's slots are busy (one fill site in the program: the prefill compiles once; a fill
+    # leaves a slot busy unless every row it prefilled stopped at once and nothing is left, and the
+    # decode after it then records nothing). Each later stage decodes on fewer slots, no inserts.
+    sizes = _stage_sizes(e)
+    for stage, size in enumerate(sizes):
+        following = sizes[stage + 1] if stage + 1 < len(sizes) else 0
+        if stage == 0:
+            slots = jax.lax.while_loop(lambda s: _first_stage_goes_on(e, s), lambda s: _decode(e, _fill(e, s)), slots)
+        else:
+            slots = jax.lax.while_loop(lambda s, f=following: _busy_count(s) > f, lambda s: _decode(e, s), slots)
+        if following:
+            slots = _compact(slots, following)
+    return slots
+
+
+def sample_output(e: Engine, out: Responses) -> SampleOutput:
+    """The finished Responses as a SampleOutput (rows in prompt order)."""
+    n = e.config.num_samples
+    return SampleOutput(
+        prompt_tokens=jnp.repeat(e.prompt_tokens, n, axis=0), prompt_mask=jnp.repeat(e.prompt_mask, n, axis=0),
+        tokens=out.tokens, logprobs=out.logprobs, sampling_logprobs=out.sampling_logprobs, mask=out.mask,
+        lengths=out.mask.sum(axis=-1), stopped=out.stopped, slot_steps_at_finish=out.slot_steps_at_finish,
+        token_policy_version=out.version)
 
 
 def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
@@ -331,30 +404,10 @@ def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key
     """`loop.sample` (same arguments, same SampleOutput, rows in prompt order) on `config.slots`
     decode slots fed from a queue of the B * n rows."""
     validate_inputs(model, config, prompt_tokens.shape, prompt_mask.shape)
-    batch, n = prompt_tokens.shape[0], config.num_samples
-    rows = batch * n
+    rows = prompt_tokens.shape[0] * config.num_samples
+    # Built as before segments existed (the uniforms traced after the layers): the same program.
     e = Engine(model=model, config=config, variables=forward.variables(params, adapters),
                layers=decode_layers(params, adapters, config), prompt_tokens=prompt_tokens.astype(jnp.int32),
                prompt_mask=prompt_mask.astype(jnp.int32), uniforms=response_uniforms(key, rows, config.max_new_tokens),
-               limits=row_limits(response_limits, rows, config), chunk=config.prefill_batch(batch))
-    slots = _initial_slots(e)
-    # Stage 0 inserts and decodes on all the slots until nothing is left to insert and at most the
-    # next stage's slots are busy (one fill site in the program: the prefill compiles once; a fill
-    # leaves a slot busy unless every row it prefilled stopped at once and nothing is left, and the
-    # decode after it then records nothing). Each later stage decodes on fewer slots, no inserts.
-    halvings = config.tail_halvings if config.tail_halvings is not None else (2 if e.layers.unroll else 0)
-    sizes = stage_sizes(config.slots, halvings)
-    for stage, size in enumerate(sizes):
-        following = sizes[stage + 1] if stage + 1 < len(sizes) else 0
-        if stage == 0:
-            slots = jax.lax.while_loop(lambda s, f=following: _to_insert(e, s) | (_busy_count(s) > f),
-                                       lambda s: _decode(e, _fill(e, s)), slots)
-        else:
-            slots = jax.lax.while_loop(lambda s, f=following: _busy_count(s) > f, lambda s: _decode(e, s), slots)
-        if following:
-            slots = _compact(slots, following)
-    out = slots.out
-    return SampleOutput(
-        prompt_tokens=jnp.repeat(e.prompt_tokens, n, axis=0), prompt_mask=jnp.repeat(e.prompt_mask, n, axis=0),
-        tokens=out.tokens, logprobs=out.logprobs, sampling_logprobs=out.sampling_logprobs, mask=out.mask,
-        lengths=out.mask.sum(axis=-1), stopped=out.stopped, slot_steps_at_finish=out.slot_steps_at_finish)
+               limits=row_limits(response_limits, rows, config), chunk=config.prefill_batch(prompt_tokens.shape[0]))
+    return sample_output(e, run_to_end(e, initial_slots(e)).out)
