@@ -13,6 +13,7 @@ from conftest import make_test_mesh
 
 from ppo_jax import sharding
 from ppo_jax.models import CausalLM, ModelConfig, positions_from_mask
+from ppo_jax.models.transformer import check_context_rows
 
 VOCAB, T = 96, 16
 BASE = dict(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=T)
@@ -25,6 +26,9 @@ CONFIGS = {
     "gemma2": ModelConfig(arch="gemma2", **dict(LLAMA, tie_word_embeddings=True), scale_embeddings=True,
                           norm_unit_offset=True, post_norms=True, query_pre_attn_scalar=20, attn_logit_softcap=5.0,
                           final_logit_softcap=3.0, sliding_window=4, sliding_layers=(True, False)),
+    # the fused kernel (jax.nn.dot_product_attention): one device runs it on right-aligned rows by their
+    # lengths, a split row with its mask rows
+    "llama_xla": ModelConfig(arch="llama", **LLAMA, attention="xla"),
     "moe": ModelConfig(arch="qwen3_moe", **LLAMA, num_experts=4, experts_per_token=2, moe_intermediate_size=16),
 }
 PROMPT_LENGTHS = (16, 9, 3, 12)  # left padding of 0, 7, 13 and 4 slots
@@ -49,8 +53,8 @@ def _host_params(config: ModelConfig):
 
 
 def _loss_and_grads(config: ModelConfig):
-    """jitted (params, tokens, positions, mask[, segment_ids]) -> ((loss, logits [B, T, V]), grads):
-    a weighted sum of every real token's log-probability of the next one."""
+    """jitted (params, tokens, positions, mask[, segment_ids]) -> ((loss, logits [B, T, V] at the real
+    tokens, 0 on padding), grads): a weighted sum of every real token's log-probability of the next."""
     model = CausalLM(config)
 
     def loss(params, tokens, positions, mask, segment_ids=None):
@@ -58,8 +62,8 @@ def _loss_and_grads(config: ModelConfig):
         logits = model.apply({"params": params}, hidden, method=CausalLM.project)
         logp = jax.nn.log_softmax(logits[:, :-1])
         picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-        weights = (mask[:, 1:] * (1 + jnp.arange(T - 1) % 3)).astype(jnp.float32)
-        return -(picked * weights).sum() / weights.sum(), logits
+        weights = (mask[:, :-1] * mask[:, 1:] * (1 + jnp.arange(T - 1) % 3)).astype(jnp.float32)
+        return -(picked * weights).sum() / weights.sum(), logits * mask[..., None]  # padding outputs: any finite
 
     return jax.jit(jax.value_and_grad(loss, has_aux=True))
 
@@ -79,9 +83,11 @@ def _run(name: str, shape, *inputs):
 
 
 def _assert_same(name, shape, *inputs):
-    key = (name, len(inputs))
+    """Max abs difference of `_run` on `shape` from one device's (asserted <= 2e-5); a fused-kernel
+    variant is compared with its einsum model, which has the same params."""
+    key = (name.removesuffix("_xla"), len(inputs))
     if key not in _REFERENCE:
-        _REFERENCE[key] = _run(name, (1, 1, 1), *inputs)
+        _REFERENCE[key] = _run(key[0], (1, 1, 1), *inputs)
     want = _REFERENCE[key]
     got = _run(name, shape, *inputs)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -89,15 +95,64 @@ def _assert_same(name, shape, *inputs):
     return max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
 
 
-CASES = [("llama", (1, 1, 1, 1, 2)), ("llama", (1, 1, 1, 1, 4)), ("llama", (1, 1, 1, 1, 8)),
-         ("gpt2", (1, 2, 1, 1, 4)), ("mistral", (1, 1, 2, 1, 4)), ("gemma2", (1, 2, 1, 1, 4)),
-         ("gemma2", (1, 1, 1, 1, 8)), ("moe", (1, 1, 1, 2, 4))]
+CASES = [("llama", (1, 1, 1, 1, 2)), ("llama_xla", (1, 1, 1, 1, 8)), ("gpt2", (1, 2, 1, 1, 4)),
+         ("mistral", (1, 1, 2, 1, 4)), ("gemma2", (1, 2, 1, 1, 4)), ("moe", (1, 1, 1, 2, 4))]
 
 
 @pytest.mark.parametrize("name,shape", CASES, ids=[f"{n}-{'x'.join(map(str, s))}" for n, s in CASES])
 def test_split_rows_give_the_one_device_logits_and_gradients(name, shape):
     diff = _assert_same(name, shape, *_batch())
     print(f"{name} {shape}: max abs diff {diff:.2e}")
+
+
+def test_packed_rows_split_along_the_sequence_keep_their_segments():
+    """Several sequences per row (segment ids, positions restarting at 0), split 4 ways: each token
+    still attends only within its own sequence, whichever devices its keys are on."""
+    lengths = ((5, 6, 3), (16,), (8, 8), (4,))
+    segments = np.zeros((len(lengths), T), np.int32)
+    positions = np.zeros_like(segments)
+    for row, parts in enumerate(lengths):
+        start = 0
+        for i, n in enumerate(parts):
+            segments[row, start:start + n], positions[row, start:start + n] = i + 1, np.arange(n)
+            start += n
+    mask = (segments > 0).astype(np.int32)
+    tokens = np.random.default_rng(2).integers(1, VOCAB, mask.shape) * mask
+    diff = _assert_same("llama", (1, 1, 1, 1, 4), *(jnp.asarray(x) for x in (tokens, positions, mask, segments)))
+    print(f"packed llama (1, 1, 1, 1, 4): max abs diff {diff:.2e}")
+
+
+def _trace(config: ModelConfig, shape, length: int):
+    """Traces (never compiles) the forward of [4, length] rows on the mesh `shape`."""
+    abstract, _ = _host_params(config)
+    mesh = make_test_mesh(shape)
+    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nn.unbox(abstract),
+                          sharding.tree_shardings(abstract, mesh))
+    rows = jax.ShapeDtypeStruct((4, length), jnp.int32, sharding=sharding.data_sharding(mesh))
+    with sharding.mesh_context(mesh):
+        jax.jit(lambda p, t: CausalLM(config).apply({"params": p}, t, t, t)[0]).trace(params, rows)
+
+
+def test_rows_the_context_axis_cannot_split_are_refused_while_tracing():
+    with pytest.raises(ValueError, match=r"rows of 15 tokens do not split over the mesh's context axis of 4 "
+                                         r"devices; pad them by 1 to 16 tokens"):
+        _trace(CONFIGS["llama"], (1, 2, 1, 1, 4), 15)
+    with pytest.raises(ValueError, match=r"learned positions end at max_position_embeddings=16: the axis "
+                                         r"splits rows, it does not extend the table"):
+        _trace(CONFIGS["gpt2"], (1, 1, 1, 1, 8), 24)
+    with pytest.raises(ValueError, match="attention='splash' cannot split rows"):
+        check_context_rows(CONFIGS["llama"], 16, make_test_mesh((1, 1, 1, 1, 2)), attention="splash")
+    _trace(CONFIGS["gpt2"], (1, 2, 1, 1, 1), 24)  # without the axis the rows are as they always were
+    with pytest.raises(ValueError, match=r"4 \(\+ expert\) or 5 \(data, fsdp, tensor, expert, context\)"):
+        sharding.make_mesh((1, 1, 1, 1, 1, 8))
+
+
+def test_a_context_axis_of_one_changes_no_parameter_layout():
+    abstract, _ = _host_params(CONFIGS["moe"])
+    for shape in ((2, 2, 2), (1, 2, 1, 4)):
+        want = sharding.tree_shardings(abstract, make_test_mesh(shape))
+        got = sharding.tree_shardings(abstract, make_test_mesh(shape + (1,) * (5 - len(shape))))
+        assert jax.tree.map(lambda s: s.spec, got) == jax.tree.map(lambda s: s.spec, want)
 
 
 def _collective_shapes(hlo: str):

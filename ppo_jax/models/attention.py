@@ -316,6 +316,7 @@ class Attention(nn.Module):
         # cuDNN's call cannot soft-cap (see config.ATTENTION_KINDS); splash can. Neither takes sinks.
         fused = cfg.attention in ("cudnn", "xla") and cfg.attn_logit_softcap is None and sinks is None
         if cache_kv is None and sharding.context_axis_size() > 1:
+            # splash's static masks assume queries from slot 0: a split row runs the einsum instead
             out = context_attention(q, k, v, mask, cfg.attention if fused else "einsum", scale,
                                     cfg.attn_logit_softcap, sinks)
         elif cache_kv is None and cfg.attention == "splash" and sinks is None:

@@ -87,6 +87,25 @@ def activation_axes(cached: bool) -> tuple[str, str, str]:
     return ("batch", "length" if cached else "act_length", "act_embed")
 
 
+def check_context_rows(cfg: ModelConfig, length: int, mesh=None, error: type[Exception] = ValueError,
+                       what: str = "a cache-free forward", attention: str = "") -> None:
+    """Rows of `length` slots split along the mesh's context axis (mesh None: the one being traced
+    under): the axis must divide them, and a model with learned absolute positions (GPT-2) gets no
+    position past its table from the split. attention: the user's kernel setting, refused where the
+    split cannot run it (splash's static masks assume queries from slot 0). Raises `error`."""
+    n = sharding.context_axis_size(mesh)
+    if n == 1:
+        return
+    sharding.check_context_split(length, mesh, what, error)
+    if cfg.family == "gpt2" and length > cfg.max_position_embeddings:
+        raise error(f"{what}: rows of {length} tokens on a context axis of {n} devices, but {cfg.arch}'s learned "
+                    f"positions end at max_position_embeddings={cfg.max_position_embeddings}: the axis splits rows, "
+                    "it does not extend the table; use a model with rotary positions for longer rows")
+    if attention == "splash":
+        raise error(f"{what}: attention='splash' cannot split rows over a context axis of {n} devices (its "
+                    "masks are static, for queries from slot 0); use attention='einsum' or 'auto'")
+
+
 def _for_layer(sliding, full_inputs, sliding_inputs):
     """The inputs of a sliding-window layer or of a full-attention one. `sliding` is a Python bool
     when the layer loop is unrolled (chosen while tracing), a [] bool array inside the scan (chosen
@@ -224,7 +243,7 @@ class Transformer(nn.Module):
         if segment_ids is not None and cache is not None:
             raise ValueError("segment_ids (packed rows) are for cache-free forwards only")
         if cache is None:
-            sharding.check_context_split(tokens.shape[1], None, "a cache-free forward")
+            check_context_rows(self.config, tokens.shape[1])
         aligned = self.aligned_rows(cache, segment_ids)
         if aligned:
             # The fused kernel takes right-padded rows by their lengths (no mask, no bias tensor):
