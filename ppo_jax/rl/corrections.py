@@ -108,10 +108,19 @@ def off_policy_correction(kind: str, cap: float, logp: Array, behaviour_logp: Ar
     return Correction(logp, jax.lax.stop_gradient(w.weights * mask), metrics)
 
 
-def policy_lag_metrics(step: Array, policy_version: Array | None) -> dict[str, Array]:
+def policy_lag_metrics(step: Array, policy_version: Array | None, token_policy_version: Array | None = None,
+                       mask: Array | None = None) -> dict[str, Array]:
     """`rollout/policy_lag_mean`, `rollout/policy_lag_max`: the updates between the weights that
     sampled each row (policy_version [B], the train step they were synced at) and the weights being
-    updated (step []); nothing for a rollout with no version."""
+    updated (step []); nothing for a rollout with no version. With partial rollouts a row's tokens may
+    come from several versions: token_policy_version [B, Lr] then gives each token's, and the lag is
+    reduced over the tokens of `mask` [B, Lr] (the action tokens)."""
+    if token_policy_version is not None:
+        mask = mask.astype(jnp.float32)
+        lag = (step - token_policy_version).astype(jnp.float32)
+        return {"rollout/policy_lag_mean": ppo.masked_mean(lag, mask),
+                # lags are >= 0 on the mask; off it a version is -1 (nothing chosen there)
+                "rollout/policy_lag_max": jnp.where(mask > 0, lag, 0.0).max()}
     if policy_version is None:
         return {}
     lag = (step - policy_version).astype(jnp.float32)

@@ -92,7 +92,7 @@ def experience_from_outputs(out: ForwardOutputs, rollout: Rollout, kl_coef: jax.
         "returns/mean": ppo.masked_mean(returns, mask),
         "returns/std": jnp.sqrt(ppo.masked_var(returns, mask)),
         **correction.metrics,
-        **({} if step is None else policy_lag_metrics(step, rollout.policy_version)),
+        **({} if step is None else policy_lag_metrics(step, rollout.policy_version, rollout.token_policy_version, mask)),
     }
     if rollout.turn_rewards is not None:  # multi-turn: what the environments paid, per episode
         metrics["objective/environment_rewards"] = rollout.turn_rewards.sum(-1).mean()

@@ -20,6 +20,16 @@ The first iteration starts batches 0 .. k with θ_0 (batch j's lag is j until th
 then k); the last k iterations start none. The samples in flight at a checkpoint are saved with it
 (their arrays and versions, in the step's JSON item), so a resumed run continues with the very
 rollouts the uninterrupted one would have used.
+
+Partial rollouts (rollout.partial_rollouts, the continuous engine): a rollout in flight is decoded in
+segments (`sampling/segments.py`), one per iteration, each under the weights synced that iteration:
+
+    sync θ_i -> sampler;  finish batch i (θ_i);  one segment of batches i+1 .. i+k-1 (θ_i);
+    begin batch i+k (θ_i);  host rewards of batch i;  experience i; update i
+
+so the weights change between two decode steps of a rollout in flight; each token records the version
+that chose it (`Rollout.token_policy_version`). The engine states in flight are saved in checkpoints
+(every array of each, KV caches included) and resumed bit for bit.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from ppo_jax.rl import roles
 from ppo_jax.rl.build import Steps
 from ppo_jax.rl.settings import Settings
 from ppo_jax.rl.state import FrozenParams, Rollout, PPOState
+from ppo_jax.sampling import segments
 
 IN_FLIGHT_ITEM = "in_flight_rollout"
 
@@ -81,10 +92,13 @@ class StartedRollout:
     weights sampled it and, with roles.scoring="sampler", the frozen models' outputs there (reference
     log-probs [B, Lr], raw model scores [B])."""
 
-    sample: sampling.SampleOutput
+    sample: sampling.SampleOutput | None
     version: int
     ref_logprobs: jax.Array | None = None
     model_scores: jax.Array | None = None
+    # Partial rollouts: the engine state between segments (`sample` None until the last one), or, just
+    # restored from a checkpoint, its arrays by tree path until the first segment rebuilds it.
+    segment: segments.Segment | dict[str, np.ndarray] | None = None
 
 
 class Rollouts:
@@ -112,6 +126,13 @@ class Rollouts:
             if nbytes:
                 metrics_lib.warn(f"copied the frozen LoRA base to the sampler's mesh once ({nbytes / 2**30:.3f} GiB, "
                                  f"{seconds:.2f} s); each iteration syncs only the adapters")
+        # rollout.partial_rollouts: the continuous engine in segments, `segment_steps` decode steps each (a
+        # rollout whose rows all run to rollout.response_length takes k + 1, one per iteration in flight).
+        self.segmented = segments.SegmentedSampler(steps.sampler) if settings.rollout.partial_rollouts else None
+        self.segment_steps = segments.segment_budget(
+            settings.rollout.batch_size * settings.rollout.num_samples, steps.sampling_config,
+            settings.rollout.off_policy_steps + 1) if self.segmented else 0
+        self.warned_segment_bytes = False  # said once: a checkpoint saves the partial rollouts in flight whole
         self.scorer: FrozenParams | None = None  # roles.scoring="sampler": the frozen models on the sampler's mesh
         if settings.roles.scoring == "sampler":
             where = steps.scorer_shardings
@@ -163,6 +184,11 @@ class Rollouts:
         roles.scoring="sampler" its scoring, and returns at once."""
         mesh = self.meshes.sampler
         toks, mask = sharding.put_local_batch((prompt_tokens, prompt_mask), mesh)
+        if self.segmented is not None:  # partial rollouts: the first segment only
+            weights = self.sampler_weights(state)
+            segment = self.segmented.begin(weights.params, toks, mask, sharding.replicate(key, mesh), int(state.step),
+                                           self.segment_steps, adapters=weights.adapters)
+            return StartedRollout(None, int(state.step), segment=segment)
         return self._scored(self.sample(state, toks, mask, sharding.replicate(key, mesh)), int(state.step))
 
     def _scored(self, out: sampling.SampleOutput, version: int) -> StartedRollout:
@@ -191,10 +217,12 @@ class Rollouts:
             fields.update(ref_logprobs=started.ref_logprobs, model_scores=started.model_scores)
         if out.routed_experts is not None:  # moe.router_replay
             fields.update(routed_experts=out.routed_experts)
+        if out.token_policy_version is not None:  # partial rollouts: each token's version
+            fields.update(token_policy_version=out.token_policy_version)
         trainer_mesh = self.meshes.trainer
         data = sharding.data_sharding(trainer_mesh)  # a no-op when the sampler shares the trainer's mesh
         fields = sharding.reshard(fields, {k: data for k in fields})
-        # Every row of a batch was sampled by the same weights (per row: a partial rollout may mix them).
+        # The version that started the batch (partial rollouts: its oldest tokens'; each token's is above).
         version = np.full(host_scores.shape, started.version, np.int32)
         return Rollout(**fields, host_scores=sharding.put_batch(host_scores, trainer_mesh),
                        policy_version=sharding.put_batch(version, trainer_mesh))
@@ -218,11 +246,50 @@ class Rollouts:
         if not self.steps_ahead:
             return self.rollout(state, *self.prompts.next_batch(), self.iteration_key(iteration))
         last = min(iteration + self.steps_ahead, self.settings.train.iterations - 1)
+        if self.segmented is not None:
+            return self._next_partial(state, last)
         while iteration + len(self.in_flight) <= last:  # in flight: batches iteration, iteration + 1, ...
             batch = iteration + len(self.in_flight)
             self.in_flight.append(self.start(state, *self.prompts.next_batch(), self.iteration_key(batch)))
         current = self.in_flight.popleft()
         return self.finish(current), current.sample
+
+    def _next_partial(self, state: PPOState, last: int) -> tuple[Rollout, sampling.SampleOutput]:
+        """`next` with partial rollouts: the oldest batch in flight finished under the current weights
+        (dispatched first: the trainer waits for it), every other one a segment further under them,
+        then the batches up to `last` begun."""
+        iteration, weights = int(state.step), self.sampler_weights(state)
+        if not self.in_flight:  # a run's first iteration: batch `iteration` begins now
+            self.in_flight.append(self.start(state, *self.prompts.next_batch(), self.iteration_key(iteration)))
+        for started in self.in_flight:
+            if isinstance(started.segment, dict):  # restored from a checkpoint: rebuilt on the sampler's mesh
+                started.segment = self._rebuild_segment(started.segment, weights)
+        current = self.in_flight.popleft()
+        if current.sample is None:
+            out = self.segmented.finish(weights.params, current.segment, iteration, adapters=weights.adapters)
+            current = self._scored(out, current.version)
+        for started in self.in_flight:
+            started.segment = self.segmented.advance(weights.params, started.segment, iteration, self.segment_steps,
+                                                     adapters=weights.adapters)
+        while iteration + 1 + len(self.in_flight) <= last:
+            batch = iteration + 1 + len(self.in_flight)
+            self.in_flight.append(self.start(state, *self.prompts.next_batch(), self.iteration_key(batch)))
+        return self.finish(current), current.sample
+
+    def _rebuild_segment(self, arrays: dict[str, np.ndarray], weights: roles.SyncedWeights) -> segments.Segment:
+        """A Segment saved as host arrays by tree path, back on the sampler's mesh (replicated; the
+        engine's own constraints split its rows again in the next segment)."""
+        mesh = self.meshes.sampler
+        tokens = jax.ShapeDtypeStruct(arrays[".prompt_tokens"].shape, np.int32)
+        key = sharding.replicate(self.iteration_key(0), mesh)
+        abstract = self.segmented.abstract_segment(weights.params, tokens, tokens, key, adapters=weights.adapters)
+        paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+        leaves = []
+        for path, leaf in paths:
+            array = arrays[jax.tree_util.keystr(path)]
+            assert array.shape == leaf.shape and array.dtype == leaf.dtype, (jax.tree_util.keystr(path), array.shape)
+            leaves.append(sharding.replicate(array, mesh))
+        return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def pop_generate_metrics(self) -> dict[str, float]:
         """What ran inside the generate phase since the last call, apart from sampling: the weight
@@ -239,12 +306,30 @@ class Rollouts:
         its arrays (its scores are recomputed on restore: the same program on the same inputs)."""
         records = []
         for started in self.in_flight:
+            if started.sample is None:  # partial rollouts: the engine state between two segments
+                records.append({"version": started.version, "segment": encode_arrays(self._segment_arrays(started))})
+                continue
             out = started.sample
             host = sharding.to_host({f.name: getattr(out, f.name) for f in dataclasses.fields(out)
                                      if getattr(out, f.name) is not None})
             records.append({"version": started.version,
                             "sample": encode_arrays({k: np.asarray(v) for k, v in host.items()})})
         return records
+
+    def _segment_arrays(self, started: StartedRollout) -> dict[str, np.ndarray]:
+        """A partial rollout's engine state as host arrays by tree path (waits for it). Its KV caches
+        make it large for a large model: the size is said once it passes 256 MiB."""
+        if isinstance(started.segment, dict):  # restored and not run since
+            return started.segment
+        paths, _ = jax.tree_util.tree_flatten_with_path(started.segment)
+        host = sharding.to_host([leaf for _, leaf in paths])
+        arrays = {jax.tree_util.keystr(path): np.asarray(a) for (path, _), a in zip(paths, host)}
+        nbytes = sum(a.nbytes for a in arrays.values())
+        if nbytes > 2**28 and not self.warned_segment_bytes:
+            self.warned_segment_bytes = True
+            metrics_lib.warn(f"each partial rollout in flight is saved whole with the checkpoint: "
+                             f"{nbytes / 2**30:.2f} GiB (its KV cache, in the step's JSON item)")
+        return arrays
 
     def restore_in_flight(self, record: list[dict] | dict | None, step: int) -> None:
         """The samples a checkpoint of train step `step` saved in flight, back on the sampler's mesh
@@ -260,6 +345,9 @@ class Rollouts:
                              f"{len(records) - self.steps_ahead} are skipped")
             records = records[:self.steps_ahead]
         for r in records:
+            if "segment" in r:  # partial rollouts: rebuilt on the sampler's mesh by the next segment
+                self.in_flight.append(StartedRollout(None, int(r["version"]), segment=decode_arrays(r["segment"])))
+                continue
             arrays = decode_arrays(r["sample"])
             out = sampling.SampleOutput(**sharding.put_batch(arrays, self.meshes.sampler))
             self.in_flight.append(self._scored(out, int(r["version"])))

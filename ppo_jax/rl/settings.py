@@ -119,6 +119,7 @@ class RolloutSettings:
     slots: int = 0  # continuous: decode rows held at once, a multiple of the data-parallel devices, <= the rows; 0 = half the rows
     prefill_prompts: int = 0  # continuous: prompts prefilled together when a slot is free and no prefilled row waits; 0 = a quarter of the slots' worth
     off_policy_steps: int = 0  # 0..4: 0: each rollout samples the policy being updated; k: the sampler runs k batches ahead, batch i+k sampled with the weights before update i while the trainer updates on batch i (overlapped on disaggregated roles; policy lag k; the correction: ppo.off_policy_ratio)
+    partial_rollouts: bool = False  # continuous engine, off_policy_steps >= 1: a rollout in flight is decoded in segments, one per train step, each under the weights synced last (the rows in progress keep their KV cache); every token records its log-prob and the version of the weights that chose it, the policy lag is per token (docs/off_policy.md, "Partial rollouts")
     tail_halvings: int = -1  # continuous: times the busy rows may move into half as many slots once nothing is left to insert (each a decode program of its own); -1 = 2 with the unrolled decode, 0 with the scanned one (TPU), whose stage caches cost memory there
 
 
@@ -152,6 +153,7 @@ class PPOLossSettings:
     kl_coef: float = 0.05  # initial KL coefficient beta
     kl_target: float = 6.0  # adaptive controller target KL (per sequence)
     kl_horizon: int = 10000  # adaptive controller horizon (samples)
+    dense_kl_coef: float = 0.0  # coefficient of the exact whole-vocabulary KL(pi || pi_ref) at every visited response position, a loss term beside kl_coef's sampled-token KL (ppo/losses.dense_kl_loss; docs/demo.md "The spike"); costs one reference forward per update microbatch; 0 = off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +279,14 @@ class Settings(RunSettings):
         check(0 <= r.off_policy_steps <= MAX_OFF_POLICY_STEPS,
               f"rollout.off_policy_steps={r.off_policy_steps}: use 0 (on-policy) to {MAX_OFF_POLICY_STEPS} "
               "(batches the sampler runs ahead of the trainer)")
+        check(not r.partial_rollouts or r.engine == "continuous",
+              "partial rollouts need rollout.engine=continuous (the static engine decodes every row in one call)")
+        check(not r.partial_rollouts or r.off_policy_steps >= 1,
+              "rollout.partial_rollouts needs rollout.off_policy_steps >= 1 (on-policy, no weight sync lands "
+              "while a rollout is in flight)")
+        check(not r.partial_rollouts or not self.environment.enabled,
+              "rollout.partial_rollouts applies to one-turn rollouts: multi-turn episodes (environment.name) "
+              "decode each turn to its end")
 
     def _validate_models(self) -> None:
         """The policy's and value model's LoRA and dtypes, and where the roles put the frozen models."""
@@ -335,6 +345,10 @@ class Settings(RunSettings):
         check(p.kl_estimator in ("k1", "k2", "k3"), f"ppo.kl_estimator={p.kl_estimator!r}: use k1, k2 or k3")
         check(p.kl_controller in ("fixed", "adaptive"), f"ppo.kl_controller={p.kl_controller!r}: use fixed or adaptive")
         check(p.kl_coef >= 0, f"ppo.kl_coef must be >= 0, got {p.kl_coef}")
+        check(p.dense_kl_coef >= 0, f"ppo.dense_kl_coef must be >= 0 (0 = off), got {p.dense_kl_coef}")
+        check(p.dense_kl_coef == 0 or self.roles.scoring == "trainer",
+              "ppo.dense_kl_coef needs the reference on the trainer's mesh (its logits enter the update), but "
+              "roles.scoring=sampler moves it to the sampler's; use roles.scoring=trainer or ppo.dense_kl_coef=0")
         if p.kl_controller == "adaptive":
             check(p.kl_target > 0 and p.kl_horizon > 0,
                   "ppo.kl_target and ppo.kl_horizon must be > 0 for the adaptive controller")

@@ -129,6 +129,9 @@ class Rollout:
     action_mask: Array | None = None
     turn_rewards: Array | None = None
     turn_ends: Array | None = None
+    # [B, Lr] int32 (rollout.partial_rollouts, else None): the policy version of the weights that chose
+    # each token (-1 off the mask): a row's tokens may come from several; the policy lag is per token.
+    token_policy_version: Array | None = None
 
 
 @flax.struct.dataclass
