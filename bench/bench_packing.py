@@ -119,7 +119,7 @@ class Side:
         exp, exp_metrics = steps.experience_jit(trainer.state, trainer.frozen, rollout)
         jax.block_until_ready(exp)
         t1 = time.perf_counter()
-        trainer.state, metrics = steps.update_jit(trainer.state, trainer.frozen.policy, trainer.frozen.value, exp)
+        trainer.state, metrics = steps.update_jit(trainer.state, trainer.frozen, exp)
         jax.block_until_ready(trainer.state)
         t2 = time.perf_counter()
         return t1 - t0, t2 - t1, {**jax.device_get(exp_metrics), **jax.device_get(metrics)}

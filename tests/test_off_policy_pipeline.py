@@ -52,8 +52,7 @@ def plain_k_step_loop(trainer: PPOTrainer, iterations: int, k: int) -> list[dict
                           stopped=out.stopped, host_scores=sharding.put_batch(scores, trainer.mesh))
         with sharding.mesh_context(trainer.mesh):
             exp, exp_metrics = trainer.steps.experience_jit(trainer.state, trainer.frozen, rollout)
-            trainer.state, upd_metrics = trainer.steps.update_jit(trainer.state, trainer.frozen.policy,
-                                                                  trainer.frozen.value, exp)
+            trainer.state, upd_metrics = trainer.steps.update_jit(trainer.state, trainer.frozen, exp)
         history.append({k: float(v) for k, v in {**jax.device_get(exp_metrics), **jax.device_get(upd_metrics)}.items()})
     return history
 

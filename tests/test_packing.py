@@ -219,7 +219,7 @@ def _rollout(vocab: int, seed: int = 3) -> Rollout:
 def _step(trainer, rollout):
     rollout = jax.device_put(rollout, sharding.data_sharding(trainer.mesh))
     exp, exp_metrics = trainer.steps.experience_jit(trainer.state, trainer.frozen, rollout)
-    state, metrics = trainer.steps.update_jit(trainer.state, trainer.frozen.policy, trainer.frozen.value, exp)
+    state, metrics = trainer.steps.update_jit(trainer.state, trainer.frozen, exp)
     return jax.device_get((exp, exp_metrics, state.policy, state.value, metrics))
 
 
@@ -228,7 +228,8 @@ CASES = {  # three trainer pairs (each compiles two runs): every mesh axis, LoRA
     "lora-mesh1x2x4": ((1, 2, 4), {"policy.lora.rank": 4, "value.lora.rank": 2,
                                    "ppo.max_tokens_per_microbatch": 16 * 2}),
     "grpo-kl-loss-one-device": ((1, 1, 1), {"ppo.advantage_estimator": "grpo", "rollout.num_samples": 2,
-                                            "rollout.batch_size": 16, "ppo.kl_in_reward": False}),
+                                            "rollout.batch_size": 16, "ppo.kl_in_reward": False,
+                                            "ppo.dense_kl_coef": 0.1}),
 }
 
 

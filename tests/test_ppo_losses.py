@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ppo_jax.ppo import stats
-from ppo_jax.ppo.losses import entropy_from_logits, entropy_loss, kl_loss, policy_loss, value_loss
+from ppo_jax.ppo.losses import dense_kl_loss, entropy_from_logits, entropy_loss, kl_loss, policy_loss, value_loss
 
 
 def reference_policy_loss_per_token(logp, old_logp, adv, clip_low, clip_high, dual_clip):
@@ -253,3 +253,63 @@ def test_loss_argument_errors_are_specific():
         policy_loss(x, x, x, x, clip_eps=1.5)
     with pytest.raises(ValueError, match="clip_range"):
         value_loss(x, x, x, x, clip_range=-1.0)
+
+
+def numpy_dense_kl(logits, ref_logits):
+    """Per-position KL(softmax(logits) || softmax(ref_logits)) over the last axis, float64."""
+    def log_softmax(x):
+        x = np.asarray(x, np.float64)
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+    logp, ref_logp = log_softmax(logits), log_softmax(ref_logits)
+    return (np.exp(logp) * (logp - ref_logp)).sum(-1), logp, ref_logp
+
+
+def test_dense_kl_loss_is_the_whole_vocabulary_kl_with_its_analytic_gradient():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0, 2, (3, 4, 7)).astype(np.float32)
+    ref_logits = (logits + rng.normal(0, 1, logits.shape)).astype(np.float32)
+    mask = (np.arange(4)[None, :] < np.array([[4], [1], [3]])).astype(np.float32)
+    per_token, logp, ref_logp = numpy_dense_kl(logits, ref_logits)
+    loss, metrics = dense_kl_loss(logits, ref_logits, mask, num_tokens=11)
+    np.testing.assert_allclose(loss, (per_token * mask).sum() / 11, rtol=1e-5)
+    np.testing.assert_allclose(stats.finalize_metrics(metrics)["dense_kl"], per_token[mask > 0].mean(), rtol=1e-5)
+    # d KL / d logits_v = p_v (log p_v - log q_v - KL), per position; the reference gets no gradient.
+    expected = np.exp(logp) * (logp - ref_logp - per_token[..., None]) * mask[..., None] / 11
+    g, g_ref = jax.grad(lambda a, b: dense_kl_loss(a, b, mask, num_tokens=11)[0], argnums=(0, 1))(
+        jnp.asarray(logits), jnp.asarray(ref_logits))
+    np.testing.assert_allclose(g, expected, rtol=1e-4, atol=1e-7)
+    assert not np.any(np.asarray(g_ref))
+
+
+def test_dense_kl_sees_and_restores_a_stop_margin_the_sampled_estimators_barely_see():
+    """docs/demo.md, "The spike": where the reference stops with p = 0.9999 and the policy's stop
+    probability has eroded to 0.99, the sampled token is still the stop token. Its sampled estimates
+    are tiny (k1 = log 0.99/0.9999 ~ -0.01, k3 ~ 5e-5) while the policy puts 100x the reference's mass
+    on everything else: the whole-vocabulary KL is ~0.036 nats. As a loss, k3's pull on the stop
+    logit is (1 - e^{-d})(1 - p) ~ 1e-4; the dense term's is p (log p/q - KL) ~ 0.046, hundreds of
+    times stronger, and both push the stop logit up."""
+    vocab, stop = 50, 0
+
+    def logits_with_stop_prob(p):
+        rest = np.log((1 - p) / (vocab - 1))
+        return np.where(np.arange(vocab) == stop, np.log(p), rest).astype(np.float32)[None, None, :]
+
+    logits, ref_logits = logits_with_stop_prob(0.99), logits_with_stop_prob(0.9999)
+    mask = np.ones((1, 1), np.float32)
+    per_token, _, _ = numpy_dense_kl(logits, ref_logits)
+    dense, _ = dense_kl_loss(logits, ref_logits, mask)
+    np.testing.assert_allclose(dense, per_token[0, 0], rtol=1e-4)
+    assert 0.03 < float(dense) < 0.04
+
+    def sampled_k3(lg):
+        logp = jax.nn.log_softmax(lg)[..., stop]
+        ref_logp = jax.nn.log_softmax(jnp.asarray(ref_logits))[..., stop]
+        return kl_loss(logp, ref_logp, mask, "k3")[0]
+
+    assert float(sampled_k3(jnp.asarray(logits))) < 1e-4
+    pull_dense = -float(jax.grad(lambda lg: dense_kl_loss(lg, ref_logits, mask)[0])(jnp.asarray(logits))[0, 0, stop])
+    pull_k3 = -float(jax.grad(sampled_k3)(jnp.asarray(logits))[0, 0, stop])
+    assert pull_dense > 0 and pull_k3 > 0  # both raise the stop logit (descent direction)
+    np.testing.assert_allclose(pull_dense, 0.99 * (np.log(0.99 / 0.9999) - per_token[0, 0]) * -1, rtol=1e-3)
+    assert pull_dense > 100 * pull_k3

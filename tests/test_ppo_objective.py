@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ppo_jax.config import ConfigError
 from ppo_jax.models import init_params
 from ppo_jax.models.forward import response_logits, token_logprobs
 from ppo_jax.ppo import stats
@@ -225,7 +226,7 @@ def test_a_non_finite_gradient_leaves_the_train_state_exactly_as_it_was():
                      returns=zeros, scores=jnp.zeros(4), sequence_kl=jnp.zeros(4))
     update = jax.jit(make_update_fn(modules, policy_tx, None, hp, 4, None))
     before = jax.device_get((state.policy, state.policy_opt))
-    new, metrics = update(state, None, None, exp)
+    new, metrics = update(state, FrozenParams(reference=None, reward=None), exp)
     after = jax.device_get((new.policy, new.policy_opt))
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
         np.testing.assert_array_equal(a, b)  # NaN == NaN here: the NaN weight is the one we put in
@@ -325,3 +326,41 @@ def test_the_overlong_penalty_lowers_the_score_and_the_health_metrics_are_logged
     np.testing.assert_allclose(float(metrics["objective/kl_max"]), kl.sum(-1).max(), rtol=1e-5)
     np.testing.assert_allclose(float(metrics["objective/kl_at_stop_token"]), (kl[0, 3] + kl[1, 1]) / 2, rtol=1e-5)
     assert float(metrics["response/repeated_token_share"]) == 0.0  # TOKENS hold no back-to-back repeat
+
+
+def test_dense_kl_coef_adds_the_whole_vocabulary_kl_to_the_reference_at_the_visited_positions():
+    """With ppo.dense_kl_coef the update runs the reference forward too: the loss grows by
+    coef * sum over real response tokens of KL(pi || pi_ref) / num_tokens, computed here in NumPy from
+    two independent response_logits calls (policy and a differently initialised reference)."""
+    s, modules, params, rows = tiny_run()
+    ref_params, _ = init_params(modules.policy, jax.random.key(1), make_test_mesh((1, 1, 1)))
+    logits = response_logits(modules.policy, params, rows.prompt_tokens, rows.prompt_mask, rows.tokens, rows.mask, 1.0)
+    ref_logits = response_logits(modules.policy, ref_params, rows.prompt_tokens, rows.prompt_mask, rows.tokens,
+                                 rows.mask, 1.0)
+    old = token_logprobs(logits, rows.tokens, rows.mask)
+    zeros = jnp.zeros_like(old)
+    exp = Experience(prompt_tokens=rows.prompt_tokens, prompt_mask=rows.prompt_mask, tokens=rows.tokens,
+                     mask=rows.mask, old_logprobs=old, ref_logprobs=old, values=zeros, advantages=zeros,
+                     returns=zeros, scores=jnp.zeros(4), sequence_kl=jnp.zeros(4))
+    frozen, batch = FrozenParams(reference=ref_params, reward=None), LossBatch(exp, 20.0, 0.0)
+    plain, _ = padded_loss(modules, Trainable(params, None), frozen, batch, hyper(ent_coef=0.0))
+    with_kl, metrics = padded_loss(modules, Trainable(params, None), frozen, batch, hyper(ent_coef=0.0, dense_kl_coef=0.5))
+    p, q = log_softmax(np.asarray(logits)), log_softmax(np.asarray(ref_logits))
+    per_token = (np.exp(p) * (p - q)).sum(-1)
+    mask = np.asarray(rows.mask, bool)
+    assert per_token[mask].min() > 0
+    np.testing.assert_allclose(float(with_kl) - float(plain), 0.5 * per_token[mask].sum() / 20.0, rtol=1e-4)
+    np.testing.assert_allclose(float(stats.finalize_metrics(metrics)["dense_kl"]), per_token[mask].mean(), rtol=1e-4)
+    assert "dense_kl" not in stats.finalize_metrics(padded_loss(modules, Trainable(params, None), frozen, batch,
+                                                                hyper(ent_coef=0.0))[1])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"ppo.dense_kl_coef": -0.1}, "ppo.dense_kl_coef must be >= 0 (0 = off), got -0.1"),
+    ({"ppo.dense_kl_coef": 0.1, "roles.scoring": "sampler", "roles.sampler_devices": 4},
+     "ppo.dense_kl_coef needs the reference on the trainer's mesh"),
+])
+def test_bad_dense_kl_settings_fail_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
+        Settings.from_config(tiny_config(**overrides), reward_in_code=False)
+    assert "\n" not in str(err.value)

@@ -183,7 +183,7 @@ def lower_programs(run: PlannedRun) -> LoweredRun:
     with sharding.mesh_context(mesh):
         lowered["experience"] = steps.experience_jit.lower(run.state, run.kept, rollout)
         experience = lowered["experience"].out_info[0]
-        lowered["update"] = steps.update_jit.lower(run.state, run.base, run.frozen.value, experience)
+        lowered["update"] = steps.update_jit.lower(run.state, run.kept, experience)
     return LoweredRun(lowered, steps, prompts, sample, scores, rollout, experience, decoded, scorer)
 
 

@@ -14,7 +14,7 @@ from ppo_jax.ppo.kl import (
     kl_penalty,
     update_kl_controller,
 )
-from ppo_jax.ppo.losses import entropy_from_logits, entropy_loss, kl_loss, policy_loss, value_loss
+from ppo_jax.ppo.losses import dense_kl_loss, entropy_from_logits, entropy_loss, kl_loss, policy_loss, value_loss
 from ppo_jax.ppo.shaping import overlong_penalty, process_scores, shape_rewards, whiten_rewards
 from ppo_jax.ppo.stats import (
     Moments,
@@ -31,7 +31,7 @@ from ppo_jax.ppo.stats import (
 
 __all__ = [
     "ESTIMATORS", "AdvantageEstimate", "KLControllerState", "Moments", "SumCount", "add_metrics",
-    "discounted_returns", "entropy_from_logits", "entropy_loss", "estimate_advantages",
+    "dense_kl_loss", "discounted_returns", "entropy_from_logits", "entropy_loss", "estimate_advantages",
     "finalize_metrics", "gae", "grpo_advantages", "init_kl_controller", "kl_loss", "kl_penalty",
     "last_token_index", "masked_count", "masked_mean", "masked_sum", "masked_var", "masked_whiten", "overlong_penalty",
     "policy_loss", "process_scores", "rloo_advantages", "sequence_rewards", "shape_rewards",

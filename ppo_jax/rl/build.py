@@ -327,7 +327,7 @@ class Steps:
     """The three compiled phases of a PPO iteration, with their shardings and donation.
 
     sampler: rollout sampling; experience_jit(state, frozen, rollout) -> (Experience, metrics);
-    update_jit(state, frozen.policy, frozen.value, experience) -> (state, metrics), the state donated
+    update_jit(state, frozen, experience) -> (state, metrics), the state donated
     (the frozen LoRA bases, None without LoRA, never). trace_counts counts the traces of the two
     jitted steps (the sampler counts its own).
     """
@@ -394,7 +394,7 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
                              in_shardings=(state_shardings, frozen_shardings, rollout_sh),
                              out_shardings=(exp_sh, replicated))
     update_jit = jax.jit(traced("update", update),
-                         in_shardings=(state_shardings, frozen_shardings.policy, frozen_shardings.value, exp_sh),
+                         in_shardings=(state_shardings, frozen_shardings, exp_sh),
                          out_shardings=(state_shardings, replicated), donate_argnums=(0,))
     return Steps(sampler_settings, sampler, experience_jit, update_jit, trace_counts, where, scoring_jit, scorer_sh)
 

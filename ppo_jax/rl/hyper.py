@@ -64,6 +64,7 @@ class PPOHyper:
     scored_outside: bool = False  # roles.scoring="sampler": reference log-probs and model scores come with the rollout
     overlong_buffer: int = 0  # reward.overlong_buffer (0 = no overlong penalty)
     overlong_penalty: float = 0.0
+    dense_kl_coef: float = 0.0  # ppo.dense_kl_coef (0 = no whole-vocabulary KL term, no reference forward in the update)
 
     @property
     def packed(self) -> bool:
@@ -86,7 +87,7 @@ class PPOHyper:
             num_minibatches=p.num_minibatches, num_microbatches=p.num_microbatches,
             forward_microbatches=sizes.rollout_rows // sizes.forward_rows, clip_eps=p.clip_eps,
             clip_eps_high=p.clip_eps_high or None, dual_clip=p.dual_clip or None, value_clip=p.value_clip,
-            vf_coef=p.vf_coef, ent_coef=p.ent_coef, router_aux_coef=p.router_aux_coef,
+            vf_coef=p.vf_coef, ent_coef=p.ent_coef, dense_kl_coef=p.dense_kl_coef, router_aux_coef=p.router_aux_coef,
             router_z_coef=p.router_z_coef, packed_rows=sizes.packed_rows,
             packed_length=sizes.packed_length,
             off_policy_ratio=off_policy_ratio(p.off_policy_ratio, s.rollout.off_policy_steps), is_cap=p.is_cap,

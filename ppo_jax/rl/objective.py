@@ -5,7 +5,7 @@
     packed_loss(modules, params, frozen, batch, hp)  the same on packed rows (`models/packing.py`)
 
 Each returns (loss [], metrics). The loss is clipped policy loss + ent_coef * (-entropy)
-[+ kl_coef * KL when the KL is a loss term] [+ vf_coef * clipped value loss] [+ an MoE policy's
+[+ kl_coef * KL when the KL is a loss term] [+ dense_kl_coef * the whole-vocabulary KL] [+ vf_coef * clipped value loss] [+ an MoE policy's
 router losses]; every term is a token sum over this microbatch divided by `LossBatch.num_tokens`, the
 token count of the whole minibatch, so microbatch losses and gradients add up to the minibatch's
 exactly (`ppo/losses.py`). Metrics are `SumCount` / `Moments` (pooled exactly across microbatches)
@@ -29,7 +29,7 @@ from ppo_jax.models.forward import response_logits, response_values, token_logpr
 from ppo_jax.models.moe import RouterCoefs, RouterLosses
 from ppo_jax.rl.hyper import PPOHyper
 from ppo_jax.rl.state import (Experience, FrozenParams, Modules, PackedExperience, Trainable, policy_variables,
-                              value_variables)
+                              reference_variables, value_variables)
 
 Array = jax.Array
 Params = Any
@@ -52,6 +52,7 @@ class TokenOutputs:
     logprobs: Array  # the sampled tokens' log-probs under the policy, 0 off the mask
     values: Array | None = None  # the value model's predictions, 0 off the mask; None without a critic
     router: RouterLosses | None = None  # an MoE policy's router losses of this forward
+    ref_logits: Array | None = None  # [..., V] the reference's, temperature applied; only with hp.dense_kl_coef
 
 
 def ppo_loss(out: TokenOutputs, batch: LossBatch, hp: PPOHyper) -> tuple[Array, dict[str, Any]]:
@@ -68,6 +69,10 @@ def ppo_loss(out: TokenOutputs, batch: LossBatch, hp: PPOHyper) -> tuple[Array, 
         kl_loss, kl_metrics = ppo.kl_loss(out.logprobs, exp.ref_logprobs, mask, hp.kl_estimator, num_tokens=num_tokens)
         loss = loss + batch.kl_coef * kl_loss
         metrics.update(kl_metrics)
+    if out.ref_logits is not None:
+        dense_loss, dense_metrics = ppo.dense_kl_loss(out.logits, out.ref_logits, mask, num_tokens=num_tokens)
+        loss = loss + hp.dense_kl_coef * dense_loss
+        metrics.update(dense_metrics)
     if out.values is not None:
         v_loss, v_metrics = ppo.value_loss(out.values, exp.values, exp.returns, mask, clip_range=hp.value_clip,
                                            num_tokens=num_tokens)
@@ -104,7 +109,12 @@ def padded_outputs(modules: Modules, params: Trainable, frozen: FrozenParams, mb
         value_params, value_adapters = value_variables(params.value, frozen.value)
         values = response_values(value_model, value_params, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask,
                                  adapters=value_adapters)
-    return TokenOutputs(logits, token_logprobs(logits, mb.tokens, mb.mask), values, router)
+    ref_logits = None
+    if hp.dense_kl_coef:
+        ref_params, ref_adapters = reference_variables(frozen)
+        ref_logits = jax.lax.stop_gradient(response_logits(policy_model, ref_params, mb.prompt_tokens, mb.prompt_mask,
+                                                           mb.tokens, mb.mask, hp.temperature, adapters=ref_adapters))
+    return TokenOutputs(logits, token_logprobs(logits, mb.tokens, mb.mask), values, router, ref_logits)
 
 
 def packed_outputs(modules: Modules, params: Trainable, frozen: FrozenParams, mb: PackedExperience,
@@ -119,7 +129,13 @@ def packed_outputs(modules: Modules, params: Trainable, frozen: FrozenParams, mb
     if params.value is not None:
         value_params, value_adapters = value_variables(params.value, frozen.value)
         values = packing.scalar_outputs(value_model, value_params, mb.rows, value_adapters) * mb.mask
-    return TokenOutputs(logits, packing.next_token_logprobs(logits, mb.rows.tokens) * mb.mask, values, router)
+    ref_logits = None
+    if hp.dense_kl_coef:  # the reference routes by its own router: replay is the policy's
+        ref_params, ref_adapters = reference_variables(frozen)
+        ref_logits = jax.lax.stop_gradient(packing.next_token_logits(
+            policy_model, ref_params, mb.rows.replace(experts=None), hp.temperature, ref_adapters))
+    return TokenOutputs(logits, packing.next_token_logprobs(logits, mb.rows.tokens) * mb.mask, values, router,
+                        ref_logits)
 
 
 def padded_loss(modules: Modules, params: Trainable, frozen: FrozenParams, batch: LossBatch,

@@ -275,7 +275,7 @@ class PPOTrainer:
 
     def _update(self, state, exp):
         with sharding.mesh_context(self.mesh):
-            return self.steps.update_jit(state, self.frozen.policy, self.frozen.value, exp)
+            return self.steps.update_jit(state, self.frozen, exp)
 
     # ------------------------------------------------------------------ the loop
 

@@ -135,9 +135,10 @@ def step_kl_controller(state: PPOState, exp: Experience, exp_finite: Array, rows
 def make_update_fn(modules: Modules, policy_tx: optax.GradientTransformation,
                    value_tx: optax.GradientTransformation | None, hp: PPOHyper, rows: int,
                    batch_sharding: NamedSharding) -> Callable:
-    """Pure update: (state, base, value_base, experience) -> (state, metrics); base is a LoRA policy's
-    frozen base (`FrozenParams.policy`), None for full fine-tuning; value_base a LoRA value model's
-    frozen transformer (`FrozenParams.value`), None for a full value model. Neither is donated.
+    """Pure update: (state, frozen, experience) -> (state, metrics). Of the frozen trees it reads a
+    LoRA policy's base (`FrozenParams.policy`, None for full fine-tuning), a LoRA value model's
+    transformer (`FrozenParams.value`, None for a full value model) and, with `hp.dense_kl_coef`, the
+    reference; none is donated, and the others never enter the program.
 
     `lax.scan` over epochs x shuffled minibatches; inside each minibatch microbatch gradients of
     `objective.padded_loss` are accumulated. Each microbatch loss is its token sum divided by the
@@ -185,8 +186,9 @@ def make_update_fn(modules: Modules, policy_tx: optax.GradientTransformation,
         metrics["token_efficiency"] = token_efficiency.astype(jnp.float32)
         return guarded_step(state, grads, ok, policy_tx, value_tx), metrics
 
-    def update(state: PPOState, base, value_base, exp: Experience):
-        frozen = FrozenParams(reference=None, reward=None, policy=base, value=value_base)
+    def update(state: PPOState, frozen: FrozenParams, exp: Experience):
+        frozen = FrozenParams(reference=frozen.reference if hp.dense_kl_coef else None, reward=None,
+                              policy=frozen.policy, value=frozen.value)
         epoch_keys = jax.random.split(jax.random.fold_in(jax.random.fold_in(state.key, state.step), 1), hp.epochs)
         exp_finite = all_finite(exp)
 
