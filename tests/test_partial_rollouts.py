@@ -1,0 +1,195 @@
+"""Partial (interruptible) rollouts (issue 44 item 2): the continuous engine in segments
+(sampling/segments.py) with a weight sync between them, each token stamped with the version of the
+weights that chose it. Segments under one set of weights give exactly the unsegmented engine's
+samples; after a sync the later tokens are drawn and logged under the new weights; the policy lag is
+per token; a SIGTERM with partial rollouts in flight resumes bit for bit; bad settings fail in one line."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_off_policy_pipeline import TOY, trainer_at
+from test_reliability import _toy_reward_then_sigterm_at
+from test_roles import comparable
+from test_sampling import STOP_CONFIG, _gather, _log_softmax, _model_and_params, _prompts, _training_logits
+from tiny_configs import tiny_config
+
+from ppo_jax.config import ConfigError
+from ppo_jax.rl.corrections import policy_lag_metrics
+from ppo_jax.rl.settings import Settings
+from ppo_jax.sampling import sample_continuous, segments
+from ppo_jax.sampling.token_choice import choose_tokens, response_uniforms
+
+# 16 rows (8 prompts x 2 samples) on 6 slots, 2 prompts per prefill: rows wait in the queue, so some
+# are prefilled only after a sync; the scanned decode with one tail halving, so `finish` runs a tail stage.
+CONFIG = dataclasses.replace(STOP_CONFIG, engine="continuous", slots=6, prefill_prompts=2, unroll_layers=False,
+                             tail_halvings=1)
+KEY = 1
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """The tiny Llama, its params, and the jitted unsegmented engine and segments."""
+    model, params, _ = _model_and_params("llama")
+    static = dict(model=model, config=CONFIG)
+    return dict(
+        model=model, params=params,
+        whole=jax.jit(lambda p, t, m, k: sample_continuous(p, t, m, k, **static)),
+        begin=jax.jit(lambda p, t, m, k, v, b: segments.begin(p, t, m, k, v, b, **static)),
+        advance=jax.jit(lambda p, s, v, b: segments.advance(p, s, v, b, **static)),
+        finish=jax.jit(lambda p, s, v: segments.finish(p, s, v, **static)))
+
+
+def _segmented(engine, params_by_segment, budget):
+    """The engine run in len(params_by_segment) segments, segment i under params_by_segment[i] with
+    version i; budget decode steps each but the last."""
+    tokens, mask = _prompts()
+    first, *middle, last = params_by_segment
+    state = engine["begin"](first, tokens, mask, jax.random.key(KEY), 0, budget)
+    for version, params in enumerate(middle, start=1):
+        state = engine["advance"](params, state, version, budget)
+    return jax.device_get(engine["finish"](last, state, len(params_by_segment) - 1))
+
+
+def test_segments_under_one_set_of_weights_give_the_unsegmented_samples(engine):
+    params = engine["params"]
+    whole = jax.device_get(engine["whole"](params, *_prompts(), jax.random.key(KEY)))
+    out = _segmented(engine, [params] * 4, budget=3)
+    for field in ("tokens", "logprobs", "sampling_logprobs", "mask", "lengths", "stopped", "slot_steps_at_finish"):
+        np.testing.assert_array_equal(getattr(out, field), getattr(whole, field), err_msg=field)  # bitwise
+    assert whole.token_policy_version is None
+    versions, mask = out.token_policy_version, out.mask.astype(bool)
+    assert np.all(versions[~mask] == -1) and set(np.unique(versions[mask])) == {0, 1, 2, 3}
+    assert np.all(np.diff(np.where(mask, versions, 99), axis=1) >= 0)  # a row's versions only grow
+
+
+def _reference_logprobs(model, params, out):
+    """[R, N] log_softmax(logits / T) of the sampled tokens from one plain forward of `params` over
+    prompt + response (each token's prefix), and the tempered logits [R, N, V]."""
+    scaled = _training_logits(model, params, out) / CONFIG.temperature
+    return _gather(_log_softmax(scaled), out.tokens), scaled
+
+
+def test_after_a_sync_the_later_tokens_are_drawn_and_logged_under_the_new_weights(engine):
+    """The sync changes only the final norm's scale: every KV cache is the same under both weights,
+    so each token's recorded log-prob must be that of a plain forward of the weights of its version
+    over its prefix, and its token the one those logits and its uniform choose."""
+    model, old = engine["model"], engine["params"]
+    new = jax.tree.map(lambda x: x, old)
+    new["transformer"]["ln_f"]["scale"] = old["transformer"]["ln_f"]["scale"] * 1.7
+    out = _segmented(engine, [old, new], budget=4)
+    versions, mask = out.token_policy_version, out.mask.astype(bool)
+    first, later = mask & (versions == 0), mask & (versions == 1)
+    mixed_rows = (first.any(1) & later.any(1))
+    assert first.sum() and later.sum() and mixed_rows.any()  # rows in progress went on under the new weights
+    old_lp, _ = _reference_logprobs(model, old, out)
+    new_lp, new_logits = _reference_logprobs(model, new, out)
+    np.testing.assert_allclose(out.logprobs[first], old_lp[first], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(out.logprobs[later], new_lp[later], atol=1e-5, rtol=0)
+    assert np.abs(old_lp[later] - new_lp[later]).max() > 1e-2  # the two weights tell them apart
+    # Drawn under the new weights: the new logits and the token's uniform choose it.
+    rows, steps = np.nonzero(later)
+    draws = response_uniforms(jax.random.key(KEY), out.tokens.shape[0], CONFIG.max_new_tokens)[rows, steps]
+    chosen = choose_tokens(jnp.asarray(new_logits[rows, steps] * CONFIG.temperature, jnp.float32),
+                           jnp.asarray(steps, jnp.int32), draws, CONFIG)
+    np.testing.assert_array_equal(np.asarray(chosen.tokens), out.tokens[rows, steps])
+
+
+def test_rows_begun_after_the_sync_are_the_new_weights_own_samples(engine):
+    """Every weight changed: a row prefilled after the sync is decoded by the new weights alone, so it
+    is the row the unsegmented engine gives under them (its uniforms depend on (row, step) only)."""
+    old = engine["params"]
+    new = jax.tree.map(lambda x: x * 1.05, old)
+    out = _segmented(engine, [old, new], budget=4)
+    whole_new = jax.device_get(engine["whole"](new, *_prompts(), jax.random.key(KEY)))
+    mask = out.mask.astype(bool)
+    new_rows = np.all(~mask | (out.token_policy_version == 1), axis=1)
+    assert 0 < new_rows.sum() < len(new_rows)
+    for field in ("tokens", "mask", "logprobs"):
+        np.testing.assert_allclose(getattr(out, field)[new_rows], getattr(whole_new, field)[new_rows], atol=1e-6,
+                                   rtol=0, err_msg=field)
+
+
+def test_the_policy_lag_is_per_token_over_the_action_tokens():
+    rng = np.random.default_rng(0)
+    versions = rng.integers(3, 7, (6, 9)).astype(np.int32)
+    mask = (rng.random((6, 9)) < 0.6).astype(np.float32)
+    versions = np.where(mask > 0, versions, -1)  # nothing chosen off the mask
+    step = 7
+    lag = (step - versions)[mask > 0]
+    got = jax.device_get(policy_lag_metrics(jnp.int32(step), jnp.full((6,), 3), jnp.asarray(versions),
+                                            jnp.asarray(mask)))
+    np.testing.assert_allclose(got["rollout/policy_lag_mean"], lag.mean(), rtol=1e-6)
+    assert got["rollout/policy_lag_max"] == lag.max()
+    # Without token versions, the rows' (unchanged).
+    rows = jax.device_get(policy_lag_metrics(jnp.int32(step), jnp.asarray([5, 6, 7])))
+    assert rows == {"rollout/policy_lag_mean": 1.0, "rollout/policy_lag_max": 2.0}
+
+
+PARTIAL = {"rollout.off_policy_steps": 2, "rollout.engine": "continuous", "rollout.partial_rollouts": True,
+           "train.iterations": 3}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted k = 2 run with partial rollouts: (its history, final policy, each iteration's
+    (step, token versions, mask) as the experience step saw them)."""
+    trainer = trainer_at(tmp_path_factory.mktemp("straight"), **PARTIAL)
+    seen, finish = [], trainer.rollouts.finish
+
+    def recording_finish(started):
+        rollout = finish(started)
+        seen.append((int(trainer.state.step), *jax.device_get((rollout.token_policy_version, rollout.mask))))
+        return rollout
+
+    trainer.rollouts.finish = recording_finish
+    history = trainer.train()
+    policy = jax.device_get(trainer.state.policy)
+    trainer.close()
+    return history, policy, seen
+
+
+def test_the_trainer_logs_each_tokens_lag(straight):
+    history, _, seen = straight
+    for row, (step, versions, mask) in zip(history, seen):
+        lag = (step - versions)[mask > 0]
+        assert np.all(versions[mask == 0] == -1)
+        np.testing.assert_allclose(row["rollout/policy_lag_mean"], lag.mean(), rtol=1e-6)
+        assert row["rollout/policy_lag_max"] == lag.max()
+        assert "rollout/mismatch_kl" in row
+    # Batch 0 all θ_0; batch 2 begun under θ_0, advanced under θ_1, finished under θ_2.
+    assert history[0]["rollout/policy_lag_max"] == 0
+    assert set(np.unique(seen[2][1][seen[2][2] > 0])) == {0, 1, 2}
+    assert 0 < history[2]["rollout/policy_lag_mean"] < 2  # below k: later tokens came from newer weights
+
+
+def test_sigterm_with_partial_rollouts_in_flight_resumes_bit_for_bit(straight, tmp_path):
+    """Stopped after iteration 1: batch 2 (begun under θ_0, advanced under θ_1) is in flight
+    mid-rollout; its engine state is saved whole and the resumed run finishes it under θ_2."""
+    expected, expected_policy, _ = straight
+    first = trainer_at(tmp_path, [(_toy_reward_then_sigterm_at(2), 1.0)], **PARTIAL)
+    assert len(first.train()) == 2 and first.stopped_by == "SIGTERM"
+    first.close()
+    resumed = trainer_at(tmp_path, TOY, **PARTIAL)
+    assert resumed.resumed_from == 2
+    (pending,) = resumed.rollouts.in_flight
+    assert pending.sample is None and pending.version == 0  # mid-rollout
+    rest = resumed.train()
+    assert [comparable(row) for row in rest] == [comparable(row) for row in expected[2:]]  # bitwise
+    for a, b in zip(jax.tree.leaves(expected_policy), jax.tree.leaves(jax.device_get(resumed.state.policy))):
+        np.testing.assert_array_equal(a, b)
+    resumed.close()
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"rollout.partial_rollouts": True, "rollout.off_policy_steps": 1},
+     "partial rollouts need rollout.engine=continuous"),
+    ({"rollout.partial_rollouts": True, "rollout.engine": "continuous"},
+     "rollout.partial_rollouts needs rollout.off_policy_steps >= 1"),
+], ids=["static-engine", "on-policy"])
+def test_bad_partial_rollout_settings_fail_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        Settings.from_config(tiny_config(**overrides), reward_in_code=False)
+    assert "\n" not in str(err.value)
