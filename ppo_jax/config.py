@@ -177,7 +177,8 @@ def model_config_from_dict(d: ml_collections.ConfigDict | Mapping[str, Any] | Mo
 
 @dataclasses.dataclass(frozen=True)
 class MeshSettings:
-    # (data, fsdp, tensor) or (data, fsdp, tensor, expert); one entry may be -1 = all remaining devices
+    # (data, fsdp, tensor), (data, fsdp, tensor, expert) or (data, fsdp, tensor, expert, context); one entry
+    # may be -1 = all remaining devices
     shape: tuple = (1, -1, 1)
 
 

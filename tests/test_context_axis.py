@@ -13,6 +13,7 @@ from conftest import make_test_mesh
 
 from ppo_jax import sharding
 from ppo_jax.models import CausalLM, ModelConfig, positions_from_mask
+from ppo_jax.models.forward import response_logits, token_logprobs
 from ppo_jax.models.transformer import check_context_rows
 
 VOCAB, T = 96, 16
@@ -187,3 +188,32 @@ def test_attention_gathers_keys_and_values_not_hidden_states():
     assert ("all-gather", kv) in per_row, per_row
     assert {op for op, shape in per_row if shape == kv} == {"all-gather"}
     assert all(shape[2:] == kv[2:] for _, shape in per_row), per_row  # nothing [B, T, D], [B, T, H, Dh], [B, T, V]
+
+
+def test_response_logits_stay_split_along_the_sequence():
+    """The PPO forward (log-probs of a response after its prompt, and their gradient) with rows split
+    4 ways: the response's slice of the hidden states moves only the prompt's offset between
+    neighbours (collective-permutes), and no collective carries a row's hidden states or logits."""
+    config = CONFIGS["llama"]
+    model = CausalLM(config)
+    abstract, host = _host_params(config)
+    mesh = make_test_mesh((1, 1, 1, 1, 4))
+    prompt = 4
+
+    def logprobs(params, tokens, mask):
+        logits = response_logits(model, params, tokens[:, :prompt], mask[:, :prompt], tokens[:, prompt:],
+                                 mask[:, prompt:], 1.0)
+        return token_logprobs(logits, tokens[:, prompt:], mask[:, prompt:]).sum()
+
+    tokens, _, mask = _batch()
+    with sharding.mesh_context(mesh):
+        params = jax.device_put(host, sharding.tree_shardings(abstract, mesh))
+        hlo = jax.jit(jax.grad(logprobs)).lower(params, *sharding.put_batch((tokens, mask), mesh)).compile().as_text()
+    batch = len(PROMPT_LENGTHS)
+    weights = {x.shape[i:] for x in jax.tree.leaves(host) for i in (0, 1)}  # scanned: [L, ...] and [...]
+    moved = [(op, shape) for op, shape in _collective_shapes(hlo)
+             if shape[:1] == (batch,) and len(shape) > 2 and shape not in weights]
+    assert ("collective-permute", (batch, 2, config.hidden_size)) in moved, moved
+    for op, shape in moved:  # K/V [B, T, K, Dh] and their gradients' reduce-scatter; else only the halo
+        assert shape[2:] == (config.kv_heads, config.dim_per_head) or op == "collective-permute", (op, shape)
+        assert shape[1] < T // 4 or shape[2:] == (config.kv_heads, config.dim_per_head), (op, shape)

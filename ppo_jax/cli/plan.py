@@ -30,11 +30,11 @@ from ppo_jax.rl.settings import Settings
 
 
 def mesh_size(shape, num_devices: int | None) -> int:
-    """Devices a (data, fsdp, tensor[, expert]) shape needs; a -1 entry takes `num_devices`."""
+    """Devices a (data, fsdp, tensor[, expert[, context]]) shape needs; a -1 entry takes `num_devices`."""
     shape = tuple(int(s) for s in shape)
-    if len(shape) not in (3, 4):
-        raise ConfigError(f"mesh.shape must have 3 entries (data, fsdp, tensor) or 4 (data, fsdp, tensor, "
-                          f"expert), got {shape}")
+    if len(shape) not in (3, 4, 5):
+        raise ConfigError(f"mesh.shape must have 3 entries (data, fsdp, tensor), 4 (+ expert) or 5 (data, fsdp, "
+                          f"tensor, expert, context), got {shape}")
     if -1 in shape:
         if num_devices is None:
             raise ConfigError(

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
 
+from ppo_jax import sharding
 from ppo_jax.models import lora, moe
 from ppo_jax.models.transformer import (CausalLM, ScalarModel, chosen_experts, positions_from_mask,
                                         score_at_last_token)
@@ -83,6 +85,8 @@ def response_outputs(model: CausalLM, params, prompt_tokens, prompt_mask, tokens
     # Position t predicts token t + 1: the response tokens are predicted from positions Lq-1 .. Lq+Lr-2.
     hidden = out.hidden[:, lq - 1: lq + lr - 1]
     logits = model.apply(variables(params, adapters), hidden, method=CausalLM.project) / temperature
+    if sharding.context_axis_size() > 1:  # the response's logits stay split along the sequence like its rows
+        logits = nn.with_logical_constraint(logits, ("batch", "act_length", "vocab"))
     return out.replace(hidden=logits, flips=None if out.flips is None else out.flips[:, lq:])
 
 

@@ -114,7 +114,7 @@ class MemoryPlan:
     experience / update phases are the trainer's mesh's; the KV cache and the sampler (and scoring)
     phases the sampler's mesh's (the same mesh unless `roles` says otherwise)."""
 
-    mesh_shape: tuple[int, ...]  # (data, fsdp, tensor, expert): the trainer's (mesh.shape)
+    mesh_shape: tuple[int, ...]  # (data, fsdp, tensor, expert, context): the trainer's (mesh.shape)
     platform: str  # the compiler whose temp bytes these are ("cpu", "tpu", "gpu")
     device_kind: str  # e.g. "cpu", "TPU v5" (v5p)
     compiler_options: dict[str, Any]  # XLA options the phases were compiled with

@@ -101,7 +101,7 @@ class RoleMemory:
     """
 
     role: str  # "trainer" or "sampler"
-    mesh_shape: tuple[int, ...]  # (data, fsdp, tensor, expert)
+    mesh_shape: tuple[int, ...]  # (data, fsdp, tensor, expert, context)
     num_devices: int
     train_state_bytes: int  # trainable params + optimizer states + step / KL / key
     frozen_bytes: int  # reference, reward model, LoRA base (roles.scoring=sampler: reference + reward on the sampler)
