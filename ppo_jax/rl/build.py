@@ -21,6 +21,7 @@ from ppo_jax.config import ConfigError, override_dtypes, with_lora
 from ppo_jax.models import lora as lora_lib
 from ppo_jax.models import rope
 from ppo_jax.models import CausalLM, LoraConfig, ModelConfig, ScalarModel, boxed_params, hf, init_adapters, init_params
+from ppo_jax.models.transformer import check_context_rows
 from ppo_jax.optim import make_optimizer
 from ppo_jax.rl import roles
 from ppo_jax.rl.experience import make_experience_fn, make_scoring_fn
@@ -94,6 +95,8 @@ def policy_model_config(s: Settings, mesh=None) -> ModelConfig:
     cfg = with_lora(cfg, lora, "policy")
     _check_cached_rope(cfg, s.data.prompt_length + s.rollout.response_length)
     sharding.check_experts_split(cfg.num_experts, mesh, "policy", ConfigError)
+    check_context_rows(cfg, s.data.prompt_length + s.rollout.response_length, mesh, ConfigError,
+                       "data.prompt_length + rollout.response_length", s.compute.attention)
     s.moe.check_model(cfg)
     if not cfg.num_experts and (s.ppo.router_aux_coef or s.ppo.router_z_coef):
         raise ConfigError(f"ppo.router_aux_coef={s.ppo.router_aux_coef}, ppo.router_z_coef={s.ppo.router_z_coef}: "
