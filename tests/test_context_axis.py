@@ -148,6 +148,24 @@ def test_rows_the_context_axis_cannot_split_are_refused_while_tracing():
         sharding.make_mesh((1, 1, 1, 1, 1, 8))
 
 
+@pytest.mark.parametrize("overrides,match", [
+    ({"rollout.response_length": 9}, r"rows of 17 tokens do not split over the mesh's context axis of 4 devices; "
+                                     r"pad them by 3 to 20 tokens"),
+    ({"compute.attention": "splash"}, "attention='splash' cannot split rows over a context axis of 4 devices"),
+], ids=["length", "splash"])
+def test_ppo_settings_refuse_rows_the_axis_cannot_split(overrides, match):
+    """In one line, from the settings and the mesh alone: before any weight loads or program compiles."""
+    from tiny_configs import tiny_config
+
+    from ppo_jax.config import ConfigError
+    from ppo_jax.rl import build
+    from ppo_jax.rl.settings import Settings
+
+    settings = Settings.from_config(tiny_config(**overrides), reward_in_code=False)
+    with pytest.raises(ConfigError, match=f"data.prompt_length \\+ rollout.response_length: {match}"):
+        build.policy_model_config(settings, make_test_mesh((1, 2, 1, 1, 4)))
+
+
 def test_a_context_axis_of_one_changes_no_parameter_layout():
     abstract, _ = _host_params(CONFIGS["moe"])
     for shape in ((2, 2, 2), (1, 2, 1, 4)):
