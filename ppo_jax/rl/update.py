@@ -38,6 +38,7 @@ UPDATE_METRIC_NAMES = {
     "policy_loss": "loss/policy_avg",
     "value_loss": "loss/value_avg",
     "kl_loss": "loss/kl_avg",
+    "dense_kl": "loss/dense_kl_avg",
     "approxkl": "policy/approxkl_avg",
     "clipfrac": "policy/clipfrac_avg",
     "dual_clipfrac": "policy/dual_clipfrac_avg",
