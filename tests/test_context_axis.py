@@ -30,7 +30,11 @@ CONFIGS = {
     # the fused kernel (jax.nn.dot_product_attention): one device runs it on right-aligned rows by their
     # lengths, a split row with its mask rows
     "llama_xla": ModelConfig(arch="llama", **LLAMA, attention="xla"),
-    "moe": ModelConfig(arch="qwen3_moe", **LLAMA, num_experts=4, experts_per_token=2, moe_intermediate_size=16),
+    # GPT-OSS: experts (split over the expert axis), attention sinks, a sliding layer then a full one
+    "moe": ModelConfig(arch="gpt_oss", **LLAMA, num_experts=4, experts_per_token=2, moe_intermediate_size=16,
+                       router_softmax="topk", router_bias=True, expert_kind="clamped_swiglu", swiglu_limit=2.0,
+                       attention_sinks=True, attention_bias=True, attention_out_bias=True, sliding_window=4,
+                       sliding_layers=(True, False), norm_scale_float32=True),
 }
 PROMPT_LENGTHS = (16, 9, 3, 12)  # left padding of 0, 7, 13 and 4 slots
 

@@ -46,6 +46,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 from ppo_jax import sharding
 from ppo_jax.models.config import ModelConfig
+from ppo_jax.models.context import context_attention
 from ppo_jax.models.layers import DenseGeneral, norm, softcap
 from ppo_jax.models.rope import apply_rope
 
@@ -203,30 +204,6 @@ def splash_attention(q: Array, k: Array, v: Array, kv_mask: Array, sliding: bool
         in_specs = (heads, heads, heads, rows, jax.sharding.PartitionSpec())[:len(args)]
         run = jax.shard_map(run, in_specs=in_specs, out_specs=heads, check_vma=False)
     return run(*args).transpose(0, 2, 1, 3)[:, :t]
-
-
-def context_attention(q: Array, k: Array, v: Array, mask: Array, kernel: str, scale: float | None = None,
-                      cap: float | None = None, sinks: Array | None = None) -> Array:
-    """Self-attention of rows split along the sequence over the mesh's context axis (no cache).
-
-    q [B, T, H, Dh], k/v [B, T, K, Dh] (projection layout), mask [B, T, T] -> [B, T, H, Dh], each
-    split along T over the axis. Every device all-gathers the keys and values (K heads: a fraction
-    H / K smaller than gathering queries or hidden states, and the only collective here; its backward
-    is a reduce-scatter of their gradients) and attends with its own T / context queries, whose mask
-    rows already say what each sees (causality, padding, window, packed segments). kernel: "einsum"
-    (soft-capping and sinks), or "cudnn" / "xla" through `fused_attention` with the mask (its
-    queries sit at an offset: no `is_causal`). Causal work is unbalanced: the last device's
-    queries see all T keys, the first's T / context.
-    """
-    def local(q, k, v, mask, sinks=None):  # one device: T / context queries on all T keys
-        k, v = (sharding.gather_context(x, axis=1) for x in (k, v))
-        if kernel == "einsum":
-            return einsum_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3).astype(q.dtype), mask,
-                                    scale, cap, sinks)
-        return fused_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, kernel, scale, is_causal=False)
-
-    args = (q, k, v, mask) + (() if sinks is None else (sinks,))
-    return sharding.over_context(local, (1, 1, 1, 1, None)[:len(args)], out_axis=1)(*args)
 
 
 def _splash_local(kernel_of, q: Array, k: Array, v: Array, segments: Array, sliding: bool | Array) -> Array:
