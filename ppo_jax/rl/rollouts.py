@@ -45,6 +45,7 @@ import numpy as np
 
 from ppo_jax import metrics as metrics_lib
 from ppo_jax import reward_functions, sampling, sharding
+from ppo_jax.config import ConfigError
 from ppo_jax.data.prompt_stream import PromptStream
 from ppo_jax.models import LoraConfig
 from ppo_jax.models import lora as lora_lib
@@ -269,6 +270,8 @@ class Rollouts:
             out = self.segmented.finish(weights.params, current.segment, iteration, adapters=weights.adapters)
             current = self._scored(out, current.version)
         for started in self.in_flight:
+            if started.sample is not None:  # sampled whole (restored from a run without partial rollouts)
+                continue
             started.segment = self.segmented.advance(weights.params, started.segment, iteration, self.segment_steps,
                                                      adapters=weights.adapters)
         while iteration + 1 + len(self.in_flight) <= last:
@@ -286,8 +289,12 @@ class Rollouts:
         paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
         leaves = []
         for path, leaf in paths:
-            array = arrays[jax.tree_util.keystr(path)]
-            assert array.shape == leaf.shape and array.dtype == leaf.dtype, (jax.tree_util.keystr(path), array.shape)
+            name = jax.tree_util.keystr(path)
+            array = arrays.get(name)
+            if array is None or array.shape != leaf.shape or array.dtype != leaf.dtype:
+                raise ConfigError(f"the checkpoint's partial rollout in flight does not fit this run's engine: {name} "
+                                  f"saved as {None if array is None else (array.shape, array.dtype)}, expected "
+                                  f"{(leaf.shape, leaf.dtype)} (resume with the settings it was saved with)")
             leaves.append(sharding.replicate(array, mesh))
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
@@ -346,6 +353,9 @@ class Rollouts:
             records = records[:self.steps_ahead]
         for r in records:
             if "segment" in r:  # partial rollouts: rebuilt on the sampler's mesh by the next segment
+                if self.segmented is None:
+                    raise ConfigError("the checkpoint holds partial rollouts in flight (mid-decode): resume with "
+                                      "rollout.partial_rollouts=True")
                 self.in_flight.append(StartedRollout(None, int(r["version"]), segment=decode_arrays(r["segment"])))
                 continue
             arrays = decode_arrays(r["sample"])

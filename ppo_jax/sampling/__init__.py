@@ -3,6 +3,7 @@ text-in/text-out helper.
 
 Modules, each importing only those below it:
     texts         generate_texts / sample_prompts / decode_responses: strings in, strings out
+    segments      SegmentedSampler: the continuous engine in segments, weights swapped between them
     sampler       Sampler / make_sampler: `sample` jitted over a mesh, batch checks
     continuous    sample_continuous: the same on a fixed number of decode slots fed from a queue
     turns         TurnDecoder: multi-turn decoding (turn segments, observations appended to the cache)
