@@ -186,14 +186,16 @@ def _collective_shapes(hlo: str):
             yield match.group(2), tuple(int(d) for d in dims.split(",") if d)
 
 
-def test_attention_gathers_keys_and_values_not_hidden_states():
-    """Forward + backward of the whole model with rows split 8 ways: the only collectives over a
-    row's [B, T, ...] activations are the all-gather of each layer's keys and values [B, T, K, Dh]
-    and the reduce-scatter of their gradients; the hidden states, queries and logits stay split."""
-    config = CONFIGS["llama"]
+@pytest.mark.parametrize("name,shape", [("llama", (1, 1, 1, 1, 8)), ("moe", (1, 1, 1, 1, 4))], ids=["llama", "moe"])
+def test_attention_gathers_keys_and_values_not_hidden_states(name, shape):
+    """Forward + backward of the whole model with rows split along the sequence: the only collectives
+    over a row's [B, T, ...] activations are the all-gather of each layer's keys and values
+    [B, T, K, Dh] and the reduce-scatter of their gradients (and an MoE's routing, [B, T, E] and
+    [B, T, k]); the hidden states, queries, expert inputs and logits stay split."""
+    config = CONFIGS[name]
     model = CausalLM(config)
     abstract, host = _host_params(config)
-    mesh = make_test_mesh((1, 1, 1, 1, 8))
+    mesh = make_test_mesh(shape)
 
     def loss(params, tokens, positions, mask):
         hidden = model.apply({"params": params}, tokens, positions, mask, method=CausalLM.hidden)
@@ -203,13 +205,16 @@ def test_attention_gathers_keys_and_values_not_hidden_states():
     with sharding.mesh_context(mesh):
         params = jax.device_put(host, sharding.tree_shardings(abstract, mesh))
         hlo = jax.jit(jax.grad(loss)).lower(params, *sharding.put_batch(_batch(), mesh)).compile().as_text()
-    batch = len(PROMPT_LENGTHS)
+    batch, split = len(PROMPT_LENGTHS), T // shape[-1]
     kv = (batch, T, config.kv_heads, config.dim_per_head)
-    per_row = [(op, shape) for op, shape in _collective_shapes(hlo)
-               if shape[:2] in ((batch, T), (batch, T // 8)) or shape[:1] == (batch * T,)]
+    weights = {x.shape[i:] for x in jax.tree.leaves(host) for i in (0, 1)}  # scanned: [L, ...] and [...]
+    per_row = [(op, shape) for op, shape in _collective_shapes(hlo) if shape not in weights
+               and (shape[:2] in ((batch, T), (batch, split)) or shape[:1] in ((batch * T,), (batch * split,)))]
     assert ("all-gather", kv) in per_row, per_row
     assert {op for op, shape in per_row if shape == kv} == {"all-gather"}
-    assert all(shape[2:] == kv[2:] for _, shape in per_row), per_row  # nothing [B, T, D], [B, T, H, Dh], [B, T, V]
+    routing = {(config.num_experts,), (config.experts_per_token,)} if config.num_experts else set()
+    # nothing [B, T, D], [B, T, H, Dh], [B, T, V], [B * T, D]
+    assert all(shape[2:] == kv[2:] or shape[2:] in routing for _, shape in per_row), per_row
 
 
 def test_response_logits_stay_split_along_the_sequence():

@@ -254,6 +254,17 @@ def expert_parallel(cfg: ModelConfig, w: dict[str, Array], tokens: Array, routin
     return run(w, jnp.pad(tokens, ((0, pad), (0, 0))), experts, weights)[:n]
 
 
+def _experts(cfg: ModelConfig, w: dict[str, Array], x: Array, experts: Array, weights: Array) -> Array:
+    """x [B, T, D] through its tokens' experts [B, T, k] weighed by weights [B, T, k] -> [B, T, D]:
+    every expert in one program, or split over the mesh's expert axis (`expert_parallel`)."""
+    b, t, d = x.shape
+    routing = Routing(experts.reshape(b * t, -1), weights.reshape(b * t, -1))
+    mesh = jax.sharding.get_abstract_mesh()
+    if sharding.expert_axis_size(mesh) == 1:
+        return all_experts(cfg, w, x.reshape(b * t, d), routing).reshape(b, t, d)
+    return expert_parallel(cfg, w, x.reshape(b * t, d), routing, mesh).reshape(b, t, d)
+
+
 class MoEMLP(nn.Module):
     """x [B, T, D] -> [B, T, D]: sum over a token's k experts of weight * expert(x).
 
@@ -301,11 +312,11 @@ class MoEMLP(nn.Module):
             w = {"gate": param("gate", (e, d, f), ("expert", "embed", "mlp")),
                  "up": param("up", (e, d, f), ("expert", "embed", "mlp")),
                  "down": param("down", (e, f, d), ("expert", "mlp", "embed"))}
-        tokens = x.astype(dtype).reshape(b * t, d)
         mesh = jax.sharding.get_abstract_mesh()
-        if sharding.expert_axis_size(mesh) == 1:
-            y = all_experts(cfg, w, tokens, routing)
-        else:
+        if sharding.expert_axis_size(mesh) > 1:
             sharding.check_experts_split(e, mesh, "MoEMLP")
-            y = expert_parallel(cfg, w, tokens, routing, mesh)
-        return y.reshape(b, t, d)
+        chosen, weights = (a.reshape(b, t, k) for a in (routing.experts, routing.weights))
+        if sharding.context_axis_size(mesh) > 1:  # rows split along the sequence: each device its own slots
+            return sharding.over_context(functools.partial(_experts, cfg), (None, 1, 1, 1), out_axis=1)(
+                w, x.astype(dtype), chosen, weights)
+        return _experts(cfg, w, x.astype(dtype), chosen, weights)
