@@ -17,6 +17,7 @@ from test_sampling import STOP_CONFIG, _gather, _log_softmax, _model_and_params,
 from tiny_configs import tiny_config
 
 from ppo_jax.config import ConfigError
+from ppo_jax.plan import role_memory
 from ppo_jax.rl.corrections import policy_lag_metrics
 from ppo_jax.rl.settings import Settings
 from ppo_jax.sampling import sample_continuous, segments
@@ -181,6 +182,16 @@ def test_sigterm_with_partial_rollouts_in_flight_resumes_bit_for_bit(straight, t
     for a, b in zip(jax.tree.leaves(expected_policy), jax.tree.leaves(jax.device_get(resumed.state.policy))):
         np.testing.assert_array_equal(a, b)
     resumed.close()
+
+
+def test_the_planner_holds_each_partial_rollouts_kv_cache():
+    held = role_memory.Holdings(trainer_resident=1000, held=100, rollout=50, experience=70, prompts=5,
+                                policy_copy=300, sample=40, scorer_frozen=200, scores=8)
+    for where in ("shared", "colocated", "disaggregated"):
+        for k in (1, 2, 4):
+            whole, partial = (role_memory.phase_live(held, where, k, engine_state=e) for e in (0, 64))
+            assert partial["sampler"] - whole["sampler"] == k * 64, (where, k)
+            assert partial["update"] - whole["update"] == (0 if where == "disaggregated" else k * 64), (where, k)
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -308,11 +308,13 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
     low = lower_programs(run)
     trees = tree_bytes(run)
     held = holdings(trees, low)
-    live = role_memory.phase_live(held, role_memory.layout(run.meshes), s.rollout.off_policy_steps)
+    kv_cache = kv_cache_bytes(run, low.steps, low.sample.tokens.shape[0])
+    # rollout.partial_rollouts: each rollout in flight keeps its slots' KV cache between segments.
+    live = role_memory.phase_live(held, role_memory.layout(run.meshes), s.rollout.off_policy_steps,
+                                  engine_state=kv_cache if s.rollout.partial_rollouts else 0)
     options = dict(CPU_COMPILER_OPTIONS) if run.platform == "cpu" else {}
     compiled = tuple(_compile(name, low.lowered[name], live[name], options, inspect)
                      for name in programs if name in phases)
-    kv_cache = kv_cache_bytes(run, low.steps, low.sample.tokens.shape[0])
     sync_dtype = low.steps.sampler_shardings.dtype
     role_plan = role_memory.roles_plan(
         run.meshes, compiled, held, train_state=trees.train_state, frozen=trees.resident - trees.train_state,

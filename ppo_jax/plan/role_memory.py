@@ -60,7 +60,7 @@ class Holdings:
     scores: int = 0
 
 
-def phase_live(h: Holdings, where: str, samples_in_flight: int) -> dict[str, int]:
+def phase_live(h: Holdings, where: str, samples_in_flight: int, engine_state: int = 0) -> dict[str, int]:
     """Per-device live bytes when each phase starts, on the devices that run it.
 
     The trainer keeps the sample it scores (on the sampler's mesh) until its iteration ends. With
@@ -69,9 +69,10 @@ def phase_live(h: Holdings, where: str, samples_in_flight: int) -> dict[str, int
     i+k decodes and is scored, batches i .. i+k-1 (the current one still referenced). The scoring
     program starts with the sampler's holdings and the sample it scores. Off-policy, the sync of θ_i
     to the sampler lands while batch i+k-1 may still decode with θ_{i-1}: the sampler's devices hold
-    two policy copies then (the older one goes when that decode ends).
+    two policy copies then (the older one goes when that decode ends). With partial rollouts each
+    rollout in flight is an engine state mid-decode: `engine_state` more bytes each (its KV cache).
     """
-    in_flight = samples_in_flight * (h.sample + h.scores)
+    in_flight = samples_in_flight * (h.sample + h.scores + engine_state)
     syncing = h.policy_copy if samples_in_flight else 0
     scored = h.sample if where != "shared" else 0  # shared: the rollout *is* the sample
     trainer = h.trainer_resident + h.held
