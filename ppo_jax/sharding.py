@@ -370,8 +370,3 @@ def over_context(fn: Callable, in_axes: Sequence[int | None], out_axis: int) -> 
 def gather_context(x: jax.Array, axis: int) -> jax.Array:
     """Inside `over_context`: every device's part of x, concatenated along `axis` in device order."""
     return jax.lax.all_gather(x, CONTEXT_AXIS, axis=axis, tiled=True)
-
-
-def context_index() -> jax.Array:
-    """Inside `over_context`: [] int32, this device's index along the context axis."""
-    return jax.lax.axis_index(CONTEXT_AXIS)

@@ -82,7 +82,7 @@ def roll_rows(x: Array, shift: Array) -> Array:
 
 def activation_axes(cached: bool) -> tuple[str, str, str]:
     """Logical names of the hidden states [B, T, D] between layers: a cache-free forward's are split
-    along the sequence over the context axis (`attention.context_attention`); a cached one's (the
+    along the sequence over the context axis (`context.context_attention`); a cached one's (the
     sampler's prefill and decode) stay whole along it, like its cache."""
     return ("batch", "length" if cached else "act_length", "act_embed")
 
