@@ -178,6 +178,9 @@ def lower_programs(run: PlannedRun) -> LoweredRun:
         stopped=sample.stopped, routed_experts=sample.routed_experts,
         host_scores=jax.ShapeDtypeStruct((sample.tokens.shape[0],), jnp.float32, sharding=batch_sh),
         policy_version=jax.ShapeDtypeStruct((sample.tokens.shape[0],), jnp.int32, sharding=batch_sh),
+        # rollout.partial_rollouts: each token's policy version travels too (the run's experience program)
+        token_policy_version=(jax.ShapeDtypeStruct(sample.tokens.shape, jnp.int32, sharding=batch_sh)
+                              if s.rollout.partial_rollouts else None),
         **dict(zip(("ref_logprobs", "model_scores"), scores)))
     rollout = rollout if meshes.shared else placed(rollout, batch_sh)
     with sharding.mesh_context(mesh):
