@@ -7,10 +7,11 @@ hidden states with grouped-query attention) and attends with its own T / c queri
 carry causality, padding, windows and packed segments. The backward reduce-scatters the keys' and
 values' gradients.
 
-The einsum kernel runs blockwise here: a loop over the c key chunks with an online softmax, each
-chunk's scores recomputed in the backward, so a device holds [B, H, T / c, T / c] scores at a time,
-not [B, H, T / c, T]. Chunks that none of the device's queries may see (above the causal diagonal,
-outside every window) are still computed (masked): the work is even across the axis.
+The einsum kernel runs blockwise here: a loop over key chunks of at most KEY_CHUNK slots (each
+device's part of the row, or a divisor of it) with an online softmax, each chunk's scores recomputed
+in the backward, so a device holds [B, H, T / c, KEY_CHUNK] scores at a time, not [B, H, T / c, T].
+Chunks that none of the device's queries may see (above the causal diagonal, outside every window)
+are still computed (masked): the work is even across the axis.
 """
 
 from __future__ import annotations
@@ -25,6 +26,15 @@ from ppo_jax.models.layers import softcap
 
 Array = jax.Array
 
+KEY_CHUNK = 1024  # the blockwise kernel's most keys per step: [B, H, T / c, 1024] float32 scores live
+
+
+def key_chunks(length: int, parts: int) -> int:
+    """How many equal key chunks `blockwise_attention` takes for `length` keys over `parts` devices:
+    each device's T / parts keys in the fewest chunks of at most KEY_CHUNK slots that divide them."""
+    part = length // parts
+    return parts * next(m for m in range(1, part + 1) if part % m == 0 and part // m <= KEY_CHUNK)
+
 
 def context_attention(q: Array, k: Array, v: Array, mask: Array, kernel: str, scale: float | None = None,
                       cap: float | None = None, sinks: Array | None = None) -> Array:
@@ -36,7 +46,7 @@ def context_attention(q: Array, k: Array, v: Array, mask: Array, kernel: str, sc
     offset: no `is_causal`; cuDNN reads the mask as a [B, 1, T / c, T] bias). scale: the scores'
     factor (None: 1/sqrt(Dh)); cap: soft-capping of the scaled scores; sinks [H]: GPT-OSS's sink logits.
     """
-    chunks = sharding.context_axis_size()
+    chunks = key_chunks(q.shape[1], sharding.context_axis_size())
 
     def local(q, k, v, mask, sinks=None):  # one device: T / c queries on all T keys
         k, v = (sharding.gather_context(x, axis=1) for x in (k, v))
