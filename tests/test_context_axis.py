@@ -12,6 +12,7 @@ import pytest
 from conftest import make_test_mesh
 
 from ppo_jax import sharding
+from ppo_jax.cli.plan import mesh_size
 from ppo_jax.models import CausalLM, ModelConfig, positions_from_mask
 from ppo_jax.models.attention import attention_mask, einsum_attention
 from ppo_jax.models.context import blockwise_attention, key_chunks
@@ -177,6 +178,7 @@ def test_rows_the_context_axis_cannot_split_are_refused_while_tracing():
     _trace(CONFIGS["gpt2"], (1, 2, 1, 1, 1), 24)  # without the axis the rows are as they always were
     with pytest.raises(ValueError, match=r"4 \(\+ expert\) or 5 \(data, fsdp, tensor, expert, context\)"):
         sharding.make_mesh((1, 1, 1, 1, 1, 8))
+    assert mesh_size((1, 2, 1, 1, 4), None) == 8  # ppo-jax-plan plans it (and prints "context=4")
 
 
 @pytest.mark.parametrize("overrides,match", [
