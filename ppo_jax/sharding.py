@@ -370,3 +370,14 @@ def over_context(fn: Callable, in_axes: Sequence[int | None], out_axis: int) -> 
 def gather_context(x: jax.Array, axis: int) -> jax.Array:
     """Inside `over_context`: every device's part of x, concatenated along `axis` in device order."""
     return jax.lax.all_gather(x, CONTEXT_AXIS, axis=axis, tiled=True)
+
+
+def context_index() -> jax.Array:
+    """Inside `over_context`: [] int32, this device's index along the context axis."""
+    return jax.lax.axis_index(CONTEXT_AXIS)
+
+
+def permute_context(x: jax.Array, pairs: Sequence[tuple[int, int]]) -> jax.Array:
+    """Inside `over_context`: x sent from device src to device dst of the context axis for each
+    (src, dst) pair (a permutation); a device no pair sends to gets zeros."""
+    return jax.lax.ppermute(x, CONTEXT_AXIS, perm=list(pairs))

@@ -42,9 +42,10 @@ CONFIGS = {
 PROMPT_LENGTHS = (16, 9, 3, 12)  # left padding of 0, 7, 13 and 4 slots
 
 
-def _batch():
-    """tokens, positions, mask [B, T]: left-padded rows."""
-    mask = (np.arange(T)[None, :] >= T - np.asarray(PROMPT_LENGTHS)[:, None]).astype(np.int32)
+def _batch(length: int = T):
+    """tokens, positions, mask [B, length]: left-padded rows."""
+    real = np.minimum(PROMPT_LENGTHS, length)
+    mask = (np.arange(length)[None, :] >= length - real[:, None]).astype(np.int32)
     tokens = np.random.default_rng(0).integers(1, VOCAB, mask.shape) * mask
     mask = jnp.asarray(mask)
     return jnp.asarray(tokens, jnp.int32), positions_from_mask(mask), mask
@@ -70,7 +71,7 @@ def _loss_and_grads(config: ModelConfig):
         logits = model.apply({"params": params}, hidden, method=CausalLM.project)
         logp = jax.nn.log_softmax(logits[:, :-1])
         picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-        weights = (mask[:, :-1] * mask[:, 1:] * (1 + jnp.arange(T - 1) % 3)).astype(jnp.float32)
+        weights = (mask[:, :-1] * mask[:, 1:] * (1 + jnp.arange(tokens.shape[1] - 1) % 3)).astype(jnp.float32)
         return -(picked * weights).sum() / weights.sum(), logits * mask[..., None]  # padding outputs: any finite
 
     return jax.jit(jax.value_and_grad(loss, has_aux=True))
@@ -93,7 +94,7 @@ def _run(name: str, shape, *inputs):
 def _assert_same(name, shape, *inputs):
     """Max abs difference of `_run` on `shape` from one device's (asserted <= 2e-5); a fused-kernel
     variant is compared with its einsum model, which has the same params."""
-    key = (name.removesuffix("_xla"), len(inputs))
+    key = (name.removesuffix("_xla"), len(inputs), inputs[0].shape)
     if key not in _REFERENCE:
         _REFERENCE[key] = _run(key[0], (1, 1, 1), *inputs)
     want = _REFERENCE[key]
@@ -111,6 +112,13 @@ CASES = [("llama", (1, 1, 1, 1, 2)), ("llama_xla", (1, 1, 1, 1, 8)), ("gpt2", (1
 def test_split_rows_give_the_one_device_logits_and_gradients(name, shape):
     diff = _assert_same(name, shape, *_batch())
     print(f"{name} {shape}: max abs diff {diff:.2e}")
+
+
+def test_rows_of_an_odd_number_of_half_chunks_run_unbalanced():
+    """12-slot rows on a 4-way axis: 3 slots per device do not halve, so each device attends with its
+    own queries (the plain split, not `_balanced`)."""
+    diff = _assert_same("llama", (1, 1, 1, 1, 4), *_batch(12))
+    print(f"llama (1, 1, 1, 1, 4), 12 slots: max abs diff {diff:.2e}")
 
 
 def test_packed_rows_split_along_the_sequence_keep_their_segments():
@@ -153,6 +161,13 @@ def test_blockwise_attention_is_the_reference_kernel(chunks):
         for a, b in zip(got, want, strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=1e-5)
     assert (key_chunks(32768, 8), key_chunks(16, 4), key_chunks(6000, 2)) == (32, 4, 6)
+    # the first half's queries skip the blocks past their last slot: the same outputs where a key is seen
+    if chunks > 1:
+        first = jax.jit(lambda q: blockwise_attention(q, key, value, mask[:, :8], chunks, 0.3, 2.0, sinks,
+                                                      last_slot=jnp.asarray(7)))(q[:, :8])
+        seen = np.asarray(mask[:, :8].any(-1))
+        np.testing.assert_allclose(np.asarray(first)[seen], np.asarray(reference(q, key, value))[:, :8][seen],
+                                   atol=2e-6, rtol=1e-5)
 
 
 def _trace(config: ModelConfig, shape, length: int):
@@ -238,12 +253,19 @@ def test_attention_gathers_keys_and_values_not_hidden_states(name, shape):
     kv = (batch, T, config.kv_heads, config.dim_per_head)
     weights = {x.shape[i:] for x in jax.tree.leaves(host) for i in (0, 1)}  # scanned: [L, ...] and [...]
     per_row = [(op, shape) for op, shape in _collective_shapes(hlo) if shape not in weights
-               and (shape[:2] in ((batch, T), (batch, split)) or shape[:1] in ((batch * T,), (batch * split,)))]
+               and (shape[:2] in ((batch, T), (batch, split), (batch, split // 2))
+                    or shape[:1] in ((batch * T,), (batch * split,)))]
     assert ("all-gather", kv) in per_row, per_row
     assert {op for op, shape in per_row if shape == kv} == {"all-gather"}
+    # the balanced causal work: each device's query halves [B, T/2c, H, Dh] (and mask rows) go to the
+    # devices that compute them, their outputs come back
+    queries = (batch, split // 2, config.num_heads, config.dim_per_head)
+    halves = {queries, (batch, split // 2, T)}
+    assert ("collective-permute", queries) in per_row, per_row
     routing = {(config.num_experts,), (config.experts_per_token,)} if config.num_experts else set()
     # nothing [B, T, D], [B, T, H, Dh], [B, T, V], [B * T, D]
-    assert all(shape[2:] == kv[2:] or shape[2:] in routing for _, shape in per_row), per_row
+    assert all(shape[2:] == kv[2:] or shape[2:] in routing or (op == "collective-permute" and shape in halves)
+               for op, shape in per_row), per_row
 
 
 def test_response_logits_stay_split_along_the_sequence():

@@ -10,12 +10,14 @@ values' gradients.
 The einsum kernel runs blockwise here: a loop over key chunks of at most KEY_CHUNK slots (each
 device's part of the row, or a divisor of it) with an online softmax, each chunk's scores recomputed
 in the backward, so a device holds [B, H, T / c, KEY_CHUNK] scores at a time, not [B, H, T / c, T].
-Chunks that none of the device's queries may see (above the causal diagonal, outside every window)
-are still computed (masked): the work is even across the axis.
+Under a causal mask the last device's queries see every key and the first device's only its own:
+`_balanced` evens the work by having device i compute the row's half-chunks i and 2c - 1 - i (of
+2c), skipping the key blocks in their future (about (2c + 1) / 4c of the unbalanced work on each).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -37,7 +39,7 @@ def key_chunks(length: int, parts: int) -> int:
 
 
 def context_attention(q: Array, k: Array, v: Array, mask: Array, kernel: str, scale: float | None = None,
-                      cap: float | None = None, sinks: Array | None = None) -> Array:
+                      cap: float | None = None, sinks: Array | None = None, causal: bool = True) -> Array:
     """Self-attention of rows split along the sequence over the mesh's context axis (no cache).
 
     q [B, T, H, Dh], k/v [B, T, K, Dh] (projection layout), mask [B, T, T] -> [B, T, H, Dh], each
@@ -45,11 +47,18 @@ def context_attention(q: Array, k: Array, v: Array, mask: Array, kernel: str, sc
     "cudnn" / "xla" through `jax.nn.dot_product_attention` with the mask (its queries sit at an
     offset: no `is_causal`; cuDNN reads the mask as a [B, 1, T / c, T] bias). scale: the scores'
     factor (None: 1/sqrt(Dh)); cap: soft-capping of the scaled scores; sinks [H]: GPT-OSS's sink logits.
+    causal: the mask is causal by slot (every self-attention mask is): with the einsum kernel and 2c
+    dividing T, the work is balanced (`_balanced`) and key blocks in a query block's future skipped.
     """
-    chunks = key_chunks(q.shape[1], sharding.context_axis_size())
+    parts = sharding.context_axis_size()
+    chunks = key_chunks(q.shape[1], parts)
+    balanced = causal and q.shape[1] % (2 * parts) == 0
 
     def local(q, k, v, mask, sinks=None):  # one device: T / c queries on all T keys
         k, v = (sharding.gather_context(x, axis=1) for x in (k, v))
+        if kernel == "einsum" and balanced:
+            return _balanced(q, k, v, mask, parts, functools.partial(
+                blockwise_attention, chunks=chunks * 2, scale=scale, cap=cap, sinks=sinks))
         if kernel == "einsum":
             return blockwise_attention(q, k, v, mask, chunks, scale, cap, sinks)
         out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask[:, None],
@@ -60,15 +69,47 @@ def context_attention(q: Array, k: Array, v: Array, mask: Array, kernel: str, sc
     return sharding.over_context(local, (1, 1, 1, 1, None)[:len(args)], out_axis=1)(*args)
 
 
+def _mirror(chunk: int, parts: int) -> int:
+    """The device that computes query half-chunk `chunk` of 2 * parts: device i takes i and 2p - 1 - i."""
+    return chunk if chunk < parts else 2 * parts - 1 - chunk
+
+
+def _balanced(q: Array, k: Array, v: Array, mask: Array, parts: int, attend) -> Array:
+    """Causal attention of one device's T / c queries with the work balanced over the context axis.
+
+    Inside `over_context`: q [B, T/c, H, Dh] (slots from i * T/c), k/v [B, T, K, Dh] gathered, mask
+    [B, T/c, T] -> [B, T/c, H, Dh]. Under a causal mask the last device's queries see every key and the
+    first's only its own; with the row cut into 2c half-chunks, device i instead computes half-chunks
+    i and 2c - 1 - i (one early, one late: the same work everywhere, the future blocks skipped by
+    `attend`, `blockwise_attention` with `last_slot`). Each device's two query halves (and their mask
+    rows) travel there and their outputs back by four `ppermute`s of T / 2c queries each; which of
+    the two a device receives first is the even half-chunk.
+    """
+    i = sharding.context_index()
+    half = q.shape[1] // 2
+    out = []
+    for slot in (0, 1):  # each device's first half-chunk 2d, then its second 2d + 1: each a permutation
+        there = [(d, _mirror(2 * d + slot, parts)) for d in range(parts)]
+        back = [(dst, src) for src, dst in there]
+        mine = jnp.where(i % 2 == slot, i, 2 * parts - 1 - i)  # the half-chunk this device received
+        q_part, mask_part = (sharding.permute_context(x[:, slot * half:(slot + 1) * half], there) for x in (q, mask))
+        done = attend(q_part, k, v, mask_part, last_slot=(mine + 1) * half - 1)
+        out.append(sharding.permute_context(done, back))
+    return jnp.concatenate(out, axis=1)
+
+
 def blockwise_attention(q: Array, k: Array, v: Array, mask: Array, chunks: int, scale: float | None = None,
-                        cap: float | None = None, sinks: Array | None = None) -> Array:
+                        cap: float | None = None, sinks: Array | None = None, last_slot: Array | None = None
+                        ) -> Array:
     """`attention.einsum_attention` over `chunks` equal blocks of keys with an online softmax.
 
     q [B, T, H, Dh], k/v [B, S, K, Dh] (projection layout), mask [B, T, S] -> [B, T, H, Dh]; `chunks`
     divides S. Scores, softmax statistics and the weighted sum accumulate in float32; a masked score is
     the most negative finite float, so a query that sees no key averages all values as the reference
     kernel does (finite, ignored downstream). The loop body is rematerialised: its backward recomputes
-    each block's scores instead of keeping all of them.
+    each block's scores instead of keeping all of them. last_slot ([] int32): the key slot of the
+    last query, under a causal mask; blocks past it are skipped (then a query that sees no key
+    averages the values of the blocks computed instead).
     """
     b, t, h, dh = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
@@ -79,9 +120,9 @@ def blockwise_attention(q: Array, k: Array, v: Array, mask: Array, chunks: int, 
     sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, kv_heads, h // kv_heads, 1)
 
     @jax.checkpoint
-    def step(carry, block):
+    def attend(carry, block):
         top, total, acc = carry  # [B, K, G, T] running max and sum of exp, [B, K, G, T, Dh] weighted values
-        key, value, visible = block
+        key, value, visible, _ = block
         scores = jnp.einsum("btkgd,bskd->bkgts", q, key.astype(q.dtype), preferred_element_type=jnp.float32)
         scores = scores / math.sqrt(dh) if scale is None else scores * scale
         scores = jnp.where(visible[:, None, None], softcap(scores, cap), lowest)
@@ -90,13 +131,19 @@ def blockwise_attention(q: Array, k: Array, v: Array, mask: Array, chunks: int, 
         fade = jnp.exp(top - new_top)
         acc = acc * fade[..., None] + jnp.einsum("bkgts,bskd->bkgtd", probs.astype(value.dtype), value,
                                                  preferred_element_type=jnp.float32)
-        return (new_top, total * fade + probs.sum(-1), acc), None
+        return new_top, total * fade + probs.sum(-1), acc
+
+    def step(carry, block):
+        if last_slot is None:
+            return attend(carry, block), None
+        first = block[-1] * (s // chunks)  # the block's first key slot
+        return jax.lax.cond(first <= last_slot, attend, lambda carry, _: carry, carry, block), None
 
     start = jnp.full((b, kv_heads, h // kv_heads, t), lowest, jnp.float32)
     if sink is not None:  # the sink is one more logit in every softmax: start the running max at it
         start = jnp.maximum(start, sink)
     init = (start, jnp.zeros_like(start), jnp.zeros(start.shape + (dh,), jnp.float32))
-    (top, total, acc), _ = jax.lax.scan(step, init, blocks + (masks,))
+    (top, total, acc), _ = jax.lax.scan(step, init, blocks + (masks, jnp.arange(chunks)))
     if sink is not None:
         total = total + jnp.exp(sink - top)
     out = (acc / total[..., None]).transpose(0, 3, 1, 2, 4)  # [B, T, K, G, Dh]
