@@ -161,13 +161,17 @@ def test_blockwise_attention_is_the_reference_kernel(chunks):
         for a, b in zip(got, want, strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=1e-5)
     assert (key_chunks(32768, 8), key_chunks(16, 4), key_chunks(6000, 2)) == (32, 4, 6)
-    # the first half's queries skip the blocks past their last slot: the same outputs where a key is seen
+    # a half's queries skip the blocks past their last slot and wholly left of their first one's window:
+    # the same outputs wherever a key is seen
     if chunks > 1:
-        first = jax.jit(lambda q: blockwise_attention(q, key, value, mask[:, :8], chunks, 0.3, 2.0, sinks,
-                                                      last_slot=jnp.asarray(7)))(q[:, :8])
-        seen = np.asarray(mask[:, :8].any(-1))
-        np.testing.assert_allclose(np.asarray(first)[seen], np.asarray(reference(q, key, value))[:, :8][seen],
-                                   atol=2e-6, rtol=1e-5)
+        for start in (0, 8):
+            rows = slice(start, start + 8)
+            part = jax.jit(lambda q: blockwise_attention(
+                q, key, value, mask[:, rows], chunks, 0.3, 2.0, sinks, first_slot=jnp.asarray(start),
+                last_slot=jnp.asarray(start + 7), window=6))(q[:, rows])
+            seen = np.asarray(mask[:, rows].any(-1))
+            np.testing.assert_allclose(np.asarray(part)[seen], np.asarray(reference(q, key, value))[:, rows][seen],
+                                       atol=2e-6, rtol=1e-5)
 
 
 def _trace(config: ModelConfig, shape, length: int):

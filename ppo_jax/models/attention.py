@@ -294,8 +294,9 @@ class Attention(nn.Module):
         fused = cfg.attention in ("cudnn", "xla") and cfg.attn_logit_softcap is None and sinks is None
         if cache_kv is None and sharding.context_axis_size() > 1:
             # splash's static masks assume queries from slot 0: a split row runs the einsum instead
+            local = sliding if cfg.sliding_layers is not None else cfg.sliding_window is not None
             out = context_attention(q, k, v, mask, cfg.attention if fused else "einsum", scale,
-                                    cfg.attn_logit_softcap, sinks)
+                                    cfg.attn_logit_softcap, sinks, window=cfg.sliding_window, sliding=local)
         elif cache_kv is None and cfg.attention == "splash" and sinks is None:
             # Without a cache query slot t is key slot t, and a token sees itself iff it is real:
             # the mask's diagonal is the key padding [B, T] (a packed row passes its sequence ids).

@@ -39,7 +39,8 @@ def key_chunks(length: int, parts: int) -> int:
 
 
 def context_attention(q: Array, k: Array, v: Array, mask: Array, kernel: str, scale: float | None = None,
-                      cap: float | None = None, sinks: Array | None = None, causal: bool = True) -> Array:
+                      cap: float | None = None, sinks: Array | None = None, causal: bool = True,
+                      window: int | None = None, sliding: bool | Array = False) -> Array:
     """Self-attention of rows split along the sequence over the mesh's context axis (no cache).
 
     q [B, T, H, Dh], k/v [B, T, K, Dh] (projection layout), mask [B, T, T] -> [B, T, H, Dh], each
@@ -49,6 +50,8 @@ def context_attention(q: Array, k: Array, v: Array, mask: Array, kernel: str, sc
     factor (None: 1/sqrt(Dh)); cap: soft-capping of the scaled scores; sinks [H]: GPT-OSS's sink logits.
     causal: the mask is causal by slot (every self-attention mask is): with the einsum kernel and 2c
     dividing T, the work is balanced (`_balanced`) and key blocks in a query block's future skipped.
+    window, sliding: the sliding window and whether this layer slides (a bool, or a [] bool array in a
+    scanned body of mixed layers): the balanced kernel also skips key blocks left of the window.
     """
     parts = sharding.context_axis_size()
     chunks = key_chunks(q.shape[1], parts)
@@ -58,7 +61,8 @@ def context_attention(q: Array, k: Array, v: Array, mask: Array, kernel: str, sc
         k, v = (sharding.gather_context(x, axis=1) for x in (k, v))
         if kernel == "einsum" and balanced:
             return _balanced(q, k, v, mask, parts, functools.partial(
-                blockwise_attention, chunks=chunks * 2, scale=scale, cap=cap, sinks=sinks))
+                blockwise_attention, chunks=chunks * 2, scale=scale, cap=cap, sinks=sinks,
+                window=None if sliding is False else window, sliding=sliding))
         if kernel == "einsum":
             return blockwise_attention(q, k, v, mask, chunks, scale, cap, sinks)
         out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask[:, None],
@@ -93,13 +97,14 @@ def _balanced(q: Array, k: Array, v: Array, mask: Array, parts: int, attend) -> 
         back = [(dst, src) for src, dst in there]
         mine = jnp.where(i % 2 == slot, i, 2 * parts - 1 - i)  # the half-chunk this device received
         q_part, mask_part = (sharding.permute_context(x[:, slot * half:(slot + 1) * half], there) for x in (q, mask))
-        done = attend(q_part, k, v, mask_part, last_slot=(mine + 1) * half - 1)
+        done = attend(q_part, k, v, mask_part, first_slot=mine * half, last_slot=(mine + 1) * half - 1)
         out.append(sharding.permute_context(done, back))
     return jnp.concatenate(out, axis=1)
 
 
 def blockwise_attention(q: Array, k: Array, v: Array, mask: Array, chunks: int, scale: float | None = None,
-                        cap: float | None = None, sinks: Array | None = None, last_slot: Array | None = None
+                        cap: float | None = None, sinks: Array | None = None, first_slot: Array | None = None,
+                        last_slot: Array | None = None, window: int | None = None, sliding: bool | Array = True
                         ) -> Array:
     """`attention.einsum_attention` over `chunks` equal blocks of keys with an online softmax.
 
@@ -107,9 +112,10 @@ def blockwise_attention(q: Array, k: Array, v: Array, mask: Array, chunks: int, 
     divides S. Scores, softmax statistics and the weighted sum accumulate in float32; a masked score is
     the most negative finite float, so a query that sees no key averages all values as the reference
     kernel does (finite, ignored downstream). The loop body is rematerialised: its backward recomputes
-    each block's scores instead of keeping all of them. last_slot ([] int32): the key slot of the
-    last query, under a causal mask; blocks past it are skipped (then a query that sees no key
-    averages the values of the blocks computed instead).
+    each block's scores instead of keeping all of them. first_slot, last_slot ([] int32): the slots
+    of the first and last query, under a causal mask; blocks past the last are skipped, and with a
+    `window` on a `sliding` layer blocks wholly left of the first's window too (then a query
+    that sees no key averages the values of the blocks computed instead).
     """
     b, t, h, dh = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
@@ -137,7 +143,10 @@ def blockwise_attention(q: Array, k: Array, v: Array, mask: Array, chunks: int, 
         if last_slot is None:
             return attend(carry, block), None
         first = block[-1] * (s // chunks)  # the block's first key slot
-        return jax.lax.cond(first <= last_slot, attend, lambda carry, _: carry, carry, block), None
+        needed = first <= last_slot
+        if window is not None:  # its last key within the first query's window, or a full-attention layer
+            needed &= jnp.logical_not(sliding) | (first + s // chunks - 1 > first_slot - window)
+        return jax.lax.cond(needed, attend, lambda carry, _: carry, carry, block), None
 
     start = jnp.full((b, kv_heads, h // kv_heads, t), lowest, jnp.float32)
     if sink is not None:  # the sink is one more logit in every softmax: start the running max at it
