@@ -266,6 +266,7 @@ def test_attention_gathers_keys_and_values_not_hidden_states(name, shape):
     queries = (batch, split // 2, config.num_heads, config.dim_per_head)
     halves = {queries, (batch, split // 2, T)}
     assert ("collective-permute", queries) in per_row, per_row
+    assert " conditional(" in hlo  # the key blocks a device's queries cannot see are skipped, not masked
     routing = {(config.num_experts,), (config.experts_per_token,)} if config.num_experts else set()
     # nothing [B, T, D], [B, T, H, Dh], [B, T, V], [B * T, D]
     assert all(shape[2:] == kv[2:] or shape[2:] in routing or (op == "collective-permute" and shape in halves)
