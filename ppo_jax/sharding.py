@@ -47,7 +47,8 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("norm", None),
     ("score", None),
     ("lora_rank", None),  # LoRA adapters' rank axis: small, replicated (A and B shard like their kernel)
-    ("length", None),  # the sampler's rows and KV cache: whole on every device of the context axis
+    ("length", None),  # the sampler's rows and hidden states: whole on every device of the context axis
+    ("cache_length", CONTEXT_AXIS),  # the static sampler's KV cache slots: split along the sequence
     ("act_length", CONTEXT_AXIS),  # a cache-free forward's activations [B, T, D]: split along the sequence
     ("act_embed", None),
 )

@@ -344,6 +344,8 @@ def _write_cache(cache_kv, k: Array, v: Array, layer, cache_index):
     row from its own slot on (one scatter)."""
     if jnp.ndim(cache_index) == 1:
         return _write_cache_rows(cache_kv, k, v, layer, cache_index)
+    if k.shape[2] > 1 and sharding.context_axis_size() > 1:
+        return _write_cache_split(cache_kv, k, v, layer, cache_index)
     if layer is None:
         cache_kv = tuple(jax.lax.dynamic_update_slice(c, new.astype(c.dtype), (0, 0, cache_index, 0))
                          for c, new in zip(cache_kv, (k, v)))
@@ -352,6 +354,29 @@ def _write_cache(cache_kv, k: Array, v: Array, layer, cache_index):
     cache_kv = tuple(jax.lax.dynamic_update_slice(c, new[None].astype(c.dtype), start)
                      for c, new in zip(cache_kv, (k, v)))
     slabs = tuple(jax.lax.dynamic_index_in_dim(c, layer, axis=0, keepdims=False) for c in cache_kv)
+    return cache_kv, slabs
+
+
+def _write_cache_split(cache_kv, k: Array, v: Array, layer, start: Array):
+    """`_write_cache` of T > 1 slots (a prefill) into a cache whose S slots may be split over the
+    context axis (`loop.sample`): each slot s takes new slot s - start where that is in [0, T), by a
+    gather from the (whole) new slots and a select, so every device writes only its own slots. A
+    dynamic_update_slice of T slots along the split axis had XLA all-gather the whole stacked cache
+    [L, B, K, S, Dh] (a one-slot decode write it partitions in place)."""
+    slots = jnp.arange(cache_kv[0].shape[-2])
+    offset = slots - start
+    inside = ((offset >= 0) & (offset < k.shape[2]))[:, None]  # [S, 1]
+    source = jnp.clip(offset, 0, k.shape[2] - 1)
+
+    def write(slab, new):  # [B, K, S, Dh] <- [B, K, T, Dh]
+        return jnp.where(inside, jnp.take(new.astype(slab.dtype), source, axis=2), slab)
+
+    if layer is None:
+        cache_kv = tuple(write(c, new) for c, new in zip(cache_kv, (k, v)))
+        return cache_kv, cache_kv
+    slabs = tuple(write(jax.lax.dynamic_index_in_dim(c, layer, axis=0, keepdims=False), new)
+                  for c, new in zip(cache_kv, (k, v)))
+    cache_kv = tuple(jax.lax.dynamic_update_index_in_dim(c, slab, layer, axis=0) for c, slab in zip(cache_kv, slabs))
     return cache_kv, slabs
 
 

@@ -14,8 +14,13 @@ from ppo_jax.models.config import ModelConfig, to_dtype
 Array = jax.Array
 
 
-# Logical axis names of KVCache.k / KVCache.v.
+# Logical axis names of KVCache.k / KVCache.v: whole along the slots on every device of the context
+# axis (the continuous and multi-turn engines, whose per-row writes would gather a split cache) ...
 KV_CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
+# ... or split along the slots over it (the static engine: `loop.sample`), each device holding S / c
+# of every row's slots; GSPMD partitions the decode's attention over them (partial softmax statistics
+# all-reduced over the axis, the cache never gathered).
+SPLIT_KV_CACHE_AXES = ("layers", "batch", "kv_heads", "cache_length", "head_dim")
 
 
 class KVCache(flax.struct.PyTreeNode):

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from ppo_jax import sharding
 from ppo_jax.models import forward, moe
-from ppo_jax.models.cache import KV_CACHE_AXES, KVCache, init_cache, split_cache
+from ppo_jax.models.cache import KV_CACHE_AXES, SPLIT_KV_CACHE_AXES, KVCache, init_cache, split_cache
 from ppo_jax.models.transformer import CausalLM, chosen_experts, positions_from_mask, split_layer_params
 from ppo_jax.ppo.stats import last_token_index
 from ppo_jax.sampling.config import SampleOutput, SamplingConfig, validate_inputs
@@ -69,9 +69,10 @@ def constrain(x: Array, logical_names: tuple[str | None, ...]) -> Array:
     return jax.lax.with_sharding_constraint(x, sharding.logical_to_spec(logical_names, x.shape, mesh))
 
 
-def constrain_cache(cache: KVCache) -> KVCache:
-    """`constrain` for a KV cache, stacked [L, B, K, S, Dh] or one layer's [B, K, S, Dh]."""
-    names = KV_CACHE_AXES[-cache.k.ndim:]  # a per-layer cache has no layers axis
+def constrain_cache(cache: KVCache, axes: tuple[str, ...] = KV_CACHE_AXES) -> KVCache:
+    """`constrain` for a KV cache, stacked [L, B, K, S, Dh] or one layer's [B, K, S, Dh]; axes: its
+    logical names (`SPLIT_KV_CACHE_AXES`: the slots split over the context axis)."""
+    names = axes[-cache.k.ndim:]  # a per-layer cache has no layers axis
     return cache.replace(k=constrain(cache.k, names), v=constrain(cache.v, names))
 
 
@@ -175,13 +176,16 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
     mc = model.config
     batch, prompt_len = prompt_tokens.shape
     n, new = config.num_samples, config.max_new_tokens
+    # Cache slots padded to a multiple of the context axis, which splits them (the padding slots stay
+    # masked: never written, never seen).
     slots = prompt_len + new - 1
+    slots += -slots % sharding.context_axis_size()
     prompt_tokens = prompt_tokens.astype(jnp.int32)
     prompt_mask = prompt_mask.astype(jnp.int32)
 
     # Prefill once per prompt (not per sample), into slots [0, Lq) of the cache.
-    cache = constrain_cache(init_cache(mc, batch, slots, config.cache_dtype))
-    kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((batch, new - 1), jnp.int32)], axis=1)
+    cache = constrain_cache(init_cache(mc, batch, slots, config.cache_dtype), SPLIT_KV_CACHE_AXES)
+    kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((batch, slots - prompt_len), jnp.int32)], axis=1)
     variables = forward.variables(params, adapters)
     record = config.record_experts
     (logits, cache), prompt_experts = apply_last(
@@ -193,12 +197,12 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
 
         prompt_tokens, prompt_mask, kv_mask, logits, prompt_experts = map(
             repeat, (prompt_tokens, prompt_mask, kv_mask, logits, prompt_experts))
-        cache = constrain_cache(cache.replace(k=repeat(cache.k, 1), v=repeat(cache.v, 1)))
+        cache = constrain_cache(cache.replace(k=repeat(cache.k, 1), v=repeat(cache.v, 1)), SPLIT_KV_CACHE_AXES)
     rows = batch * n
     prompt_lengths = prompt_mask.sum(axis=-1)
     layers = decode_layers(params, adapters, config)
     if layers.unroll:
-        cache = tuple(constrain_cache(layer) for layer in split_cache(cache))
+        cache = tuple(constrain_cache(layer, SPLIT_KV_CACHE_AXES) for layer in split_cache(cache))
     uniforms = constrain(response_uniforms(key, rows, new), ("batch", "length"))
     limits = row_limits(response_limits, rows, config)
 
@@ -236,6 +240,9 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
         if record:  # the routing of the token just fed: response column step - 1
             state = state.replace(experts=jax.lax.dynamic_update_slice_in_dim(
                 state.experts, experts, state.step - 1, axis=1))
+        # pinned split in the loop carry too: the partitioner then keeps each device's slots in place
+        cache = (tuple(constrain_cache(c, SPLIT_KV_CACHE_AXES) for c in cache) if layers.unroll
+                 else constrain_cache(cache, SPLIT_KV_CACHE_AXES))
         state = state.replace(cache=cache, kv_mask=kv_mask)
         return _record(state, choose(logits, state.step), config, limits)
 
