@@ -314,10 +314,12 @@ class Attention(nn.Module):
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, Dh]
             if cache_kv is not None:
                 cache_kv, (k, v) = _write_cache(cache_kv, k, v, layer, cache_index)
-            if fused and q.shape[1] > 1:
+            if fused and q.shape[1] > 1 and sharding.context_axis_size() == 1:
                 # A prefill (or a chunk of one): T queries against the cache's S slots on the fused
                 # kernel, the cache read in the projection layout. A one-token decode step stays on
-                # the einsum, which reads the cache where it lies.
+                # the einsum, which reads the cache where it lies; so does a prefill into a cache
+                # split over the context axis (XLA partitions the einsum along the slots, but would
+                # gather them for the fused kernel's opaque call).
                 kv = tuple(x.transpose(0, 2, 1, 3).astype(q.dtype) for x in (k, v))  # [B, S, K, Dh]
                 out = fused_attention(q, *kv, mask, cfg.attention, scale, is_causal=False)
             else:

@@ -3,7 +3,11 @@ over a preallocated KV cache, one token per row per step. Pure and jittable (`Sa
 
 Conventions: B prompts, n samples per prompt (R = B * n output rows, the n rows of one prompt
 consecutive), Lq prompt length (prompts are left-padded), N = max_new_tokens, V vocabulary,
-S = Lq + N - 1 cache slots (the last sampled token is never fed back, so it needs no slot).
+S = Lq + N - 1 cache slots (the last sampled token is never fed back, so it needs no slot), padded
+up to a multiple of the mesh's context axis, which splits them (`SPLIT_KV_CACHE_AXES`: each device
+holds S / c slots of every row; XLA partitions the decode's attention over them, all-reducing the
+softmax's max and sum [R, H, 1] and its weighted values [R, H, Dh] over the axis, never gathering the
+cache). The rows, their hidden states and logits stay whole on every device of the axis.
 
 Everything has a fixed shape: the response buffers are [R, N] from the start, a row that has produced
 a stop token keeps running (fed padding, its outputs masked) until every row has stopped, at which

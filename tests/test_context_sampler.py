@@ -1,0 +1,88 @@
+"""The static sampler over a KV cache split along its slots on the context axis (issue 46, item 3): the
+same key gives the one-device tokens and log-probs, and the compiled program keeps each device's S / c
+slots of the cache, never gathering them."""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_test_mesh
+
+from ppo_jax import sharding
+from ppo_jax.models import CausalLM, ModelConfig
+from ppo_jax.sampling import SamplingConfig, make_sampler
+
+VOCAB, LQ = 96, 8
+LLAMA = dict(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
+             max_position_embeddings=32, tie_word_embeddings=False)
+CONFIGS = {
+    "llama": ModelConfig(arch="llama", **LLAMA),
+    # soft-capped scores and logits, a sliding layer (window 4) then a full one
+    "gemma2": ModelConfig(arch="gemma2", **dict(LLAMA, tie_word_embeddings=True), scale_embeddings=True,
+                          norm_unit_offset=True, post_norms=True, query_pre_attn_scalar=20, attn_logit_softcap=5.0,
+                          final_logit_softcap=3.0, sliding_window=4, sliding_layers=(True, False)),
+}
+# (model, mesh, max_new_tokens, unroll_layers, num_samples). llama: S = 8 + 13 - 1 = 20 slots, 5 per
+# device, decoded layer by layer (the CPU default); gemma2: 8 + 6 - 1 = 13 slots padded to 16, 2 per
+# device, the scanned decode (the TPU default), prefilled once and repeated for 2 samples per prompt.
+CASES = {"llama": ("llama", (1, 2, 1, 1, 4), 13, None, 1), "gemma2": ("gemma2", (1, 1, 1, 1, 8), 6, False, 2)}
+
+
+def _prompts():
+    """Left-padded prompts [4, LQ] of 8, 5, 2 and 7 real tokens."""
+    real = np.array([8, 5, 2, 7])
+    mask = (np.arange(LQ)[None, :] >= LQ - real[:, None]).astype(np.int32)
+    return (np.random.default_rng(0).integers(1, VOCAB, mask.shape) * mask).astype(np.int32), mask
+
+
+_SAMPLERS = {}
+
+
+def _sampler(case: str, shape):
+    """(sampler, its placed args) of `case` on the mesh `shape`, from the same random params (biases and
+    norm scales included), built once per (case, shape)."""
+    if (case, shape) not in _SAMPLERS:
+        name, _, new, unroll, samples = CASES[case]
+        model = CausalLM(CONFIGS[name])
+        tokens = jnp.zeros((1, 2), jnp.int32)
+        abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, tokens,
+                                                     jnp.ones_like(tokens))["params"])
+        rng = np.random.default_rng(1)
+        host = jax.tree.map(lambda leaf: (0.3 * rng.standard_normal(leaf.shape)).astype(leaf.dtype),
+                            nn.unbox(abstract))
+        mesh = make_test_mesh(shape)
+        shardings = sharding.tree_shardings(abstract, mesh)
+        config = SamplingConfig(max_new_tokens=new, pad_token_id=0, unroll_layers=unroll, num_samples=samples)
+        args = (jax.device_put(host, shardings), *sharding.put_batch(_prompts(), mesh), jax.random.key(3))
+        _SAMPLERS[case, shape] = make_sampler(model, config, mesh, shardings), args
+    return _SAMPLERS[case, shape]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_split_cache_samples_the_one_device_tokens(case):
+    sampler, args = _sampler(case, CASES[case][1])
+    reference, ref_args = _sampler(case, (1, 1, 1))
+    got, want = jax.device_get((sampler(*args), reference(*ref_args)))
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.mask, want.mask)
+    for field in ("logprobs", "sampling_logprobs"):
+        np.testing.assert_allclose(getattr(got, field), getattr(want, field), atol=2e-5, rtol=0)
+    print(f"{case}: max log-prob diff {np.abs(got.logprobs - want.logprobs).max():.1e}")
+
+
+def test_compiled_decode_keeps_each_devices_slots():
+    """llama on (1, 2, 1, 1, 4): each device's rows are 2 of 4 and its slots 5 of 20. The decode loop
+    carries every layer's k and v as [2, K=2, 5, Dh=8]; nothing in the program holds a layer's whole
+    20 slots of a row (no all-gather of the cache: the attention's softmax statistics and weighted
+    values are all-reduced instead, and the prefill writes each device's own slots)."""
+    sampler, args = _sampler("llama", CASES["llama"][1])
+    hlo = sampler.lower(*args).compile().as_text()
+    loops = [line for line in hlo.splitlines() if re.search(r"= \(.*\) while\(", line)]
+    assert any(line.count("f32[2,2,5,8]") == 4 for line in loops), "the decode loop carries no split cache"
+    whole = [line.strip()[:160] for line in hlo.splitlines() if re.search(r"\[[\d,]*,20,8\]", line)]
+    assert not whole, f"the program holds whole rows of cache slots: {whole[:3]}"
+    reduced = [line for line in hlo.splitlines() if " all-reduce(" in line and "/attn/" in line]
+    assert reduced, "the attention over the split slots all-reduces nothing"
