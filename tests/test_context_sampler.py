@@ -1,6 +1,6 @@
-"""The static sampler over a KV cache split along its slots on the context axis (issue 46, item 3): the
-same key gives the one-device tokens and log-probs, and the compiled program keeps each device's S / c
-slots of the cache, never gathering them."""
+"""The sampler over a KV cache split along its slots on the context axis (issue 46, item 3): the same
+key gives the one-device tokens and log-probs on the static and continuous engines, and the compiled
+programs keep each device's S / c slots of the cache, never gathering them."""
 
 import re
 
@@ -25,10 +25,13 @@ CONFIGS = {
                           norm_unit_offset=True, post_norms=True, query_pre_attn_scalar=20, attn_logit_softcap=5.0,
                           final_logit_softcap=3.0, sliding_window=4, sliding_layers=(True, False)),
 }
-# (model, mesh, max_new_tokens, unroll_layers, num_samples). llama: S = 8 + 13 - 1 = 20 slots, 5 per
-# device, decoded layer by layer (the CPU default); gemma2: 8 + 6 - 1 = 13 slots padded to 16, 2 per
-# device, the scanned decode (the TPU default), prefilled once and repeated for 2 samples per prompt.
-CASES = {"llama": ("llama", (1, 2, 1, 1, 4), 13, None, 1), "gemma2": ("gemma2", (1, 1, 1, 1, 8), 6, False, 2)}
+# (model, mesh, max_new_tokens, unroll_layers, num_samples, continuous slots). llama: S = 8 + 13 - 1 =
+# 20 slots, 5 per device, decoded layer by layer (the CPU default); gemma2: 8 + 6 - 1 = 13 slots
+# padded to 16, 2 per device, the scanned decode (the TPU default), prefilled once and repeated for 2
+# samples per prompt; continuous: llama's on 4 decode slots (rows inserted into them, then compacted
+# into 2), compared with the one-device static engine.
+CASES = {"llama": ("llama", (1, 2, 1, 1, 4), 13, None, 1, 0), "gemma2": ("gemma2", (1, 1, 1, 1, 8), 6, False, 2, 0),
+         "continuous": ("llama", (1, 2, 1, 1, 4), 13, None, 1, 4)}
 
 
 def _prompts():
@@ -45,7 +48,7 @@ def _sampler(case: str, shape):
     """(sampler, its placed args) of `case` on the mesh `shape`, from the same random params (biases and
     norm scales included), built once per (case, shape)."""
     if (case, shape) not in _SAMPLERS:
-        name, _, new, unroll, samples = CASES[case]
+        name, _, new, unroll, samples, slots = CASES[case]
         model = CausalLM(CONFIGS[name])
         tokens = jnp.zeros((1, 2), jnp.int32)
         abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, tokens,
@@ -55,7 +58,8 @@ def _sampler(case: str, shape):
                             nn.unbox(abstract))
         mesh = make_test_mesh(shape)
         shardings = sharding.tree_shardings(abstract, mesh)
-        config = SamplingConfig(max_new_tokens=new, pad_token_id=0, unroll_layers=unroll, num_samples=samples)
+        config = SamplingConfig(max_new_tokens=new, pad_token_id=0, unroll_layers=unroll, num_samples=samples,
+                                engine="continuous" if slots else "static", slots=slots)
         args = (jax.device_put(host, shardings), *sharding.put_batch(_prompts(), mesh), jax.random.key(3))
         _SAMPLERS[case, shape] = make_sampler(model, config, mesh, shardings), args
     return _SAMPLERS[case, shape]
@@ -64,7 +68,7 @@ def _sampler(case: str, shape):
 @pytest.mark.parametrize("case", list(CASES))
 def test_split_cache_samples_the_one_device_tokens(case):
     sampler, args = _sampler(case, CASES[case][1])
-    reference, ref_args = _sampler(case, (1, 1, 1))
+    reference, ref_args = _sampler("llama" if case == "continuous" else case, (1, 1, 1))
     got, want = jax.device_get((sampler(*args), reference(*ref_args)))
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_array_equal(got.mask, want.mask)
@@ -73,12 +77,15 @@ def test_split_cache_samples_the_one_device_tokens(case):
     print(f"{case}: max log-prob diff {np.abs(got.logprobs - want.logprobs).max():.1e}")
 
 
-def test_compiled_decode_keeps_each_devices_slots():
+@pytest.mark.parametrize("case", ["llama", "continuous"])
+def test_compiled_decode_keeps_each_devices_slots(case):
     """llama on (1, 2, 1, 1, 4): each device's rows are 2 of 4 and its slots 5 of 20. The decode loop
-    carries every layer's k and v as [2, K=2, 5, Dh=8]; nothing in the program holds a layer's whole
-    20 slots of a row (no all-gather of the cache: the attention's softmax statistics and weighted
-    values are all-reduced instead, and the prefill writes each device's own slots)."""
-    sampler, args = _sampler("llama", CASES["llama"][1])
+    carries every layer's k and v as [2, K=2, 5, Dh=8] (the continuous engine: 2 of its 4 slots, then
+    1 of 2); nothing in the program holds a layer's whole 20 slots of a row (no all-gather of the
+    cache: the attention's softmax statistics and weighted values are all-reduced instead, the
+    prefill writes each device's own slots, the continuous engine's inserts and compaction move rows
+    of each device's slots)."""
+    sampler, args = _sampler(case, CASES[case][1])
     hlo = sampler.lower(*args).compile().as_text()
     loops = [line for line in hlo.splitlines() if re.search(r"= \(.*\) while\(", line)]
     assert any(line.count("f32[2,2,5,8]") == 4 for line in loops), "the decode loop carries no split cache"

@@ -15,10 +15,10 @@ Array = jax.Array
 
 
 # Logical axis names of KVCache.k / KVCache.v: whole along the slots on every device of the context
-# axis (the continuous and multi-turn engines, whose per-row writes would gather a split cache) ...
+# axis (the multi-turn engine, `sampling/turns.py`, not checked against a split cache) ...
 KV_CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
-# ... or split along the slots over it (the static engine: `loop.sample`), each device holding S / c
-# of every row's slots; GSPMD partitions the decode's attention over them (partial softmax statistics
+# ... or split along the slots over it (the static and continuous engines), each device holding S / c
+# of every row's slots; XLA partitions the decode's attention over them (partial softmax statistics
 # all-reduced over the axis, the cache never gathered).
 SPLIT_KV_CACHE_AXES = ("layers", "batch", "kv_heads", "cache_length", "head_dim")
 

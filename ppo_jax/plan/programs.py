@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from ppo_jax import sharding
 from ppo_jax.config import from_config
-from ppo_jax.models import KV_CACHE_AXES, ModelConfig, boxed_params, init_cache
+from ppo_jax.models import ModelConfig, boxed_params, init_cache
 from ppo_jax.models.cache import SPLIT_KV_CACHE_AXES
 from ppo_jax.plan.inputs import SamplerInputs, ScorerInputs, device_bytes, placed, sampler_inputs, scorer_inputs
 from ppo_jax.rl import build, roles
@@ -197,9 +197,8 @@ def kv_cache_bytes(run: PlannedRun, steps: build.Steps, rows: int) -> int:
     s, sampler_mesh = run.settings, run.meshes.sampler
     cache_rows = run.sizes.decode_slots or rows
     width = s.data.prompt_length + s.rollout.response_length - 1
-    # the static engine splits its slots (padded to a multiple) over the context axis (sampling/loop.py)
-    axes = KV_CACHE_AXES if run.sizes.decode_slots else SPLIT_KV_CACHE_AXES
-    width += 0 if run.sizes.decode_slots else -width % sharding.context_axis_size(sampler_mesh)
+    width += -width % sharding.context_axis_size(sampler_mesh)  # split over the context axis (sampling/loop.py)
     cache = jax.eval_shape(lambda: init_cache(run.policy_config, cache_rows, width, steps.sampling_config.cache_dtype))
-    cache_sh = jax.sharding.NamedSharding(sampler_mesh, sharding.logical_to_spec(axes, cache.k.shape, sampler_mesh))
+    cache_sh = jax.sharding.NamedSharding(sampler_mesh, sharding.logical_to_spec(SPLIT_KV_CACHE_AXES, cache.k.shape,
+                                                                                 sampler_mesh))
     return 2 * device_bytes(jax.ShapeDtypeStruct(cache.k.shape, cache.k.dtype, sharding=cache_sh))

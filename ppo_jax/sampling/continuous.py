@@ -35,12 +35,12 @@ import jax.numpy as jnp
 
 from ppo_jax import sharding
 from ppo_jax.models import forward
-from ppo_jax.models.cache import KVCache, init_cache, split_cache
+from ppo_jax.models.cache import SPLIT_KV_CACHE_AXES, KVCache, init_cache, split_cache
 from ppo_jax.models.transformer import CausalLM, positions_from_mask
 from ppo_jax.ppo.stats import last_token_index
 from ppo_jax.sampling.config import SampleOutput, SamplingConfig, validate_inputs
 from ppo_jax.sampling.loop import (DecodeLayers, constrain, constrain_cache, decode_layers, forward_last,
-                                   is_stop_token, row_limits)
+                                   is_stop_token, row_limits, take_cache_rows)
 from ppo_jax.sampling.token_choice import TokenChoice, choose_tokens, response_uniforms
 
 Array = jax.Array
@@ -148,12 +148,14 @@ def _compact(slots: Slots, size: int) -> Slots:
         x = jnp.take(x, keep, axis=axis)
         return constrain(x, (None,) * axis + ("batch",) + (None,) * (x.ndim - axis - 1))
 
+    def kv(c, axis=0):  # k and v stay split along their slots over the context axis
+        return c.replace(k=take_cache_rows(c.k, keep, axis), v=take_cache_rows(c.v, keep, axis),
+                         index=rows(c.index))
+
     if isinstance(slots.cache, tuple):
-        cache = tuple(constrain_cache(c.replace(k=rows(c.k), v=rows(c.v), index=rows(c.index)))
-                      for c in slots.cache)
+        cache = tuple(constrain_cache(kv(c), SPLIT_KV_CACHE_AXES) for c in slots.cache)
     else:
-        cache = constrain_cache(slots.cache.replace(k=rows(slots.cache.k, 1), v=rows(slots.cache.v, 1),
-                                                     index=rows(slots.cache.index)))
+        cache = constrain_cache(kv(slots.cache, 1), SPLIT_KV_CACHE_AXES)
     return slots.replace(row=rows(slots.row), step=rows(slots.step), last=rows(slots.last),
                          prompt_length=rows(slots.prompt_length), cache=cache, kv_mask=rows(slots.kv_mask))
 
@@ -184,8 +186,10 @@ class Engine:
 
     @property
     def width(self) -> int:
-        """C = Lq + N - 1 cache slots per row."""
-        return self.prompt_len + self.config.max_new_tokens - 1
+        """C = Lq + N - 1 cache slots per row, padded to a multiple of the context axis (which splits
+        them; the padding slots stay masked)."""
+        width = self.prompt_len + self.config.max_new_tokens - 1
+        return width - width % -sharding.context_axis_size()
 
     def choose(self, logits: Array, rows: Array, steps: Array) -> TokenChoice:
         """Tokens for output `rows` [M] (-1: none) at response positions `steps` [M]."""
@@ -238,6 +242,14 @@ def _insert(e: Engine, slots: Slots) -> Slots:
 
     def copy_prompt(buffer, source, layer_axis):  # a [.., P, K, Lq, Dh] prefill cache into slots
         source = jnp.take(source, ready // n, axis=layer_axis).astype(buffer.dtype)
+        if sharding.context_axis_size() > 1:
+            # whole rows of C slots (zeros past the prompt: masked), each device gathering its own
+            # slots, so the scatter indexes rows only: a prompt-wide scatter into the slots split
+            # over the context axis had XLA all-gather them
+            slots = jnp.arange(buffer.shape[-2])
+            source = jnp.take(source, jnp.minimum(slots, prompt_len - 1), axis=-2)
+            source = constrain(jnp.where((slots < prompt_len)[:, None], source, 0), SPLIT_KV_CACHE_AXES[-source.ndim:])
+            return buffer.at[(slice(None),) * layer_axis + (targets,)].set(source, mode="drop")
         if layer_axis:
             return buffer.at[:, targets, :, :prompt_len].set(source, mode="drop")
         return buffer.at[targets, :, :prompt_len].set(source, mode="drop")
@@ -247,7 +259,7 @@ def _insert(e: Engine, slots: Slots) -> Slots:
                       for i, c in enumerate(slots.cache))
     else:
         cache = slots.cache.replace(k=copy_prompt(slots.cache.k, w.k, 1), v=copy_prompt(slots.cache.v, w.v, 1))
-    kv_mask = jnp.concatenate([w.mask[ready], jnp.zeros((pairs, e.config.max_new_tokens - 1), jnp.int32)], axis=1)
+    kv_mask = jnp.concatenate([w.mask[ready], jnp.zeros((pairs, e.width - prompt_len), jnp.int32)], axis=1)
     consumed = w.row.at[jnp.where(moving, ready, width_waiting)].set(-1, mode="drop")
     return slots.replace(
         row=put(slots.row, w.row[ready]), step=put(slots.step, jnp.ones((pairs,), jnp.int32)),
@@ -304,9 +316,9 @@ def initial_slots(e: Engine, versions: bool = False) -> Slots:
     cache = init_cache(mc, num_slots, e.width, config.cache_dtype)
     cache = cache.replace(index=jnp.zeros((num_slots,), jnp.int32))
     if e.layers.unroll:
-        cache = tuple(constrain_cache(layer) for layer in split_cache(cache))
+        cache = tuple(constrain_cache(layer, SPLIT_KV_CACHE_AXES) for layer in split_cache(cache))
     else:
-        cache = constrain_cache(cache)
+        cache = constrain_cache(cache, SPLIT_KV_CACHE_AXES)
 
     def slot_array(dtype, fill_value=0):
         return _by_rows(jnp.full((num_slots,), fill_value, dtype))

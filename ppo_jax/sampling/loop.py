@@ -80,6 +80,16 @@ def constrain_cache(cache: KVCache, axes: tuple[str, ...] = KV_CACHE_AXES) -> KV
     return cache.replace(k=constrain(cache.k, names), v=constrain(cache.v, names))
 
 
+def take_cache_rows(x: Array, rows: Array, axis: int) -> Array:
+    """jnp.take(x, rows, axis) of a cache's k or v ([.., B, K, S, Dh], the rows on `axis`) split along
+    its slots over the context axis: per device of that axis on its own slots (XLA's gather
+    partitioner all-gathered the slots to move rows between the batch axes' devices)."""
+    if sharding.context_axis_size() == 1:
+        return jnp.take(x, rows, axis=axis)
+    return sharding.over_context(lambda x, rows: jnp.take(x, rows, axis=axis), (x.ndim - 2, None),
+                                 x.ndim - 2)(x, rows)
+
+
 def forward_last(module: CausalLM, tokens, positions, kv_mask, cache, last_index, layer_params=None,
                   layer_adapters=None):
     """Logits [B, V] at slot `last_index [B]` only: the prompt's [B, Lq, V] logits are never built.
