@@ -6,7 +6,8 @@ mixture-of-experts layer's experts split over it, `ppo_jax.models.moe`; everywhe
 FSDP axis, so its devices share the batch and the dense weights instead of repeating them), `context`
 (sequence parallelism: a cache-free forward's activations split along the sequence between attention
 calls, each device attending with its queries over the keys and values all-gathered along the axis,
-`ppo_jax.models.context`; for the weights it is one more FSDP axis, for the batch a replica). Models
+`ppo_jax.models.context`; the sampler's KV cache split along its slots, logical `cache_length`; for
+the weights it is one more FSDP axis, for the batch a replica). Models
 name their parameter axes logically ("embed", "heads", "mlp", ...); the rules below map logical names
 to mesh axes. A mesh axis is dropped from a parameter's spec where it does not divide that dimension,
 so any model runs on any mesh shape (a 2-kv-head model on a 4-way tensor mesh keeps its kv heads
