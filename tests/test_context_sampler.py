@@ -24,14 +24,20 @@ CONFIGS = {
     "gemma2": ModelConfig(arch="gemma2", **dict(LLAMA, tie_word_embeddings=True), scale_embeddings=True,
                           norm_unit_offset=True, post_norms=True, query_pre_attn_scalar=20, attn_logit_softcap=5.0,
                           final_logit_softcap=3.0, sliding_window=4, sliding_layers=(True, False)),
+    # GPT-OSS: experts (split over the expert axis; a decode step's one token is not split over the
+    # context axis), attention sinks, a sliding layer then a full one
+    "moe": ModelConfig(arch="gpt_oss", **LLAMA, num_experts=4, experts_per_token=2, moe_intermediate_size=16,
+                       router_softmax="topk", router_bias=True, expert_kind="clamped_swiglu", swiglu_limit=2.0,
+                       attention_sinks=True, attention_bias=True, attention_out_bias=True, sliding_window=4,
+                       sliding_layers=(True, False), norm_scale_float32=True),
 }
 # (model, mesh, max_new_tokens, unroll_layers, num_samples, continuous slots). llama: S = 8 + 13 - 1 =
 # 20 slots, 5 per device, decoded layer by layer (the CPU default); gemma2: 8 + 6 - 1 = 13 slots
 # padded to 16, 2 per device, the scanned decode (the TPU default), prefilled once and repeated for 2
 # samples per prompt; continuous: llama's on 4 decode slots (rows inserted into them, then compacted
-# into 2), compared with the one-device static engine.
+# into 2), compared with the one-device static engine; moe: 2 x 4 devices, experts over the first.
 CASES = {"llama": ("llama", (1, 2, 1, 1, 4), 13, None, 1, 0), "gemma2": ("gemma2", (1, 1, 1, 1, 8), 6, False, 2, 0),
-         "continuous": ("llama", (1, 2, 1, 1, 4), 13, None, 1, 4)}
+         "continuous": ("llama", (1, 2, 1, 1, 4), 13, None, 1, 4), "moe": ("moe", (1, 1, 1, 2, 4), 13, None, 1, 0)}
 
 
 def _prompts():

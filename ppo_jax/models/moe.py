@@ -316,7 +316,8 @@ class MoEMLP(nn.Module):
         if sharding.expert_axis_size(mesh) > 1:
             sharding.check_experts_split(e, mesh, "MoEMLP")
         chosen, weights = (a.reshape(b, t, k) for a in (routing.experts, routing.weights))
-        if sharding.context_axis_size(mesh) > 1:  # rows split along the sequence: each device its own slots
+        # rows split along the sequence: each device its own slots (not a sampler's decode step, T = 1)
+        if sharding.context_axis_size(mesh) > 1 and t % sharding.context_axis_size(mesh) == 0:
             return sharding.over_context(functools.partial(_experts, cfg), (None, 1, 1, 1), out_axis=1)(
                 w, x.astype(dtype), chosen, weights)
         return _experts(cfg, w, x.astype(dtype), chosen, weights)
