@@ -176,6 +176,16 @@ def _record(state: DecodeState, choice: TokenChoice, config: SamplingConfig, lim
     )
 
 
+def repeat_samples(n: int, arrays: tuple, cache: KVCache) -> tuple[tuple, KVCache]:
+    """Each prompt's arrays ([B, ...] -> [B * n, ...], None stays None) and cache rows repeated n times:
+    output row r is prompt r // n, sample r % n. The cache stays split along its slots."""
+    def repeat(x, axis=0):
+        return None if x is None else jnp.repeat(x, n, axis=axis)
+
+    cache = constrain_cache(cache.replace(k=repeat(cache.k, 1), v=repeat(cache.v, 1)), SPLIT_KV_CACHE_AXES)
+    return tuple(map(repeat, arrays)), cache
+
+
 def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *, model: CausalLM,
            config: SamplingConfig, adapters: Any = None, response_limits: Array | None = None) -> SampleOutput:
     """Samples `config.num_samples` responses per left-padded prompt. Pure and jittable.
@@ -206,12 +216,8 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
         model, variables, prompt_tokens, positions_from_mask(prompt_mask), kv_mask, cache,
         jnp.maximum(last_token_index(prompt_mask), 0), record=record)
     if n > 1:
-        def repeat(x, axis=0):
-            return None if x is None else jnp.repeat(x, n, axis=axis)
-
-        prompt_tokens, prompt_mask, kv_mask, logits, prompt_experts = map(
-            repeat, (prompt_tokens, prompt_mask, kv_mask, logits, prompt_experts))
-        cache = constrain_cache(cache.replace(k=repeat(cache.k, 1), v=repeat(cache.v, 1)), SPLIT_KV_CACHE_AXES)
+        (prompt_tokens, prompt_mask, kv_mask, logits, prompt_experts), cache = repeat_samples(
+            n, (prompt_tokens, prompt_mask, kv_mask, logits, prompt_experts), cache)
     rows = batch * n
     prompt_lengths = prompt_mask.sum(axis=-1)
     layers = decode_layers(params, adapters, config)
