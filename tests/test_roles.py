@@ -220,7 +220,7 @@ def test_devices_split_per_process_and_bad_layouts_fail_in_one_line():
     with mock.patch.object(sharding.jax, "make_mesh", side_effect=AssertionError("bounding box")):
         meshes = roles.make_role_meshes(roles.RolesSettings(sampler_devices=4, sampler_mesh=(1, 2, -1)), (-1, 1, 1),
                                         devices)
-    assert list(meshes.sampler.devices.flat) == devices[4:] and meshes.sampler.devices.shape == (1, 2, 2, 1)
+    assert list(meshes.sampler.devices.flat) == devices[4:] and meshes.sampler.devices.shape == (1, 2, 2, 1, 1)  # data, fsdp, tensor, expert, context
     for placement, shape, message in [
         (dict(sampler_devices=8), (-1, 1, 1), "leaves no devices for training"),
         (dict(sampler_devices=4), (1, 8, 1), "mesh.shape=(1, 8, 1) does not fit the trainer's 4 devices"),
