@@ -359,6 +359,19 @@ def _write_cache(cache_kv, k: Array, v: Array, layer, cache_index):
     return cache_kv, slabs
 
 
+def _write_slabs(cache_kv, k: Array, v: Array, layer, write):
+    """(cache_kv, the layer's (k, v) slabs) with `write(slab [B, K, S, Dh], new [B, K, T, Dh])` applied
+    to each of k and v: on per-layer caches directly; on a stacked [L, ...] cache to the layer's slab,
+    read out and written back."""
+    if layer is None:
+        cache_kv = tuple(write(c, new) for c, new in zip(cache_kv, (k, v)))
+        return cache_kv, cache_kv
+    slabs = tuple(write(jax.lax.dynamic_index_in_dim(c, layer, axis=0, keepdims=False), new)
+                  for c, new in zip(cache_kv, (k, v)))
+    cache_kv = tuple(jax.lax.dynamic_update_index_in_dim(c, slab, layer, axis=0) for c, slab in zip(cache_kv, slabs))
+    return cache_kv, slabs
+
+
 def _write_cache_split(cache_kv, k: Array, v: Array, layer, start: Array):
     """`_write_cache` of T > 1 slots (a prefill) into a cache whose S slots may be split over the
     context axis (`loop.sample`): each slot s takes new slot s - start where that is in [0, T), by a
@@ -373,13 +386,7 @@ def _write_cache_split(cache_kv, k: Array, v: Array, layer, start: Array):
     def write(slab, new):  # [B, K, S, Dh] <- [B, K, T, Dh]
         return jnp.where(inside, jnp.take(new.astype(slab.dtype), source, axis=2), slab)
 
-    if layer is None:
-        cache_kv = tuple(write(c, new) for c, new in zip(cache_kv, (k, v)))
-        return cache_kv, cache_kv
-    slabs = tuple(write(jax.lax.dynamic_index_in_dim(c, layer, axis=0, keepdims=False), new)
-                  for c, new in zip(cache_kv, (k, v)))
-    cache_kv = tuple(jax.lax.dynamic_update_index_in_dim(c, slab, layer, axis=0) for c, slab in zip(cache_kv, slabs))
-    return cache_kv, slabs
+    return _write_slabs(cache_kv, k, v, layer, write)
 
 
 def _write_cache_rows(cache_kv, k: Array, v: Array, layer, starts: Array):
@@ -392,10 +399,4 @@ def _write_cache_rows(cache_kv, k: Array, v: Array, layer, starts: Array):
         return jax.vmap(lambda c, n, start: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (0, start, 0)))(
             cache, new, starts)
 
-    if layer is None:
-        cache_kv = tuple(write_layer(c, new) for c, new in zip(cache_kv, (k, v)))
-        return cache_kv, cache_kv
-    slabs = tuple(write_layer(jax.lax.dynamic_index_in_dim(c, layer, axis=0, keepdims=False), new)
-                  for c, new in zip(cache_kv, (k, v)))
-    cache_kv = tuple(jax.lax.dynamic_update_index_in_dim(c, slab, layer, axis=0) for c, slab in zip(cache_kv, slabs))
-    return cache_kv, slabs
+    return _write_slabs(cache_kv, k, v, layer, write_layer)
