@@ -369,6 +369,27 @@ def over_context(fn: Callable, in_axes: Sequence[int | None], out_axis: int) -> 
                          axis_names={CONTEXT_AXIS}, check_vma=False)
 
 
+def over_every_axis(fn: Callable, in_names: Sequence[Sequence[str | None]], out_like: int = 0) -> Callable:
+    """`fn` run per device of the whole mesh (`jax.shard_map`, manual over every axis): each positional
+    argument split as its logical axis names map (`logical_to_spec`: only mesh axes that divide it),
+    the result split like argument `out_like` (same shape). For calls that XLA's partitioner cannot
+    take inside a partly manual region: cuDNN attention's custom partitioner fails on the shardings
+    that `over_context` leaves it (`'GSPMDSharding' object has no attribute 'spec'`, XLA:GPU)."""
+    def run(*args):
+        mesh = jax.sharding.get_abstract_mesh()
+        specs = tuple(logical_to_spec(names, x.shape, mesh) for names, x in zip(in_names, args))
+        return jax.shard_map(fn, in_specs=specs, out_specs=specs[out_like], check_vma=False)(*args)
+
+    return run
+
+
+def splits_alike(*named_dims: tuple[str, int]) -> bool:
+    """Whether every (logical name, size) splits over the same mesh axes on the mesh being traced under
+    (e.g. q's heads and k's KV heads: a GQA group then stays on one device)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return len({tuple(logical_to_spec((name,), (dim,), mesh)) for name, dim in named_dims}) == 1
+
+
 def gather_context(x: jax.Array, axis: int) -> jax.Array:
     """Inside `over_context`: every device's part of x, concatenated along `axis` in device order."""
     return jax.lax.all_gather(x, CONTEXT_AXIS, axis=axis, tiled=True)

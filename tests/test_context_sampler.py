@@ -12,7 +12,7 @@ import pytest
 from conftest import make_test_mesh
 
 from ppo_jax import sharding
-from ppo_jax.models import CausalLM, ModelConfig
+from ppo_jax.models import CausalLM, ModelConfig, context
 from ppo_jax.sampling import SamplingConfig, make_sampler
 
 VOCAB, LQ = 96, 8
@@ -54,21 +54,26 @@ def _sampler(case: str, shape):
     """(sampler, its placed args) of `case` on the mesh `shape`, from the same random params (biases and
     norm scales included), built once per (case, shape)."""
     if (case, shape) not in _SAMPLERS:
-        name, _, new, unroll, samples, slots = CASES[case]
-        model = CausalLM(CONFIGS[name])
-        tokens = jnp.zeros((1, 2), jnp.int32)
-        abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, tokens,
-                                                     jnp.ones_like(tokens))["params"])
-        rng = np.random.default_rng(1)
-        host = jax.tree.map(lambda leaf: (0.3 * rng.standard_normal(leaf.shape)).astype(leaf.dtype),
-                            nn.unbox(abstract))
-        mesh = make_test_mesh(shape)
-        shardings = sharding.tree_shardings(abstract, mesh)
-        config = SamplingConfig(max_new_tokens=new, pad_token_id=0, unroll_layers=unroll, num_samples=samples,
-                                engine="continuous" if slots else "static", slots=slots)
-        args = (jax.device_put(host, shardings), *sharding.put_batch(_prompts(), mesh), jax.random.key(3))
-        _SAMPLERS[case, shape] = make_sampler(model, config, mesh, shardings), args
+        _SAMPLERS[case, shape] = _build(case, shape)
     return _SAMPLERS[case, shape]
+
+
+def _build(case: str, shape):
+    """`_sampler`'s (sampler, args), built anew."""
+    name, _, new, unroll, samples, slots = CASES[case]
+    model = CausalLM(CONFIGS[name])
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, tokens,
+                                                 jnp.ones_like(tokens))["params"])
+    rng = np.random.default_rng(1)
+    host = jax.tree.map(lambda leaf: (0.3 * rng.standard_normal(leaf.shape)).astype(leaf.dtype),
+                        nn.unbox(abstract))
+    mesh = make_test_mesh(shape)
+    shardings = sharding.tree_shardings(abstract, mesh)
+    config = SamplingConfig(max_new_tokens=new, pad_token_id=0, unroll_layers=unroll, num_samples=samples,
+                            engine="continuous" if slots else "static", slots=slots)
+    args = (jax.device_put(host, shardings), *sharding.put_batch(_prompts(), mesh), jax.random.key(3))
+    return make_sampler(model, config, mesh, shardings), args
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -99,3 +104,19 @@ def test_compiled_decode_keeps_each_devices_slots(case):
     assert not whole, f"the program holds whole rows of cache slots: {whole[:3]}"
     reduced = [line for line in hlo.splitlines() if " all-reduce(" in line and "/attn/" in line]
     assert reduced, "the attention over the split slots all-reduces nothing"
+
+
+def test_a_prefill_into_the_split_cache_attends_a_block_of_queries_at_a_time(monkeypatch):
+    """With `context.QUERY_BLOCK` = 2 the llama case's 8 prompt queries attend the split cache 2 at a
+    time: the one-device tokens still, and the compiled prefill's scores are [2 rows, K=2, 2, 2 queries,
+    5 slots], never all 8 queries' [2, 2, 2, 8, 5] (at 2,048 prompt tokens and 32k slots, 17 GB of an
+    H200's memory instead of 4.3)."""
+    monkeypatch.setattr(context, "QUERY_BLOCK", 2)
+    sampler, args = _build("llama", CASES["llama"][1])
+    reference, ref_args = _sampler("llama", (1, 1, 1))
+    got, want = jax.device_get((sampler(*args), reference(*ref_args)))
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=2e-5, rtol=0)
+    hlo = sampler.lower(*args).compile().as_text()
+    assert "f32[2,2,2,2,5]" in hlo, "the prefill attends no block of 2 queries"
+    assert "f32[2,2,2,8,5]" not in hlo, "the prefill holds all 8 queries' scores at once"

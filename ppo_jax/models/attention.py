@@ -46,7 +46,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 from ppo_jax import sharding
 from ppo_jax.models.config import ModelConfig
-from ppo_jax.models.context import context_attention
+from ppo_jax.models.context import context_attention, over_query_blocks
 from ppo_jax.models.layers import DenseGeneral, norm, softcap
 from ppo_jax.models.rope import apply_rope
 
@@ -322,6 +322,9 @@ class Attention(nn.Module):
                 # gather them for the fused kernel's opaque call).
                 kv = tuple(x.transpose(0, 2, 1, 3).astype(q.dtype) for x in (k, v))  # [B, S, K, Dh]
                 out = fused_attention(q, *kv, mask, cfg.attention, scale, is_causal=False)
+            elif q.shape[1] > 1 and sharding.context_axis_size() > 1:  # a prefill into a split cache
+                out = over_query_blocks(lambda q, mask: einsum_attention(
+                    q, k, v.astype(q.dtype), mask, scale, cfg.attn_logit_softcap, sinks), q, mask)
             else:
                 out = einsum_attention(q, k, v.astype(q.dtype), mask, scale, cfg.attn_logit_softcap, sinks)
         out = DenseGeneral((h, dh), (d,), ("heads", "head_dim", "embed"), gpt2 or cfg.attention_out_bias,
