@@ -106,6 +106,33 @@ def test_first_minibatch_ratio_is_one(baseline):
     assert history[0]["val/ratio"] != 1.0  # the policy did move
 
 
+def test_grpo_groups_of_episodes(tmp_path):
+    """rollout.num_samples = 2 with GRPO: 8 prompts become 16 episodes, row r from prompt r // 2, each
+    reset in its own environment and drawing its own tokens. Each row's advantage is GRPO's (NumPy
+    here) of its episode's reward: the score plus every turn's environment reward (KL as a loss term,
+    so none in the reward); the invariants hold."""
+    config = multi_turn_config(**{"rollout.batch_size": 8, "rollout.num_samples": 2, "train.iterations": 1,
+                                  "ppo.advantage_estimator": "grpo", "ppo.kl_in_reward": False})
+    trainer, history = run(config, tmp_path)
+    rollout, exp = trainer._last_rollout
+    prompts, tokens = np.asarray(rollout.prompt_tokens), np.asarray(rollout.tokens)
+    np.testing.assert_array_equal(prompts[0::2], prompts[1::2])
+    assert len({row.tobytes() for row in prompts[0::2]}) > 1
+    assert (tokens[0::2] != tokens[1::2]).any(axis=1).sum() >= 4  # a prompt's two episodes differ
+    assert observations(rollout).any()
+    episode = np.asarray(exp.scores) + np.asarray(rollout.turn_rewards).sum(-1)
+    groups = episode.reshape(-1, 2)
+    want = ((groups - groups.mean(1, keepdims=True)) / (groups.std(1, ddof=1, keepdims=True) + 1e-4)).reshape(-1)
+    actions = np.asarray(rollout.action_mask) == 1
+    advantages = np.asarray(exp.advantages)
+    assert np.abs(advantages[~actions]).max() == 0.0
+    for row in range(len(want)):
+        np.testing.assert_allclose(advantages[row][actions[row]], want[row], rtol=1e-4, atol=1e-5)
+    assert np.abs(np.asarray(rollout.turn_rewards)).sum() > 0  # the turn rewards are in the check
+    assert history[0]["policy/rollout_logprob_diff_max"] < 1e-5
+    assert abs(history[0]["first_minibatch/ratio"] - 1.0) < 1e-6
+
+
 def test_learning_rate_zero_changes_nothing(tmp_path):
     """On padded rows (the baseline runs packed on a CPU): both layouts' loss masks are checked."""
     config = multi_turn_config(**{"optim.policy_lr": 0.0, "optim.value_lr": 0.0, "ppo.packing": "off"})

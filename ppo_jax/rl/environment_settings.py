@@ -34,7 +34,7 @@ class EnvironmentSettings:
     def enabled(self) -> bool:
         return bool(self.name.strip())
 
-    def validate(self, *, engine: str, num_samples: int, off_policy_steps: int, router_replay: bool,
+    def validate(self, *, engine: str, off_policy_steps: int, router_replay: bool,
                  chat_template: bool) -> None:
         """Every check that needs no tokenizer: the numbers, the name resolves, and the rollout
         settings multi-turn rows do not support yet (each one ConfigError line)."""
@@ -46,8 +46,6 @@ class EnvironmentSettings:
               f"environment.max_observation_tokens={self.max_observation_tokens}: use at least 1")
         check(engine == "static", f"environment.name={self.name!r}: multi-turn rollouts run on the static engine "
               f"only, not rollout.engine={engine!r}")
-        check(num_samples == 1, f"environment.name={self.name!r}: multi-turn rollouts take one row per episode "
-              f"(rollout.num_samples=1, got {num_samples}); repeat the prompts in the data instead")
         check(off_policy_steps == 0, f"environment.name={self.name!r} with rollout.off_policy_steps="
               f"{off_policy_steps}: episodes in flight are not saved in checkpoints yet; use 0")
         check(not router_replay, f"environment.name={self.name!r} with moe.router_replay: the multi-turn "

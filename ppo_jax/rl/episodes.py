@@ -10,7 +10,8 @@ final text (the whole transcript); the experience step puts the turn rewards on 
 action token (`ppo.action_mask.action_rewards`). Host metrics per iteration: turns, tool calls,
 errors and time-outs per episode, observation vs action tokens, `time/environment`.
 
-A row's record is {"prompt": its prompt's text} (the data stream's tokens decoded); the prompt the
+A row's record is {"prompt": its prompt's text} (the data stream's tokens decoded; with
+rollout.num_samples = n each prompt's record n times, row r from prompt r // n); the prompt the
 row is sampled from is what the environment's `reset` returns, tokenised and cut from the left to
 `data.prompt_length`. One process only (the host loop reads every row). Shapes: B rows, Lq prompt
 length, Lr = rollout.response_length, M = environment.max_turns.
@@ -64,7 +65,9 @@ class EpisodeRollouts(Rollouts):
         env = self.settings.environment
         self.env_settings, self.tokenizer = env, tokenizer
         self.factory = env.bind(tokenizer)
-        config = TurnConfig(sampling=self.steps.sampling_config, turn_stops=turn_stops,
+        # One row per episode: with rollout.num_samples = n each prompt is reset n times (`_records`).
+        one_row = dataclasses.replace(self.steps.sampling_config, num_samples=1)
+        config = TurnConfig(sampling=one_row, turn_stops=turn_stops,
                             max_observation_tokens=env.max_observation_tokens)
         self.decoder = TurnDecoder(model, config, self.meshes.sampler)
         self.prompt_tokenizer = PromptTokenizer(tokenizer, max_prompt_length=prompt_length, truncation="left")
@@ -73,9 +76,12 @@ class EpisodeRollouts(Rollouts):
         self.episode_metrics: dict[str, float] = {}  # the current iteration's, until popped
 
     def _records(self, prompt_tokens: np.ndarray, prompt_mask: np.ndarray) -> list[dict[str, str]]:
-        decode = self.tokenizer.decode
+        """One record per episode: each prompt row's n = rollout.num_samples times, row r from prompt
+        r // n (the one-turn sampler's layout, which GRPO's and RLOO's groups read), each row then
+        reset in an environment of its own and drawing its own tokens."""
+        decode, n = self.tokenizer.decode, self.settings.rollout.num_samples
         return [{"prompt": decode([int(t) for t, m in zip(row, rm) if m], skip_special_tokens=True)}
-                for row, rm in zip(prompt_tokens, prompt_mask)]
+                for row, rm in zip(prompt_tokens, prompt_mask) for _ in range(n)]
 
     def start(self, state: PPOState, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key) -> StartedEpisodes:
         """Runs the episodes of this process's prompt rows (host arrays) to their end, and with

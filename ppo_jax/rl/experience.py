@@ -62,8 +62,10 @@ def experience_from_outputs(out: ForwardOutputs, rollout: Rollout, kl_coef: jax.
         rewards = action_rewards(scores, kl, mask, reward_kl_coef, rollout.turn_rewards, rollout.turn_ends)
     if hp.whiten_rewards:
         rewards = ppo.masked_whiten(rewards, mask, shift_mean=False)
+    # GRPO's and RLOO's sequence reward is the episode's: the score plus every turn's environment reward.
+    episode_scores = scores if rollout.turn_rewards is None else scores + rollout.turn_rewards.sum(-1)
     advantages, returns = ppo.estimate_advantages(
-        hp.estimator, rewards=rewards, values=out.values, mask=mask, scores=scores, kl=kl,
+        hp.estimator, rewards=rewards, values=out.values, mask=mask, scores=episode_scores, kl=kl,
         kl_coef=reward_kl_coef, group_size=hp.group_size, gamma=hp.gamma, lam=hp.lam,
         # Critic-free estimators normalise in their own way (group or batch statistics).
         whiten=hp.whiten_advantages if hp.estimator == "gae" else None)
