@@ -68,11 +68,13 @@ def imported_lora_config(settings: PolicyLoraSettings, base: ModelConfig) -> Lor
 
 
 def mesh_platform(mesh) -> tuple[str | None, int]:
-    """(platform of the mesh's devices, the ways its fsdp and expert axes shard the dense weights);
-    (None, 1) without a mesh: what "auto" execution choices resolve for (`ComputeSettings.execution`)."""
+    """(platform of the mesh's devices, the ways its fsdp, expert and context axes shard the dense
+    weights: the `embed` rule); (None, 1) without a mesh: what "auto" execution choices resolve for
+    (`ComputeSettings.execution`)."""
     if mesh is None:
         return None, 1
-    return mesh.devices.flat[0].platform, int(mesh.shape["fsdp"]) * sharding.expert_axis_size(mesh)
+    shards = int(mesh.shape["fsdp"]) * sharding.expert_axis_size(mesh) * sharding.context_axis_size(mesh)
+    return mesh.devices.flat[0].platform, shards
 
 
 def decode_unrolled(s: Settings, mesh) -> bool | None:
