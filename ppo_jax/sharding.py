@@ -16,10 +16,11 @@ replicated).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -404,3 +405,25 @@ def permute_context(x: jax.Array, pairs: Sequence[tuple[int, int]]) -> jax.Array
     """Inside `over_context`: x sent from device src to device dst of the context axis for each
     (src, dst) pair (a permutation); a device no pair sends to gets zeros."""
     return jax.lax.ppermute(x, CONTEXT_AXIS, perm=list(pairs))
+
+
+def device_bytes_held(tree: Any) -> int:
+    """The most bytes the arrays of `tree` hold on any one device (the sizes of their shards there)."""
+    held: collections.Counter = collections.Counter()
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array):
+            for shard in x.addressable_shards:
+                held[shard.device] += shard.data.nbytes
+    return max(held.values(), default=0)
+
+
+def free_device_bytes(devices: Iterable[jax.Device]) -> int | None:
+    """The least free memory (`bytes_limit - bytes_in_use`) among `devices`; None when one of them
+    reports none (a CPU)."""
+    free = []
+    for device in devices:
+        stats = device.memory_stats()
+        if not stats or "bytes_limit" not in stats:
+            return None
+        free.append(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+    return min(free, default=None)

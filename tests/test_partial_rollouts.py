@@ -5,20 +5,25 @@ samples; after a sync the later tokens are drawn and logged under the new weight
 per token; a SIGTERM with partial rollouts in flight resumes bit for bit; bad settings fail in one line."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import make_test_mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
 from test_off_policy_pipeline import TOY, trainer_at
 from test_reliability import _toy_reward_then_sigterm_at
 from test_roles import comparable
 from test_sampling import STOP_CONFIG, _gather, _log_softmax, _model_and_params, _prompts, _training_logits
 from tiny_configs import tiny_config
 
+from ppo_jax import sharding
 from ppo_jax.config import ConfigError
 from ppo_jax.plan import role_memory
 from ppo_jax.rl.corrections import policy_lag_metrics
+from ppo_jax.rl.errors import RunFailedError
 from ppo_jax.rl.settings import Settings
 from ppo_jax.sampling import sample_continuous, segments
 from ppo_jax.sampling.token_choice import choose_tokens, response_uniforms
@@ -192,6 +197,41 @@ def test_the_planner_holds_each_partial_rollouts_kv_cache():
             whole, partial = (role_memory.phase_live(held, where, k, engine_state=e) for e in (0, 64))
             assert partial["sampler"] - whole["sampler"] == k * 64, (where, k)
             assert partial["update"] - whole["update"] == (0 if where == "disaggregated" else k * 64), (where, k)
+
+
+def test_bytes_held_per_device_are_the_largest_sum_of_shards():
+    """[16, 4] float32 rows split over 8 devices (2 rows, 32 bytes each), a replicated [3] float32 on
+    every device (12), a [5] int32 on the first only (20): 64 bytes on the first device, 44 elsewhere."""
+    mesh = make_test_mesh((1, 8, 1))
+    rows = jax.device_put(np.zeros((16, 4), np.float32), NamedSharding(mesh, P("fsdp")))
+    everywhere = jax.device_put(np.zeros(3, np.float32), NamedSharding(mesh, P()))
+    first = jax.device_put(np.zeros(5, np.int32), mesh.devices.flat[0])
+    assert sharding.device_bytes_held((rows, everywhere, first, None)) == 64
+    assert sharding.device_bytes_held((rows, everywhere)) == 44
+    assert sharding.free_device_bytes(mesh.devices.flat) is None  # a CPU reports no memory
+
+
+@pytest.mark.parametrize("overrides,held,advice", [
+    (PARTIAL, "its engine state and KV cache", " or fewer rollout.slots"),
+    ({"rollout.off_policy_steps": 2, "train.iterations": 3}, "its sample and scores", ""),
+], ids=["partial", "whole"])
+def test_batches_in_flight_that_do_not_fit_the_devices_are_refused_in_one_line(monkeypatch, tmp_path, overrides,
+                                                                              held, advice):
+    """Where the devices report their free memory (a GPU or TPU), the first batch in flight is measured
+    before the others are dispatched: here 1 byte is free, so k = 2 is refused."""
+    monkeypatch.setattr(sharding, "free_device_bytes", lambda devices: 1)
+    trainer = trainer_at(tmp_path, **overrides)
+    size = r"(\d+\.\d\d [KMG]iB)"
+    with pytest.raises(RunFailedError, match=r"ConfigError: rollout.off_policy_steps=2: a batch in flight holds "
+                       rf"{size} per sampler device \({held}, measured on the first\), so the 2 that join it need "
+                       rf"{size}, but 0.00 KiB are free there; use rollout.off_policy_steps=0 or less{advice}; "
+                       r"no iteration completed") as err:
+        trainer.train()
+    scale = {"KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30}
+    each, need = (float(n) * scale[u] for n, u in re.findall(r"(?:holds|need) ([\d.]+) ([KMG]iB)", str(err.value)))
+    assert each > 0 and need == pytest.approx(2 * each, rel=0.01)
+    assert len(trainer.rollouts.in_flight) == 1  # the others were never dispatched
+    trainer.close()
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -69,6 +69,12 @@ def decode_arrays(record: dict[str, dict]) -> dict[str, np.ndarray]:
             for name, v in record.items()}
 
 
+def _size(nbytes: int) -> str:
+    """Bytes in the largest binary unit (KiB, MiB, GiB) that leaves at least 1 of it."""
+    power, unit = next(((p, u) for p, u in ((30, "GiB"), (20, "MiB")) if nbytes >= 2 ** p), (10, "KiB"))
+    return f"{nbytes / 2 ** power:.2f} {unit}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Texts:
     """Token ids -> texts, for the Python reward functions and the sample logs."""
@@ -133,6 +139,7 @@ class Rollouts:
         self.segment_steps = segments.segment_budget(
             settings.rollout.batch_size * settings.rollout.num_samples, steps.sampling_config,
             settings.rollout.off_policy_steps + 1) if self.segmented else 0
+        self.room_checked = False  # `_check_room`: once a run, when its first batch is in flight
         self.warned_segment_bytes = False  # said once: a checkpoint saves the partial rollouts in flight whole
         self.scorer: FrozenParams | None = None  # roles.scoring="sampler": the frozen models on the sampler's mesh
         if settings.roles.scoring == "sampler":
@@ -252,6 +259,7 @@ class Rollouts:
         while iteration + len(self.in_flight) <= last:  # in flight: batches iteration, iteration + 1, ...
             batch = iteration + len(self.in_flight)
             self.in_flight.append(self.start(state, *self.prompts.next_batch(), self.iteration_key(batch)))
+            self._check_room(more=last - batch)
         current = self.in_flight.popleft()
         return self.finish(current), current.sample
 
@@ -262,6 +270,7 @@ class Rollouts:
         iteration, weights = int(state.step), self.sampler_weights(state)
         if not self.in_flight:  # a run's first iteration: batch `iteration` begins now
             self.in_flight.append(self.start(state, *self.prompts.next_batch(), self.iteration_key(iteration)))
+            self._check_room(more=last - iteration)
         for started in self.in_flight:
             if isinstance(started.segment, dict):  # restored from a checkpoint: rebuilt on the sampler's mesh
                 started.segment = self._rebuild_segment(started.segment, weights)
@@ -278,6 +287,27 @@ class Rollouts:
             batch = iteration + 1 + len(self.in_flight)
             self.in_flight.append(self.start(state, *self.prompts.next_batch(), self.iteration_key(batch)))
         return self.finish(current), current.sample
+
+    def _check_room(self, more: int) -> None:
+        """With the first batch of a fresh run in flight and `more` to join it (k-step off-policy):
+        each will hold what the first holds on the sampler's devices (measured: its sample and scores,
+        with partial rollouts its engine state and KV cache), so refuse in one line, before the others
+        are dispatched, when that does not fit their free memory. Devices that report none (a CPU)
+        are not checked."""
+        if len(self.in_flight) != 1 or more < 1 or self.room_checked:
+            return
+        self.room_checked = True
+        free = sharding.free_device_bytes(self.meshes.sampler.devices.flat)
+        first = self.in_flight[0]
+        each = sharding.device_bytes_held((first.sample, first.ref_logprobs, first.model_scores, first.segment))
+        if free is None or more * each <= free:
+            return
+        held = "its engine state and KV cache" if self.segmented is not None else "its sample and scores"
+        raise ConfigError(f"rollout.off_policy_steps={self.steps_ahead}: a batch in flight holds {_size(each)} per "
+                          f"sampler device ({held}, measured on the first), so the {more} that join it need "
+                          f"{_size(more * each)}, but {_size(free)} are free there; use "
+                          f"rollout.off_policy_steps={free // each if each else 0} or less"
+                          + (" or fewer rollout.slots" if self.segmented is not None else ""))
 
     def _rebuild_segment(self, arrays: dict[str, np.ndarray], weights: roles.SyncedWeights) -> segments.Segment:
         """A Segment saved as host arrays by tree path, back on the sampler's mesh (replicated; the
