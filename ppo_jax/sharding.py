@@ -418,10 +418,10 @@ def device_bytes_held(tree: Any) -> int:
 
 
 def free_device_bytes(devices: Iterable[jax.Device]) -> int | None:
-    """The least free memory (`bytes_limit - bytes_in_use`) among `devices`; None when one of them
-    reports none (a CPU)."""
+    """The least free memory (`bytes_limit - bytes_in_use`) among this process's `devices` (another
+    process's device cannot be asked); None when one of them reports none (a CPU)."""
     free = []
-    for device in devices:
+    for device in (d for d in devices if d.process_index == jax.process_index()):
         stats = device.memory_stats()
         if not stats or "bytes_limit" not in stats:
             return None

@@ -298,9 +298,11 @@ class Rollouts:
             return
         self.room_checked = True
         free = sharding.free_device_bytes(self.meshes.sampler.devices.flat)
+        if free is None:
+            return
         first = self.in_flight[0]
         each = sharding.device_bytes_held((first.sample, first.ref_logprobs, first.model_scores, first.segment))
-        if free is None or more * each <= free:
+        if more * each <= free:
             return
         held = "its engine state and KV cache" if self.segmented is not None else "its sample and scores"
         raise ConfigError(f"rollout.off_policy_steps={self.steps_ahead}: a batch in flight holds {_size(each)} per "
