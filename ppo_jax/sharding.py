@@ -16,7 +16,6 @@ replicated).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import math
@@ -407,14 +406,12 @@ def permute_context(x: jax.Array, pairs: Sequence[tuple[int, int]]) -> jax.Array
     return jax.lax.ppermute(x, CONTEXT_AXIS, perm=list(pairs))
 
 
-def device_bytes_held(tree: Any) -> int:
-    """The most bytes the arrays of `tree` hold on any one device (the sizes of their shards there)."""
-    held: collections.Counter = collections.Counter()
-    for x in jax.tree.leaves(tree):
-        if isinstance(x, jax.Array):
-            for shard in x.addressable_shards:
-                held[shard.device] += shard.data.nbytes
-    return max(held.values(), default=0)
+def device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of arrays or ShapeDtypeStructs with shardings: each leaf's
+    shard shape times its item size (every device of a leaf's sharding holds the same shard shape, as
+    `logical_to_spec` uses only mesh axes that divide; a typed PRNG key counts its key data)."""
+    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+               for leaf in jax.tree.leaves(tree))
 
 
 def free_device_bytes(devices: Iterable[jax.Device]) -> int | None:

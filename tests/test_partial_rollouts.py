@@ -199,15 +199,15 @@ def test_the_planner_holds_each_partial_rollouts_kv_cache():
             assert partial["update"] - whole["update"] == (0 if where == "disaggregated" else k * 64), (where, k)
 
 
-def test_bytes_held_per_device_are_the_largest_sum_of_shards():
+def test_bytes_one_device_holds_are_its_shards():
     """[16, 4] float32 rows split over 8 devices (2 rows, 32 bytes each), a replicated [3] float32 on
     every device (12), a [5] int32 on the first only (20): 64 bytes on the first device, 44 elsewhere."""
     mesh = make_test_mesh((1, 8, 1))
     rows = jax.device_put(np.zeros((16, 4), np.float32), NamedSharding(mesh, P("fsdp")))
     everywhere = jax.device_put(np.zeros(3, np.float32), NamedSharding(mesh, P()))
     first = jax.device_put(np.zeros(5, np.int32), mesh.devices.flat[0])
-    assert sharding.device_bytes_held((rows, everywhere, first, None)) == 64
-    assert sharding.device_bytes_held((rows, everywhere)) == 44
+    assert sharding.device_bytes((rows, everywhere, first, None)) == 64
+    assert sharding.device_bytes((rows, everywhere)) == 44
     assert sharding.free_device_bytes(mesh.devices.flat) is None  # a CPU reports no memory
 
 

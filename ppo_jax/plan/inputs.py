@@ -10,27 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
-import numpy as np
 
 from ppo_jax.rl import roles
 from ppo_jax.rl.state import FrozenParams, policy_variables
-
-
-def device_bytes(tree: Any) -> int:
-    """Bytes one device holds of a tree of ShapeDtypeStructs with shardings.
-
-    Every device holds the same shard shape (sharding.logical_to_spec only uses mesh axes that divide),
-    so the first device's shard is every device's.
-    """
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        shard = leaf.sharding.shard_shape(leaf.shape)
-        total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
-    return total
+from ppo_jax.sharding import device_bytes
 
 
 def placed(tree: Any, shardings: Any) -> Any:

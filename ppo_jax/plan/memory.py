@@ -55,7 +55,6 @@ from ppo_jax.accelerators.hlo import ProgramStructure
 from ppo_jax.config import ConfigError
 from ppo_jax.models import ModelConfig
 from ppo_jax.plan import role_memory
-from ppo_jax.plan.inputs import device_bytes
 from ppo_jax.plan.programs import LoweredRun, PlannedRun, kv_cache_bytes, lower_programs, planned_run, planned_settings
 from ppo_jax.plan.role_memory import Holdings, RolesPlan
 from ppo_jax.rl import build, roles
@@ -241,16 +240,16 @@ class TreeBytes:
 
 def tree_bytes(run: PlannedRun) -> TreeBytes:
     state, kept = run.state, run.kept
-    base = device_bytes(run.base) if run.base is not None else 0
-    params = {"policy": device_bytes(state.policy) + base,
-              "reference": device_bytes(kept.reference) if kept.reference is not None else 0,
-              "reward": device_bytes(kept.reward),
+    base = sharding.device_bytes(run.base) if run.base is not None else 0
+    params = {"policy": sharding.device_bytes(state.policy) + base,
+              "reference": sharding.device_bytes(kept.reference) if kept.reference is not None else 0,
+              "reward": sharding.device_bytes(kept.reward),
               # With value LoRA: its adapters + head (the trainable tree), no base of its own.
-              "value": device_bytes(state.value) if state.value is not None else 0}
-    optimizer = {"policy": device_bytes(state.policy_opt),
-                 "value": device_bytes(state.value_opt) if state.value_opt is not None else 0}
+              "value": sharding.device_bytes(state.value) if state.value is not None else 0}
+    optimizer = {"policy": sharding.device_bytes(state.policy_opt),
+                 "value": sharding.device_bytes(state.value_opt) if state.value_opt is not None else 0}
     key_data = jax.eval_shape(jax.random.key_data, state.key)  # the key is replicated: every device holds it
-    scalars = device_bytes((state.step, state.kl)) + math.prod(key_data.shape) * key_data.dtype.itemsize
+    scalars = sharding.device_bytes((state.step, state.kl)) + math.prod(key_data.shape) * key_data.dtype.itemsize
     return TreeBytes(params, optimizer, scalars, base)
 
 
@@ -258,12 +257,12 @@ def holdings(trees: TreeBytes, low: LoweredRun) -> Holdings:
     """On the devices when each phase starts: every tree and the state's scalars for the whole run, the
     previous iteration's (rollout, experience) that the trainer keeps for samples, and the phase's
     batch inputs (the update runs while the current rollout is still referenced)."""
-    rollout, experience = device_bytes(low.rollout), device_bytes(low.experience)
+    rollout, experience = sharding.device_bytes(low.rollout), sharding.device_bytes(low.experience)
     return Holdings(
         trainer_resident=trees.resident, held=rollout + experience, rollout=rollout, experience=experience,
-        prompts=device_bytes((low.prompts, low.prompts)), policy_copy=low.decoded.copy_bytes,
-        sample=device_bytes(low.sample), scorer_frozen=low.scorer.frozen_bytes if low.scorer else 0,
-        scores=device_bytes(low.scores))
+        prompts=sharding.device_bytes((low.prompts, low.prompts)), policy_copy=low.decoded.copy_bytes,
+        sample=sharding.device_bytes(low.sample), scorer_frozen=low.scorer.frozen_bytes if low.scorer else 0,
+        scores=sharding.device_bytes(low.scores))
 
 
 def reference_kind(s, lora: bool) -> str:

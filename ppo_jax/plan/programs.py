@@ -20,7 +20,7 @@ from ppo_jax import sharding
 from ppo_jax.config import from_config
 from ppo_jax.models import ModelConfig, boxed_params, init_cache
 from ppo_jax.models.cache import SPLIT_KV_CACHE_AXES
-from ppo_jax.plan.inputs import SamplerInputs, ScorerInputs, device_bytes, placed, sampler_inputs, scorer_inputs
+from ppo_jax.plan.inputs import SamplerInputs, ScorerInputs, placed, sampler_inputs, scorer_inputs
 from ppo_jax.rl import build, roles
 from ppo_jax.rl.hyper import DerivedSizes, PPOHyper
 from ppo_jax.rl.settings import Settings, stop_token_ids
@@ -201,4 +201,4 @@ def kv_cache_bytes(run: PlannedRun, steps: build.Steps, rows: int) -> int:
     cache = jax.eval_shape(lambda: init_cache(run.policy_config, cache_rows, width, steps.sampling_config.cache_dtype))
     cache_sh = jax.sharding.NamedSharding(sampler_mesh, sharding.logical_to_spec(SPLIT_KV_CACHE_AXES, cache.k.shape,
                                                                                  sampler_mesh))
-    return 2 * device_bytes(jax.ShapeDtypeStruct(cache.k.shape, cache.k.dtype, sharding=cache_sh))
+    return 2 * sharding.device_bytes(jax.ShapeDtypeStruct(cache.k.shape, cache.k.dtype, sharding=cache_sh))

@@ -139,7 +139,6 @@ class Rollouts:
         self.segment_steps = segments.segment_budget(
             settings.rollout.batch_size * settings.rollout.num_samples, steps.sampling_config,
             settings.rollout.off_policy_steps + 1) if self.segmented else 0
-        self.room_checked = False  # `_check_room`: once a run, when its first batch is in flight
         self.warned_segment_bytes = False  # said once: a checkpoint saves the partial rollouts in flight whole
         self.scorer: FrozenParams | None = None  # roles.scoring="sampler": the frozen models on the sampler's mesh
         if settings.roles.scoring == "sampler":
@@ -294,14 +293,13 @@ class Rollouts:
         with partial rollouts its engine state and KV cache), so refuse in one line, before the others
         are dispatched, when that does not fit their free memory. Devices that report none (a CPU)
         are not checked."""
-        if len(self.in_flight) != 1 or more < 1 or self.room_checked:
+        if len(self.in_flight) != 1 or more < 1:  # only a fresh run's first batch is ever alone here
             return
-        self.room_checked = True
         free = sharding.free_device_bytes(self.meshes.sampler.devices.flat)
         if free is None:
             return
         first = self.in_flight[0]
-        each = sharding.device_bytes_held((first.sample, first.ref_logprobs, first.model_scores, first.segment))
+        each = sharding.device_bytes((first.sample, first.ref_logprobs, first.model_scores, first.segment))
         if more * each <= free:
             return
         held = "its engine state and KV cache" if self.segmented is not None else "its sample and scores"
