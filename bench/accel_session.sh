@@ -15,6 +15,7 @@
 #   steps_per_sync=1 (a host round trip per decode step, as before), command buffers that capture the
 #   decode loop (+WHILE, the K-step inner loop as one CUDA graph), cuBLAS instead of Triton GEMMs,
 #   cuBLASLt, remat full (the trainer's GPU default) and packing on
+# ONLY="slice_base slice_graph_while" runs just the named runs of a part (a short device session).
 # PART "all": both, in one call (needs a limit of about 11 minutes: two device calls are safer).
 #
 # Each run has its own time limit, so one slow run cannot eat the others. Everything lands in
@@ -41,6 +42,7 @@ python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__versi
 
 run() {  # run NAME [VAR=VALUE ...] -- BENCH_ARGS...: one bench_accel.py run, its table, its figures in NAME.json
   local name=$1; shift
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi  # ONLY="a b": just these runs
   local env=()
   while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do env+=("$1"); shift; done
   shift
