@@ -162,6 +162,9 @@ def ppo_jax_settings(args, assets):
 
     c = ppo_config()
     c.policy.path, c.reward.path = assets["paths"]["policy"], assets["paths"]["reward"]
+    # The run's dtypes, which the value and reward models follow: without them a bf16 checkpoint is
+    # upcast to fp32 (the loader's default), and every GEMM of the 2026-11-26/27 H200 runs was TF32.
+    c.policy.param_dtype, c.policy.dtype = args.param_dtype, args.dtype
     c.value.init = "reward"
     c.data.prompt_length = args.prompt
     c.data.truncation = "error"  # prompts are exactly --prompt tokens
@@ -183,7 +186,7 @@ def ppo_jax_settings(args, assets):
     return c
 
 
-def run_ppo_jax(args, assets, workdir: str) -> dict:
+def run_ppo_jax(args, assets, workdir: str, on_timed=lambda ours: None) -> dict:
     import jax
 
     from ppo_jax import sharding
@@ -205,11 +208,14 @@ def run_ppo_jax(args, assets, workdir: str) -> dict:
     first, steady = rows[0], rows[1:]
     median = {k: statistics.median(r[k] for r in steady) for k in first}
     stats = jax.devices()[0].memory_stats() or {}
-    profile = traced_iteration(trainer, args.profile) if args.profile else None
-    return {"trainer_start_s": start_s, "first": first, "median": median,
+    ours = {"trainer_start_s": start_s, "first": first, "median": median,
             "compile_s": {k: first[k] - median[k] for k in first},
             "peak_bytes": stats.get("peak_bytes_in_use"), "trace_counts": dict(trainer.trace_counts),
-            "model": dataclasses.asdict(trainer.policy_config), "profile": profile}
+            "model": dataclasses.asdict(trainer.policy_config), "profile": None}
+    on_timed(ours)  # the timings are saved before the trace, which a device session's limit may cut
+    if args.profile:
+        ours["profile"] = traced_iteration(trainer, args.profile)
+    return ours
 
 
 def traced_iteration(trainer, trace_dir: str) -> dict:
@@ -413,9 +419,12 @@ def print_table(args, fig: dict, ours: dict) -> None:
 
     ppo = fig["ppo_jax"]
     print(f"\ndevice: {jax.devices()[0].device_kind} ({jax.default_backend()}); peaks {fig['peaks']}")
-    print(f"shape: {args.shape}, {args.param_dtype} params / {args.dtype} compute, {args.rows} rows × "
+    model = ours["model"]  # what the trainer resolved, not what was asked for
+    print(f"shape: {args.shape}, {model['param_dtype']} params / {model['dtype']} compute, {args.rows} rows × "
           f"({args.prompt} + {args.response}) tokens, minibatches of {args.minibatch_rows}; "
-          f"attention={args.attention} layer_loop={args.layer_loop} remat={args.remat} decode={args.decode}")
+          f"attention={args.attention} ({model['attention']}) layer_loop={args.layer_loop} "
+          f"(scan {model['scan_layers']}) remat={args.remat} ({model['remat_policy'] if model['remat'] else 'none'}) "
+          f"decode={args.decode}")
     g = ppo["generate"]
     print(f"  generate    {g['seconds']:.3f} s  {g['ms_per_step']:.2f} ms/step  {g['tokens_per_s']:.0f} tok/s  "
           f"roofline {_fmt(g['roofline_fraction'], '.0%')}")
@@ -500,14 +509,18 @@ def main(argv=None) -> dict:
                 peers["hf_generate"] = run_hf_generate(args, assets)
                 peers["torch_update"] = run_torch_update(args, assets)
                 release_torch_memory()
-        ours = run_ppo_jax(args, assets, os.path.join(workdir, "run"))
-        fig = figures(args, assets["config"], ours, peers)
-    print_table(args, fig, ours)
-    result = {"args": vars(args), "environment": environment(), "figures": fig, "ppo_jax_raw": ours,
-              "peers_raw": peers}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2, default=str)
+
+        def save(ours: dict) -> dict:
+            result = {"args": vars(args), "environment": environment(),
+                      "figures": figures(args, assets["config"], ours, peers), "ppo_jax_raw": ours,
+                      "peers_raw": peers}
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(result, f, indent=2, default=str)
+            return result
+
+        result = save(run_ppo_jax(args, assets, os.path.join(workdir, "run"), on_timed=save))
+    print_table(args, result["figures"], result["ppo_jax_raw"])
     return result
 
 

@@ -51,3 +51,56 @@ def test_tiny_run_reports_every_phase_and_the_peers(tmp_path):
         assert times["seconds"] > 0 and times["events"] > 0, program
         assert sum(times["by_kind"].values()) == pytest.approx(times["seconds"])
     assert profile["jit_update"]["by_kind"].get("gemm", 0) > 0  # the update's matmuls are found as such
+
+
+def test_the_trainer_runs_in_the_dtypes_the_benchmark_names(tmp_path):
+    """The benchmark's checkpoints are bf16; the trainer must hold and run all four trees in bf16 as the
+    table says, not upcast them to fp32 (the loader's default). The 2026-11-26/27 H200 runs did: every
+    GEMM was an fp32 (TF32) kernel while the table printed "bfloat16 params / bfloat16 compute"."""
+    import jax
+    import jax.numpy as jnp
+
+    from ppo_jax import sharding
+    from ppo_jax.rl.trainer import PPOTrainer
+
+    args = bench_accel.parse_args(["--tiny"])
+    args.param_dtype = args.dtype = "bfloat16"  # --tiny computes in fp32 for the CPU; the GPU default is bf16
+    assets = bench_accel.build_assets(bench_accel.TINY, args, str(tmp_path))
+    trainer = PPOTrainer(bench_accel.ppo_jax_settings(args, assets), str(tmp_path / "run"),
+                         tokenizer=assets["tokenizer"], prompts=assets["prompts"],
+                         mesh=sharding.make_mesh((1, 1, 1), jax.devices()[:1]))
+    for name, params, module in (("policy", trainer.state.policy, trainer.modules.policy),
+                                 ("value", trainer.state.value, trainer.modules.value),
+                                 ("reward", trainer.frozen.reward, trainer.modules.reward),
+                                 ("reference", trainer.frozen.reference, trainer.modules.policy)):
+        floats = {jnp.dtype(x.dtype).name for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)}
+        assert floats == {"bfloat16"} and module.config.dtype == "bfloat16", name
+    trainer.close()
+
+
+def test_the_trace_summary_counts_overlapping_kernels_and_a_loop_once():
+    """bench/profile_summary.py on a hand-made GPU stream: a while loop holding two kernels, then two
+    kernels whose timestamps overlap by a few ns (CUPTI's, inside a CUDA graph), named by the kernel
+    since their op is the graph. The loop's own event is not counted; both overlapping kernels are
+    (the first version dropped the earlier of such a pair: 40% of the H200 update's kernels)."""
+    import types
+
+    import profile_summary
+
+    def event(name, start, duration, op):
+        return types.SimpleNamespace(name=name, start_ns=start, duration_ns=duration,
+                                     stats=[("hlo_module", "jit_update"), ("hlo_op", op)])
+
+    stream = types.SimpleNamespace(name="Stream #14(Compute)", events=[
+        event("while.3", 0, 1000, "while.3"),
+        event("loop_add_fusion", 10, 400, "loop_add_fusion"),
+        event("gemm_fusion_dot", 500, 400, "gemm_fusion_dot"),
+        event("sm90_xmma_gemm_bf16bf16_bf16f32", 2000, 1000, "command_buffer_7"),
+        event("loop_transpose_fusion", 2990, 500, "command_buffer_7"),
+    ])
+    plane = types.SimpleNamespace(name="/device:GPU:0", lines=[stream])
+    events = [(e.name, profile_summary.op_name(stats, e.name)) for e, stats in profile_summary._op_events(plane)]
+    assert events == [("loop_add_fusion", "loop_add_fusion"), ("gemm_fusion_dot", "gemm_fusion_dot"),
+                      ("sm90_xmma_gemm_bf16bf16_bf16f32", "sm90_xmma_gemm_bf16bf16_bf16f32"),
+                      ("loop_transpose_fusion", "loop_transpose_fusion")]
+    assert [profile_summary.kind_of(op, name) for name, op in events] == ["other", "gemm", "gemm", "transpose"]

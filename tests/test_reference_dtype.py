@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from conftest import make_test_mesh
 from test_lora_ppo import assert_same_run
+from test_lora_value import reward_dir  # noqa: F401  (a fixture)
 from tiny_configs import tiny_config
 
 from ppo_jax.config import ConfigError
@@ -77,3 +78,43 @@ def test_the_planner_holds_the_reference_at_half_the_fp32_policy():
 def test_bad_reference_dtype_settings_are_refused_before_anything_runs(overrides, message, tmp_path):
     with pytest.raises(ConfigError, match=message):
         trainer_for(tmp_path, 1, **overrides)
+
+
+# ------------------------------------------------------------------ the value and reward models' dtypes
+
+BF16_RUN = {"policy.param_dtype": "bfloat16", "policy.dtype": "bfloat16"}
+MIXED_RUN = {"policy.param_dtype": "float32", "policy.dtype": "bfloat16", "reward.param_dtype": "bfloat16"}
+
+
+def floating_dtypes(tree) -> set[str]:
+    return {jnp.dtype(x.dtype).name for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)}
+
+
+@pytest.mark.parametrize("overrides, want", [
+    (BF16_RUN, {"policy": ("bfloat16", "bfloat16"), "value": ("bfloat16", "bfloat16"), "reward": ("bfloat16", "bfloat16")}),
+    (MIXED_RUN, {"policy": ("float32", "bfloat16"), "value": ("float32", "bfloat16"), "reward": ("bfloat16", "bfloat16")}),
+], ids=["bf16", "mixed"])
+def test_the_value_and_reward_models_follow_the_policys_dtypes(reward_dir, tmp_path, overrides, want):
+    """The reward model (an fp32 checkpoint) is held and run in the policy's dtypes unless reward.* names
+    its own, and the value model started from it is trained like the policy. Before, both stayed fp32
+    whatever the policy's settings: on the 2026-11-27 H200 run every GEMM of experience and update
+    was an fp32 (TF32) kernel, at half the bf16 rate."""
+    c = config(1, **{"reward.path": str(reward_dir), "value.init": "reward", "policy.reference_dtype": "",
+                     **overrides})
+    trainer = PPOTrainer(c, str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
+    trees = {"policy": (trainer.state.policy, trainer.modules.policy), "value": (trainer.state.value, trainer.modules.value),
+             "reward": (trainer.frozen.reward, trainer.modules.reward)}
+    for name, (params, module) in trees.items():
+        param_dtype, dtype = want[name]
+        assert floating_dtypes(params) == {param_dtype}, name
+        assert (module.config.param_dtype, module.config.dtype) == (param_dtype, dtype), name
+    # The value model starts as the reward model, as held, in its own dtype.
+    value, reward = jax.device_get(trainer.state.value), jax.device_get(trainer.frozen.reward)
+    for v, r in zip(jax.tree.leaves(value), jax.tree.leaves(reward)):
+        np.testing.assert_array_equal(v, r.astype(v.dtype))
+    trainer.close()
+
+
+def test_a_reward_dtype_that_does_not_exist_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"reward.dtype='bf16': use one of"):
+        PPOTrainer(config(1, **{"reward.dtype": "bf16"}), str(tmp_path), mesh=make_test_mesh((1, 1, 1)))

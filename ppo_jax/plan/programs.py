@@ -44,7 +44,7 @@ def planned_reward_config(s: Settings, policy_cfg: ModelConfig, mesh=None) -> tu
     if s.plan.reward_model is not None:
         return s.compute.apply(s.plan.reward_model, *build.mesh_platform(mesh)), "plan.reward_model"
     if s.reward.path:
-        return build.reward_model_config(s, mesh), f"reward.path={s.reward.path}"
+        return build.reward_model_config(s, policy_cfg, mesh), f"reward.path={s.reward.path}"
     if s.policy.reference_dtype:  # a frozen tree, held like the reference
         return (policy_cfg.replace(param_dtype=s.policy.reference_dtype),
                 f"the policy's architecture, {s.policy.reference_dtype} like the reference")

@@ -119,7 +119,10 @@ def _check_cached_rope(cfg: ModelConfig, length: int) -> None:
             f"the new ones, so rollout log-probs would not be training log-probs. Keep the sum <= {limit}")
 
 
-def reward_model_config(s: Settings, mesh=None) -> ModelConfig | None:
+def reward_model_config(s: Settings, policy_cfg: ModelConfig, mesh=None) -> ModelConfig | None:
+    """The frozen reward model's architecture (its config.json, no weights read), held and run in
+    reward.param_dtype / reward.dtype, each "" meaning the policy's (`policy_cfg`): a bf16 policy
+    scores with a bf16 reward model rather than an fp32 one at half the GPU's matmul rate."""
     if not s.reward.path:
         return None
     cfg, kind = hf.load_config(s.reward.path)
@@ -128,14 +131,33 @@ def reward_model_config(s: Settings, mesh=None) -> ModelConfig | None:
             f"reward.path={s.reward.path!r} holds a {kind} checkpoint; the reward model must be a "
             "sequence classifier with one label (ForSequenceClassification, num_labels=1)")
     sharding.check_experts_split(cfg.num_experts, mesh, "reward", ConfigError)
+    cfg = cfg.replace(param_dtype=s.reward.param_dtype or policy_cfg.param_dtype,
+                      dtype=s.reward.dtype or policy_cfg.dtype)
     return s.compute.apply(cfg, *mesh_platform(mesh))
+
+
+def load_reward_params(s: Settings, cfg: ModelConfig, mesh):
+    """The frozen reward model's weights from reward.path, in the dtypes of `cfg` (reward_model_config)."""
+    return hf.load_model(s.reward.path, mesh, kind="reward", param_dtype=cfg.param_dtype, dtype=cfg.dtype,
+                         execution=cfg.execution()).params
+
+
+def value_model_config(s: Settings, policy_cfg: ModelConfig, reward_cfg: ModelConfig | None) -> ModelConfig:
+    """The value model: the reward model's architecture or the policy's (value.init), trained like the
+    policy, in its parameter and compute dtypes. A LoRA value model keeps its frozen base's parameter
+    dtype (the base is that tree's arrays, not a copy)."""
+    cfg = reward_cfg if s.value.init == "reward" else policy_cfg
+    cfg = s.value.lora.apply(cfg, "value")
+    if cfg.lora is None:
+        cfg = cfg.replace(param_dtype=policy_cfg.param_dtype)
+    return cfg.replace(dtype=policy_cfg.dtype)
 
 
 def make_modules(s: Settings, policy_cfg: ModelConfig, reward_cfg: ModelConfig | None) -> Modules:
     value = None
     if s.uses_critic:  # value.lora's adapters (a full model when off, whatever the policy is)
-        cfg, head = (reward_cfg, "reward") if s.value.init == "reward" else (policy_cfg, "zero")
-        value = ScalarModel(s.value.lora.apply(cfg, "value"), head_init=head)
+        value = ScalarModel(value_model_config(s, policy_cfg, reward_cfg),
+                            head_init="reward" if s.value.init == "reward" else "zero")
     reward = ScalarModel(reward_cfg, head_init="reward") if reward_cfg is not None else None
     return Modules(policy=CausalLM(policy_cfg), value=value, reward=reward)
 
@@ -177,12 +199,15 @@ def abstract_train_state(s: Settings, modules: Modules, policy_tx, value_tx, mes
 def as_reference(s: Settings, tree):
     """`tree` (the policy's params, as arrays or ShapeDtypeStructs) in the dtype the frozen reference
     is held in (`policy.reference_dtype`; unchanged when ""). Only floating-point leaves change."""
-    if not s.policy.reference_dtype:
-        return tree
-    dtype = jnp.dtype(s.policy.reference_dtype)
+    return cast_floating(tree, s.policy.reference_dtype) if s.policy.reference_dtype else tree
+
+
+def cast_floating(tree, dtype):
+    """`tree` (arrays or ShapeDtypeStructs) with its floating-point leaves in `dtype`."""
+    dtype = jnp.dtype(dtype)
 
     def cast(x):
-        if not jnp.issubdtype(x.dtype, jnp.floating):
+        if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype:
             return x
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
@@ -282,8 +307,8 @@ def initial_params(s: Settings, modules: Modules, shardings: PPOState, mesh, key
         # A copy: the trainable state is donated, the reward model's head must survive it.
         value = sharding.copy_tree(trainable_value(adapters, head), shardings.value)
     elif modules.value is not None:
-        if s.value.init == "reward":
-            value = sharding.copy_tree(reward_params, shardings.value)
+        if s.value.init == "reward":  # in the value model's dtype (the policy's), which may not be the reward's
+            value = sharding.copy_tree(cast_floating(reward_params, modules.value.config.param_dtype), shardings.value)
         else:
             head = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
                                 nn.unbox(boxed_params(modules.value))["score"])

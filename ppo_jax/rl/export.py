@@ -105,8 +105,8 @@ def lora_value_base(settings: Settings, modules: Modules, extra: dict, abstract,
     `frozen_checksums["value_base"]`."""
     recorded = extra.get("frozen_checksums", {})
     if settings.value.init == "reward":
-        execution = build.reward_model_config(settings).execution()
-        tree = hf.load_model(settings.reward.path, mesh, kind="reward", execution=execution).params
+        # The base is the reward model as the run held it: in the value model's parameter dtype.
+        tree = build.load_reward_params(settings, modules.value.config, mesh)
     elif modules.policy.config.lora is not None:
         tree = build.rebuild_lora_base(settings, modules, mesh, build.run_keys(settings.seed).init,
                                        recorded.get("policy_base"), ckpt_dir)

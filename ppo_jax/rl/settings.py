@@ -68,8 +68,8 @@ class PolicySettings:
     path: str = ""  # initial policy: a Hugging Face model directory (e.g. written by python -m ppo_jax.cli.export), not a ppo_jax checkpoint; "" = build from policy.model
     model: ModelConfig = ModelConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4,
                                      max_position_embeddings=128)  # architecture when policy.path is ""
-    param_dtype: str = ""  # override parameter dtype ("" = keep the checkpoint's / model's)
-    dtype: str = ""  # override compute dtype ("" = keep)
+    param_dtype: str = ""  # parameter dtype of the policy and value model ("" = policy.model's; float32 for a policy.path checkpoint, bf16 ones upcast)
+    dtype: str = ""  # compute dtype of the policy and value model ("" = as param_dtype's ""); "bfloat16" beside fp32 params is mixed precision
     reference_dtype: str = ""  # dtype the frozen reference copy is held in ("" = the policy's; "bfloat16" beside fp32 master weights halves it; its matmuls already run in the compute dtype)
     lora: PolicyLoraSettings = PolicyLoraSettings()
 
@@ -89,6 +89,8 @@ class RewardSettings:
     missing_stop_value: float = -1.0  # the replacement score ("replace") or the penalty subtracted ("penalty")
     overlong_buffer: int = 0  # soft overlong punishment (DAPO): over the budget's last N tokens a penalty rises to reward.overlong_penalty, all of it for a row cut without a stop token; 0 = off
     overlong_penalty: float = 1.0  # the largest overlong penalty (subtracted from the score; with reward.overlong_buffer)
+    param_dtype: str = ""  # dtype the frozen reward model is held in ("" = the policy's parameter dtype)
+    dtype: str = ""  # compute dtype of the reward model ("" = the policy's compute dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,8 +292,9 @@ class Settings(RunSettings):
 
     def _validate_models(self) -> None:
         """The policy's and value model's LoRA and dtypes, and where the roles put the frozen models."""
-        check(self.policy.reference_dtype in REFERENCE_DTYPES,
-              f"policy.reference_dtype={self.policy.reference_dtype!r}: use one of {REFERENCE_DTYPES} (\"\" = the policy's)")
+        for field in ("policy.reference_dtype", "reward.param_dtype", "reward.dtype"):
+            value = getattr(getattr(self, field.split(".")[0]), field.split(".")[1])
+            check(value in REFERENCE_DTYPES, f"{field}={value!r}: use one of {REFERENCE_DTYPES} (\"\" = the policy's)")
         self.policy.lora.lora_config()  # LoraConfig's checks (the model family is checked with the model)
         check(not self.policy.reference_dtype or self.policy.lora.rank == 0 and not self.policy.lora.init_from,
               f"policy.reference_dtype={self.policy.reference_dtype!r} with a LoRA policy: the frozen base is the "

@@ -78,8 +78,7 @@ class PPOTrainer:
         # -- Weights: the frozen reward model, then a checkpoint to resume or fresh trainable state.
         reward_params = None
         if self.modules.reward is not None:
-            reward_params = hf.load_model(s.reward.path, self.mesh, kind="reward",
-                                          execution=self.reward_config.execution()).params
+            reward_params = build.load_reward_params(s, self.reward_config, self.mesh)
         self.checkpointing = Checkpointing(s, self.workdir, self.modules, self.mesh, self.abstract_state,
                                            self.state_shardings, self.keys.init)
         weights, extra = self._start_weights(reward_params)
@@ -119,7 +118,7 @@ class PPOTrainer:
         """The model configs, tokenizer, reward functions, batch sizes and stop tokens, each checked."""
         s = self.settings
         self.policy_config = build.policy_model_config(s, self.mesh)
-        self.reward_config = build.reward_model_config(s, self.mesh)
+        self.reward_config = build.reward_model_config(s, self.policy_config, self.mesh)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.reward_functions = (list(reward_functions) if reward_functions is not None else
                                  parse_reward_functions(s.reward.functions, s.reward.function_weights))
