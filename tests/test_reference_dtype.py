@@ -16,6 +16,7 @@ from ppo_jax.config import ConfigError
 from ppo_jax.models.forward import response_logits, token_logprobs
 from ppo_jax import plan as plan_lib
 from ppo_jax.rl.trainer import PPOTrainer
+from ppo_jax.rl.settings import Settings
 
 
 def config(iterations, **overrides):
@@ -118,3 +119,14 @@ def test_the_value_and_reward_models_follow_the_policys_dtypes(reward_dir, tmp_p
 def test_a_reward_dtype_that_does_not_exist_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"reward.dtype='bf16': use one of"):
         PPOTrainer(config(1, **{"reward.dtype": "bf16"}), str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
+
+
+def test_an_fp32_policy_on_an_accelerator_is_warned_about():
+    from ppo_jax.rl import build
+
+    cfg = build.policy_model_config(Settings.from_config(config(1, **{"policy.reference_dtype": ""})))
+    assert cfg.dtype == "float32"
+    assert "policy.dtype=bfloat16" in build.fp32_compute_warning(cfg, "gpu")
+    assert "TF32" in build.fp32_compute_warning(cfg, "gpu") and build.fp32_compute_warning(cfg, "tpu")
+    assert build.fp32_compute_warning(cfg, "cpu") is None
+    assert build.fp32_compute_warning(cfg.replace(dtype="bfloat16"), "gpu") is None

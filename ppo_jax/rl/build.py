@@ -106,6 +106,16 @@ def policy_model_config(s: Settings, mesh=None) -> ModelConfig:
     return s.compute.apply(override_dtypes(cfg, s.policy.param_dtype, s.policy.dtype), *mesh_platform(mesh))
 
 
+def fp32_compute_warning(cfg: ModelConfig, platform: str) -> str | None:
+    """A line for a run whose policy computes in fp32 on a GPU or TPU (a Hugging Face checkpoint loads
+    in fp32 unless policy.dtype says otherwise), None elsewhere."""
+    if platform not in ("gpu", "tpu") or cfg.dtype != "float32":
+        return None
+    return (f"the policy computes in float32 on a {platform}: every matmul runs in fp32 (TF32 on a GPU, half "
+            "the bf16 rate) and fused attention is off; policy.dtype=bfloat16 computes in bf16 and keeps the "
+            f"{cfg.param_dtype} weights (docs/benchmarks.md, the H200 runs)")
+
+
 def _check_cached_rope(cfg: ModelConfig, length: int) -> None:
     """The sampler decodes through a KV cache and the update reads one forward: their log-probs must
     be the same numbers, which a rope scaling that switches with the length breaks past its limit."""

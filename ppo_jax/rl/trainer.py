@@ -119,6 +119,8 @@ class PPOTrainer:
         s = self.settings
         self.policy_config = build.policy_model_config(s, self.mesh)
         self.reward_config = build.reward_model_config(s, self.policy_config, self.mesh)
+        if warning := build.fp32_compute_warning(self.policy_config, build.mesh_platform(self.mesh)[0]):
+            metrics_lib.warn(warning)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.reward_functions = (list(reward_functions) if reward_functions is not None else
                                  parse_reward_functions(s.reward.functions, s.reward.function_weights))
