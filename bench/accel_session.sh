@@ -3,7 +3,7 @@
 #
 #   bash bench/accel_session.sh OUT_DIR [PART] [SECONDS_PER_RUN]
 #
-# PART "main" (about 6 minutes on an H200; run it first):
+# PART "main" (7.3 minutes on an H200 on 2026-11-27, the traced run cut at 200 s; run it first):
 #   default     bench_accel.py at the defaults, TinyLlama-1.1B shape, 64 x (128 + 128), with the peers
 #               (HF generate, PyTorch eager update) in the same process, one traced iteration
 #               (`--profile`), and XLA's optimised HLO of every program dumped: the autotuned
@@ -30,7 +30,7 @@
 set -uo pipefail
 out=${1:?usage: accel_session.sh OUT_DIR [main|ab|all] [SECONDS_PER_RUN]}
 part=${2:-main}
-limit=${3:-200}
+limit=${3:-300}
 here=$(cd "$(dirname "$0")" && pwd)
 work=$(mktemp -d /tmp/accel_session.XXXX)
 mkdir -p "$out"

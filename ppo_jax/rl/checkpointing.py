@@ -21,7 +21,7 @@ from ppo_jax.checkpoint import CheckpointCorruptError, CheckpointError, Checkpoi
 from ppo_jax.checkpoint import verify
 from ppo_jax.config import ConfigError, to_dict
 from ppo_jax.models import hf
-from ppo_jax.rl import build
+from ppo_jax.rl import build, initial_weights
 from ppo_jax.rl.settings import Settings
 from ppo_jax.rl.state import Modules, PPOState
 
@@ -61,7 +61,7 @@ class Checkpointing:
     def resumable(self) -> bool:
         return self.manager is not None and bool(self.manager.all_steps())
 
-    def start_fresh(self, weights: build.StartWeights) -> None:
+    def start_fresh(self, weights: initial_weights.StartWeights) -> None:
         """Records the checksums of a fresh run's frozen trees (the LoRA base and imported adapters;
         the reference is recorded when first saved, or now if this very reference is saved already)."""
         if self.manager is None:
@@ -74,7 +74,7 @@ class Checkpointing:
             self.frozen_checksums["reference"] = None  # its checksums, from the first save (or the check below)
             self.reference_saved = self._adopt_saved_reference(weights.reference)
 
-    def restore(self) -> tuple[build.StartWeights, dict[str, Any]]:
+    def restore(self) -> tuple[initial_weights.StartWeights, dict[str, Any]]:
         """(the weights of the newest checkpoint that verifies, its extra items: data position, sample
         in flight). With LoRA the reference is None (or the imported adapters, re-read) and the base is
         rebuilt from its source."""
@@ -91,11 +91,11 @@ class Checkpointing:
         recorded = self.recorded = extra.get("frozen_checksums", {})
         if self.lora:
             base_record = self.frozen_checksums["policy_base"] = recorded.get("policy_base")
-            reference, base = None, build.rebuild_lora_base(s, self.modules, self.mesh, self.init_key, base_record,
+            reference, base = None, initial_weights.rebuild_lora_base(s, self.modules, self.mesh, self.init_key, base_record,
                                                             self.manager.directory)
             if s.policy.lora.init_from:  # the reference adapters: re-read from policy.lora.init_from and checked
                 imported = self.frozen_checksums["policy_init_adapters"] = recorded.get("policy_init_adapters")
-                reference = build.initial_adapters(s, self.modules, self.state_shardings.policy, self.mesh,
+                reference = initial_weights.initial_adapters(s, self.modules, self.state_shardings.policy, self.mesh,
                                                    self.init_key)
                 verify.check_rebuilt(reference, imported, self.manager.directory, "imported adapters",
                                      "set of imported adapters", f"policy.lora.init_from={s.policy.lora.init_from}",
@@ -103,7 +103,7 @@ class Checkpointing:
         else:
             reference, base = self._restore_reference(recorded.get("reference")), None
         self.resumed_from = restored.step
-        return build.StartWeights(restored.state, reference, base), extra
+        return initial_weights.StartWeights(restored.state, reference, base), extra
 
     def record_value_base(self, value_base) -> None:
         """A LoRA value base's checksums, recorded in every checkpoint; on resume, those the checkpoint
@@ -134,7 +134,7 @@ class Checkpointing:
         except CheckpointError as err:  # missing, damaged, or another model's (shapes differ)
             problem = str(err)
         source = f"policy.path={s.policy.path}" if s.policy.path else "the seed"
-        rebuilt = build.as_reference(s, build.initial_policy(s, self.modules, self.state_shardings.policy, self.mesh,
+        rebuilt = build.as_reference(s, initial_weights.initial_policy(s, self.modules, self.state_shardings.policy, self.mesh,
                                                              self.init_key))
         if recorded is None or verify.mismatches(rebuilt, recorded):
             raise CheckpointCorruptError(

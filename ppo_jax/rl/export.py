@@ -20,7 +20,7 @@ from ppo_jax import sharding
 from ppo_jax.checkpoint import CheckpointManager, verify
 from ppo_jax.config import from_config, model_config_from_dict
 from ppo_jax.models import CausalLM, ScalarModel, hf
-from ppo_jax.rl import build
+from ppo_jax.rl import build, initial_weights
 from ppo_jax.rl.settings import Settings
 from ppo_jax.rl.state import Modules, value_variables
 
@@ -71,7 +71,7 @@ def export_checkpoint(checkpoint: str, out: str, *, step: int | None = None, whi
         state, _ = manager.restore(step, abstract_state=abstract)
         base = None
         if which == "policy" and policy_cfg.lora is not None and lora_format == "merged":
-            base = build.rebuild_lora_base(settings, modules, mesh, build.run_keys(settings.seed).init,
+            base = initial_weights.rebuild_lora_base(settings, modules, mesh, build.run_keys(settings.seed).init,
                                            extra.get("frozen_checksums", {}).get("policy_base"), ckpt_dir)
         if which == "value" and build.value_lora(modules):
             base = lora_value_base(settings, modules, extra, abstract, manager, mesh, ckpt_dir)
@@ -108,7 +108,7 @@ def lora_value_base(settings: Settings, modules: Modules, extra: dict, abstract,
         # The base is the reward model as the run held it: in the value model's parameter dtype.
         tree = build.load_reward_params(settings, modules.value.config, mesh)
     elif modules.policy.config.lora is not None:
-        tree = build.rebuild_lora_base(settings, modules, mesh, build.run_keys(settings.seed).init,
+        tree = initial_weights.rebuild_lora_base(settings, modules, mesh, build.run_keys(settings.seed).init,
                                        recorded.get("policy_base"), ckpt_dir)
     else:
         tree = manager.restore_frozen("reference", build.as_reference(settings, abstract.policy),

@@ -29,7 +29,7 @@ from ppo_jax.data import toy
 from ppo_jax.data.prompt_stream import PromptStream
 from ppo_jax.models import hf
 from ppo_jax.reward_functions import parse as parse_reward_functions
-from ppo_jax.rl import build, roles
+from ppo_jax.rl import build, initial_weights, roles
 from ppo_jax.rl.checkpointing import Checkpointing
 from ppo_jax.rl.episodes import EpisodeRollouts
 from ppo_jax.rl.errors import PREEMPTION_NOTICE, NonFiniteError, RunFailedError
@@ -162,11 +162,11 @@ class PPOTrainer:
                     "the policy and reward-model tokenizers differ (reward.path vs policy.path): the reward "
                     "model would read different token ids; use a reward model trained with the policy's tokenizer")
 
-    def _start_weights(self, reward_params) -> tuple[build.StartWeights, dict | None]:
+    def _start_weights(self, reward_params) -> tuple[initial_weights.StartWeights, dict | None]:
         """The newest checkpoint's weights and extra items, or a fresh run's weights (and None)."""
         if self.checkpointing.resumable:
             return self.checkpointing.restore()
-        weights = build.fresh_weights(self.settings, self.modules, self.state_shardings, self.mesh, self.keys,
+        weights = initial_weights.fresh_weights(self.settings, self.modules, self.state_shardings, self.mesh, self.keys,
                                       reward_params, self.policy_tx, self.value_tx)
         self.checkpointing.start_fresh(weights)
         return weights, None
