@@ -365,8 +365,8 @@ def test_ppo_on_an_moe_policy_keeps_the_invariants(tmp_path, mesh_shape, layer_l
     overrides = {f"policy.model.{name}": value for name, value in model.items()}
     if layer_loop == "scan":  # the router losses on, and their metrics reported
         overrides.update({"ppo.router_aux_coef": 0.01, "ppo.router_z_coef": 0.001})
-    else:  # routing replay on (tests/test_router_replay.py): the trainer carries the record through
-        overrides["moe.router_replay"] = True
+    else:  # routing replay on (tests/test_router_replay.py): the trainer carries the continuous engine's record through
+        overrides.update({"moe.router_replay": True, "rollout.engine": "continuous"})
     config = tiny_config(**{"train.iterations": 2, "policy.model.num_heads": 4, "policy.model.num_experts": 4,
                             "policy.model.experts_per_token": 2, "compute.layer_loop": layer_loop, **overrides})
     if lora:

@@ -26,6 +26,7 @@ from ppo_jax.rl.settings import Settings
 from ppo_jax.rl.state import Experience, FrozenParams, Modules, Trainable
 from ppo_jax.rl.update import pack_minibatch
 from ppo_jax.sampling.config import SamplingConfig
+from ppo_jax.sampling.continuous import sample_continuous
 from ppo_jax.sampling.loop import sample
 
 from conftest import make_test_mesh
@@ -38,9 +39,10 @@ LAYOUTS = {"scan": (True, None, False), "unrolled": (True, None, True), "mixed":
 
 
 @functools.lru_cache(maxsize=None)
-def tied_model(layout: str):
+def tied_model(layout: str, engine: str = "static"):
     """A 2- or 3-layer MoE model whose experts 0 and 1 tie in every router, its params (router x50,
-    experts x10, so routing decides and a flip shows), and a recorded sample of 8 rows."""
+    experts x10, so routing decides and a flip shows), and a recorded sample of 8 rows (on the
+    continuous engine: 3 slots fed 2 prompts at a time, so rows take slots at different steps)."""
     scan, moe_layers, unroll = LAYOUTS[layout]
     cfg = ModelConfig(**MOE, num_layers=3 if moe_layers else 2, scan_layers=scan, moe_layers=moe_layers)
     model = CausalLM(cfg)
@@ -56,10 +58,12 @@ def tied_model(layout: str):
     rng = np.random.default_rng(0)
     prompts = jnp.asarray(rng.integers(1, 64, (4, 6)), jnp.int32)
     prompt_mask = jnp.ones((4, 6), jnp.int32).at[0, :2].set(0).at[2, :4].set(0)
+    engine_args = dict(engine="continuous", slots=3, prefill_prompts=2) if engine == "continuous" else {}
     config = SamplingConfig(max_new_tokens=10, pad_token_id=0, stop_token_ids=(3,), num_samples=2,
-                            record_experts=True, unroll_layers=unroll)
-    out = jax.jit(functools.partial(sample, model=model, config=config))(params, prompts, prompt_mask,
-                                                                         jax.random.key(1))
+                            record_experts=True, unroll_layers=unroll, **engine_args)
+    sampler = sample_continuous if engine == "continuous" else sample
+    out = jax.jit(functools.partial(sampler, model=model, config=config))(params, prompts, prompt_mask,
+                                                                          jax.random.key(1))
     return model, params, out
 
 
@@ -78,11 +82,15 @@ def training_logprobs(model, params, out, replay: bool):
     return np.asarray(forward.token_logprobs(res.hidden, out.tokens, out.mask)), res.flips
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_the_record_is_the_training_forwards_own_routing_and_replaying_it_changes_nothing(layout):
+ENGINES = [("scan", "static"), ("unrolled", "static"), ("mixed", "static"), ("scan", "continuous"),
+           ("mixed", "continuous")]
+
+
+@pytest.mark.parametrize("layout, engine", ENGINES)
+def test_the_record_is_the_training_forwards_own_routing_and_replaying_it_changes_nothing(layout, engine):
     """Unperturbed: replay gives the very same log-probs (bit for bit) and no token's own top k
     differs from the record; every real token is recorded, padding is not."""
-    model, params, out = tied_model(layout)
+    model, params, out = tied_model(layout, engine)
     rec = np.asarray(out.routed_experts)
     lq = out.prompt_tokens.shape[1]
     moe_layers = sum(model.config.layer_moe)
@@ -100,9 +108,9 @@ def test_the_record_is_the_training_forwards_own_routing_and_replaying_it_change
     assert np.abs(plain - np.asarray(out.logprobs)).max() < 1e-5
 
 
-@pytest.mark.parametrize("layout", ["scan", "mixed"])
-def test_replay_keeps_the_samplers_log_probs_under_a_perturbed_router(layout):
-    model, params, out = tied_model(layout)
+@pytest.mark.parametrize("layout, engine", [("scan", "static"), ("mixed", "static"), ("scan", "continuous")])
+def test_replay_keeps_the_samplers_log_probs_under_a_perturbed_router(layout, engine):
+    model, params, out = tied_model(layout, engine)
     trainer_params = perturbed(params, 1e-6)
     mask = np.asarray(out.mask).astype(bool)
     plain, _ = training_logprobs(model, trainer_params, out, replay=False)
@@ -185,10 +193,12 @@ def test_the_experience_and_the_update_replay_the_record_and_count_the_flips(pac
     np.testing.assert_allclose(np.asarray(logp), want_logp, atol=2e-5)
 
 
-def test_router_replay_on_a_dense_policy_or_the_continuous_engine_is_refused():
+def test_router_replay_on_a_dense_policy_or_with_partial_rollouts_is_refused():
     s = Settings.from_config(tiny_config(**{"moe.router_replay": True}), reward_in_code=False)
     with pytest.raises(ConfigError, match="moe.router_replay replays the experts of a mixture-of-experts policy"):
         build.policy_model_config(s)
-    with pytest.raises(ConfigError, match="moe.router_replay records the routing on the static engine only"):
-        Settings.from_config(tiny_config(**{"moe.router_replay": True, "rollout.engine": "continuous"}),
-                             reward_in_code=False)
+    partial = {"moe.router_replay": True, "rollout.engine": "continuous", "rollout.off_policy_steps": 1,
+               "rollout.partial_rollouts": True}
+    with pytest.raises(ConfigError, match="moe.router_replay with rollout.partial_rollouts"):
+        Settings.from_config(tiny_config(**partial), reward_in_code=False)
+    Settings.from_config(tiny_config(**{"moe.router_replay": True, "rollout.engine": "continuous"}), reward_in_code=False)

@@ -234,7 +234,7 @@ class Settings(RunSettings):
         self.compute.validate()
         self._validate_models()
         self._validate_ppo()
-        self.moe.validate(self.rollout.engine)
+        self.moe.validate(self.rollout.partial_rollouts)
         r = self.rollout
         self.environment.validate(engine=r.engine, off_policy_steps=r.off_policy_steps,
                                   router_replay=self.moe.router_replay, chat_template=self.data.chat_template)

@@ -72,7 +72,7 @@ class SamplingConfig:
                     depth; a bf16 cache saves less on CPU, as XLA:CPU converts each layer's slab to
                     f32 for its dots. None: on except on TPU (not measured there).
     record_experts: an MoE model's routing of every prompt and response token is returned
-                    (`SampleOutput.routed_experts`), for routing replay in training; static engine only.
+                    (`SampleOutput.routed_experts`), for routing replay in training.
     """
 
     max_new_tokens: int
@@ -129,8 +129,6 @@ class SamplingConfig:
             raise ValueError(f"sampling.steps_per_sync must be >= 1, got {self.steps_per_sync}")
         if self.tail_halvings is not None and self.tail_halvings < 0:
             raise ValueError(f"sampling.tail_halvings must be >= 0, got {self.tail_halvings}")
-        if self.record_experts and self.engine != "static":
-            raise ValueError("sampling.record_experts (routing replay) is implemented on the static engine only")
         if self.prefill_prompts < 0:
             raise ValueError(f"sampling.prefill_prompts must be >= 0 (0: a quarter of the slots), got "
                              f"{self.prefill_prompts}")

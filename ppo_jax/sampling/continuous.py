@@ -39,27 +39,12 @@ from ppo_jax.models.cache import SPLIT_KV_CACHE_AXES, KVCache, init_cache, split
 from ppo_jax.models.transformer import CausalLM, positions_from_mask
 from ppo_jax.ppo.stats import last_token_index
 from ppo_jax.sampling.config import SampleOutput, SamplingConfig, validate_inputs
-from ppo_jax.sampling.loop import (DecodeLayers, constrain, constrain_cache, decode_layers, forward_last,
-                                   is_stop_token, row_limits, take_cache_rows)
+from ppo_jax.sampling.loop import (DecodeLayers, apply_last, constrain, constrain_cache, decode_layers,
+                                   row_limits, take_cache_rows, unrecorded)
+from ppo_jax.sampling.responses import Responses, expert_buffers, record_choices
 from ppo_jax.sampling.token_choice import TokenChoice, choose_tokens, response_uniforms
 
 Array = jax.Array
-
-
-@flax.struct.dataclass
-class Responses:
-    """The output buffers, by output row: tokens, logprobs, sampling_logprobs, mask [R, N] (filled at
-    (row, step) as slots choose), stopped [R] bool, slot_steps_at_finish [R] int32; version [R, N]
-    int32: the policy version whose weights chose each token (-1: none), segmented runs only
-    (`segments.py`; else None: the unsegmented program records nothing more)."""
-
-    tokens: Array
-    logprobs: Array
-    sampling_logprobs: Array
-    mask: Array
-    stopped: Array
-    slot_steps_at_finish: Array
-    version: Array | None = None
 
 
 @flax.struct.dataclass
@@ -101,32 +86,6 @@ class Slots:
     next_prompt: Array
     clock: Array
     out: Responses
-
-
-def _record(out: Responses, clock: Array, rows: Array, steps: Array, choice: TokenChoice, limits: Array,
-            config: SamplingConfig, version: Array | None = None) -> tuple[Responses, Array]:
-    """Writes the choices of the `rows` [M] (-1: none) at response position `steps` [M] into the
-    Responses, at slot-step `clock` (and, when the Responses keep versions, `version` []); returns
-    (the updated Responses, which of the M rows finished [M] bool)."""
-    live = rows >= 0
-    total = out.tokens.shape[0]
-    at = jnp.where(live, rows, total)  # an index past the end: the write is dropped
-    tokens = jnp.where(live, choice.tokens, config.pad_token_id)
-    is_stop = is_stop_token(tokens, config) & live
-    finished = live & (is_stop | (steps + 1 >= limits[jnp.maximum(rows, 0)]))
-
-    def put(buffer, values):
-        return buffer.at[at, steps].set(values.astype(buffer.dtype), mode="drop")
-
-    out = out.replace(
-        tokens=put(out.tokens, tokens), logprobs=put(out.logprobs, choice.logprobs),
-        sampling_logprobs=put(out.sampling_logprobs, choice.sampling_logprobs),
-        mask=put(out.mask, jnp.ones_like(tokens)),
-        stopped=out.stopped.at[at].set(is_stop, mode="drop"),
-        slot_steps_at_finish=out.slot_steps_at_finish.at[at].set(clock, mode="drop"))
-    if out.version is not None:
-        out = out.replace(version=put(out.version, jnp.broadcast_to(version, tokens.shape)))
-    return out, finished
 
 
 def stage_sizes(slots: int, halvings: int) -> tuple[int, ...]:
@@ -213,12 +172,15 @@ def _prefill(e: Engine, next_prompt: Array, out: Responses, clock: Array) -> tup
     prompts = jnp.minimum(prompts, batch - 1)
     tokens, mask = e.prompt_tokens[prompts], e.prompt_mask[prompts]
     cache = init_cache(e.model.config, chunk, e.prompt_len, e.config.cache_dtype)
-    logits, cache = e.model.apply(e.variables, tokens, positions_from_mask(mask), mask, cache,
-                                  jnp.maximum(last_token_index(mask), 0), method=forward_last)
+    (logits, cache), experts = apply_last(e.model, e.variables, tokens, positions_from_mask(mask), mask, cache,
+                                          jnp.maximum(last_token_index(mask), 0), record=e.config.record_experts)
+    if experts is not None:  # past the last prompt: dropped
+        at = jnp.where(next_prompt + jnp.arange(chunk) < batch, prompts, batch)
+        out = out.replace(prompt_experts=out.prompt_experts.at[at].set(experts, mode="drop"))
     new_rows = jnp.where(valid, jnp.repeat(prompts, n) * n + jnp.tile(jnp.arange(n), chunk), -1)
     first_steps = jnp.zeros((chunk * n,), jnp.int32)
     choice = e.choose(jnp.repeat(logits, n, axis=0), new_rows, first_steps)
-    out, finished = _record(out, clock, new_rows, first_steps, choice, e.limits, e.config, e.version)
+    out, finished = record_choices(out, clock, new_rows, first_steps, choice, e.limits, e.config, e.version)
     waiting = Prefilled(row=jnp.where(finished, -1, new_rows), last=choice.tokens,
                         prompt_length=jnp.repeat(mask.sum(-1), n), mask=jnp.repeat(mask, n, axis=0),
                         k=cache.k, v=cache.v)
@@ -298,12 +260,16 @@ def _decode(e: Engine, slots: Slots) -> Slots:
         cache = tuple(c.replace(index=index) for c in slots.cache)
     else:
         cache = slots.cache.replace(index=index)
-    logits, cache = e.model.apply(e.variables, slots.last[:, None], positions, kv_mask, cache,
-                                  jnp.zeros((size,), jnp.int32), e.layers.params, e.layers.adapters,
-                                  method=forward_last)
+    (logits, cache), experts = apply_last(e.model, e.variables, slots.last[:, None], positions, kv_mask, cache,
+                                          jnp.zeros((size,), jnp.int32), e.layers.params, e.layers.adapters,
+                                          record=e.config.record_experts)
     slots = slots.replace(cache=cache, kv_mask=kv_mask, clock=slots.clock + size)
+    if experts is not None:  # the fed token, response column step - 1 of its row (a free slot's: dropped)
+        at = jnp.where(busy, slots.row, slots.out.experts.shape[0])
+        slots = slots.replace(out=slots.out.replace(
+            experts=slots.out.experts.at[at, slots.step - 1].set(experts[:, 0], mode="drop")))
     choice = e.choose(logits, slots.row, slots.step)
-    out, finished = _record(slots.out, slots.clock, slots.row, slots.step, choice, e.limits, e.config,
+    out, finished = record_choices(slots.out, slots.clock, slots.row, slots.step, choice, e.limits, e.config,
                             e.version)
     return slots.replace(row=jnp.where(finished, -1, slots.row), step=slots.step + busy, last=choice.tokens, out=out)
 
@@ -339,7 +305,9 @@ def initial_slots(e: Engine, versions: bool = False) -> Slots:
                       sampling_logprobs=buffer(jnp.float32), mask=buffer(jnp.int32),
                       stopped=_by_rows(jnp.zeros((rows,), bool)),
                       slot_steps_at_finish=_by_rows(jnp.zeros((rows,), jnp.int32)),
-                      version=buffer(jnp.int32, -1) if versions else None))
+                      version=buffer(jnp.int32, -1) if versions else None,
+                      **(expert_buffers(e.model.config, rows, new, e.batch, e.prompt_len)
+                         if config.record_experts else {})))
 
 
 def _busy_count(slots: Slots) -> Array:
@@ -403,11 +371,16 @@ def run_to_end(e: Engine, slots: Slots) -> Slots:
 def sample_output(e: Engine, out: Responses) -> SampleOutput:
     """The finished Responses as a SampleOutput (rows in prompt order)."""
     n = e.config.num_samples
+    prompt_mask = jnp.repeat(e.prompt_mask, n, axis=0)
+    routed = None
+    if out.experts is not None:
+        routed = jnp.concatenate([unrecorded(jnp.repeat(out.prompt_experts, n, axis=0), prompt_mask),
+                                  unrecorded(out.experts, out.mask)], axis=1)
     return SampleOutput(
-        prompt_tokens=jnp.repeat(e.prompt_tokens, n, axis=0), prompt_mask=jnp.repeat(e.prompt_mask, n, axis=0),
+        prompt_tokens=jnp.repeat(e.prompt_tokens, n, axis=0), prompt_mask=prompt_mask,
         tokens=out.tokens, logprobs=out.logprobs, sampling_logprobs=out.sampling_logprobs, mask=out.mask,
         lengths=out.mask.sum(axis=-1), stopped=out.stopped, slot_steps_at_finish=out.slot_steps_at_finish,
-        token_policy_version=out.version)
+        token_policy_version=out.version, routed_experts=routed)
 
 
 def sample_continuous(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
