@@ -70,6 +70,10 @@ def test_the_planner_holds_the_reference_at_half_the_fp32_policy():
     plan = plan_lib.plan_memory(c, make_test_mesh((1, 1, 1)), phases=("experience",))
     assert plan.params["reference"] * 2 == plan.params["policy"]
     assert plan.reference == "bfloat16 copy"
+    # The stand-in reward model is held as the trainer holds a checkpoint: reward.param_dtype, "" = the policy's.
+    half = plan_lib.plan_memory(config(1, **{"reward.param_dtype": "bfloat16"}), make_test_mesh((1, 1, 1)),
+                                phases=("experience",))
+    assert half.params["reward"] * 2 == plan.params["reward"] and half.reward_source.endswith("held in bfloat16")
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -39,16 +39,16 @@ def planned_reward_config(s: Settings, policy_cfg: ModelConfig, mesh=None) -> tu
     """The reward model architecture to plan with, and where it came from.
 
     `plan.reward_model` (a model section, as policy.model) if the settings have one; else the
-    config.json of reward.path (no weights read); else the policy's architecture.
+    config.json of reward.path (no weights read); else the policy's architecture. Each is held and
+    run as the trainer would hold a checkpoint: in reward.param_dtype / reward.dtype ("" = the policy's).
     """
-    if s.plan.reward_model is not None:
-        return s.compute.apply(s.plan.reward_model, *build.mesh_platform(mesh)), "plan.reward_model"
-    if s.reward.path:
+    if s.plan.reward_model is None and s.reward.path:
         return build.reward_model_config(s, policy_cfg, mesh), f"reward.path={s.reward.path}"
-    if s.policy.reference_dtype:  # a frozen tree, held like the reference
-        return (policy_cfg.replace(param_dtype=s.policy.reference_dtype),
-                f"the policy's architecture, {s.policy.reference_dtype} like the reference")
-    return policy_cfg, "same as the policy"
+    cfg, source = ((s.plan.reward_model, "plan.reward_model") if s.plan.reward_model is not None
+                   else (policy_cfg, "same as the policy"))
+    if s.reward.param_dtype and s.reward.param_dtype != policy_cfg.param_dtype:
+        source += f", held in {s.reward.param_dtype}"
+    return s.compute.apply(build.in_reward_dtypes(s, cfg, policy_cfg), *build.mesh_platform(mesh)), source
 
 
 def planned_settings(config) -> Settings:

@@ -139,9 +139,13 @@ def reward_model_config(s: Settings, policy_cfg: ModelConfig, mesh=None) -> Mode
             f"reward.path={s.reward.path!r} holds a {kind} checkpoint; the reward model must be a "
             "sequence classifier with one label (ForSequenceClassification, num_labels=1)")
     sharding.check_experts_split(cfg.num_experts, mesh, "reward", ConfigError)
-    cfg = cfg.replace(param_dtype=s.reward.param_dtype or policy_cfg.param_dtype,
-                      dtype=s.reward.dtype or policy_cfg.dtype)
-    return s.compute.apply(cfg, *mesh_platform(mesh))
+    return s.compute.apply(in_reward_dtypes(s, cfg, policy_cfg), *mesh_platform(mesh))
+
+
+def in_reward_dtypes(s: Settings, cfg: ModelConfig, policy_cfg: ModelConfig) -> ModelConfig:
+    """`cfg` held in reward.param_dtype and run in reward.dtype, each "" meaning the policy's."""
+    return cfg.replace(param_dtype=s.reward.param_dtype or policy_cfg.param_dtype,
+                       dtype=s.reward.dtype or policy_cfg.dtype)
 
 
 def load_reward_params(s: Settings, cfg: ModelConfig, mesh):
