@@ -4,6 +4,8 @@ with k = 2: the pipelined run equals a plain loop written here (batch j sampled 
 update j - k), the policy lag is k once the pipeline is full, a SIGTERM with two batches in flight
 resumes bit for bit, the one-step checkpoint format still reads, and the planner counts k samples."""
 
+import base64
+
 import jax
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from tiny_configs import tiny_config
 from ppo_jax import reward_functions as reward_fns
 from ppo_jax import sharding
 from ppo_jax.plan import role_memory
+from ppo_jax.rl.rollouts import resolve_arrays
 from ppo_jax.rl.state import Rollout, policy_variables
 from ppo_jax.rl.trainer import PPOTrainer
 
@@ -90,6 +93,8 @@ def test_sigterm_with_two_batches_in_flight_resumes_bit_for_bit(straight, tmp_pa
     partial = first.train()
     assert first.stopped_by == "SIGTERM" and len(partial) == 1
     first.close()
+    step = tmp_path / "checkpoints" / "1"  # the samples' arrays in Orbax's binary item, not the JSON
+    assert (step / "host_arrays").is_dir() and "in_flight_0" in (step / "extra" / "metadata").read_text()
     resumed = trainer_at(tmp_path)
     assert resumed.resumed_from == 1
     assert [r.version for r in resumed.rollouts.in_flight] == [0, 0]
@@ -122,17 +127,25 @@ def test_disaggregated_sampler_scoring_two_batches_in_flight_resumes_bit_for_bit
     resumed.close()
 
 
-def test_the_one_step_checkpoint_format_still_reads(tmp_path):
-    """Before k-step rollouts a checkpoint held one sample's arrays (or None): it is the sample the
-    weights before the saved step's update drew, so its version is step - 1."""
+def test_the_older_checkpoint_formats_still_read(tmp_path):
+    """Before k-step rollouts a checkpoint held one sample's arrays (or None), as base64 JSON: it is the
+    sample the weights before the saved step's update drew, so its version is step - 1. Today's
+    records name their arrays, which the checkpoint holds in Orbax's binary item."""
     trainer = trainer_at(tmp_path, **{"rollout.off_policy_steps": 1})
     trainer.rollouts.next(trainer.state)  # iteration 0 starts batch 1 ahead
-    (record,) = trainer.rollouts.in_flight_record()
-    trainer.rollouts.restore_in_flight(record["sample"], step=3)  # the old format: the arrays alone
+    record = trainer.rollouts.in_flight_record()
+    (entry,) = record.records
+    assert all(set(ref) == {"array"} for ref in entry["sample"].values())  # no array bytes in the JSON
+    arrays = resolve_arrays(entry["sample"], record.arrays)
+    one_step = {name: {"dtype": str(a.dtype), "shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode()}
+                for name, a in arrays.items()}
+    trainer.rollouts.restore_in_flight(one_step, step=3)  # the one-step format: the arrays alone
     (restored,) = trainer.rollouts.in_flight
     assert restored.version == 2
-    saved = trainer.rollouts.in_flight_record()[0]["sample"]
-    assert saved == record["sample"]  # the same arrays, bit for bit
+    again = trainer.rollouts.in_flight_record()
+    for name, a in resolve_arrays(again.records[0]["sample"], again.arrays).items():  # bit for bit
+        assert a.dtype == arrays[name].dtype
+        np.testing.assert_array_equal(a, arrays[name])
     trainer.rollouts.restore_in_flight(None, step=3)
     assert not trainer.rollouts.in_flight
     trainer.close()

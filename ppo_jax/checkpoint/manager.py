@@ -10,6 +10,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies_lib
@@ -22,6 +23,7 @@ from ppo_jax.checkpoint.errors import (CheckpointCorruptError, CheckpointError, 
 STATE_ITEM = "state"
 EXTRA_ITEM = "extra"
 CHECKSUM_ITEM = "checksums"
+ARRAYS_ITEM = "host_arrays"  # optional: host arrays too large for the extra JSON (`save(arrays=)`)
 FROZEN_SUBDIR = "frozen"
 _FROZEN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _TMP_MARKER = ".orbax-checkpoint-tmp"
@@ -110,7 +112,8 @@ class CheckpointManager:
                 # Handlers named up front so a fresh manager can read metadata before any save.
                 item_handlers={STATE_ITEM: ocp.StandardCheckpointHandler(),
                                EXTRA_ITEM: ocp.JsonCheckpointHandler(),
-                               CHECKSUM_ITEM: ocp.JsonCheckpointHandler()})
+                               CHECKSUM_ITEM: ocp.JsonCheckpointHandler(),
+                               ARRAYS_ITEM: ocp.StandardCheckpointHandler()})
         except OSError as e:
             raise CheckpointSaveError(
                 f"cannot create or open the checkpoint directory {self._directory}: {e}; choose "
@@ -161,9 +164,10 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, state, *, extra: Mapping[str, Any],
-             metrics: Mapping[str, Any] | None = None, force: bool = False) -> bool:
-        """Starts saving `state` (pytree of jax.Arrays) and `extra` (JSON) as `step`.
+    def save(self, step: int, state, *, extra: Mapping[str, Any], metrics: Mapping[str, Any] | None = None,
+             force: bool = False, arrays: Mapping[str, Any] | None = None) -> bool:
+        """Starts saving `state` (pytree of jax.Arrays), `extra` (JSON) and `arrays` ({name: host
+        array}, names of letters, digits and '_'; restored into extra[ARRAYS_ITEM]) as `step`.
 
         Returns False (and writes nothing) when the step is not due by `save_interval_steps` or
         is not newer than the latest saved step, unless `force`. Returns once the arrays are off
@@ -183,11 +187,11 @@ class CheckpointManager:
             raise CheckpointError(
                 f"checkpoint step {step} already exists in {self._directory}; saves never overwrite "
                 "a committed step")
-        args = ocp.args.Composite(**{
-            STATE_ITEM: ocp.args.StandardSave(state),
-            EXTRA_ITEM: ocp.args.JsonSave(extra),
-            CHECKSUM_ITEM: ocp.args.JsonSave(verify.record(state)),
-        })
+        items = {STATE_ITEM: ocp.args.StandardSave(state), EXTRA_ITEM: ocp.args.JsonSave(extra),
+                 CHECKSUM_ITEM: ocp.args.JsonSave(verify.record(state))}
+        if arrays:
+            items[ARRAYS_ITEM] = ocp.args.StandardSave(dict(arrays))
+        args = ocp.args.Composite(**items)
         try:
             saved = self._manager.save(step, args=args, metrics=metrics, force=force)
         except Exception as e:  # synchronous part (or a synchronous save) failed
@@ -256,13 +260,18 @@ class CheckpointManager:
         items = {STATE_ITEM: ocp.args.StandardRestore(read_as), EXTRA_ITEM: ocp.args.JsonRestore()}
         if verified:
             items[CHECKSUM_ITEM] = ocp.args.JsonRestore()
+        if (step_dir / ARRAYS_ITEM).exists():
+            items[ARRAYS_ITEM] = ocp.args.StandardRestore()
         with reading.quiet_abandoned_reads():
             restored = reading.read(lambda: self._manager.restore(step, args=ocp.args.Composite(**items)),
                                     what, "it could not be read")
         state = restored[STATE_ITEM]
         if verified:
             verify.check_restored(what, state, restored[CHECKSUM_ITEM])
-        return self._in_target_layout(state, abstract, relayout, what), dict(restored[EXTRA_ITEM] or {})
+        extra = dict(restored[EXTRA_ITEM] or {})
+        if ARRAYS_ITEM in items:
+            extra[ARRAYS_ITEM] = {name: np.asarray(a) for name, a in restored[ARRAYS_ITEM].items()}
+        return self._in_target_layout(state, abstract, relayout, what), extra
 
     def _in_target_layout(self, tree, abstract, to: str | None, what: str):
         """Said once per manager: a resume converts its step and its frozen trees alike."""

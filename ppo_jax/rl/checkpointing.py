@@ -163,8 +163,9 @@ class Checkpointing:
             return False
 
     def save(self, state: PPOState, reference, items: dict[str, Any], metrics: dict[str, float] | None,
-             force: bool = False) -> bool:
-        """Saves trainable state + `items` (the data position, the sample in flight); the reference once,
+             force: bool = False, arrays: dict[str, Any] | None = None) -> bool:
+        """Saves trainable state + `items` (the data position, the samples in flight, JSON) + `arrays`
+        (the samples' host arrays, Orbax's binary item); the reference once,
         in frozen/ (a LoRA base, imported adapters and a LoRA value base never, only their checksums:
         they are rebuilt from their sources). metrics: the step's logged scalars (for train.best_metric)."""
         if not self.lora and not self.reference_saved:
@@ -183,4 +184,4 @@ class Checkpointing:
         }
         best = self.settings.train.best_metric
         metrics = {best: metrics[best]} if (best and metrics and best in metrics) else None
-        return self.manager.save(int(state.step), state, extra=extra, metrics=metrics, force=force)
+        return self.manager.save(int(state.step), state, extra=extra, metrics=metrics, force=force, arrays=arrays)

@@ -58,14 +58,28 @@ from ppo_jax.sampling import segments
 IN_FLIGHT_ITEM = "in_flight_rollout"
 
 
-def encode_arrays(arrays: dict[str, np.ndarray]) -> dict[str, dict]:
-    """Host arrays -> JSON values that restore them bit for bit."""
-    return {name: {"dtype": str(a.dtype), "shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode()}
-            for name, a in arrays.items()}
+@dataclasses.dataclass
+class InFlightRecord:
+    """The samples in flight as a checkpoint holds them: `records` (JSON, oldest first: each its version
+    and, per array, its name in `arrays`) and `arrays` (saved in Orbax's binary item, not as JSON)."""
+
+    records: list[dict]
+    arrays: dict[str, np.ndarray]
+
+    def refer(self, arrays: dict[str, np.ndarray]) -> dict[str, dict]:
+        """`arrays` added under names of their own; what a record keeps of them."""
+        refs = {}
+        for name, a in arrays.items():
+            key = f"in_flight_{len(self.arrays)}"
+            self.arrays[key] = a
+            refs[name] = {"array": key}
+        return refs
 
 
-def decode_arrays(record: dict[str, dict]) -> dict[str, np.ndarray]:
-    return {name: np.frombuffer(base64.b64decode(v["data"]), dtype=np.dtype(v["dtype"])).reshape(v["shape"])
+def resolve_arrays(record: dict[str, dict], arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A record's arrays: from the checkpoint's binary item, or (checkpoints before it) base64 JSON."""
+    return {name: arrays[v["array"]] if "array" in v else
+            np.frombuffer(base64.b64decode(v["data"]), dtype=np.dtype(v["dtype"])).reshape(v["shape"])
             for name, v in record.items()}
 
 
@@ -338,20 +352,21 @@ class Rollouts:
 
     # ------------------------------------------------------------------ the samples in flight, in checkpoints
 
-    def in_flight_record(self) -> list[dict]:
-        """The samples in flight as JSON values, oldest first (waits for them): each its version and
-        its arrays (its scores are recomputed on restore: the same program on the same inputs)."""
-        records = []
+    def in_flight_record(self) -> InFlightRecord:
+        """The samples in flight, oldest first (waits for them): each its version and its arrays (its
+        scores are recomputed on restore: the same program on the same inputs)."""
+        record = InFlightRecord([], {})
         for started in self.in_flight:
             if started.sample is None:  # partial rollouts: the engine state between two segments
-                records.append({"version": started.version, "segment": encode_arrays(self._segment_arrays(started))})
+                record.records.append({"version": started.version,
+                                       "segment": record.refer(self._segment_arrays(started))})
                 continue
             out = started.sample
             host = sharding.to_host({f.name: getattr(out, f.name) for f in dataclasses.fields(out)
                                      if getattr(out, f.name) is not None})
-            records.append({"version": started.version,
-                            "sample": encode_arrays({k: np.asarray(v) for k, v in host.items()})})
-        return records
+            record.records.append({"version": started.version,
+                                   "sample": record.refer({k: np.asarray(v) for k, v in host.items()})})
+        return record
 
     def _segment_arrays(self, started: StartedRollout) -> dict[str, np.ndarray]:
         """A partial rollout's engine state as host arrays by tree path (waits for it). Its KV caches
@@ -365,13 +380,16 @@ class Rollouts:
         if nbytes > 2**28 and not self.warned_segment_bytes:
             self.warned_segment_bytes = True
             metrics_lib.warn(f"each partial rollout in flight is saved whole with the checkpoint: "
-                             f"{nbytes / 2**30:.2f} GiB (its KV cache, in the step's JSON item)")
+                             f"{nbytes / 2**30:.2f} GiB (its KV cache)")
         return arrays
 
-    def restore_in_flight(self, record: list[dict] | dict | None, step: int) -> None:
-        """The samples a checkpoint of train step `step` saved in flight, back on the sampler's mesh
-        (and scored there with roles.scoring="sampler"). Reads the one-step format too (one sample's
-        arrays, or None), whose sample the weights before the step's update drew."""
+    def restore_in_flight(self, record: list[dict] | dict | None, step: int,
+                          arrays: dict[str, np.ndarray] | None = None) -> None:
+        """The samples a checkpoint of train step `step` saved in flight (`InFlightRecord.records`,
+        their arrays in `arrays`), back on the sampler's mesh (and scored there with
+        roles.scoring="sampler"). Reads the older formats too: the arrays as base64 JSON, and one
+        step's (one sample's arrays, or None), whose sample the weights before the step's update drew."""
+        arrays = arrays or {}
         self.in_flight = collections.deque()
         if isinstance(record, dict):
             record = [{"version": step - 1, "sample": record}]
@@ -386,8 +404,9 @@ class Rollouts:
                 if self.segmented is None:
                     raise ConfigError("the checkpoint holds partial rollouts in flight (mid-decode): resume with "
                                       "rollout.partial_rollouts=True")
-                self.in_flight.append(StartedRollout(None, int(r["version"]), segment=decode_arrays(r["segment"])))
+                self.in_flight.append(StartedRollout(None, int(r["version"]),
+                                                     segment=resolve_arrays(r["segment"], arrays)))
                 continue
-            arrays = decode_arrays(r["sample"])
-            out = sampling.SampleOutput(**sharding.put_batch(arrays, self.meshes.sampler))
+            sample = resolve_arrays(r["sample"], arrays)
+            out = sampling.SampleOutput(**sharding.put_batch(sample, self.meshes.sampler))
             self.in_flight.append(self._scored(out, int(r["version"])))

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from ppo_jax import metrics as metrics_lib
 from ppo_jax import sampling, sharding
 from ppo_jax.checkpoint import CheckpointError, CheckpointManager
+from ppo_jax.checkpoint.manager import ARRAYS_ITEM
 from ppo_jax.config import ConfigError
 from ppo_jax.data import toy
 from ppo_jax.data.prompt_stream import PromptStream
@@ -176,7 +177,7 @@ class PPOTrainer:
         self.prompts.restore(extra["data"])
         if self.eval_prompts is not None and extra.get("eval_data"):
             self.eval_prompts.restore(extra["eval_data"])
-        self.rollouts.restore_in_flight(extra.get(IN_FLIGHT_ITEM), int(self.state.step))
+        self.rollouts.restore_in_flight(extra.get(IN_FLIGHT_ITEM), int(self.state.step), extra.get(ARRAYS_ITEM))
 
     def _open_logs(self) -> metrics_lib.MetricWriter:
         """The metrics writer; on process 0 the sample logs cut back to the step resumed from (they
@@ -263,12 +264,13 @@ class PPOTrainer:
     def save_checkpoint(self, force: bool = False) -> bool:
         """Saves trainable state + data position + the samples in flight (the reference once, in frozen/;
         a LoRA base, imported adapters and a LoRA value base never, only their checksums)."""
+        in_flight = self.rollouts.in_flight_record()  # off-policy: the samples started ahead (waits for them)
         items = {"data": self.prompts.state(),
                  "eval_data": self.eval_prompts.state() if self.eval_prompts is not None else None,
-                 # Off-policy: the samples started ahead, with their versions (waits for them).
-                 IN_FLIGHT_ITEM: self.rollouts.in_flight_record()}
+                 IN_FLIGHT_ITEM: in_flight.records}
         return self.checkpointing.save(self.state, self.reference_params, items,
-                                       self.history[-1] if self.history else None, force=force)
+                                       self.history[-1] if self.history else None, force=force,
+                                       arrays=in_flight.arrays)
 
     def _experience(self, state, frozen, rollout):
         with sharding.mesh_context(self.mesh):
