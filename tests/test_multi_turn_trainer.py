@@ -240,6 +240,38 @@ def test_resume_continues_the_episodes_exactly(baseline, tmp_path):
             assert history[0][key] == value, key
 
 
+def test_off_policy_episodes_in_flight_resume_bit_for_bit(tmp_path):
+    """rollout.off_policy_steps = 2: two batches of episodes run ahead with older weights (lag 0, 1,
+    2, 2). A SIGTERM after iteration 1 saves both with the checkpoint (sample and episode arrays);
+    the resumed run's iterations 2 and 3 and its final weights equal the straight run's, bit for bit."""
+    from test_reliability import _toy_reward_then_sigterm_at
+
+    from ppo_jax import reward_functions as reward_fns
+
+    config = multi_turn_config(**{"rollout.off_policy_steps": 2, "train.iterations": 4})
+    toy = [(reward_fns.toy_target_count, 1.0)]
+    straight = PPOTrainer(config, str(tmp_path / "straight"), reward_functions=toy, mesh=make_test_mesh((1, 1, 1)))
+    expected = straight.train()
+    assert [row["rollout/policy_lag_mean"] for row in expected] == [0.0, 1.0, 2.0, 2.0]
+    assert all(row["rollout/turns"] > 1 for row in expected)
+    expected_policy = jax.device_get(straight.state.policy)
+    straight.close()
+    first = PPOTrainer(config, str(tmp_path / "run"), reward_functions=[(_toy_reward_then_sigterm_at(1), 1.0)],
+                       mesh=make_test_mesh((1, 1, 1)))
+    assert len(first.train()) == 1 and first.stopped_by == "SIGTERM"
+    first.close()
+    resumed = PPOTrainer(config, str(tmp_path / "run"), reward_functions=toy, mesh=make_test_mesh((1, 1, 1)))
+    assert resumed.resumed_from == 1 and [r.version for r in resumed.rollouts.in_flight] == [0, 0]
+    rest = resumed.train()
+    for want, got in zip(expected[1:], rest, strict=True):
+        for key, value in want.items():
+            if not key.startswith(("time/", "perf/")):
+                assert got[key] == value, key
+    for a, b in zip(jax.tree.leaves(expected_policy), jax.tree.leaves(jax.device_get(resumed.state.policy))):
+        np.testing.assert_array_equal(a, b)
+    resumed.close()
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"environment.turn_stop": "</tool_call>"}, "environment.turn_stop='</tool_call>': the tokenizer cannot encode it"),
     ({"environment.name": "no_such_environment"}, "environment.name='no_such_environment' is not a registered"),

@@ -34,8 +34,7 @@ class EnvironmentSettings:
     def enabled(self) -> bool:
         return bool(self.name.strip())
 
-    def validate(self, *, engine: str, off_policy_steps: int, router_replay: bool,
-                 chat_template: bool) -> None:
+    def validate(self, *, engine: str, router_replay: bool, chat_template: bool) -> None:
         """Every check that needs no tokenizer: the numbers, the name resolves, and the rollout
         settings multi-turn rows do not support yet (each one ConfigError line)."""
         if not self.enabled:
@@ -46,8 +45,6 @@ class EnvironmentSettings:
               f"environment.max_observation_tokens={self.max_observation_tokens}: use at least 1")
         check(engine == "static", f"environment.name={self.name!r}: multi-turn rollouts run on the static engine "
               f"only, not rollout.engine={engine!r}")
-        check(off_policy_steps == 0, f"environment.name={self.name!r} with rollout.off_policy_steps="
-              f"{off_policy_steps}: episodes in flight are not saved in checkpoints yet; use 0")
         check(not router_replay, f"environment.name={self.name!r} with moe.router_replay: the multi-turn "
               "decoder records no routing; set moe.router_replay=False")
         check(not chat_template, f"environment.name={self.name!r} with data.chat_template: the environment's "

@@ -15,6 +15,11 @@ rollout.num_samples = n each prompt's record n times, row r from prompt r // n);
 row is sampled from is what the environment's `reset` returns, tokenised and cut from the left to
 `data.prompt_length`. One process only (the host loop reads every row). Shapes: B rows, Lq prompt
 length, Lr = rollout.response_length, M = environment.max_turns.
+
+Off-policy (rollout.off_policy_steps = k): batches of episodes run ahead with the weights of their
+version, as one-turn samples do; each is finished before the update that follows it starts (the
+host steps its environments), so the k in flight are whole episodes, saved with the checkpoint
+(their sample and every `MultiTurnOutput` array) and restored bit for bit.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from ppo_jax import sampling, sharding
 from ppo_jax.agentic import rollout as episodes_lib
 from ppo_jax.data.tokenization import PromptTokenizer
 from ppo_jax.models.transformer import CausalLM
-from ppo_jax.rl.rollouts import Rollouts, StartedRollout
+from ppo_jax.rl.rollouts import InFlightRecord, Rollouts, StartedRollout, resolve_arrays
 from ppo_jax.rl.state import PPOState, Rollout
 from ppo_jax.sampling.turns import TurnConfig, TurnDecoder
 
@@ -102,6 +107,23 @@ class EpisodeRollouts(Rollouts):
         started = self._scored(sample_output(out, mesh), int(state.step))
         return StartedEpisodes(**{f.name: getattr(started, f.name) for f in dataclasses.fields(StartedRollout)},
                                episodes=out)
+
+    def in_flight_record(self) -> InFlightRecord:
+        """`Rollouts.in_flight_record`, each record with its episodes' host arrays."""
+        record = super().in_flight_record()
+        for entry, started in zip(record.records, self.in_flight):
+            entry["episodes"] = record.refer({f.name: getattr(started.episodes, f.name)
+                                              for f in dataclasses.fields(episodes_lib.MultiTurnOutput)})
+        return record
+
+    def restore_in_flight(self, record: list[dict] | dict | None, step: int,
+                          arrays: dict[str, np.ndarray] | None = None) -> None:
+        """`Rollouts.restore_in_flight`, each sample with its episodes again."""
+        super().restore_in_flight(record, step, arrays)
+        self.in_flight = type(self.in_flight)(
+            StartedEpisodes(**{f.name: getattr(started, f.name) for f in dataclasses.fields(StartedRollout)},
+                            episodes=episodes_lib.MultiTurnOutput(**resolve_arrays(entry["episodes"], arrays or {})))
+            for started, entry in zip(self.in_flight, record or []))
 
     def finish(self, started: StartedEpisodes) -> Rollout:
         """`Rollouts.finish` (reward functions on the whole transcript), plus the action mask and the

@@ -236,8 +236,8 @@ class Settings(RunSettings):
         self._validate_ppo()
         self.moe.validate(self.rollout.partial_rollouts)
         r = self.rollout
-        self.environment.validate(engine=r.engine, off_policy_steps=r.off_policy_steps,
-                                  router_replay=self.moe.router_replay, chat_template=self.data.chat_template)
+        self.environment.validate(engine=r.engine, router_replay=self.moe.router_replay,
+                                  chat_template=self.data.chat_template)
         self.optim.validate("optim", {"policy_lr": self.optim.policy_lr, "value_lr": self.optim.value_lr})
         check(self.reward.missing_stop in ("none", "replace", "penalty"),
               f"reward.missing_stop={self.reward.missing_stop!r}: use none, replace or penalty")
