@@ -14,7 +14,8 @@
 #   no peers, one knob at a time against the slice's baseline; confirm a winner on the full shape:
 #   steps_per_sync=1 (a host round trip per decode step, as before), command buffers that capture the
 #   decode loop (+WHILE, the K-step inner loop as one CUDA graph), cuBLAS instead of Triton GEMMs,
-#   cuBLASLt, remat full (the trainer's GPU default) and packing on
+#   cuBLASLt, remat full (the trainer's GPU default) and dots, fp32 master weights (bf16 compute) and
+#   packing on
 # ONLY="slice_base slice_graph_while" runs just the named runs of a part (a short device session).
 # PART "all": both, in one call (needs a limit of about 11 minutes: two device calls are safer).
 #
@@ -75,6 +76,8 @@ ab_part() {
   run slice_cublas XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" -- "${slice[@]}"
   run slice_cublaslt XLA_FLAGS="--xla_gpu_enable_cublaslt=true" -- "${slice[@]}"
   run slice_remat_full -- "${slice[@]}" --remat full
+  run slice_remat_dots -- "${slice[@]}" --remat dots
+  run slice_fp32_master -- "${slice[@]}" --param-dtype float32  # fp32 weights and Adam moments, bf16 compute
   run slice_packed -- "${slice[@]}" --packing on
 }
 
