@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 import os
@@ -19,24 +18,11 @@ from ppo_jax.checkpoint import aside, payloads, reading, trees, verify
 from ppo_jax.checkpoint.aside import CORRUPT_SUFFIX
 from ppo_jax.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointNotFoundError,
                                        CheckpointSaveError)
+from ppo_jax.checkpoint.step_items import ARRAYS_ITEM, CHECKSUM_ITEM, EXTRA_ITEM, STATE_ITEM, RestoredStep
 
-STATE_ITEM = "state"
-EXTRA_ITEM = "extra"
-CHECKSUM_ITEM = "checksums"
-ARRAYS_ITEM = "host_arrays"  # optional: host arrays too large for the extra JSON (`save(arrays=)`)
 FROZEN_SUBDIR = "frozen"
 _FROZEN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _TMP_MARKER = ".orbax-checkpoint-tmp"
-
-
-@dataclasses.dataclass(frozen=True)
-class RestoredStep:
-    """What `restore_newest_valid` found: the newest step that verified, and why newer ones did not."""
-
-    step: int
-    state: Any
-    extra: dict
-    skipped: tuple[str, ...]  # one line per newer step found damaged (renamed <step>.corrupt), ready to print
 
 
 def _as_path(directory) -> epath.Path:

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from ppo_jax import metrics as metrics_lib
 from ppo_jax import sampling, sharding
 from ppo_jax.checkpoint import CheckpointError, CheckpointManager
-from ppo_jax.checkpoint.manager import ARRAYS_ITEM
+from ppo_jax.checkpoint.step_items import ARRAYS_ITEM
 from ppo_jax.config import ConfigError
 from ppo_jax.data import toy
 from ppo_jax.data.prompt_stream import PromptStream
