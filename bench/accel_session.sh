@@ -52,6 +52,7 @@ run() {  # run NAME [VAR=VALUE ...] -- BENCH_ARGS...: one bench_accel.py run, it
   env "${env[@]}" timeout "$limit" python3 "$here/bench_accel.py" --json "$work/$name.json" "$@" ${BENCH_EXTRA:-} \
     >"$work/$name.log" 2>&1
   echo "== $name: exit $? after $((SECONDS - start)) s (${env[*]} $*)" | tee -a "$summary"
+  cp "$work/$name.json" "$out/" 2>/dev/null  # each run's figures reach OUT at once: a cut call keeps them
   grep -v -e "Loading weights" -e "UserWarning" -e "warnings.warn" "$work/$name.log" | tail -n 30 | tee -a "$summary"
 }
 

@@ -22,7 +22,7 @@ import re
 # Kernel kinds, first match wins; matched against "hlo_op event-name" in lower case.
 KINDS = (
     ("attention", re.compile(r"cudnn|fmha|flash|splash|dot_product_attention")),
-    ("gemm", re.compile(r"gemm|cublas|matmul|\bdot\b|dot\.|convolution|ynn_fusion")),
+    ("gemm", re.compile(r"gemm|cublas|nvjet|matmul|\bdot\b|dot\.|convolution|ynn_fusion")),
     ("copy", re.compile(r"copy|memcpy|memset")),
     ("transpose", re.compile(r"transpose")),
     ("dynamic-slice", re.compile(r"dynamic[-_]update[-_]slice|dynamic[-_]slice")),

@@ -97,10 +97,13 @@ def test_the_trace_summary_counts_overlapping_kernels_and_a_loop_once():
         event("gemm_fusion_dot", 500, 400, "gemm_fusion_dot"),
         event("sm90_xmma_gemm_bf16bf16_bf16f32", 2000, 1000, "command_buffer_7"),
         event("loop_transpose_fusion", 2990, 500, "command_buffer_7"),
+        event("nvjet_sm90_tst_128x128_64x6_2x4_h_bz_NTT", 3500, 800, "command_buffer_7"),
     ])
     plane = types.SimpleNamespace(name="/device:GPU:0", lines=[stream])
     events = [(e.name, profile_summary.op_name(stats, e.name)) for e, stats in profile_summary._op_events(plane)]
     assert events == [("loop_add_fusion", "loop_add_fusion"), ("gemm_fusion_dot", "gemm_fusion_dot"),
                       ("sm90_xmma_gemm_bf16bf16_bf16f32", "sm90_xmma_gemm_bf16bf16_bf16f32"),
-                      ("loop_transpose_fusion", "loop_transpose_fusion")]
-    assert [profile_summary.kind_of(op, name) for name, op in events] == ["other", "gemm", "gemm", "transpose"]
+                      ("loop_transpose_fusion", "loop_transpose_fusion"),
+                      ("nvjet_sm90_tst_128x128_64x6_2x4_h_bz_NTT", "nvjet_sm90_tst_128x128_64x6_2x4_h_bz_NTT")]
+    # nvjet_*: cuBLAS 12.9's Hopper GEMMs, which XLA 0.11 picks for the bf16 update and experience
+    assert [profile_summary.kind_of(op, name) for name, op in events] == ["other", "gemm", "gemm", "transpose", "gemm"]
