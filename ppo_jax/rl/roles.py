@@ -35,6 +35,7 @@ from ppo_jax.config import check
 from ppo_jax.models import boxed_params
 from ppo_jax.models.config import ModelConfig, to_dtype
 from ppo_jax.rl.state import FrozenParams, PPOState
+from ppo_jax.sampling.weights import KEPT_AS_HELD, cast_for_sampler, sampler_dtype  # noqa: F401 (roles.* callers)
 
 
 LORA_SYNC = ("adapters", "merged")
@@ -157,36 +158,6 @@ class SyncedWeights:
 
 def tree_bytes(tree: Any) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-def sampler_dtype(cfg: ModelConfig) -> str | None:
-    """The dtype the policy travels in to a sampler of its own and is held in there: the compute dtype
-    when it is narrower than the parameter dtype (bf16 matmuls on fp32 master weights: half the bytes
-    moved and held), else None (as the trainer holds it)."""
-    narrower = jnp.dtype(to_dtype(cfg.dtype)).itemsize < jnp.dtype(to_dtype(cfg.param_dtype)).itemsize
-    return cfg.dtype if narrower else None
-
-
-# Leaves a forward may read in float32 whatever the compute dtype (LayerNorm's and Gemma's / GPT-OSS's
-# RMSNorm scales and biases, attention sinks) stay as held, a few vectors per layer; every other weight
-# is cast to the compute dtype where it is used, so the cast copy computes the very same numbers.
-KEPT_AS_HELD = ("scale", "bias", "sinks")
-
-
-def cast_for_sampler(tree: Any, dtype: str | None) -> Any:
-    """`tree` (arrays or ShapeDtypeStructs) with its floating leaves in `dtype`, but those named in
-    KEPT_AS_HELD; None: unchanged."""
-    if dtype is None or tree is None:
-        return tree
-
-    def cast(path, x):
-        if getattr(path[-1], "key", None) in KEPT_AS_HELD or not jnp.issubdtype(x.dtype, jnp.floating):
-            return x
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(x.shape, to_dtype(dtype), sharding=x.sharding)
-        return x.astype(to_dtype(dtype))
-
-    return jax.tree_util.tree_map_with_path(cast, tree)
 
 
 @functools.partial(jax.jit, static_argnums=1)

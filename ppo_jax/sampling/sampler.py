@@ -17,7 +17,7 @@ from ppo_jax.models.transformer import CausalLM
 from ppo_jax.sampling.config import SampleOutput, SamplingConfig, validate_inputs
 from ppo_jax.sampling.continuous import sample_continuous
 from ppo_jax.sampling.loop import sample
-
+from ppo_jax.sampling.weights import weights_in_compute_dtype
 
 class Sampler:
     """`sample` jitted over a mesh: call as sampler(params, prompt_tokens, prompt_mask, key, adapters=None).
@@ -41,7 +41,8 @@ class Sampler:
 
         def run(params, prompt_tokens, prompt_mask, key, adapters=None):
             self.trace_count += 1  # Python side effect: runs once per trace, never per call
-            return engine(params, prompt_tokens, prompt_mask, key, model=model, config=config, adapters=adapters)
+            return engine(weights_in_compute_dtype(params, model), prompt_tokens, prompt_mask, key,
+                          model=model, config=config, adapters=adapters)
 
         # Adapters go last and only when the sampler takes them, so the lowered / compiled program of
         # a base sampler keeps its (params, prompt_tokens, prompt_mask, key) signature.

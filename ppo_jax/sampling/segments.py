@@ -42,6 +42,7 @@ from ppo_jax.sampling.continuous import (Slots, first_stage_steps, initial_slots
 from ppo_jax.sampling.loop import row_limits
 from ppo_jax.sampling.sampler import Sampler
 from ppo_jax.sampling.token_choice import response_uniforms
+from ppo_jax.sampling.weights import weights_in_compute_dtype
 
 Array = jax.Array
 
@@ -60,7 +61,8 @@ class Segment:
 
 
 def _engine(params, segment: Segment, version, *, model, config, adapters):
-    return make_engine(params, segment.prompt_tokens, segment.prompt_mask, segment.uniforms, segment.limits,
+    return make_engine(weights_in_compute_dtype(params, model), segment.prompt_tokens, segment.prompt_mask,
+                       segment.uniforms, segment.limits,
                        model=model, config=config, adapters=adapters, version=jnp.asarray(version, jnp.int32))
 
 

@@ -39,6 +39,7 @@ from ppo_jax.ppo.stats import last_token_index
 from ppo_jax.sampling.config import SamplingConfig, validate_inputs
 from ppo_jax.sampling.loop import constrain, constrain_cache, decode_layers, forward_last, is_stop_token
 from ppo_jax.sampling.token_choice import TokenChoice, choose_tokens, response_uniforms
+from ppo_jax.sampling.weights import weights_in_compute_dtype
 
 Array = jax.Array
 
@@ -279,7 +280,9 @@ class TurnDecoder:
         self.model, self.config, self.mesh = model, config, mesh
         static = dict(model=model, config=config)
         self._start = jax.jit(lambda p, t, m, k, a: start(p, t, m, k, adapters=a, **static))
-        self._decode = jax.jit(lambda p, s, a: decode(p, s, adapters=a, **static), donate_argnums=1)
+        # decode's loop reads the weights every step: cast once per call (sampling/weights.py)
+        self._decode = jax.jit(lambda p, s, a: decode(weights_in_compute_dtype(p, model), s, adapters=a, **static),
+                               donate_argnums=1)
         self._append = jax.jit(lambda p, s, o, n, r, a: append(p, s, o, n, r, adapters=a, **static),
                                donate_argnums=1)
 
