@@ -322,6 +322,27 @@ def test_timeline_model_overlaps_only_what_runs_on_separate_hardware():
     slow_trainer = timeline.Phases(G=1, H=0.5, E=1, U=2)
     assert timeline.predict(slow_trainer, off_policy=True, disaggregated=True) == 3.5
 
+    # Iteration by iteration, constant phases give the closed forms for every k >= 1.
+    n = 20
+    for disaggregated in (False, True):
+        for k in (0, 1, 2, 4):
+            done = timeline.simulate([4.0] * n, [0.5] * n, p, k=k, disaggregated=disaggregated)
+            closed = timeline.predict(p, off_policy=k > 0, disaggregated=disaggregated)
+            assert abs(timeline.steady_seconds(done, 5) - closed) < 1e-9, (disaggregated, k)
+
+
+def test_more_staleness_lets_the_sampler_run_ahead_of_a_slow_batch():
+    """One slow batch (G = 5 among 1s), a trainer at 2 s a batch, disaggregated, counted by hand:
+    with k = 1 the sampler cannot start batch 4 before update 2 ends (t = 7) and the trainer waits for
+    it until 12; with k = 2 it may start at update 1's end (t = 5) and the trainer waits until 10."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import timeline
+
+    p, generate, host = timeline.Phases(G=0, H=0, E=1, U=1), [1, 1, 1, 1, 5, 1, 1], [0] * 7
+    assert timeline.simulate(generate, host, p, k=1, disaggregated=True) == [3, 5, 7, 9, 14, 16, 18]
+    assert timeline.simulate(generate, host, p, k=2, disaggregated=True) == [3, 5, 7, 9, 12, 14, 16]
+    assert timeline.simulate(generate, host, p, k=0, disaggregated=True)[-1] == sum(generate) + 7 * 2
+
 
 def test_the_roles_preset_config_validates_and_splits_8_devices():
     import importlib.util
