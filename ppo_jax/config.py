@@ -228,7 +228,8 @@ class ComputeSettings:
     """How every model of the run executes (kernels, layer loop, remat): never what it computes.
 
     "auto" picks what was measured fastest on the platform the run is on (docs/gpu_probe.md): on a GPU,
-    cuDNN flash attention (when computing in bf16/fp16), full remat and unscanned per-layer params
+    cuDNN flash attention (when computing in bf16/fp16), full remat (for memory, not speed: it costs
+    ~21% of a bf16 update) and unscanned per-layer params
     (scanned when FSDP shards them); on a TPU, splash attention (the fused kernel, DESIGN.md §8; not
     yet timed on a TPU) and scanned layers; elsewhere the einsum attention and the scanned layers,
     whose compile is the fastest. The platform is this
@@ -273,9 +274,10 @@ class ComputeSettings:
         out = dict(attention=attention, scan_layers=loop == "scan")
         remat = self.remat
         if remat == "auto":
-            # On a GPU the update is not bound by matmul FLOPs, so recomputing each layer's activations
-            # costs no time and frees most of the update's memory (H100, TinyLlama shape, 16-row
-            # minibatches: 0.82 s at 19.3 GiB with remat, 0.83 s at 47 GiB without; docs/benchmarks.md).
+            # Full remat frees most of the update's activations, which the fp32-master TinyLlama update
+            # needs to fit its 40 GiB target (compile-only: 36.6 GiB, dots 44.7). Its time is measured:
+            # +21% on the bf16 update, dots +5% (H200, 4-layer slice, 2026-11-27; docs/benchmarks.md),
+            # so a run with memory to spare is faster with remat=none or dots.
             remat = "full" if on_gpu and not cfg.remat else "keep"
         if remat == "none":
             out["remat"] = False

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from ppo_jax.models.forward import HiddenStates, forward_hidden, variables
 from ppo_jax.models.transformer import CausalLM, ScalarModel
 from ppo_jax.ppo.stats import last_token_index
+from ppo_jax.traced import trace_once
 
 Array = jax.Array
 
@@ -193,16 +194,14 @@ def map_used(fn: Callable[..., Any], microbatches_used: Array, *packed: Any) -> 
     `lax.map` of `lax.cond`s: a conditional's branches write separate buffers, and XLA:GPU then
     copied and transposed the weights each step (ppo-jax-plan, TinyLlama shape on an H100).
     """
-    first = jax.tree.map(lambda x: x[0], packed)
-    shapes = jax.eval_shape(fn, *first)
+    fn = trace_once(fn, *jax.tree.map(lambda x: x[0], packed))  # one trace for the shapes and the body
     num_microbatches = jax.tree.leaves(packed)[0].shape[0]
 
     def step(k, out):
         chunk = microbatch(packed, k)
         return jax.tree.map(lambda o, r: jax.lax.dynamic_update_index_in_dim(o, r, k, 0), out, fn(*chunk))
 
-    out = jax.tree.map(lambda s: jnp.zeros((num_microbatches,) + s.shape, s.dtype), shapes)
-    return jax.lax.fori_loop(0, microbatches_used, step, out)
+    return jax.lax.fori_loop(0, microbatches_used, step, fn.zeros((num_microbatches,)))
 
 
 def microbatch(packed: Any, index: Array) -> Any:

@@ -22,6 +22,7 @@ from ppo_jax.models.forward import sequence_inputs
 from ppo_jax.rl.objective import LossBatch, packed_loss, padded_loss
 from ppo_jax.rl.hyper import PPOHyper
 from ppo_jax.rl.state import Experience, FrozenParams, Modules, PackedExperience, Trainable, PPOState
+from ppo_jax.traced import trace_once
 
 Array = jax.Array
 
@@ -81,8 +82,8 @@ def accumulate(grads_of: Callable, items, used: Array | None = None):
     a `lax.scan` over all K, or with `used` (packed: the others hold no token) a `fori_loop` over the
     first `used` only (a while loop with the accumulator updated in place; a `lax.cond` per microbatch
     made XLA:GPU copy and transpose the weights in every step, and hold a second gradient tree)."""
-    shapes = jax.eval_shape(grads_of, jax.tree.map(lambda x: x[0], items))
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    grads_of = trace_once(grads_of, jax.tree.map(lambda x: x[0], items))  # one trace for shapes and body
+    zeros = grads_of.zeros()
     if used is not None:
         return jax.lax.fori_loop(
             0, used, lambda k, acc: jax.tree.map(jnp.add, acc, grads_of(packing.microbatch(items, k))), zeros)

@@ -14,6 +14,7 @@ import optax
 
 from ppo_jax import sharding
 from ppo_jax.config import ConfigError
+from ppo_jax.traced import trace_once
 
 Array = jax.Array
 
@@ -94,13 +95,12 @@ def accumulate_gradients(loss_fn: Callable, params, microbatches, batch_sharding
     """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def step(acc, microbatch):
+    def totals_of(microbatch):
         microbatch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, batch_sharding), microbatch)
         (loss, metrics), grads = grad_fn(params, microbatch)
-        return jax.tree.map(jnp.add, acc, (loss, metrics, grads)), None
+        return loss, metrics, grads
 
-    first = jax.tree.map(lambda x: x[0], microbatches)
-    (loss_shape, metric_shapes), grad_shapes = jax.eval_shape(grad_fn, params, first)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss_shape, metric_shapes, grad_shapes))
-    totals, _ = jax.lax.scan(step, zeros, microbatches)
+    totals_of = trace_once(totals_of, jax.tree.map(lambda x: x[0], microbatches))  # one trace for shapes and body
+    totals, _ = jax.lax.scan(lambda acc, mb: (jax.tree.map(jnp.add, acc, totals_of(mb)), None), totals_of.zeros(),
+                             microbatches)
     return totals
