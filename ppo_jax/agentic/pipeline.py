@@ -74,7 +74,9 @@ class PipelineSettings:
     sft_steps: int = 600
     ppo_iterations: int = 200
     policy_lr: float = 1e-4
-    batch_size: int = 32  # PPO prompts per iteration, and evaluation rows per batch
+    batch_size: int = 32  # episodes per PPO iteration, and evaluation rows per batch
+    estimator: str = "gae"  # ppo.advantage_estimator: "gae" (a value model), or "grpo" / "rloo" (groups)
+    samples_per_prompt: int = 1  # rollout.num_samples: episodes per prompt, a group (grpo / rloo: > 1)
     eval_batches: int = 8  # held-out prompts: eval_batches * batch_size
     prompt_length: int = 16
     response_length: int = 40
@@ -117,7 +119,10 @@ def ppo_config(p: PipelineSettings, sft_dir: str):
     c.policy.path = sft_dir
     c.environment.name, c.environment.max_turns, c.environment.max_observation_tokens = "arithmetic_bare", 2, 12
     c.data.prompt_length, c.rollout.response_length = p.prompt_length, p.response_length
-    c.rollout.batch_size = p.batch_size
+    if p.batch_size % p.samples_per_prompt:
+        raise ValueError(f"batch_size={p.batch_size} is not a multiple of samples_per_prompt={p.samples_per_prompt}")
+    c.rollout.batch_size, c.rollout.num_samples = p.batch_size // p.samples_per_prompt, p.samples_per_prompt
+    c.ppo.advantage_estimator = p.estimator
     c.ppo.epochs, c.ppo.num_minibatches, c.ppo.kl_coef = 2, 2, 0.02
     c.optim.policy_lr, c.optim.value_lr = p.policy_lr, 1e-4
     c.train.iterations, c.train.progress, c.train.sample_every = p.ppo_iterations, False, 0
@@ -137,20 +142,23 @@ def without_tool() -> BareArithmetic:
     return BareArithmetic([], max_turns=2, reward=arithmetic_task.record_reward)
 
 
-def evaluate(trainer, prompts: list[str], batch_size: int, seed: int, factory=None) -> dict[str, Any]:
-    """The current policy's episodes on `prompts` with fixed keys: accuracy (the environment's
-    end-of-episode reward, 1 for the exact product) and the share of episodes that call the tool.
-    factory: another environment for these episodes (e.g. `without_tool`)."""
+def evaluate(trainer, prompts: list[str], seed: int, factory=None) -> dict[str, Any]:
+    """The current policy's episodes on `prompts` with fixed keys, one per prompt (the first of each
+    group when the run samples several): accuracy (the environment's end-of-episode reward, 1 for the
+    exact product) and the share of episodes that call the tool. factory: another environment for
+    these episodes (e.g. `without_tool`)."""
+    batch_size, group = trainer.settings.rollout.batch_size, trainer.settings.rollout.num_samples
     own, trainer.rollouts.factory = trainer.rollouts.factory, factory or trainer.rollouts.factory
     try:
         batches = [_episodes(trainer, prompts[i:i + batch_size], jax.random.key(seed * 1000 + i))
                    for i in range(0, len(prompts), batch_size)]
     finally:
         trainer.rollouts.factory = own
-    correct = sum(float(e.rewards.sum()) for e in batches)
-    n = sum(len(e.rewards) for e in batches)
+    rewards = np.concatenate([np.asarray(e.rewards)[::group] for e in batches])
+    tool_calls = np.concatenate([np.asarray(e.tool_calls)[::group] for e in batches])
+    correct, n = float(rewards.sum()), len(rewards)
     return {"accuracy": correct / n, "accuracy_interval": interval(correct, n),
-            "tool_call_share": sum(float((e.tool_calls > 0).sum()) for e in batches) / n, "episodes": n}
+            "tool_call_share": float((tool_calls > 0).sum()) / n, "episodes": n}
 
 
 def _episodes(trainer, prompts: list[str], key):
@@ -172,11 +180,11 @@ def run(workdir: str, p: PipelineSettings = PipelineSettings()) -> dict[str, Any
     eval_prompts = task.prompts(p.eval_batches * p.batch_size, "eval")
     trainer = PPOTrainer(ppo_config(p, sft_dir), os.path.join(workdir, "ppo"),
                          prompts=task.prompts(4 * p.batch_size * p.ppo_iterations, "train"))
-    before = evaluate(trainer, eval_prompts, p.batch_size, p.seed)
-    before_bare = evaluate(trainer, eval_prompts, p.batch_size, p.seed, without_tool)
+    before = evaluate(trainer, eval_prompts, p.seed)
+    before_bare = evaluate(trainer, eval_prompts, p.seed, without_tool)
     history = trainer.train()
-    after = evaluate(trainer, eval_prompts, p.batch_size, p.seed)
-    after_bare = evaluate(trainer, eval_prompts, p.batch_size, p.seed, without_tool)
+    after = evaluate(trainer, eval_prompts, p.seed)
+    after_bare = evaluate(trainer, eval_prompts, p.seed, without_tool)
     summary = {
         "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
         "accuracy_before_interval": before["accuracy_interval"], "accuracy_after_interval": after["accuracy_interval"],
