@@ -228,8 +228,8 @@ class ComputeSettings:
     """How every model of the run executes (kernels, layer loop, remat): never what it computes.
 
     "auto" picks what was measured fastest on the platform the run is on (docs/gpu_probe.md): on a GPU,
-    cuDNN flash attention (when computing in bf16/fp16), full remat (for memory, not speed: it costs
-    ~21% of a bf16 update) and unscanned per-layer params
+    cuDNN flash attention (when computing in bf16/fp16), an update without remat where it fits the
+    devices' memory and full remat where not (`rl/remat_choice.py`) and unscanned per-layer params
     (scanned when FSDP shards them); on a TPU, splash attention (the fused kernel, DESIGN.md §8; not
     yet timed on a TPU) and scanned layers; elsewhere the einsum attention and the scanned layers,
     whose compile is the fastest. The platform is this
@@ -239,7 +239,7 @@ class ComputeSettings:
 
     attention: str = "auto"  # "auto", "einsum" (reference, any platform), "cudnn" (GPU, bf16/fp16), "xla" or "splash" (TPU)
     layer_loop: str = "auto"  # "auto" (unrolled on a GPU whose layers FSDP does not shard, else scan), "scan" (stacked [L, ...] params) or "unrolled" (per-layer params)
-    remat: str = "auto"  # "auto" (on a GPU "full" unless the model sets remat, else "keep"), "keep" the model's own setting, "none", "full" (save nothing) or "dots" (keep matmuls)
+    remat: str = "auto"  # "auto" (on a GPU, unless the model sets remat: the update without remat where XLA's buffer assignment says it fits the devices' free memory, else "full", rl/remat_choice.py; elsewhere "keep"), "keep" the model's own setting, "none", "full" (save nothing) or "dots" (keep matmuls)
     compilation_cache: str = "auto"  # jax's persistent compilation cache: "auto" (jax's own setting if one is made, else ~/.cache/ppo_jax/xla, at most 4 GiB), a directory, or "" (off)
 
     def validate(self, prefix: str = "compute") -> None:
@@ -274,10 +274,10 @@ class ComputeSettings:
         out = dict(attention=attention, scan_layers=loop == "scan")
         remat = self.remat
         if remat == "auto":
-            # Full remat frees most of the update's activations, which the fp32-master TinyLlama update
-            # needs to fit its 40 GiB target (compile-only: 36.6 GiB, dots 44.7). Its time is measured:
-            # +21% on the bf16 update, dots +5% (H200, 4-layer slice, 2026-11-27; docs/benchmarks.md),
-            # so a run with memory to spare is faster with remat=none or dots.
+            # Full remat frees most of the update's activations (the fp32-master TinyLlama update needs
+            # it to fit its 40 GiB target, compile-only: 36.6 GiB, dots 44.7) but costs +21% of a bf16
+            # update (H200, 2026-11-27). Every program is built with it; the update alone is compiled
+            # without it first and keeps that where it fits (rl/remat_choice.py, in build_steps).
             remat = "full" if on_gpu and not cfg.remat else "keep"
         if remat == "none":
             out["remat"] = False

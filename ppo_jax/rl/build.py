@@ -21,7 +21,7 @@ from ppo_jax.models import rope
 from ppo_jax.models import CausalLM, LoraConfig, ModelConfig, ScalarModel, boxed_params, hf
 from ppo_jax.models.transformer import check_context_rows
 from ppo_jax.optim import make_optimizer
-from ppo_jax.rl import roles
+from ppo_jax.rl import remat_choice, roles
 from ppo_jax.rl.experience import make_experience_fn, make_scoring_fn
 from ppo_jax.rl.hyper import DerivedSizes, PPOHyper
 from ppo_jax.rl.settings import DECODE_LOOPS, PolicyLoraSettings, Settings, sampling_config
@@ -340,9 +340,19 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
     experience_jit = jax.jit(traced("experience", experience),
                              in_shardings=(state_shardings, frozen_shardings, rollout_sh),
                              out_shardings=(exp_sh, replicated))
-    update_jit = jax.jit(traced("update", update),
-                         in_shardings=(state_shardings, frozen_shardings, exp_sh),
-                         out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+
+    def jit_update(fn):
+        return jax.jit(traced("update", fn), in_shardings=(state_shardings, frozen_shardings, exp_sh),
+                       out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+
+    update_jit = jit_update(update)
+    if remat_choice.applies(s.compute.remat, mesh_platform(mesh)[0],
+                            model_sets_remat=bool(not s.policy.path and s.policy.model.remat)):
+        # compute.remat="auto" on a GPU: the update without remat where it fits (rl/remat_choice.py)
+        lean = make_update_fn(remat_choice.without_remat(modules), policy_tx, value_tx, hp, sizes.rollout_rows, batch)
+        update_jit = remat_choice.MemoryChosenUpdate(
+            (("none", jit_update(lean)), ("full", update_jit)),
+            free_bytes=functools.partial(remat_choice.free_device_bytes, list(mesh.devices.flat)))
     return Steps(sampler_settings, sampler, experience_jit, update_jit, trace_counts, where, scoring_jit, scorer_sh)
 
 
