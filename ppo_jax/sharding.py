@@ -414,13 +414,22 @@ def device_bytes(tree: Any) -> int:
                for leaf in jax.tree.leaves(tree))
 
 
-def free_device_bytes(devices: Iterable[jax.Device]) -> int | None:
-    """The least free memory (`bytes_limit - bytes_in_use`) among this process's `devices` (another
-    process's device cannot be asked); None when one of them reports none (a CPU)."""
+def free_device_bytes(devices: Iterable[jax.Device], gather: Callable[[np.ndarray], np.ndarray] | None = None
+                      ) -> int | None:
+    """The least free memory (`bytes_limit - bytes_in_use`) among `devices`: this process's own, and
+    with several processes the least of every process's (`gather`: all processes' values; by default
+    `process_allgather`, so every process must call this at the same point, and all get the same
+    answer: a refusal or a choice made from it is the same everywhere). None when a device reports
+    none (a CPU)."""
     free = []
     for device in (d for d in devices if d.process_index == jax.process_index()):
         stats = device.memory_stats()
         if not stats or "bytes_limit" not in stats:
             return None
         free.append(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
-    return min(free, default=None)
+    if not free:
+        return None
+    if gather is None and jax.process_count() > 1:
+        gather = multihost_utils.process_allgather
+    mine = np.asarray(min(free), np.int64)
+    return int(np.min(gather(mine))) if gather is not None else int(mine)

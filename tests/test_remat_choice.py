@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from tiny_configs import tiny_config
 
+from ppo_jax import sharding
 from ppo_jax.rl import remat_choice
 from ppo_jax.rl.trainer import PPOTrainer
 
@@ -51,10 +52,11 @@ def _device(process, limit, used):
 
 
 def test_free_memory_is_the_smallest_of_every_device_of_every_process():
+    """Every process gets the same figure, so a choice or refusal made from it is the same everywhere."""
     devices = [_device(0, 100, 30), _device(0, 100, 60), _device(1, 100, 0)]  # process 1's: not this one's
-    assert remat_choice.free_device_bytes(devices, gather=lambda mine: np.stack([mine, np.int64(25)])) == 25
-    assert remat_choice.free_device_bytes(devices, gather=lambda mine: np.stack([mine, np.int64(90)])) == 40
-    assert remat_choice.free_device_bytes([_device(0, None, 0)]) is None  # a CPU reports nothing
+    assert sharding.free_device_bytes(devices, gather=lambda mine: np.stack([mine, np.int64(25)])) == 25
+    assert sharding.free_device_bytes(devices, gather=lambda mine: np.stack([mine, np.int64(90)])) == 40
+    assert sharding.free_device_bytes([_device(0, None, 0)]) is None  # a CPU reports nothing
 
 
 def test_the_rule_is_for_gpu_runs_whose_model_sets_no_remat():
@@ -69,7 +71,7 @@ def as_on_a_gpu(monkeypatch):
     """The trainer's path on CPU as on a GPU with `free["bytes"]` free per device."""
     free = {"bytes": 1 << 40}
     monkeypatch.setattr(remat_choice, "applies", lambda *args, **kwargs: True)
-    monkeypatch.setattr(remat_choice, "free_device_bytes", lambda devices: free["bytes"])
+    monkeypatch.setattr(sharding, "free_device_bytes", lambda devices: free["bytes"])
     return free
 
 

@@ -352,7 +352,7 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
         lean = make_update_fn(remat_choice.without_remat(modules), policy_tx, value_tx, hp, sizes.rollout_rows, batch)
         update_jit = remat_choice.MemoryChosenUpdate(
             (("none", jit_update(lean)), ("full", update_jit)),
-            free_bytes=functools.partial(remat_choice.free_device_bytes, list(mesh.devices.flat)))
+            free_bytes=functools.partial(sharding.free_device_bytes, list(mesh.devices.flat)))
     return Steps(sampler_settings, sampler, experience_jit, update_jit, trace_counts, where, scoring_jit, scorer_sh)
 
 

@@ -20,9 +20,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-import numpy as np
-
 from ppo_jax.rl.state import Modules
 
 MARGIN = 0.9  # of the free device memory: room for the allocator's fragmentation and what later steps hold
@@ -51,31 +48,12 @@ def allocated_bytes(compiled) -> int:
     return int(stats.temp_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes)
 
 
-def free_device_bytes(devices: Sequence[Any], gather: Callable[[np.ndarray], np.ndarray] | None = None) -> int | None:
-    """The smallest free memory (bytes_limit - bytes_in_use) of `devices` that this process holds, and
-    with several processes of every process's (`gather`: all processes' values, by default
-    `process_allgather`); None where a device does not report its memory (a CPU)."""
-    free = []
-    for device in devices:
-        if device.process_index != jax.process_index():
-            continue
-        stats = device.memory_stats()
-        if not stats or "bytes_limit" not in stats:
-            return None
-        free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    if gather is None and jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        gather = multihost_utils.process_allgather
-    mine = np.asarray(min(free), np.int64)
-    return int(np.min(gather(mine))) if gather is not None else int(mine)
-
-
 class MemoryChosenUpdate:
     """Called like the jitted update it replaces. On its first call it compiles `candidates`
     ((name, jitted update) pairs, least recompute first) on the call's arguments, one after another,
     and keeps the first whose `allocated_bytes` fits in MARGIN of `free_bytes()` (the last one in any
-    case, and at once when free_bytes() is None). `chosen` names it; `report` says why."""
+    case, and at once when free_bytes() is None; `sharding.free_device_bytes`, the same on every
+    process). `chosen` names it; `report` says why."""
 
     def __init__(self, candidates: Sequence[tuple[str, Any]], free_bytes: Callable[[], int | None],
                  log: Callable[[str], None] = print):
