@@ -17,7 +17,9 @@
 #   cuBLASLt, remat full (the trainer's GPU default) and dots, fp32 master weights (bf16 compute) and
 #   packing on
 # ONLY="slice_base slice_graph_while" runs just the named runs of a part (a short device session).
-# PART "all": both, in one call (needs a limit of about 11 minutes: two device calls are safer).
+# PART "next" (about 6 minutes): what the 2026-11-27 bf16 session left open: fp32 master weights cast once
+#   per rollout, cuBLAS in bf16 decode, and the full shape at `--remat auto` (the trainer's memory choice).
+# PART "all": main and ab, in one call (needs a limit of about 11 minutes: two device calls are safer).
 #
 # Each run has its own time limit, so one slow run cannot eat the others. Everything lands in
 # OUT_DIR/session-PART.tgz (each run's .json and .log, the trace, the HLO) plus OUT_DIR/summary-PART.txt,
@@ -29,7 +31,7 @@
 # the wheels it lacks (ml-collections, tensorboardX) in .whl/ and install them first, e.g.
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 set -uo pipefail
-out=${1:?usage: accel_session.sh OUT_DIR [main|ab|all] [SECONDS_PER_RUN]}
+out=${1:?usage: accel_session.sh OUT_DIR [main|ab|next|all] [SECONDS_PER_RUN]}
 part=${2:-main}
 limit=${3:-300}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -82,11 +84,23 @@ ab_part() {
   run slice_packed -- "${slice[@]}" --packing on
 }
 
+next_part() {
+  # What the third session (2026-11-27, bf16) left to measure: the once-per-rollout cast of fp32
+  # master weights (expect slice_base's 0.48 ms/step), cuBLAS's GEMMs in bf16 decode, and the
+  # trainer's own remat choice on the full shape (its log names the program it kept and why).
+  local slice=(--no-peers --layers 4)
+  run slice_base -- "${slice[@]}"
+  run slice_fp32_master -- "${slice[@]}" --param-dtype float32
+  run slice_cublas XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" -- "${slice[@]}"
+  run remat_auto -- --no-peers --remat auto
+}
+
 case "$part" in
   main) main_part ;;
   ab) ab_part ;;
+  next) next_part ;;
   all) main_part; ab_part ;;
-  *) echo "PART must be main, ab or all, got $part" >&2; exit 2 ;;
+  *) echo "PART must be main, ab, next or all, got $part" >&2; exit 2 ;;
 esac
 tar -czf "$out/session-$part.tgz" -C "$work" . && rm -rf "$work"
 ls -la "$out"

@@ -211,7 +211,9 @@ def run_ppo_jax(args, assets, workdir: str, on_timed=lambda ours: None) -> dict:
     ours = {"trainer_start_s": start_s, "first": first, "median": median,
             "compile_s": {k: first[k] - median[k] for k in first},
             "peak_bytes": stats.get("peak_bytes_in_use"), "trace_counts": dict(trainer.trace_counts),
-            "model": dataclasses.asdict(trainer.policy_config), "profile": None}
+            "model": dataclasses.asdict(trainer.policy_config), "profile": None,
+            # compute.remat=auto on a GPU: the remat the update kept (rl/remat_choice.py), else None
+            "update_remat": getattr(trainer.steps.update_jit, "chosen", None)}
     on_timed(ours)  # the timings are saved before the trace, which a device session's limit may cut
     if args.profile:
         ours["profile"] = traced_iteration(trainer, args.profile)
@@ -423,7 +425,8 @@ def print_table(args, fig: dict, ours: dict) -> None:
     print(f"shape: {args.shape}, {model['param_dtype']} params / {model['dtype']} compute, {args.rows} rows × "
           f"({args.prompt} + {args.response}) tokens, minibatches of {args.minibatch_rows}; "
           f"attention={args.attention} ({model['attention']}) layer_loop={args.layer_loop} "
-          f"(scan {model['scan_layers']}) remat={args.remat} ({model['remat_policy'] if model['remat'] else 'none'}) "
+          f"(scan {model['scan_layers']}) remat={args.remat} ({model['remat_policy'] if model['remat'] else 'none'}"
+          f"{'; update ' + ours['update_remat'] if ours.get('update_remat') else ''}) "
           f"decode={args.decode}")
     g = ppo["generate"]
     print(f"  generate    {g['seconds']:.3f} s  {g['ms_per_step']:.2f} ms/step  {g['tokens_per_s']:.0f} tok/s  "
