@@ -19,6 +19,7 @@ from ppo_jax.sampling.continuous import sample_continuous
 from ppo_jax.sampling.loop import sample
 from ppo_jax.sampling.weights import weights_in_compute_dtype
 
+
 class Sampler:
     """`sample` jitted over a mesh: call as sampler(params, prompt_tokens, prompt_mask, key, adapters=None).
 
