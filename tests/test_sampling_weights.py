@@ -1,7 +1,7 @@
 """fp32 master weights, bf16 compute: the sampler casts the weights once per rollout, before its decode
 loop, not once per step (sampling/weights.py). The loop then reads bf16 weights (half the bytes: on an
 H200 the 4-layer TinyLlama slice decoded at 0.83 ms/step from fp32 weights, 0.48 from bf16), and the
-samples are those the model's own per-layer casts give, bit for bit.
+samples are those the model's own per-layer casts give (the same tokens, log-probs to round-off).
 """
 
 import dataclasses
@@ -99,9 +99,14 @@ def test_the_decode_loop_reads_bf16_weights_and_samples_what_per_step_casts_samp
         params, tokens, mask, key, model=model, config=config)
     out = sampler(params, tokens, mask, key)
     assert out.mask.sum() > ROWS  # something was decoded
-    for field in ("tokens", "mask", "logprobs", "sampling_logprobs"):
+    # The same bf16 operands in both programs; they are compiled apart, so the log-probs are compared
+    # to round-off (a cast left inside the loop would still pass this; the jaxpr check above guards it).
+    for field in ("tokens", "mask"):
         np.testing.assert_array_equal(np.asarray(getattr(out, field)), np.asarray(getattr(reference, field)),
                                       err_msg=field)
+    for field in ("logprobs", "sampling_logprobs"):
+        np.testing.assert_allclose(np.asarray(getattr(out, field)), np.asarray(getattr(reference, field)),
+                                   atol=1e-5, rtol=0, err_msg=field)
 
 
 def test_weights_already_in_the_compute_dtype_are_passed_through():
