@@ -22,6 +22,7 @@ from ppo_jax.rl import roles
 from ppo_jax.rl.trainer import PPOTrainer
 from ppo_jax.sampling.config import SamplingConfig
 from ppo_jax.sampling.loop import sample
+from ppo_jax.sampling import weights
 
 BF16 = {"policy.dtype": "bfloat16"}
 DISAGGREGATED = {"mesh.shape": (4, 1, 1), "roles.sampler_devices": 4, "roles.sampler_mesh": (1, 2, 2)}
@@ -47,8 +48,8 @@ def test_the_cast_copy_samples_exactly_what_the_fp32_weights_sample(arch):
     params = jax.tree_util.tree_map_with_path(
         lambda path, x: x + 0.1 * jax.random.normal(jax.random.key(len(path)), x.shape)
         if path[-1].key in ("scale", "bias") else x, params)
-    assert roles.sampler_dtype(cfg) == "bfloat16" and roles.sampler_dtype(cfg.replace(dtype="float32")) is None
-    cast = roles.cast_for_sampler(params, roles.sampler_dtype(cfg))
+    assert weights.sampler_dtype(cfg) == "bfloat16" and weights.sampler_dtype(cfg.replace(dtype="float32")) is None
+    cast = weights.cast_for_sampler(params, weights.sampler_dtype(cfg))
     dtypes = leaf_dtypes(cast)
     assert dtypes["kernel"] == dtypes["embedding"] == {"bfloat16"} and dtypes["scale"] == {"float32"}
     assert roles.tree_bytes(cast) < 0.55 * roles.tree_bytes(params)
@@ -58,13 +59,13 @@ def test_the_cast_copy_samples_exactly_what_the_fp32_weights_sample(arch):
     mask = jnp.ones((4, 5), jnp.int32).at[1, :2].set(0)
     want = run(params, prompts, mask, jax.random.key(3))
     every_leaf = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-    for weights in (cast, every_leaf):
-        got = run(weights, prompts, mask, jax.random.key(3))
+    for tree in (cast, every_leaf):
+        got = run(tree, prompts, mask, jax.random.key(3))
         same = (np.array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
                 and np.array_equal(np.asarray(got.logprobs), np.asarray(want.logprobs)))
         # Every leaf cast by hand: the same on Llama (RMSNorm casts its scale), not on gpt2 (LayerNorm
         # reads scale and bias in float32): why those stay as held.
-        assert same == (weights is cast or arch == "llama")
+        assert same == (tree is cast or arch == "llama")
 
 
 def test_a_sampler_of_its_own_gets_a_bf16_copy_and_the_sync_moves_half_the_bytes(tmp_path):

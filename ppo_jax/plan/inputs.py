@@ -15,6 +15,7 @@ from typing import Any
 import jax
 
 from ppo_jax.rl import roles
+from ppo_jax.sampling import weights
 from ppo_jax.rl.state import FrozenParams, policy_variables
 from ppo_jax.sharding import device_bytes
 
@@ -44,9 +45,9 @@ def sampler_inputs(policy: Any, base: Any, where: roles.SamplerShardings, shared
     reads the trainer's trees; on its own mesh it keeps a copy (with LoRA: of the base, synced once,
     and of the adapters, synced each step). roles.lora_sync="merged" decodes a merged copy of the
     base's shapes instead of the adapters (kept beside the base copy it is rebuilt from). A copy is
-    held in `where.dtype` (bf16 beside fp32 master weights: `roles.sampler_dtype`)."""
+    held in `where.dtype` (bf16 beside fp32 master weights: `weights.sampler_dtype`)."""
     params, adapters = policy_variables(policy, base)
-    held = functools.partial(roles.cast_for_sampler, dtype=where.dtype)  # the dtype the sync sends and it holds
+    held = functools.partial(weights.cast_for_sampler, dtype=where.dtype)  # the dtype the sync sends and it holds
     if base is None:
         params = params if shared else held(placed(params, where.params))
         return SamplerInputs(params, None, 0 if shared else device_bytes(params))

@@ -58,6 +58,7 @@ from ppo_jax.plan import role_memory
 from ppo_jax.plan.programs import LoweredRun, PlannedRun, kv_cache_bytes, lower_programs, planned_run, planned_settings
 from ppo_jax.plan.role_memory import Holdings, RolesPlan
 from ppo_jax.rl import build, roles
+from ppo_jax.sampling import weights
 
 GB = 10**9
 GIB = 2**30
@@ -319,8 +320,8 @@ def plan_memory(config, mesh=None, phases: tuple[str, ...] = PHASES,
         run.meshes, compiled, held, train_state=trees.train_state, frozen=trees.resident - trees.train_state,
         kv_cache=kv_cache,
         # the trainable policy (full params, or with LoRA the adapters) in the dtype the sync sends
-        sync_bytes=roles.tree_bytes(roles.cast_for_sampler(run.state.policy, sync_dtype)),
-        base_sync_bytes=roles.tree_bytes(roles.cast_for_sampler(run.base, sync_dtype)) if run.base is not None else 0,
+        sync_bytes=roles.tree_bytes(weights.cast_for_sampler(run.state.policy, sync_dtype)),
+        base_sync_bytes=roles.tree_bytes(weights.cast_for_sampler(run.base, sync_dtype)) if run.base is not None else 0,
         scoring=s.roles.scoring)
     mesh = run.mesh
     return MemoryPlan(

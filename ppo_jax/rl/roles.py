@@ -27,15 +27,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from ppo_jax import sharding
 from ppo_jax.config import check
 from ppo_jax.models import boxed_params
-from ppo_jax.models.config import ModelConfig, to_dtype
 from ppo_jax.rl.state import FrozenParams, PPOState
-from ppo_jax.sampling.weights import KEPT_AS_HELD, cast_for_sampler, sampler_dtype  # noqa: F401 (roles.* callers)
+from ppo_jax.sampling.weights import cast_for_sampler, sampler_dtype
 
 
 LORA_SYNC = ("adapters", "merged")
