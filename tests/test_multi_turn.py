@@ -1,5 +1,5 @@
-"""Multi-turn rollouts on the static engine (sampling/turns.py, agentic/rollout.py): the KV append is
-exact (action log-probs equal a teacher-forced forward with no cache), observations are context, the
+"""Multi-turn rollouts (sampling/turns.py; agentic/rollout.py, the rounds schedule, and
+agentic/continuous_rollout.py, which gives the same episodes per row): the KV append is exact (action log-probs equal a teacher-forced forward with no cache), observations are context, the
 environments of all waiting rows are stepped at once, max_turns and the total length hold, a first
 turn the environment ends at once is exactly the one-turn sampler's, and 8 devices agree with 1.
 
@@ -322,6 +322,92 @@ def test_append_starts_a_fresh_turn(lm):
         assert after.recent[row, :-1].tolist() == [-1] * (after.recent.shape[1] - 1)
         assert after.recent[row, -1] == after.tokens[row, column + 2]
         assert after.active[row] == (after.reason[row] == RUNNING)
+
+
+def test_append_leaves_the_rows_still_decoding_untouched(lm):
+    """The continuous schedule appends while other rows are mid-turn: a decode cut after 2 steps
+    leaves rows active; `append` of the rows that ended at a turn stop resumes them and keeps every
+    active row's column, tokens, turn window and activity as they were."""
+    from ppo_jax.sampling.turns import RUNNING, TURN_STOP
+
+    tokenizer, model, params = lm
+    decoder = _decoder(model, _turn_config(tokenizer))
+    tokens, mask = _prompts(tokenizer)
+    state = decoder.decode(params, decoder.start(params, tokens, mask, jax.random.key(3)), max_steps=2)
+    before = jax.device_get(state)
+    assert (before.column <= 3).all()  # the budget held: the first token, then 2 steps at most
+    resume = (before.reason == TURN_STOP) & ~before.active
+    assert resume.sum() >= 1 and before.active.sum() >= 2, (before.reason, before.active)
+    observations = np.full((ROWS, OBS), tokenizer.convert_tokens_to_ids("obs"), np.int32)
+    after = jax.device_get(decoder.append(params, state, observations, np.full(ROWS, 2, np.int32), resume))
+    assert (after.column[resume] == before.column[resume] + 3).all()
+    for field in ("column", "tokens", "recent", "active", "reason", "logprobs", "mask"):
+        np.testing.assert_array_equal(getattr(after, field)[before.active], getattr(before, field)[before.active],
+                                      err_msg=field)
+    assert (after.active == (before.active | (resume & (after.reason == RUNNING)))).all()
+
+
+class RecordingDecoder:
+    """A TurnDecoder that records when each decode segment ran and, at each append, the rows that
+    were still decoding beside the resumed ones."""
+
+    def __init__(self, decoder):
+        self.decoder, self.config, self.mesh = decoder, decoder.config, decoder.mesh
+        self.segments, self.decoding_at_append = [], []
+
+    def start(self, *args):
+        return self.decoder.start(*args)
+
+    def decode(self, params, state, adapters=None, max_steps=None):
+        begin = time.monotonic()
+        state = jax.block_until_ready(self.decoder.decode(params, state, adapters, max_steps))
+        self.segments.append((begin, time.monotonic()))
+        return state
+
+    def append(self, params, state, ids, lengths, resume, adapters=None):
+        self.decoding_at_append.append(np.asarray(state.active) & ~np.asarray(resume))
+        return self.decoder.append(params, state, ids, lengths, resume, adapters)
+
+
+class Timed(Scripted):
+    """Scripted, sleeping 0, 0.3 or 0.6 s by row, recording when each step ran."""
+
+    def __init__(self, row):
+        super().__init__(row, sleep=0.3 * (row % 3))
+        self.intervals = []
+
+    def step(self, turn_text, turn_token_ids):
+        begin = time.monotonic()
+        result = super().step(turn_text, turn_token_ids)
+        self.intervals.append((begin, time.monotonic()))
+        return result
+
+
+def test_continuous_schedule_gives_the_rounds_episodes_and_overlaps(lm, run):
+    """rollout.engine=continuous (agentic/continuous_rollout.py), 3-step segments, environments of
+    0-0.6 s: the episodes are the rounds schedule's (same key, deterministic environments): every
+    token, mask, turn end, reward and cut, and what each environment saw; log-probs to round-off.
+    And it is not the rounds schedule in disguise: decode segments ran while environments stepped,
+    and observations were appended while other rows were still mid-turn."""
+    from ppo_jax.agentic import continuous_rollout
+
+    tokenizer, model, params = lm
+    reference, reference_envs = run
+    decoder = RecordingDecoder(_decoder(model, _turn_config(tokenizer)))
+    envs = [Timed(row) for row in range(ROWS)]
+    tokens, mask = _prompts(tokenizer)
+    out = continuous_rollout.rollout(decoder, params, tokens, mask, envs, jax.random.key(3), tokenizer=tokenizer,
+                                     max_turns=3, segment_steps=3)
+    for field in ("tokens", "mask", "action_mask", "turns", "turn_ends", "turn_rewards", "environment_done",
+                  "stopped", "observations_truncated"):
+        np.testing.assert_array_equal(getattr(out, field), getattr(reference, field), err_msg=field)
+    np.testing.assert_allclose(out.logprobs, reference.logprobs, atol=1e-6, rtol=0)
+    assert [env.seen for env in envs] == [env.seen for env in reference_envs]
+    slow_steps = [interval for env in envs for interval in env.intervals if env.sleep > 0]
+    assert any(begin < segment_begin < end for begin, end in slow_steps for segment_begin, _ in decoder.segments)
+    assert any(decoding.any() for decoding in decoder.decoding_at_append)
+    # Blocked only with nothing left to decode: less than the environments' own time.
+    assert 0 < out.environment_wall_seconds.sum() < out.environment_seconds.sum()
 
 
 def test_turn_stop_sequences_match_only_inside_the_turn():

@@ -228,6 +228,19 @@ def test_eight_devices_give_the_same_metrics(baseline, tmp_path):
             np.testing.assert_allclose(got[key], value, rtol=2e-3, atol=2e-4, err_msg=key)
 
 
+def test_continuous_schedule_gives_the_same_run(baseline, tmp_path):
+    """rollout.engine=continuous schedules each row on its own (agentic/continuous_rollout.py, 2-step
+    segments): the same episodes, so the same run, metric for metric (time aside)."""
+    _, expected = baseline
+    trainer, history = run(multi_turn_config(**{"rollout.engine": "continuous", "environment.segment_steps": 2}),
+                           tmp_path)
+    assert trainer.rollouts.schedule.func.__module__ == "ppo_jax.agentic.continuous_rollout"
+    for want, got in zip(expected, history, strict=True):
+        for key, value in want.items():
+            if not key.startswith(("time/", "perf/")):
+                np.testing.assert_allclose(got[key], value, rtol=1e-6, atol=1e-7, err_msg=key)
+
+
 def test_resume_continues_the_episodes_exactly(baseline, tmp_path):
     """Stopped after iteration 1 (saved), resumed for iteration 2: the baseline's iteration 2 (the
     same prompts, keys and episodes; an episode never spans iterations, so none is in flight)."""
@@ -276,7 +289,9 @@ def test_off_policy_episodes_in_flight_resume_bit_for_bit(tmp_path):
     ({"environment.turn_stop": "</tool_call>"}, "environment.turn_stop='</tool_call>': the tokenizer cannot encode it"),
     ({"environment.name": "no_such_environment"}, "environment.name='no_such_environment' is not a registered"),
     ({"environment.max_turns": 0}, "environment.max_turns=0: an episode needs at least 1 turn"),
-    ({"rollout.engine": "continuous"}, "multi-turn rollouts run on the static engine only"),
+    ({"rollout.engine": "continuous", "rollout.slots": 8}, "with rollout.slots=8, rollout.prefill_prompts=0: every "
+     "episode keeps its cache row"),
+    ({"rollout.engine": "continuous", "environment.segment_steps": 0}, "environment.segment_steps=0: use at least 1"),
 ])
 def test_bad_multi_turn_settings_fail_before_compiling(overrides, message, tmp_path):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -202,7 +202,8 @@ class StepBatch:
     wall_seconds: float
 
 
-def _timed_step(env: Environment, turn: Turn) -> tuple[StepResult, float]:
+def timed_step(env: Environment, turn: Turn) -> tuple[StepResult, float]:
+    """Steps `env` with `turn`: (its result, the seconds it took)."""
     start = time.perf_counter()
     result = env.step(turn.text, turn.token_ids)
     return result, time.perf_counter() - start
@@ -219,15 +220,18 @@ def step_all(envs: Sequence[Environment], turns: Sequence[Turn], max_workers: in
         return StepBatch(results=(), seconds=(), wall_seconds=0.0)
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(max_workers, len(envs)),
                                                thread_name_prefix="environment") as pool:
-        futures = [pool.submit(_timed_step, env, turn) for env, turn in zip(envs, turns)]
-        done = []
-        for row, future in enumerate(futures):
-            try:
-                done.append(future.result())
-            except Exception as e:
-                raise RuntimeError(f"the environment of row {row} raised {type(e).__name__}: {e}") from e
-    results, seconds = zip(*done)
-    for row, result in enumerate(results):
-        if not isinstance(result, StepResult):
-            raise TypeError(f"the environment of row {row} returned {type(result).__name__}, not a StepResult")
+        futures = [pool.submit(timed_step, env, turn) for env, turn in zip(envs, turns)]
+        results, seconds = zip(*(step_outcome(row, future) for row, future in enumerate(futures)))
     return StepBatch(results=tuple(results), seconds=tuple(seconds), wall_seconds=time.perf_counter() - start)
+
+
+def step_outcome(row: int, future: concurrent.futures.Future) -> tuple[StepResult, float]:
+    """The (result, seconds) of a `timed_step` future, waited for: an environment that raises or
+    returns something else is a bug in it, not the policy's doing, and the error names its row."""
+    try:
+        result, seconds = future.result()
+    except Exception as e:
+        raise RuntimeError(f"the environment of row {row} raised {type(e).__name__}: {e}") from e
+    if not isinstance(result, StepResult):
+        raise TypeError(f"the environment of row {row} returned {type(result).__name__}, not a StepResult")
+    return result, seconds

@@ -29,12 +29,14 @@ class EnvironmentSettings:
     turn_stop: str = ""  # comma-separated markers that end a turn and step the environment (e.g. "</tool_call>"); "" = the environment's stop_strings
     workers: int = 16  # threads stepping the waiting rows' environments at once
     max_observation_tokens: int = 32  # tokens one observation may append (longer ones are cut; the row's total is rollout.response_length)
+    segment_steps: int = 8  # rollout.engine=continuous: decode steps between the host's looks at the rows (a row's environment is stepped, and its observation appended, at the first look after its turn ends or it answers)
 
     @property
     def enabled(self) -> bool:
         return bool(self.name.strip())
 
-    def validate(self, *, engine: str, router_replay: bool, chat_template: bool) -> None:
+    def validate(self, *, engine: str, slots: int, prefill_prompts: int, router_replay: bool,
+                 chat_template: bool) -> None:
         """Every check that needs no tokenizer: the numbers, the name resolves, and the rollout
         settings multi-turn rows do not support yet (each one ConfigError line)."""
         if not self.enabled:
@@ -43,8 +45,11 @@ class EnvironmentSettings:
         check(self.workers >= 1, f"environment.workers={self.workers}: use at least 1 thread")
         check(self.max_observation_tokens >= 1,
               f"environment.max_observation_tokens={self.max_observation_tokens}: use at least 1")
-        check(engine == "static", f"environment.name={self.name!r}: multi-turn rollouts run on the static engine "
-              f"only, not rollout.engine={engine!r}")
+        check(self.segment_steps >= 1, f"environment.segment_steps={self.segment_steps}: use at least 1 decode step")
+        check(not (slots or prefill_prompts), f"environment.name={self.name!r} with rollout.slots={slots}, "
+              f"rollout.prefill_prompts={prefill_prompts}: every episode keeps its cache row until it ends "
+              f"(rollout.engine={engine!r} overlaps decoding with the environments, it shares no slots); leave "
+              "both 0")
         check(not router_replay, f"environment.name={self.name!r} with moe.router_replay: the multi-turn "
               "decoder records no routing; set moe.router_replay=False")
         check(not chat_template, f"environment.name={self.name!r} with data.chat_template: the environment's "

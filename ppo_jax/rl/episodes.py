@@ -25,13 +25,14 @@ host steps its environments), so the k in flight are whole episodes, saved with 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
 
 from ppo_jax import metrics as metrics_lib
 from ppo_jax import sampling, sharding
-from ppo_jax.agentic import rollout as episodes_lib
+from ppo_jax.agentic import continuous_rollout, rollout as episodes_lib
 from ppo_jax.data.tokenization import PromptTokenizer
 from ppo_jax.models.transformer import CausalLM
 from ppo_jax.rl.rollouts import InFlightRecord, Rollouts, StartedRollout, resolve_arrays
@@ -71,7 +72,12 @@ class EpisodeRollouts(Rollouts):
         self.env_settings, self.tokenizer = env, tokenizer
         self.factory = env.bind(tokenizer)
         # One row per episode: with rollout.num_samples = n each prompt is reset n times (`_records`).
-        one_row = dataclasses.replace(self.steps.sampling_config, num_samples=1)
+        # The turn programs decode every row at once whatever rollout.engine is: "continuous" picks the
+        # host schedule that overlaps decoding with the environments (agentic/continuous_rollout.py).
+        one_row = dataclasses.replace(self.steps.sampling_config, num_samples=1, engine="static", slots=0,
+                                      prefill_prompts=0)
+        self.schedule = episodes_lib.rollout if self.settings.rollout.engine == "static" else functools.partial(
+            continuous_rollout.rollout, segment_steps=env.segment_steps)
         config = TurnConfig(sampling=one_row, turn_stops=turn_stops,
                             max_observation_tokens=env.max_observation_tokens)
         self.decoder = TurnDecoder(model, config, self.meshes.sampler)
@@ -101,7 +107,7 @@ class EpisodeRollouts(Rollouts):
                              "tokens: cut from the left (raise data.prompt_length)")
         tokens, mask = sharding.put_local_batch((np.asarray(batch.tokens), np.asarray(batch.mask)), mesh)
         weights = self.sampler_weights(state)
-        out = episodes_lib.rollout(self.decoder, weights.params, tokens, mask, envs, sharding.replicate(key, mesh),
+        out = self.schedule(self.decoder, weights.params, tokens, mask, envs, sharding.replicate(key, mesh),
                                    tokenizer=self.tokenizer, max_turns=self.env_settings.max_turns,
                                    environment_workers=self.env_settings.workers, adapters=weights.adapters)
         started = self._scored(sample_output(out, mesh), int(state.step))

@@ -236,7 +236,8 @@ class Settings(RunSettings):
         self._validate_ppo()
         self.moe.validate(self.rollout.partial_rollouts)
         r = self.rollout
-        self.environment.validate(engine=r.engine, router_replay=self.moe.router_replay,
+        self.environment.validate(engine=r.engine, slots=r.slots, prefill_prompts=r.prefill_prompts,
+                                  router_replay=self.moe.router_replay,
                                   chat_template=self.data.chat_template)
         self.optim.validate("optim", {"policy_lr": self.optim.policy_lr, "value_lr": self.optim.value_lr})
         check(self.reward.missing_stop in ("none", "replace", "penalty"),

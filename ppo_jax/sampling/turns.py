@@ -31,6 +31,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ppo_jax.models import forward
 from ppo_jax.models.cache import KVCache, init_cache, split_cache
@@ -201,10 +202,13 @@ def _last_tokens(state: TurnState) -> Array:
     return jnp.take_along_axis(state.tokens, jnp.maximum(state.column - 1, 0)[:, None], axis=1)[:, 0]
 
 
-def decode(params: Any, state: TurnState, *, model: CausalLM, config: TurnConfig,
+def decode(params: Any, state: TurnState, max_steps: Array | None = None, *, model: CausalLM, config: TurnConfig,
            adapters: Any = None) -> TurnState:
     """Decodes one token per step for every active row until none is: each row stops at its turn's
-    end (`reason`), the others' stops do not hold it."""
+    end (`reason`), the others' stops do not hold it. `max_steps` ([] int32, traced: one program for
+    any value; None: no bound) ends the call sooner, after that many steps rounded up to
+    `steps_per_sync`; the rows still active then go on at the next call, as if never stopped (the
+    continuous multi-turn schedule, `agentic/continuous_rollout.py`)."""
     sampling, prompt_len = config.sampling, _prompt_len(state, config)
     variables = forward.variables(params, adapters)
     layers = decode_layers(params, adapters, sampling)
@@ -229,22 +233,36 @@ def decode(params: Any, state: TurnState, *, model: CausalLM, config: TurnConfig
         # Steps past every row's turn end change nothing: no row is active.
         return jax.lax.fori_loop(0, per_sync, lambda _, s: decode_one(s), state)
 
-    return jax.lax.while_loop(lambda s: jnp.any(s.active), decode_group, state)
+    budget = jnp.iinfo(jnp.int32).max if max_steps is None else jnp.asarray(max_steps, jnp.int32)
+
+    def go_on(carry):
+        state, taken = carry
+        return jnp.any(state.active) & (taken < budget)
+
+    def step(carry):
+        state, taken = carry
+        return decode_group(state), taken + per_sync
+
+    return jax.lax.while_loop(go_on, step, (state, jnp.int32(0)))[0]
 
 
 def append(params: Any, state: TurnState, observations: Array, observation_lengths: Array, resume: Array, *,
            model: CausalLM, config: TurnConfig, adapters: Any = None) -> TurnState:
-    """Appends each resumed row's observation and chooses the first token of its next turn.
+    """Appends each resumed row's observation and chooses the first token of its next turn; the rows
+    still decoding their turn (active, not resumed) go on untouched.
 
     observations [R, O] int32 (padded with anything: masked); observation_lengths [R] (k, with
     column + k < T for a resumed row); resume [R] bool. One forward of [last token, observation]
     [R, 1 + O] per row from its own slot Lq + column - 1 on, not a re-prefill of the row. The slots
     past a row's k + 1 real ones stay out of the kv mask; causality by slot hides them from this
     forward's real queries anyway, and the row's next tokens overwrite them before any query sits
-    past them. Rows not resumed stay ended (their forward is padding at position 0).
+    past them. Rows not resumed keep their state (their forward is padding at position 0; what it
+    writes to a decoding row's cache lies past its last token, out of the kv mask, and its next
+    decode steps overwrite it before any query reads that far).
     """
     sampling, new = config.sampling, state.tokens.shape[1]
     width, prompt_len = config.max_observation_tokens, _prompt_len(state, config)
+    decoding = state.active & ~resume
     lengths = jnp.where(resume, observation_lengths.astype(jnp.int32), 0)
     start_slot = prompt_len + state.column - 1
     offsets = jnp.arange(1 + width)
@@ -268,7 +286,8 @@ def append(params: Any, state: TurnState, observations: Array, observation_lengt
         cache=cache, kv_mask=kv_mask, tokens=jnp.where(into, gathered, state.tokens),
         mask=state.mask | into.astype(jnp.int32), column=state.column + lengths, active=resume,
         reason=jnp.where(resume, RUNNING, state.reason), recent=jnp.where(resume[:, None], -1, state.recent))
-    return _record(state, _choose(state, logits, config), config)
+    recorded = _record(state, _choose(state, logits, config), config)  # the resumed rows' first tokens only
+    return recorded.replace(active=recorded.active | decoding)
 
 
 class TurnDecoder:
@@ -281,8 +300,8 @@ class TurnDecoder:
         static = dict(model=model, config=config)
         self._start = jax.jit(lambda p, t, m, k, a: start(p, t, m, k, adapters=a, **static))
         # decode's loop reads the weights every step: cast once per call (sampling/weights.py)
-        self._decode = jax.jit(lambda p, s, a: decode(weights_in_compute_dtype(p, model), s, adapters=a, **static),
-                               donate_argnums=1)
+        self._decode = jax.jit(lambda p, s, a, n: decode(weights_in_compute_dtype(p, model), s, n, adapters=a,
+                                                         **static), donate_argnums=1)
         self._append = jax.jit(lambda p, s, o, n, r, a: append(p, s, o, n, r, adapters=a, **static),
                                donate_argnums=1)
 
@@ -297,8 +316,10 @@ class TurnDecoder:
     def start(self, params, prompt_tokens, prompt_mask, key, adapters=None) -> TurnState:
         return self._run(self._start, params, prompt_tokens, prompt_mask, key, adapters)
 
-    def decode(self, params, state: TurnState, adapters=None) -> TurnState:
-        return self._run(self._decode, params, state, adapters)
+    def decode(self, params, state: TurnState, adapters=None, max_steps: int | None = None) -> TurnState:
+        """Every active row to its turn's end, or `max_steps` decode steps (one program for both)."""
+        budget = np.int32(np.iinfo(np.int32).max if max_steps is None else max_steps)
+        return self._run(self._decode, params, state, adapters, budget)
 
     def append(self, params, state: TurnState, observations, observation_lengths, resume,
                adapters=None) -> TurnState:
