@@ -7,6 +7,8 @@ observations and some are cut to the cap), pays 0, 0.25 or 0.5 per turn and ends
 steps. Deterministic: what it answers depends on the tokens only.
 """
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -283,6 +285,41 @@ def test_off_policy_episodes_in_flight_resume_bit_for_bit(tmp_path):
     for a, b in zip(jax.tree.leaves(expected_policy), jax.tree.leaves(jax.device_get(resumed.state.policy))):
         np.testing.assert_array_equal(a, b)
     resumed.close()
+
+
+@environment.register("slow_scripted_test_env")
+class SlowScripted(Scripted):
+    """Scripted, 0.2 s a step: a batch of episodes takes at least that long after its first turn."""
+
+    def step(self, turn_text, turn_token_ids):
+        time.sleep(0.2)
+        return super().step(turn_text, turn_token_ids)
+
+
+def test_off_policy_episodes_run_beside_the_update(tmp_path):
+    """rollout.off_policy_steps = 1: the next batch's episodes run on the episode thread while the
+    trainer updates: at each update but the last, the batch started for the next iteration is still
+    running (on the main thread it would have ended before the update began; the first update is
+    left out, as its compile outlasts the episodes). Their wait on the
+    environments is logged as perf/environment_seconds_overlapped, outside the iteration's time/*."""
+    config = multi_turn_config(**{"environment.name": "slow_scripted_test_env", "rollout.off_policy_steps": 1,
+                                  "train.iterations": 4})
+    trainer = PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
+    running_at_update, update = [], trainer._update
+
+    def recording(state, exp):
+        running_at_update.append([not started.pending.done() for started in trainer.rollouts.in_flight
+                                  if started.pending is not None])
+        return update(state, exp)
+
+    trainer._update = recording
+    history = trainer.train()
+    trainer.close()
+    assert running_at_update[1:] == [[True], [True], []]
+    for row in history:
+        assert row["perf/environment_seconds_overlapped"] >= 0.2 and "time/environment" not in row
+        assert row["time/iteration"] == pytest.approx(sum(v for k, v in row.items()
+                                                          if k.startswith("time/") and k != "time/iteration"))
 
 
 @pytest.mark.parametrize("overrides, message", [

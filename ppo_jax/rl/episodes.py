@@ -24,10 +24,13 @@ host steps its environments), so the k in flight are whole episodes, saved with 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ppo_jax import metrics as metrics_lib
@@ -35,6 +38,7 @@ from ppo_jax import sampling, sharding
 from ppo_jax.agentic import continuous_rollout, rollout as episodes_lib
 from ppo_jax.data.tokenization import PromptTokenizer
 from ppo_jax.models.transformer import CausalLM
+from ppo_jax.rl import roles
 from ppo_jax.rl.rollouts import InFlightRecord, Rollouts, StartedRollout, resolve_arrays
 from ppo_jax.rl.state import PPOState, Rollout
 from ppo_jax.sampling.turns import TurnConfig, TurnDecoder
@@ -45,6 +49,16 @@ class StartedEpisodes(StartedRollout):
     """A started rollout with its episodes (host arrays: masks, turn rewards, tool counts)."""
 
     episodes: episodes_lib.MultiTurnOutput | None = None
+    pending: concurrent.futures.Future | None = None  # running on the episode thread (off-policy)
+
+
+def _not_donated(weights: roles.SyncedWeights, state: PPOState) -> roles.SyncedWeights:
+    """`weights` with a copy of every array that is the train state's own (the sampler on the
+    trainer's mesh in its dtype: nothing was copied): the update donates those while the episode
+    thread still decodes with them."""
+    owned = {id(leaf) for leaf in jax.tree.leaves(state)}
+    copy = lambda tree: jax.tree.map(lambda x: jnp.copy(x) if id(x) in owned else x, tree)  # noqa: E731
+    return dataclasses.replace(weights, params=copy(weights.params), adapters=copy(weights.adapters))
 
 
 def sample_output(out: episodes_lib.MultiTurnOutput, mesh) -> sampling.SampleOutput:
@@ -84,6 +98,9 @@ class EpisodeRollouts(Rollouts):
         self.prompt_tokenizer = PromptTokenizer(tokenizer, max_prompt_length=prompt_length, truncation="left")
         self.prompt_length = prompt_length
         self.finished: episodes_lib.MultiTurnOutput | None = None  # the last finished batch's episodes
+        # Off-policy: one thread runs the batches of episodes in turn while the main thread updates.
+        self.episode_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="episodes") \
+            if self.settings.rollout.off_policy_steps else None
         self.episode_metrics: dict[str, float] = {}  # the current iteration's, until popped
 
     def _records(self, prompt_tokens: np.ndarray, prompt_mask: np.ndarray) -> list[dict[str, str]]:
@@ -96,8 +113,20 @@ class EpisodeRollouts(Rollouts):
 
     def start(self, state: PPOState, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key) -> StartedEpisodes:
         """Runs the episodes of this process's prompt rows (host arrays) to their end, and with
-        roles.scoring="sampler" dispatches their scoring. Unlike the one-turn sampler this waits:
-        the host steps the environments between turns."""
+        roles.scoring="sampler" dispatches their scoring. On-policy this waits (the host steps the
+        environments between turns); off-policy the episodes run on the episode thread and this
+        returns at once, so they overlap the update (`finish` waits for them)."""
+        weights = self.sampler_weights(state)
+        if self.episode_thread is None:
+            return self._run_episodes(weights, prompt_tokens, prompt_mask, key, int(state.step))
+        weights = _not_donated(weights, state)
+        future = self.episode_thread.submit(self._run_episodes, weights, prompt_tokens, prompt_mask, key,
+                                            int(state.step))
+        return StartedEpisodes(sample=None, version=int(state.step), pending=future)
+
+    def _run_episodes(self, weights, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key,
+                      version: int) -> StartedEpisodes:
+        """The episodes of the prompt rows, sampled with `weights` (of train step `version`), scored."""
         mesh = self.meshes.sampler
         envs, texts = episodes_lib.reset_episodes(self.factory, self._records(prompt_tokens, prompt_mask))
         before = self.prompt_tokenizer.num_truncated_prompts
@@ -106,16 +135,38 @@ class EpisodeRollouts(Rollouts):
             metrics_lib.warn(f"the environment's prompts are longer than data.prompt_length={self.prompt_length} "
                              "tokens: cut from the left (raise data.prompt_length)")
         tokens, mask = sharding.put_local_batch((np.asarray(batch.tokens), np.asarray(batch.mask)), mesh)
-        weights = self.sampler_weights(state)
         out = self.schedule(self.decoder, weights.params, tokens, mask, envs, sharding.replicate(key, mesh),
-                                   tokenizer=self.tokenizer, max_turns=self.env_settings.max_turns,
-                                   environment_workers=self.env_settings.workers, adapters=weights.adapters)
-        started = self._scored(sample_output(out, mesh), int(state.step))
+                            tokenizer=self.tokenizer, max_turns=self.env_settings.max_turns,
+                            environment_workers=self.env_settings.workers, adapters=weights.adapters)
+        started = self._scored(sample_output(out, mesh), version)
         return StartedEpisodes(**{f.name: getattr(started, f.name) for f in dataclasses.fields(StartedRollout)},
                                episodes=out)
 
+    @staticmethod
+    def _resolved(started: StartedEpisodes) -> StartedEpisodes:
+        """`started` with its episodes, waited for if they run on the episode thread (filled in place:
+        `Rollouts.next` reads the sample off the same object). An error there is raised here."""
+        if started.pending is not None:
+            done = started.pending.result()
+            for f in dataclasses.fields(StartedEpisodes):
+                setattr(started, f.name, getattr(done, f.name))
+        return started
+
+    def _check_room(self, more: int) -> None:
+        """`Rollouts._check_room`, on the first batch's measured arrays (waited for)."""
+        if self.in_flight:
+            self._resolved(self.in_flight[0])
+        super()._check_room(more)
+
+    def close(self) -> None:
+        """Ends the episode thread (after the episodes it runs)."""
+        if self.episode_thread is not None:
+            self.episode_thread.shutdown(wait=True)
+
     def in_flight_record(self) -> InFlightRecord:
-        """`Rollouts.in_flight_record`, each record with its episodes' host arrays."""
+        """`Rollouts.in_flight_record`, each record with its episodes' host arrays (waited for)."""
+        for started in self.in_flight:
+            self._resolved(started)
         record = super().in_flight_record()
         for entry, started in zip(record.records, self.in_flight):
             entry["episodes"] = record.refer({f.name: getattr(started.episodes, f.name)
@@ -134,7 +185,7 @@ class EpisodeRollouts(Rollouts):
     def finish(self, started: StartedEpisodes) -> Rollout:
         """`Rollouts.finish` (reward functions on the whole transcript), plus the action mask and the
         turn rewards on the trainer's mesh."""
-        rollout = super().finish(started)
+        rollout = super().finish(self._resolved(started))
         out = started.episodes
         self.finished = out
         mesh = self.meshes.trainer
@@ -151,6 +202,10 @@ class EpisodeRollouts(Rollouts):
 
     def pop_generate_metrics(self) -> dict[str, float]:
         """The weight sync's metrics and the iteration's episodes' (turns, tool calls, errors,
-        time-outs, tokens, `time/environment`: part of the generate phase's time)."""
+        time-outs, tokens, `time/environment`: part of the generate phase's time). Off-policy the
+        episodes ran on their thread, beside the trainer: their wait on the environments is
+        `perf/environment_seconds_overlapped`, not a part of this iteration's phases."""
         metrics, self.episode_metrics = {**super().pop_generate_metrics(), **self.episode_metrics}, {}
+        if self.episode_thread is not None:
+            metrics["perf/environment_seconds_overlapped"] = metrics.pop("time/environment")
         return metrics

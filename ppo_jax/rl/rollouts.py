@@ -342,6 +342,9 @@ class Rollouts:
             leaves.append(sharding.replicate(array, mesh))
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
+    def close(self) -> None:
+        """Ends what runs beside the trainer (the one-turn sampler's work is all dispatched: nothing)."""
+
     def pop_generate_metrics(self) -> dict[str, float]:
         """What ran inside the generate phase since the last call, apart from sampling: the weight
         syncs (`time/weight_sync`, `perf/weight_sync_bytes`); episode rollouts add their own."""

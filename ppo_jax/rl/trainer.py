@@ -431,4 +431,5 @@ class PPOTrainer:
         return self.history
 
     def close(self):
+        self.rollouts.close()
         self.checkpoints.close()
