@@ -7,17 +7,14 @@ observations and some are cut to the cap), pays 0, 0.25 or 0.5 per turn and ends
 steps. Deterministic: what it answers depends on the tokens only.
 """
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_test_mesh, train_and_check_nothing_moved
+from scripted_envs import Scripted  # noqa: F401 (registers scripted_test_env and slow_scripted_test_env)
 from tiny_configs import tiny_config
 
-from ppo_jax.agentic import environment
-from ppo_jax.agentic.environment import StepResult
 from ppo_jax.config import ConfigError
 from ppo_jax.models import forward
 from ppo_jax.rl import objective
@@ -26,21 +23,6 @@ from ppo_jax.rl.forwards import ForwardOutputs
 from ppo_jax.rl.objective import LossBatch
 from ppo_jax.rl.state import FrozenParams, Trainable
 from ppo_jax.rl.trainer import PPOTrainer
-
-
-@environment.register("scripted_test_env")
-class Scripted:
-    stop_strings = ("w3", "w4")
-
-    def reset(self, record):
-        self.steps = 0
-        return record["prompt"]
-
-    def step(self, turn_text, turn_token_ids):
-        self.steps += 1
-        n = len(turn_token_ids)
-        return StepResult(observation=" ".join(["w9"] * (1 + n % 4)), reward=0.25 * (n % 3),
-                          done=self.steps >= 3, info={"tool_calls": 1.0, "tool_errors": float(n % 2)})
 
 
 def multi_turn_config(**overrides):
@@ -285,15 +267,6 @@ def test_off_policy_episodes_in_flight_resume_bit_for_bit(tmp_path):
     for a, b in zip(jax.tree.leaves(expected_policy), jax.tree.leaves(jax.device_get(resumed.state.policy))):
         np.testing.assert_array_equal(a, b)
     resumed.close()
-
-
-@environment.register("slow_scripted_test_env")
-class SlowScripted(Scripted):
-    """Scripted, 0.2 s a step: a batch of episodes takes at least that long after its first turn."""
-
-    def step(self, turn_text, turn_token_ids):
-        time.sleep(0.2)
-        return super().step(turn_text, turn_token_ids)
 
 
 def test_off_policy_episodes_run_beside_the_update(tmp_path):

@@ -86,3 +86,21 @@ def test_disaggregated_roles_across_two_processes_with_off_policy_rollouts(tmp_p
     # The first iteration synced the initial weights (its sample and the next one's share them); the
     # last one starts no sample, so syncs nothing.
     assert multi["history"][0]["perf/weight_sync_bytes"] > 0 == multi["history"][1]["perf/weight_sync_bytes"]
+
+
+def test_multi_turn_episodes_across_two_processes(tmp_path):
+    """Multi-turn rows on 2 processes (agentic/bookkeeping.py): each resets and steps the
+    environments of its own 8 prompt rows, the answers are gathered, and the continuous schedule's
+    decisions (append, decode again, stop) are taken alike everywhere; the metrics are those of
+    the same run in one process over 8 devices."""
+    overrides = {"environment.name": "scripted_envs:Scripted", "environment.max_turns": 3,
+                 "environment.max_observation_tokens": 3, "rollout.batch_size": 16, "rollout.response_length": 20,
+                 "policy.model.max_position_embeddings": 64, "rollout.engine": "continuous",
+                 "environment.segment_steps": 2}
+    multi = run_two_processes(tmp_path / "multi", tmp_path / "multi.json", overrides)
+    single = PPOTrainer(tiny_config(**{"train.iterations": 2, **overrides}), str(tmp_path / "single"),
+                        mesh=make_test_mesh((2, 2, 2)))
+    history = single.train()
+    single.close()
+    assert all(row["rollout/turns"] > 1 for row in history)
+    assert_same_metrics(history, multi["history"])

@@ -30,7 +30,6 @@ the lowest turn index then waiting (the rounds schedule blocks for every round's
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,28 +37,20 @@ from typing import Any
 import jax
 import numpy as np
 
+from ppo_jax import sharding
+from ppo_jax.agentic.bookkeeping import Answers, Episodes, gather
 from ppo_jax.agentic.environment import Environment, step_outcome, timed_step
-from ppo_jax.agentic.rollout import Episodes, MultiTurnOutput, append_observations, checked_episodes
+from ppo_jax.agentic.rollout import MultiTurnOutput, append_observations, checked_episodes, episodes_output
 from ppo_jax.config import check
 from ppo_jax.sampling.turns import FINAL_STOP, RUNNING, TURN_STOP, TurnDecoder
 
 
-@dataclasses.dataclass
-class _Waiting:
-    """A row whose environment is stepping its turn `turn` (the turn ended with `reason` at
-    `column`)."""
-
-    turn: int
-    reason: int
-    column: int
-    future: concurrent.futures.Future
-
-
-def _wait_for_one(waiting: dict[int, _Waiting], ep: Episodes) -> None:
-    """Blocks until some environment answers; files the seconds under the lowest turn index waiting."""
+def _wait_for_one(waiting: dict[int, concurrent.futures.Future], ep: Episodes) -> None:
+    """Blocks until one of this process's environments answers; files the seconds under the lowest
+    turn index waiting."""
     start = time.perf_counter()
-    concurrent.futures.wait([w.future for w in waiting.values()], return_when=concurrent.futures.FIRST_COMPLETED)
-    ep.wall[min(w.turn for w in waiting.values())] += time.perf_counter() - start
+    concurrent.futures.wait(waiting.values(), return_when=concurrent.futures.FIRST_COMPLETED)
+    ep.wall[min(ep.turns[row] - 1 for row in waiting)] += time.perf_counter() - start
 
 
 def rollout(decoder: TurnDecoder, params: Any, prompt_tokens: Any, prompt_mask: Any,
@@ -68,45 +59,48 @@ def rollout(decoder: TurnDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
             decode_turn: Callable[[Sequence[int]], str] | None = None, segment_steps: int = 8) -> MultiTurnOutput:
     """`agentic.rollout.rollout`'s episodes (same arguments and output), scheduled per row: decode
     segments of `segment_steps` steps, each environment stepped as soon as its row's turn ends and
-    its observation appended as soon as it answers (see the module docstring)."""
+    its observation appended as soon as it answers (see the module docstring). Several processes:
+    each loop pass gathers the answers (a collective), so all take the same decisions."""
     check(segment_steps >= 1, f"environment.segment_steps={segment_steps}: use at least 1 decode step")
-    new = decoder.config.sampling.max_new_tokens
+    new, width = decoder.config.sampling.max_new_tokens, decoder.config.max_observation_tokens
     rows = int(np.shape(prompt_tokens)[0])
-    decode_turn = checked_episodes(decoder, rows, environments, tokenizer, max_turns, decode_turn)
+    mine, decode_turn = checked_episodes(decoder, prompt_tokens, environments, tokenizer, max_turns, decode_turn)
     state = decoder.start(params, prompt_tokens, prompt_mask, key, adapters)
     ep = Episodes(rows, max_turns)
-    decoding = np.ones(rows, bool)  # the host's view: rows in a turn on the device
-    waiting: dict[int, _Waiting] = {}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(environment_workers, rows),
+    decoding = np.ones(rows, bool)  # rows in a turn on the device
+    stepping = np.zeros(rows, bool)  # rows whose environment (on any process) has not answered yet
+    ended_reason, ended_column = np.zeros(rows, np.int32), np.zeros(rows, np.int32)  # how each last turn ended
+    waiting: dict[int, concurrent.futures.Future] = {}  # this process's environments stepping, by row
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(environment_workers, len(mine))),
                                                thread_name_prefix="environment") as pool:
         while True:
-            reason, column, active = jax.device_get((state.reason, state.column, state.active))
+            reason, column, active = sharding.to_host((state.reason, state.column, state.active))
             if (active != (decoding & (reason == RUNNING))).any():  # else the loop below would never end
                 raise RuntimeError(f"multi-turn rollout: the device decodes rows {np.flatnonzero(active)}, the "
                                    f"host expected {np.flatnonzero(decoding & (reason == RUNNING))}")
             ended = np.flatnonzero(decoding & (reason != RUNNING))
-            if ended.size:
-                tokens = jax.device_get(state.tokens)
+            tokens = sharding.to_host(state.tokens) if ended.size else None
             for row in ended:
-                turn = ep.end_turn(row, column[row])
-                decoding[row] = False
-                if reason[row] in (TURN_STOP, FINAL_STOP):  # a turn cut by the length is not stepped
-                    future = pool.submit(timed_step, environments[row], ep.turn(row, tokens, column, decode_turn))
-                    waiting[row] = _Waiting(turn, int(reason[row]), int(column[row]), future)
+                ep.end_turn(row, column[row])
+                decoding[row], ended_reason[row], ended_column[row] = False, reason[row], column[row]
+                stepping[row] = reason[row] in (TURN_STOP, FINAL_STOP)  # a turn cut by the length is not
+                if stepping[row] and row in mine:
+                    waiting[row] = pool.submit(timed_step, mine[row], ep.turn(row, tokens, column, decode_turn))
             if waiting and not decoding.any():
                 _wait_for_one(waiting, ep)
-            answered = [row for row, w in waiting.items() if w.future.done()]
-            results, resume = [None] * rows, np.zeros(rows, bool)
-            for row in answered:
-                w = waiting.pop(row)
-                results[row], seconds = step_outcome(row, w.future)
-                ep.record(row, w.turn, results[row], seconds)
-                resume[row] = ep.goes_on(row, w.reason, w.column, new)
+            answers = Answers.none(rows, width)
+            for row in [row for row, future in waiting.items() if future.done()]:
+                result, seconds = step_outcome(row, waiting.pop(row))
+                answers.put(row, result, seconds, tokenizer, room=new - int(ended_column[row]) - 1)
+            answers = gather(answers)
+            ep.record(answers)
+            stepping &= ~answers.answered
+            resume = ep.goes_on(answers, ended_reason, ended_column, new)
             if resume.any():
-                state = append_observations(decoder, params, state, ep, tokenizer, results, resume, column, adapters)
+                state = append_observations(decoder, params, state, ep, answers, resume, ended_column, adapters)
                 decoding |= resume
             if decoding.any():
                 state = decoder.decode(params, state, adapters, max_steps=segment_steps)
-            elif not waiting:
+            elif not stepping.any():
                 break
-    return ep.output(jax.device_get(state), prompt_tokens, prompt_mask)
+    return episodes_output(state, ep, prompt_tokens, prompt_mask)

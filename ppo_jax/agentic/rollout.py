@@ -15,6 +15,10 @@ Which turns are stepped: every turn that ended at a turn stop or a final stop, i
 one allowed (the environment may pay its reward then); a turn cut by the total length is not (it is
 unfinished). An observation is appended only to a row that goes on.
 
+Several processes: each steps the environments of its own rows and the answers are gathered, so
+every process takes the same decisions (`bookkeeping.py`). `continuous_rollout.py` gives the same
+episodes without the rounds.
+
 Shapes: R rows, Lq prompt length, T response length, M = max_turns.
 """
 
@@ -27,11 +31,11 @@ import flax.struct
 import jax
 import numpy as np
 
-from ppo_jax.agentic.environment import Environment, StepBatch, StepResult, Turn, step_all
+from ppo_jax import sharding
+from ppo_jax.agentic.bookkeeping import Answers, Episodes, Ownership, gather
+from ppo_jax.agentic.environment import Environment, step_all
 from ppo_jax.config import check
 from ppo_jax.sampling.turns import FINAL_STOP, TURN_STOP, TurnDecoder, TurnState
-
-INFO_KEYS = ("tool_calls", "tool_errors", "tool_timeouts")  # StepResult.info counts summed per row
 
 
 @flax.struct.dataclass
@@ -93,137 +97,73 @@ def turn_decoder(tokenizer: Any, final_stops: Sequence[int]) -> Callable[[Sequen
     return lambda ids: tokenizer.decode([t for t in ids if t not in final], skip_special_tokens=False)
 
 
-class Episodes:
-    """The host's per-row bookkeeping across rounds (R rows, M turns)."""
-
-    def __init__(self, rows: int, max_turns: int):
-        self.max_turns = max_turns
-        self.live = np.ones(rows, bool)
-        self.turn_start = np.zeros(rows, np.int64)
-        self.turns = np.zeros(rows, np.int32)
-        self.turn_ends = np.full((rows, max_turns), -1, np.int32)
-        self.turn_rewards = np.zeros((rows, max_turns), np.float32)
-        self.done = np.zeros(rows, bool)
-        self.info = {k: np.zeros(rows, np.float32) for k in INFO_KEYS}
-        self.seconds = np.zeros(rows, np.float32)
-        self.wall = np.zeros(max_turns, np.float32)
-        self.truncated = np.zeros(rows, np.int32)
-
-    def turn(self, row: int, tokens: np.ndarray, column: np.ndarray, decode_turn) -> Turn:
-        """Row `row`'s current turn: its action ids from the turn's start to `column[row]` (host
-        tokens [R, T])."""
-        ids = tokens[row, self.turn_start[row]:column[row]].tolist()
-        return Turn(text=decode_turn(ids), token_ids=ids)
-
-    def end_turn(self, row: int, column: int) -> int:
-        """Row `row`'s turn ended at response column `column` (its next free one); returns the turn's
-        index."""
-        turn = int(self.turns[row])
-        self.turns[row] += 1
-        self.turn_ends[row, turn] = column - 1
-        return turn
-
-    def record(self, row: int, turn: int, result: StepResult, seconds: float) -> None:
-        """Row `row`'s environment answered its turn `turn` in `seconds`."""
-        self.turn_rewards[row, turn] = result.reward
-        self.done[row] = result.done
-        self.seconds[row] += seconds
-        for k in INFO_KEYS:
-            self.info[k][row] += float(result.info.get(k, 0.0))
-
-    def goes_on(self, row: int, reason: int, column: int, new: int) -> bool:
-        """Whether the row takes another turn after its environment answered: its turn ended at a
-        turn stop (not EOS), the environment is not done, and turns and columns are left."""
-        return bool(reason == TURN_STOP and not self.done[row] and column < new
-                    and self.turns[row] < self.max_turns)
-
-    def output(self, out: TurnState, prompt_tokens: Any, prompt_mask: Any) -> MultiTurnOutput:
-        """The episodes, from the decoder's final state (host arrays) and this bookkeeping."""
-        return MultiTurnOutput(
-            prompt_tokens=np.asarray(prompt_tokens), prompt_mask=np.asarray(prompt_mask), tokens=out.tokens,
-            mask=out.mask, action_mask=out.action_mask, logprobs=out.logprobs,
-            sampling_logprobs=out.sampling_logprobs, stopped=out.reason == FINAL_STOP, turns=self.turns,
-            turn_ends=self.turn_ends, turn_rewards=self.turn_rewards, environment_done=self.done, **self.info,
-            environment_seconds=self.seconds, environment_wall_seconds=self.wall,
-            observations_truncated=self.truncated)
-
-    def step(self, round_: int, steppable: np.ndarray, batch: StepBatch) -> list:
-        """Records the results of the rows `steppable` [R] bool; returns each row's result (None: not
-        stepped)."""
-        results = [None] * len(self.live)
-        for row, result, seconds in zip(np.flatnonzero(steppable), batch.results, batch.seconds):
-            results[row] = result
-            self.record(row, round_, result, seconds)
-        self.wall[round_] = batch.wall_seconds
-        return results
-
-
-def observations(tokenizer, results, resume, column, new, width):
-    """The resumed rows' observation ids [R, O], their lengths [R] (cut to O and to the room left,
-    column + k < T) and the tokens cut [R]."""
-    rows = len(results)
-    ids = np.zeros((rows, width), np.int32)
-    lengths, cut = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-    for row in np.flatnonzero(resume):
-        encoded = tokenizer.encode(results[row].observation, add_special_tokens=False) \
-            if results[row].observation else []
-        keep = min(len(encoded), width, new - int(column[row]) - 1)
-        ids[row, :keep], lengths[row], cut[row] = encoded[:keep], keep, len(encoded) - keep
-    return ids, lengths, cut
-
-
 def rollout(decoder: TurnDecoder, params: Any, prompt_tokens: Any, prompt_mask: Any,
             environments: Sequence[Environment], key: jax.Array, *, tokenizer: Any, max_turns: int,
             environment_workers: int = 16, adapters: Any = None,
             decode_turn: Callable[[Sequence[int]], str] | None = None) -> MultiTurnOutput:
-    """Multi-turn episodes of the R left-padded prompts [R, Lq], `environments[r]` (already reset)
-    answering row r, up to `max_turns` policy turns and T tokens each. `decode_turn`: a turn's ids ->
-    its text (default: `turn_decoder(tokenizer, sampling.stop_token_ids)`); with a mesh, the
-    prompts and params must already be placed on it."""
-    new = decoder.config.sampling.max_new_tokens
+    """Multi-turn episodes of the R left-padded prompts [R, Lq], `environments[i]` (already reset)
+    answering the i-th row this process holds (every row, with one process), up to `max_turns`
+    policy turns and T tokens each. `decode_turn`: a turn's ids -> its text (default:
+    `turn_decoder(tokenizer, sampling.stop_token_ids)`); with a mesh, the prompts and params must
+    already be placed on it. Every process gets all R episodes."""
+    new, width = decoder.config.sampling.max_new_tokens, decoder.config.max_observation_tokens
     rows = int(np.shape(prompt_tokens)[0])
-    decode_turn = checked_episodes(decoder, rows, environments, tokenizer, max_turns, decode_turn)
+    mine, decode_turn = checked_episodes(decoder, prompt_tokens, environments, tokenizer, max_turns, decode_turn)
     state = decoder.start(params, prompt_tokens, prompt_mask, key, adapters)
     ep = Episodes(rows, max_turns)
     for round_ in range(max_turns):
         state = decoder.decode(params, state, adapters)
-        reason, column, tokens = jax.device_get((state.reason, state.column, state.tokens))
+        reason, column, tokens = sharding.to_host((state.reason, state.column, state.tokens))
         for row in np.flatnonzero(ep.live):
             ep.end_turn(row, column[row])
-        steppable = ep.live & ((reason == TURN_STOP) | (reason == FINAL_STOP))
-        turns = [ep.turn(row, tokens, column, decode_turn) for row in np.flatnonzero(steppable)]
-        batch = step_all([environments[r] for r in np.flatnonzero(steppable)], turns, environment_workers)
-        results = ep.step(round_, steppable, batch)
-        resume = np.asarray([bool(steppable[r]) and ep.goes_on(r, reason[r], column[r], new) for r in range(rows)])
-        ep.live = resume
-        if not resume.any():
+        stepped = [row for row in np.flatnonzero(ep.live & ((reason == TURN_STOP) | (reason == FINAL_STOP)))
+                   if row in mine]
+        batch = step_all([mine[r] for r in stepped], [ep.turn(r, tokens, column, decode_turn) for r in stepped],
+                         environment_workers)
+        answers = Answers.none(rows, width)
+        for row, result, seconds in zip(stepped, batch.results, batch.seconds):
+            answers.put(row, result, seconds, tokenizer, room=new - int(column[row]) - 1)
+        answers = gather(answers)
+        ep.record(answers)
+        ep.wall[round_] = batch.wall_seconds
+        ep.live = ep.goes_on(answers, reason, column, new)
+        if not ep.live.any():
             break
-        state = append_observations(decoder, params, state, ep, tokenizer, results, resume, column, adapters)
-    return ep.output(jax.device_get(state), prompt_tokens, prompt_mask)
+        state = append_observations(decoder, params, state, ep, answers, ep.live, column, adapters)
+    return episodes_output(state, ep, prompt_tokens, prompt_mask)
 
 
-def checked_episodes(decoder: TurnDecoder, rows: int, environments: Sequence[Environment], tokenizer: Any,
-                     max_turns: int, decode_turn: Callable | None) -> Callable[[Sequence[int]], str]:
-    """Checks the episodes' settings (one error line each); returns `decode_turn` or the default."""
+def checked_episodes(decoder: TurnDecoder, prompt_tokens: Any, environments: Sequence[Environment], tokenizer: Any,
+                     max_turns: int, decode_turn: Callable | None
+                     ) -> tuple[dict[int, Environment], Callable[[Sequence[int]], str]]:
+    """Checks the episodes' settings (one error line each); returns the environments of the rows
+    this process steps, by row, and `decode_turn` or the default."""
     check(max_turns >= 1, f"environment.max_turns={max_turns}: an episode needs at least 1 turn")
-    check(len(environments) == rows, f"rollout: {len(environments)} environments for {rows} rows")
-    return decode_turn or turn_decoder(tokenizer, decoder.config.sampling.stop_token_ids)
+    mine = Ownership.of(prompt_tokens).environments(environments)
+    return mine, decode_turn or turn_decoder(tokenizer, decoder.config.sampling.stop_token_ids)
 
 
-def append_observations(decoder: TurnDecoder, params: Any, state: TurnState, ep: Episodes, tokenizer: Any,
-                        results: list, resume: np.ndarray, column: np.ndarray, adapters: Any = None) -> TurnState:
-    """The resumed rows' (`resume` [R] bool) observations, tokenised and cut, appended to their
-    caches; their next turns start after them."""
-    config = decoder.config
-    ids, lengths, cut = observations(tokenizer, results, resume, column, config.sampling.max_new_tokens,
-                                      config.max_observation_tokens)
-    ep.truncated += cut
-    ep.turn_start = np.where(resume, column + lengths, ep.turn_start)
+def append_observations(decoder: TurnDecoder, params: Any, state: TurnState, ep: Episodes, answers: Answers,
+                        resume: np.ndarray, column: np.ndarray, adapters: Any = None) -> TurnState:
+    """The resumed rows' (`resume` [R] bool, the same on every process) observations appended to
+    their caches; their next turns start after them."""
+    ids, lengths = ep.take_observations(answers, resume, column)
     if decoder.mesh is not None:
-        from ppo_jax import sharding
-
         ids, lengths, resume = sharding.put_batch((ids, lengths, resume), decoder.mesh)
     return decoder.append(params, state, ids, lengths, resume, adapters)
+
+
+def episodes_output(state: TurnState, ep: Episodes, prompt_tokens: Any, prompt_mask: Any) -> MultiTurnOutput:
+    """The episodes, from the decoder's final state (its buffers, not its cache) and the bookkeeping."""
+    prompt_tokens, prompt_mask, out = sharding.to_host((prompt_tokens, prompt_mask, {
+        "tokens": state.tokens, "mask": state.mask, "action_mask": state.action_mask, "logprobs": state.logprobs,
+        "sampling_logprobs": state.sampling_logprobs, "reason": state.reason}))
+    return MultiTurnOutput(
+        prompt_tokens=np.asarray(prompt_tokens), prompt_mask=np.asarray(prompt_mask), tokens=out["tokens"],
+        mask=out["mask"], action_mask=out["action_mask"], logprobs=out["logprobs"],
+        sampling_logprobs=out["sampling_logprobs"], stopped=out["reason"] == FINAL_STOP, turns=ep.turns,
+        turn_ends=ep.turn_ends, turn_rewards=ep.turn_rewards, environment_done=ep.done, **ep.info_by_key(),
+        environment_seconds=ep.seconds, environment_wall_seconds=ep.wall, observations_truncated=ep.truncated)
 
 
 def rollout_metrics(out: MultiTurnOutput) -> dict[str, float]:

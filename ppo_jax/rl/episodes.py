@@ -13,13 +13,14 @@ errors and time-outs per episode, observation vs action tokens, `time/environmen
 A row's record is {"prompt": its prompt's text} (the data stream's tokens decoded; with
 rollout.num_samples = n each prompt's record n times, row r from prompt r // n); the prompt the
 row is sampled from is what the environment's `reset` returns, tokenised and cut from the left to
-`data.prompt_length`. One process only (the host loop reads every row). Shapes: B rows, Lq prompt
+`data.prompt_length`. Several processes: each resets and steps the environments of its own prompt
+rows, and every one gets all the episodes (`agentic/bookkeeping.py`). Shapes: B rows, Lq prompt
 length, Lr = rollout.response_length, M = environment.max_turns.
 
 Off-policy (rollout.off_policy_steps = k): batches of episodes run ahead with the weights of their
-version, as one-turn samples do; each is finished before the update that follows it starts (the
-host steps its environments), so the k in flight are whole episodes, saved with the checkpoint
-(their sample and every `MultiTurnOutput` array) and restored bit for bit.
+version, as one-turn samples do, on an episode thread beside the update (one process); a batch is
+waited for before the update that learns from it and before a checkpoint, so the k in flight are
+saved as whole episodes (their sample and every `MultiTurnOutput` array) and restored bit for bit.
 """
 
 from __future__ import annotations
@@ -98,9 +99,11 @@ class EpisodeRollouts(Rollouts):
         self.prompt_tokenizer = PromptTokenizer(tokenizer, max_prompt_length=prompt_length, truncation="left")
         self.prompt_length = prompt_length
         self.finished: episodes_lib.MultiTurnOutput | None = None  # the last finished batch's episodes
-        # Off-policy: one thread runs the batches of episodes in turn while the main thread updates.
+        # Off-policy: one thread runs the batches of episodes in turn while the main thread updates. Not
+        # with several processes: the episodes' collectives (gathers, sharded programs) would race the
+        # trainer's, in an order that could differ between processes.
         self.episode_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="episodes") \
-            if self.settings.rollout.off_policy_steps else None
+            if self.settings.rollout.off_policy_steps and jax.process_count() == 1 else None
         self.episode_metrics: dict[str, float] = {}  # the current iteration's, until popped
 
     def _records(self, prompt_tokens: np.ndarray, prompt_mask: np.ndarray) -> list[dict[str, str]]:

@@ -1,0 +1,36 @@
+"""Scripted environments for the multi-turn trainer tests, importable by name in a config
+("scripted_envs:Scripted", or the registered "scripted_test_env") from the test process and from
+the workers of a real multi-process run (tests/multihost_worker.py)."""
+
+import time
+
+from ppo_jax.agentic import environment
+from ppo_jax.agentic.environment import StepResult
+
+
+@environment.register("scripted_test_env")
+class Scripted:
+    """Each turn ends at "w3" or "w4"; answers 1-4 "w9" words by the turn's length, pays 0, 0.25 or
+    0.5 a turn and ends the episode after 3 steps. Deterministic: what it answers depends on the
+    tokens only."""
+
+    stop_strings = ("w3", "w4")
+
+    def reset(self, record):
+        self.steps = 0
+        return record["prompt"]
+
+    def step(self, turn_text, turn_token_ids):
+        self.steps += 1
+        n = len(turn_token_ids)
+        return StepResult(observation=" ".join(["w9"] * (1 + n % 4)), reward=0.25 * (n % 3),
+                          done=self.steps >= 3, info={"tool_calls": 1.0, "tool_errors": float(n % 2)})
+
+
+@environment.register("slow_scripted_test_env")
+class SlowScripted(Scripted):
+    """Scripted, 0.2 s a step: a batch of episodes takes at least that long after its first turn."""
+
+    def step(self, turn_text, turn_token_ids):
+        time.sleep(0.2)
+        return super().step(turn_text, turn_token_ids)
