@@ -1,0 +1,130 @@
+"""Multi-turn rollouts: the rounds schedule against the continuous one (issue 45), side by side.
+
+    python bench/bench_multi_turn.py [--rows 16] [--repeats 3] [--out results.json]
+
+One random GPT-2-shaped policy over a word tokenizer (turns end at one of a few words, ~1 draw in
+8), the same prompts and key for both schedules, `--max-turns` turns of up to `--response-length`
+tokens in all. Three kinds of environment answer each turn with a few words:
+
+- instant:  no latency (what the schedules cost on their own: host round trips, segment launches);
+- latency:  a sleep drawn per step from a lognormal (median `--latency-ms`, sigma 1: long-tailed,
+            a remote verifier or a tool server), seeded by row and turn, so both schedules wait
+            the same;
+- sandbox:  a real `sandbox.run_python` call per step (a process with its limits: the built-in
+            Python tool's cost).
+
+For each, the rollout's wall time (compiled first, then `--repeats` runs of each schedule, taken
+in turn) and whether the two schedules gave the same tokens. Prints a markdown table; `--out`
+writes the figures as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from ppo_jax import sharding
+from ppo_jax.agentic import continuous_rollout, rollout as rounds_rollout, sandbox
+from ppo_jax.agentic.environment import StepResult
+from ppo_jax.data import PromptTokenizer, build_word_tokenizer
+from ppo_jax.models import CausalLM, ModelConfig, init_params
+from ppo_jax.sampling import SamplingConfig
+from ppo_jax.sampling.turns import TurnConfig, TurnDecoder
+
+WORDS = [f"w{i}" for i in range(60)] + ["obs"]
+STOPS = ["w1", "w2", "w3", "w4", "w5", "w6", "w7"]
+
+
+class Answering:
+    """Answers each turn with 3 "obs" words after `latency(row, turn)` seconds (or a sandbox run)."""
+
+    stop_strings = tuple(STOPS)
+
+    def __init__(self, row: int, kind: str, median_ms: float):
+        self.row, self.kind, self.median_ms, self.turn = row, kind, median_ms, 0
+
+    def step(self, turn_text, turn_token_ids):
+        if self.kind == "latency":
+            draw = np.random.default_rng([self.row, self.turn]).lognormal(np.log(self.median_ms / 1e3), 1.0)
+            time.sleep(draw)
+        elif self.kind == "sandbox":
+            sandbox.run_python(f"print({self.row} * {self.turn})")
+        self.turn += 1
+        return StepResult(observation="obs obs obs", reward=0.0, done=False)
+
+
+def build(args):
+    tokenizer = build_word_tokenizer(WORDS)
+    model = CausalLM(ModelConfig(arch="gpt2", vocab_size=len(tokenizer), hidden_size=args.hidden, num_layers=4,
+                                 num_heads=4, max_position_embeddings=256))
+    params, _ = init_params(model, jax.random.key(0), sharding.make_mesh((1, 1, 1), jax.devices()[:1]))
+    params["transformer"]["embed"]["embedding"] = params["transformer"]["embed"]["embedding"] * 3.0
+    sampling = SamplingConfig(max_new_tokens=args.response_length, pad_token_id=tokenizer.pad_token_id,
+                              stop_token_ids=(tokenizer.eos_token_id,))
+    config = TurnConfig(sampling=sampling, turn_stops=tuple((tokenizer.convert_tokens_to_ids(w),) for w in STOPS),
+                        max_observation_tokens=4)
+    texts = [" ".join(f"w{(7 * i + j) % 60}" for j in range(1 + i % 8)) for i in range(args.rows)]
+    batch = PromptTokenizer(tokenizer, max_prompt_length=8).prompts(texts, length=8)
+    return tokenizer, TurnDecoder(model, config), params, np.asarray(batch.tokens), np.asarray(batch.mask)
+
+
+def one_rollout(schedule, args, kind, built):
+    tokenizer, decoder, params, tokens, mask = built
+    envs = [Answering(row, kind, args.latency_ms) for row in range(args.rows)]
+    extra = {"segment_steps": args.segment_steps} if schedule is continuous_rollout.rollout else {}
+    start = time.perf_counter()
+    out = schedule(decoder, params, tokens, mask, envs, jax.random.key(1), tokenizer=tokenizer,
+                   max_turns=args.max_turns, environment_workers=args.rows, **extra)
+    return time.perf_counter() - start, out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--response-length", type=int, default=192)
+    parser.add_argument("--max-turns", type=int, default=6)
+    parser.add_argument("--segment-steps", type=int, default=8)
+    parser.add_argument("--latency-ms", type=float, default=50.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kinds", default="instant,latency,sandbox")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    built = build(args)
+    schedules = {"rounds": rounds_rollout.rollout, "continuous": continuous_rollout.rollout}
+    for schedule in schedules.values():  # compile every program once
+        one_rollout(schedule, args, "instant", built)
+    rows = []
+    for kind in args.kinds.split(","):
+        times, outs = {name: [] for name in schedules}, {}
+        for _ in range(args.repeats):
+            for name, schedule in schedules.items():
+                seconds, outs[name] = one_rollout(schedule, args, kind, built)
+                times[name].append(seconds)
+        same = bool(np.array_equal(outs["rounds"].tokens, outs["continuous"].tokens))
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        rows.append({"environment": kind, "same_tokens": same, "turns_mean": float(outs["rounds"].turns.mean()),
+                     "seconds": times, "median_seconds": medians, "speedup": medians["rounds"] / medians["continuous"],
+                     "blocked_seconds": {n: float(o.environment_wall_seconds.sum()) for n, o in outs.items()},
+                     "environment_seconds": float(outs["rounds"].environment_seconds.sum())})
+    print(f"rows {args.rows}, response {args.response_length} tokens, up to {args.max_turns} turns, segments of "
+          f"{args.segment_steps} steps, {jax.devices()[0].platform}\n")
+    print("| environment | turns/episode | rounds (s) | continuous (s) | speed-up | blocked: rounds / continuous (s) "
+          "| same tokens |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        m, b = r["median_seconds"], r["blocked_seconds"]
+        print(f"| {r['environment']} | {r['turns_mean']:.2f} | {m['rounds']:.3f} | {m['continuous']:.3f} | "
+              f"{r['speedup']:.2f}x | {b['rounds']:.3f} / {b['continuous']:.3f} | {r['same_tokens']} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "results": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
