@@ -16,6 +16,12 @@ tokens in all. Three kinds of environment answer each turn with a few words:
 For each, the rollout's wall time (compiled first, then `--repeats` runs of each schedule, taken
 in turn) and whether the two schedules gave the same tokens. Prints a markdown table; `--out`
 writes the figures as JSON.
+
+    python bench/bench_multi_turn.py --trainer
+
+instead times PPO iterations of the tests' tiny multi-turn run (tests/scripted_envs.py, 0.2 s an
+environment step) on-policy and at rollout.off_policy_steps = 1, where the next batch's episodes run
+on their thread beside the update: the median `time/iteration` of iterations 2-5.
 """
 
 from __future__ import annotations
@@ -83,6 +89,32 @@ def one_rollout(schedule, args, kind, built):
     return time.perf_counter() - start, out
 
 
+def trainer_overlap() -> None:
+    import os
+    import sys
+    import tempfile
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import scripted_envs  # noqa: F401 (registers slow_scripted_test_env)
+    from tiny_configs import tiny_config
+
+    from ppo_jax.rl.trainer import PPOTrainer
+
+    print("| rollout.off_policy_steps | time/iteration (median, s) | environment wait (median, s) | turns/episode |")
+    print("|---|---|---|---|")
+    for steps_ahead in (0, 1):
+        config = tiny_config(**{"environment.name": "slow_scripted_test_env", "environment.max_turns": 3,
+                                "environment.max_observation_tokens": 3, "rollout.batch_size": 16,
+                                "rollout.response_length": 20, "policy.model.max_position_embeddings": 64,
+                                "train.iterations": 6, "rollout.off_policy_steps": steps_ahead})
+        trainer = PPOTrainer(config, tempfile.mkdtemp(), mesh=sharding.make_mesh((1, 1, 1), jax.devices()[:1]))
+        history = trainer.train()[2:]
+        trainer.close()
+        wait = [row.get("time/environment", row.get("perf/environment_seconds_overlapped")) for row in history]
+        print(f"| {steps_ahead} | {statistics.median(row['time/iteration'] for row in history):.3f} | "
+              f"{statistics.median(wait):.3f} | {history[-1]['rollout/turns']:.2f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=16)
@@ -94,7 +126,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kinds", default="instant,latency,sandbox")
     parser.add_argument("--out", default="")
+    parser.add_argument("--trainer", action="store_true", help="time PPO iterations on- and off-policy instead")
     args = parser.parse_args()
+    if args.trainer:
+        return trainer_overlap()
     built = build(args)
     schedules = {"rounds": rounds_rollout.rollout, "continuous": continuous_rollout.rollout}
     for schedule in schedules.values():  # compile every program once
