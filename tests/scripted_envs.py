@@ -34,3 +34,17 @@ class SlowScripted(Scripted):
     def step(self, turn_text, turn_token_ids):
         time.sleep(0.2)
         return super().step(turn_text, turn_token_ids)
+
+
+@environment.register("failing_scripted_test_env")
+class FailingScripted(Scripted):
+    """Scripted, until 40 steps in all were taken (about two batches of episodes): then every step
+    raises KeyError, a bug in the environment."""
+
+    steps_taken = 0
+
+    def step(self, turn_text, turn_token_ids):
+        FailingScripted.steps_taken += 1
+        if FailingScripted.steps_taken > 40:
+            raise KeyError("no such tool")
+        return super().step(turn_text, turn_token_ids)

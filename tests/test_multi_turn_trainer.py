@@ -295,6 +295,24 @@ def test_off_policy_episodes_run_beside_the_update(tmp_path):
                                                           if k.startswith("time/") and k != "time/iteration"))
 
 
+def test_an_environment_error_on_the_episode_thread_fails_the_run_in_one_line(tmp_path):
+    """k = 2: an environment that starts raising mid-run (on the episode thread) fails the run with
+    the one-line RunFailedError naming the row and the error, the traceback in error.log; the
+    batches still in flight raise too, and the emergency save says so instead of hiding the error."""
+    from scripted_envs import FailingScripted
+
+    from ppo_jax.rl.errors import RunFailedError
+
+    FailingScripted.steps_taken = 0
+    config = multi_turn_config(**{"environment.name": "failing_scripted_test_env", "rollout.off_policy_steps": 2,
+                                  "train.iterations": 6})
+    trainer = PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
+    with pytest.raises(RunFailedError, match=r"failed with RuntimeError: the environment of row \d+ raised KeyError"):
+        trainer.train()
+    trainer.close()
+    assert "KeyError" in (tmp_path / "error.log").read_text()
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"environment.turn_stop": "</tool_call>"}, "environment.turn_stop='</tool_call>': the tokenizer cannot encode it"),
     ({"environment.name": "no_such_environment"}, "environment.name='no_such_environment' is not a registered"),

@@ -344,8 +344,9 @@ class PPOTrainer:
                 self.save_checkpoint(force=True)
                 self.checkpoints.wait()
                 saved = step
-            except CheckpointError as save_err:
-                metrics_lib.warn(f"the emergency save of step {step} failed: {save_err}")
+            except Exception as save_err:  # noqa: BLE001 (e.g. an episode batch in flight failing as well:
+                # the error to report is the first one)
+                metrics_lib.warn(f"the emergency save of step {step} failed: {type(save_err).__name__}: {save_err}")
         log = os.path.join(self.workdir, "error.log")
         if jax.process_index() == 0:
             stamp = datetime.datetime.now().isoformat(timespec="seconds")
