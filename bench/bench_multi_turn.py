@@ -14,7 +14,9 @@ tokens in all. Three kinds of environment answer each turn with a few words:
             Python tool's cost).
 
 For each, the rollout's wall time (compiled first, then `--repeats` runs of each schedule, taken
-in turn) and whether the two schedules gave the same tokens. Prints a markdown table; `--out`
+in turn), the decode steps each ran and the share of their row-slots that decoded an active row
+(`row_occupancy`: the most a decode that skipped waiting rows could save), and whether the two
+schedules gave the same tokens. Prints a markdown table; `--out`
 writes the figures as JSON.
 
     python bench/bench_multi_turn.py --trainer
@@ -146,16 +148,19 @@ def main():
         rows.append({"environment": kind, "same_tokens": same, "turns_mean": float(outs["rounds"].turns.mean()),
                      "seconds": times, "median_seconds": medians, "speedup": medians["rounds"] / medians["continuous"],
                      "blocked_seconds": {n: float(o.environment_wall_seconds.sum()) for n, o in outs.items()},
-                     "environment_seconds": float(outs["rounds"].environment_seconds.sum())})
+                     "environment_seconds": float(outs["rounds"].environment_seconds.sum()),
+                     "decode_steps": {n: int(o.decode_steps) for n, o in outs.items()},
+                     "row_occupancy": {n: rounds_rollout.row_occupancy(o) for n, o in outs.items()}})
     print(f"rows {args.rows}, response {args.response_length} tokens, up to {args.max_turns} turns, segments of "
           f"{args.segment_steps} steps, {jax.devices()[0].platform}\n")
     print("| environment | turns/episode | rounds (s) | continuous (s) | speed-up | blocked: rounds / continuous (s) "
-          "| same tokens |")
-    print("|---|---|---|---|---|---|---|")
+          "| decode steps | row occupancy | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        m, b = r["median_seconds"], r["blocked_seconds"]
+        m, b, d, o = r["median_seconds"], r["blocked_seconds"], r["decode_steps"], r["row_occupancy"]
         print(f"| {r['environment']} | {r['turns_mean']:.2f} | {m['rounds']:.3f} | {m['continuous']:.3f} | "
-              f"{r['speedup']:.2f}x | {b['rounds']:.3f} / {b['continuous']:.3f} | {r['same_tokens']} |")
+              f"{r['speedup']:.2f}x | {b['rounds']:.3f} / {b['continuous']:.3f} | {d['rounds']} / {d['continuous']} | "
+              f"{o['rounds']:.2f} / {o['continuous']:.2f} | {r['same_tokens']} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "results": rows}, f, indent=1)

@@ -161,6 +161,17 @@ def test_llama_scanned_layers_and_several_steps_per_sync(lm):
     assert (out.turns >= 2).sum() >= 3 and (out.mask != out.action_mask).sum() > 8
 
 
+def test_decode_steps_and_their_active_rows_are_counted(lm, run):
+    """The occupancy counters: every active row of a decode step records one action token, so the
+    active row-steps are the action tokens less those `start` and each `append` chose (one per row,
+    one per turn after the first); the rounds schedule runs at least the longest row's steps."""
+    out, _ = run
+    chosen_outside_decode = ROWS + int((out.turns - 1).sum())
+    assert int(out.active_row_steps) == int(out.action_mask.sum()) - chosen_outside_decode
+    assert int(out.decode_steps) >= int(out.action_mask.sum(axis=1).max()) - int(out.turns.max())
+    assert 0 < rollout_lib.row_occupancy(out) < 1
+
+
 def test_observations_are_context_not_actions(lm, run):
     """(b) Each observation's tokens follow its turn exactly (cut to the cap), with action_mask 0 and
     log-prob 0; every action is a real token; the environment saw each turn's own action tokens."""
@@ -408,6 +419,7 @@ def test_continuous_schedule_gives_the_rounds_episodes_and_overlaps(lm, run):
     assert any(decoding.any() for decoding in decoder.decoding_at_append)
     # Blocked only with nothing left to decode: less than the environments' own time.
     assert 0 < out.environment_wall_seconds.sum() < out.environment_seconds.sum()
+    assert out.active_row_steps == reference.active_row_steps  # the same tokens decoded, in other steps
 
 
 def test_turn_stop_sequences_match_only_inside_the_turn():
