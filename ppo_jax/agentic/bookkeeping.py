@@ -86,7 +86,8 @@ class Answers:
         """Row `row`'s answer; its observation keeps at most O tokens and `room` (T - column - 1)."""
         encoded = tokenizer.encode(result.observation, add_special_tokens=False) if result.observation else []
         keep = max(0, min(len(encoded), self.ids.shape[1], room))
-        self.answered[row], self.reward[row], self.done[row], self.seconds[row] = True, result.reward, result.done, seconds
+        self.answered[row], self.reward[row], self.done[row] = True, result.reward, result.done
+        self.seconds[row] = seconds
         self.info[row] = [float(result.info.get(k, 0.0)) for k in INFO_KEYS]
         self.ids[row, :keep], self.length[row], self.cut[row] = encoded[:keep], keep, len(encoded) - keep
 

@@ -172,7 +172,8 @@ class EpisodeRollouts(Rollouts):
             self._resolved(started)
         record = super().in_flight_record()
         for entry, started in zip(record.records, self.in_flight):
-            fields = {f.name: getattr(started.episodes, f.name) for f in dataclasses.fields(episodes_lib.MultiTurnOutput)}
+            fields = {f.name: getattr(started.episodes, f.name)
+                      for f in dataclasses.fields(episodes_lib.MultiTurnOutput)}
             entry["episodes"] = record.refer({k: v for k, v in fields.items() if v is not None})
         return record
 
