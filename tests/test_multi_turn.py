@@ -204,9 +204,9 @@ def test_rows_wait_for_environments_in_parallel(lm, monkeypatch):
     calls = []
     real_step_all = rollout_lib.step_all
 
-    def recording(envs, turns, max_workers):
+    def recording(envs, turns, max_workers, rows=None):
         calls.append(len(envs))
-        return real_step_all(envs, turns, max_workers)
+        return real_step_all(envs, turns, max_workers, rows)
 
     monkeypatch.setattr(rollout_lib, "step_all", recording)
     sleep = 1.0
@@ -420,6 +420,63 @@ def test_continuous_schedule_gives_the_rounds_episodes_and_overlaps(lm, run):
     # Blocked only with nothing left to decode: less than the environments' own time.
     assert 0 < out.environment_wall_seconds.sum() < out.environment_seconds.sum()
     assert out.active_row_steps == reference.active_row_steps  # the same tokens decoded, in other steps
+
+
+def test_gather_takes_each_rows_answer_from_its_owner(lm, monkeypatch):
+    """`bookkeeping.gather` with a second process stood in for (its allgather returns this process's
+    answers beside the other's): each row's answer comes from the process that answered it, with
+    its observation ids, and a failure there reaches every process."""
+    from ppo_jax.agentic import bookkeeping
+    from ppo_jax.agentic.environment import EnvironmentFailure
+
+    tokenizer = lm[0]
+    mine, theirs = bookkeeping.Answers.none(4, 2), bookkeeping.Answers.none(4, 2)
+    mine.put(0, StepResult(observation="w1", reward=1.0, done=False, info={"tool_calls": 1.0}), 0.5, tokenizer, 5)
+    theirs.put(3, StepResult(observation="w2 w3 w4", reward=2.0, done=True), 0.25, tokenizer, room=1)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(bookkeeping.multihost_utils, "process_allgather", lambda tree: {
+        name: np.stack([value, dataclasses.asdict(theirs)[name]]) for name, value in tree.items()})
+    got = bookkeeping.gather(mine)
+    w = tokenizer.convert_tokens_to_ids
+    np.testing.assert_array_equal(got.answered, [True, False, False, True])
+    np.testing.assert_array_equal(got.reward, [1.0, 0, 0, 2.0])
+    np.testing.assert_array_equal(got.done, [False, False, False, True])
+    np.testing.assert_array_equal(got.ids, [[w("w1"), 0], [0, 0], [0, 0], [w("w2"), 0]])
+    np.testing.assert_array_equal(got.length, [1, 0, 0, 1])
+    np.testing.assert_array_equal(got.cut, [0, 0, 0, 2])
+    np.testing.assert_array_equal(got.info[:, 0], [1.0, 0, 0, 0])
+    bookkeeping.raise_failures(got, None)  # nothing failed
+    theirs.failed[2] = True
+    with pytest.raises(EnvironmentFailure, match="row 2 raised on another process"):
+        bookkeeping.raise_failures(bookkeeping.gather(mine), None)
+
+
+@pytest.mark.parametrize("schedule", ["rounds", "continuous"])
+def test_an_environment_failing_on_another_process_stops_this_one(lm, monkeypatch, schedule):
+    """Both schedules read the failures after each gather: when another process's environment of
+    row 5 raised (its flag in the gathered answers), this process stops with an error naming the
+    row instead of waiting in the next collective for a process that has left."""
+    from ppo_jax.agentic import bookkeeping, continuous_rollout
+    from ppo_jax.agentic.environment import EnvironmentFailure
+
+    module = rollout_lib if schedule == "rounds" else continuous_rollout
+    calls = []
+
+    def other_process_failed(answers):
+        calls.append(1)
+        if len(calls) == 2:
+            answers.failed[5] = True
+        return answers
+
+    monkeypatch.setattr(module, "gather", other_process_failed)
+    tokenizer, model, params = lm
+    tokens, mask = _prompts(tokenizer)
+    envs = [Scripted(row, turns=3) for row in range(ROWS)]
+    extra = {} if schedule == "rounds" else {"segment_steps": 3}
+    with pytest.raises(EnvironmentFailure, match="row 5 raised on another process"):
+        module.rollout(_decoder(model, _turn_config(tokenizer)), params, tokens, mask, envs, jax.random.key(3),
+                       tokenizer=tokenizer, max_turns=3, **extra)
+    assert len(calls) == 2
 
 
 def test_turn_stop_sequences_match_only_inside_the_turn():

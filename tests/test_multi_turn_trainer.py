@@ -307,7 +307,7 @@ def test_an_environment_error_on_the_episode_thread_fails_the_run_in_one_line(tm
     config = multi_turn_config(**{"environment.name": "failing_scripted_test_env", "rollout.off_policy_steps": 2,
                                   "train.iterations": 6})
     trainer = PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
-    with pytest.raises(RunFailedError, match=r"failed with RuntimeError: the environment of row \d+ raised KeyError"):
+    with pytest.raises(RunFailedError, match=r"failed with EnvironmentFailure: the environment of row \d+ raised KeyError"):
         trainer.train()
     trainer.close()
     assert "KeyError" in (tmp_path / "error.log").read_text()

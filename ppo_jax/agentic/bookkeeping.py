@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from ppo_jax.agentic.environment import Environment, StepResult, Turn
+from ppo_jax.agentic.environment import Environment, EnvironmentFailure, StepResult, Turn
 from ppo_jax.sampling.turns import TURN_STOP
 
 INFO_KEYS = ("tool_calls", "tool_errors", "tool_timeouts")  # StepResult.info counts summed per row
@@ -63,7 +63,8 @@ class Answers:
 
     answered [R] bool; reward, seconds [R] float32; done [R] bool; info [R, 3] float32 (INFO_KEYS);
     ids [R, O] int32: the observation tokenised and cut to O and to the row's room (column + k < T);
-    length [R] int32: k; cut [R] int32: the observation tokens cut.
+    length [R] int32: k; cut [R] int32: the observation tokens cut; failed [R] bool: the row's
+    environment raised (on whichever process steps it: every process stops, `raise_failures`).
     """
 
     answered: np.ndarray
@@ -74,13 +75,14 @@ class Answers:
     ids: np.ndarray
     length: np.ndarray
     cut: np.ndarray
+    failed: np.ndarray
 
     @classmethod
     def none(cls, rows: int, width: int) -> "Answers":
         zeros = lambda dtype, *shape: np.zeros((rows, *shape), dtype)  # noqa: E731
         return cls(answered=zeros(bool), reward=zeros(np.float32), done=zeros(bool),
                    info=zeros(np.float32, len(INFO_KEYS)), seconds=zeros(np.float32), ids=zeros(np.int32, width),
-                   length=zeros(np.int32), cut=zeros(np.int32))
+                   length=zeros(np.int32), cut=zeros(np.int32), failed=zeros(bool))
 
     def put(self, row: int, result: StepResult, seconds: float, tokenizer: Any, room: int) -> None:
         """Row `row`'s answer; its observation keeps at most O tokens and `room` (T - column - 1)."""
@@ -102,10 +104,23 @@ def gather(answers: Answers) -> Answers:
 
     def combine(name):
         values = every[name]
+        if name == "failed":
+            return values.any(axis=0)
         where = mine.reshape(mine.shape + (1,) * (values.ndim - mine.ndim))
         return np.where(where, values, 0).sum(axis=0).astype(values.dtype)
 
     return Answers(**{f.name: combine(f.name) for f in dataclasses.fields(Answers)})
+
+
+def raise_failures(answers: Answers, local: EnvironmentFailure | None) -> None:
+    """After `gather`: stops every process when any environment raised. This process raises its own
+    error; the others one that names the row (its error is in its own process's output)."""
+    if local is not None:
+        raise local
+    if answers.failed.any():
+        row = int(np.flatnonzero(answers.failed)[0])
+        raise EnvironmentFailure(row, f"the environment of row {row} raised on another process (its error "
+                                      "is in that process's output); this process stops with it")
 
 
 class Episodes:

@@ -38,8 +38,8 @@ import jax
 import numpy as np
 
 from ppo_jax import sharding
-from ppo_jax.agentic.bookkeeping import Answers, Episodes, gather
-from ppo_jax.agentic.environment import Environment, step_outcome, timed_step
+from ppo_jax.agentic.bookkeeping import Answers, Episodes, gather, raise_failures
+from ppo_jax.agentic.environment import Environment, EnvironmentFailure, step_outcome, timed_step
 from ppo_jax.agentic.rollout import MultiTurnOutput, append_observations, checked_episodes, episodes_output
 from ppo_jax.config import check
 from ppo_jax.sampling.turns import FINAL_STOP, RUNNING, TURN_STOP, TurnDecoder
@@ -88,11 +88,16 @@ def rollout(decoder: TurnDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
                     waiting[row] = pool.submit(timed_step, mine[row], ep.turn(row, tokens, column, decode_turn))
             if waiting and not decoding.any():
                 _wait_for_one(waiting, ep)
-            answers = Answers.none(rows, width)
+            answers, failure = Answers.none(rows, width), None
             for row in [row for row, future in waiting.items() if future.done()]:
-                result, seconds = step_outcome(row, waiting.pop(row))
+                try:
+                    result, seconds = step_outcome(row, waiting.pop(row))
+                except EnvironmentFailure as e:  # said after the gather, on every process
+                    answers.failed[row], failure = True, failure or e
+                    continue
                 answers.put(row, result, seconds, tokenizer, room=new - int(ended_column[row]) - 1)
             answers = gather(answers)
+            raise_failures(answers, failure)
             ep.record(answers)
             stepping &= ~answers.answered
             resume = ep.goes_on(answers, ended_reason, ended_column, new)

@@ -209,10 +209,20 @@ def timed_step(env: Environment, turn: Turn) -> tuple[StepResult, float]:
     return result, time.perf_counter() - start
 
 
-def step_all(envs: Sequence[Environment], turns: Sequence[Turn], max_workers: int = 16) -> StepBatch:
+class EnvironmentFailure(RuntimeError):
+    """An environment raised or answered with something else than a StepResult: a bug in it, not
+    the policy's doing. `row` is the batch row it answers."""
+
+    def __init__(self, row: int, message: str):
+        super().__init__(message)
+        self.row = row
+
+
+def step_all(envs: Sequence[Environment], turns: Sequence[Turn], max_workers: int = 16,
+             rows: Sequence[int] | None = None) -> StepBatch:
     """Steps `envs[i]` with `turns[i]` for every waiting row, all at once on up to `max_workers` threads
     (rows wait for their environments in parallel, never one after another). An environment that
-    raises is a bug in it, not the policy's doing: it propagates, naming the row."""
+    raises propagates as EnvironmentFailure, naming its row: `rows[i]`, or i without `rows`."""
     check(len(envs) == len(turns), f"step_all: {len(envs)} environments but {len(turns)} turns")
     check(max_workers >= 1, f"environment.workers={max_workers}: use at least 1")
     start = time.perf_counter()
@@ -221,7 +231,8 @@ def step_all(envs: Sequence[Environment], turns: Sequence[Turn], max_workers: in
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(max_workers, len(envs)),
                                                thread_name_prefix="environment") as pool:
         futures = [pool.submit(timed_step, env, turn) for env, turn in zip(envs, turns)]
-        results, seconds = zip(*(step_outcome(row, future) for row, future in enumerate(futures)))
+        named = range(len(futures)) if rows is None else rows
+        results, seconds = zip(*(step_outcome(int(row), future) for row, future in zip(named, futures)))
     return StepBatch(results=tuple(results), seconds=tuple(seconds), wall_seconds=time.perf_counter() - start)
 
 
@@ -231,7 +242,8 @@ def step_outcome(row: int, future: concurrent.futures.Future) -> tuple[StepResul
     try:
         result, seconds = future.result()
     except Exception as e:
-        raise RuntimeError(f"the environment of row {row} raised {type(e).__name__}: {e}") from e
+        raise EnvironmentFailure(row, f"the environment of row {row} raised {type(e).__name__}: {e}") from e
     if not isinstance(result, StepResult):
-        raise TypeError(f"the environment of row {row} returned {type(result).__name__}, not a StepResult")
+        raise EnvironmentFailure(row, f"the environment of row {row} returned {type(result).__name__}, not a "
+                                      "StepResult")
     return result, seconds

@@ -32,8 +32,8 @@ import jax
 import numpy as np
 
 from ppo_jax import sharding
-from ppo_jax.agentic.bookkeeping import Answers, Episodes, Ownership, gather
-from ppo_jax.agentic.environment import Environment, step_all
+from ppo_jax.agentic.bookkeeping import Answers, Episodes, Ownership, gather, raise_failures
+from ppo_jax.agentic.environment import Environment, EnvironmentFailure, step_all
 from ppo_jax.config import check
 from ppo_jax.sampling.turns import FINAL_STOP, TURN_STOP, TurnDecoder, TurnState
 
@@ -122,14 +122,19 @@ def rollout(decoder: TurnDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
             ep.end_turn(row, column[row])
         stepped = [row for row in np.flatnonzero(ep.live & ((reason == TURN_STOP) | (reason == FINAL_STOP)))
                    if row in mine]
-        batch = step_all([mine[r] for r in stepped], [ep.turn(r, tokens, column, decode_turn) for r in stepped],
-                         environment_workers)
-        answers = Answers.none(rows, width)
-        for row, result, seconds in zip(stepped, batch.results, batch.seconds):
-            answers.put(row, result, seconds, tokenizer, room=new - int(column[row]) - 1)
+        answers, failure = Answers.none(rows, width), None
+        try:
+            batch = step_all([mine[r] for r in stepped], [ep.turn(r, tokens, column, decode_turn) for r in stepped],
+                             environment_workers, rows=stepped)
+        except EnvironmentFailure as e:  # said after the gather, on every process
+            answers.failed[e.row], failure = True, e
+        else:
+            for row, result, seconds in zip(stepped, batch.results, batch.seconds):
+                answers.put(row, result, seconds, tokenizer, room=new - int(column[row]) - 1)
+            ep.wall[round_] = batch.wall_seconds
         answers = gather(answers)
+        raise_failures(answers, failure)
         ep.record(answers)
-        ep.wall[round_] = batch.wall_seconds
         ep.live = ep.goes_on(answers, reason, column, new)
         if not ep.live.any():
             break
