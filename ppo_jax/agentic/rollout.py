@@ -56,8 +56,8 @@ class MultiTurnOutput:
     environment_seconds [R] float32: the row's own step time, summed over its turns.
     environment_wall_seconds [M] float32: each round's `step_all` wall time (0: no round).
     observations_truncated [R] int32: observation tokens cut by `max_observation_tokens` or T.
-    decode_steps, active_row_steps [] int32: decode steps run, each for all R rows, and the rows
-        active in them (None in episodes restored from a checkpoint of before 2026-11-27).
+    decode_steps [] int32: decode steps run, each for all R rows (None in episodes restored from a
+        checkpoint of before 2026-11-27).
     """
 
     prompt_tokens: np.ndarray
@@ -79,7 +79,6 @@ class MultiTurnOutput:
     environment_wall_seconds: np.ndarray
     observations_truncated: np.ndarray
     decode_steps: np.ndarray | None = None
-    active_row_steps: np.ndarray | None = None
 
     @property
     def rewards(self) -> np.ndarray:
@@ -166,15 +165,14 @@ def episodes_output(state: TurnState, ep: Episodes, prompt_tokens: Any, prompt_m
     """The episodes, from the decoder's final state (its buffers, not its cache) and the bookkeeping."""
     prompt_tokens, prompt_mask, out = sharding.to_host((prompt_tokens, prompt_mask, {
         "tokens": state.tokens, "mask": state.mask, "action_mask": state.action_mask, "logprobs": state.logprobs,
-        "sampling_logprobs": state.sampling_logprobs, "reason": state.reason, "decode_steps": state.decode_steps,
-        "active_row_steps": state.active_row_steps}))
+        "sampling_logprobs": state.sampling_logprobs, "reason": state.reason, "decode_steps": state.decode_steps}))
     return MultiTurnOutput(
         prompt_tokens=np.asarray(prompt_tokens), prompt_mask=np.asarray(prompt_mask), tokens=out["tokens"],
         mask=out["mask"], action_mask=out["action_mask"], logprobs=out["logprobs"],
         sampling_logprobs=out["sampling_logprobs"], stopped=out["reason"] == FINAL_STOP, turns=ep.turns,
         turn_ends=ep.turn_ends, turn_rewards=ep.turn_rewards, environment_done=ep.done, **ep.info_by_key(),
         environment_seconds=ep.seconds, environment_wall_seconds=ep.wall, observations_truncated=ep.truncated,
-        decode_steps=np.asarray(out["decode_steps"]), active_row_steps=np.asarray(out["active_row_steps"]))
+        decode_steps=np.asarray(out["decode_steps"]))
 
 
 def rollout_metrics(out: MultiTurnOutput) -> dict[str, float]:
@@ -198,4 +196,11 @@ def row_occupancy(out: MultiTurnOutput) -> float:
     """The share of the decode steps' row-slots that decoded an active row: at most what a decode
     that skipped waiting and ended rows could save (a CPU's decode cost follows the rows; an
     accelerator's, at small batches, the weights it streams)."""
-    return float(out.active_row_steps) / max(1.0, float(out.decode_steps) * out.tokens.shape[0])
+    return decoded_tokens(out) / max(1.0, float(out.decode_steps) * out.tokens.shape[0])
+
+
+def decoded_tokens(out: MultiTurnOutput) -> int:
+    """The action tokens the decode steps chose: an active row records one token a step, and the
+    others come from `start` (one a row) and `append` (one a resumed turn: each turn after a row's
+    first)."""
+    return int(out.action_mask.sum()) - out.tokens.shape[0] - int((out.turns - 1).sum())

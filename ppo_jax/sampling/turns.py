@@ -90,8 +90,7 @@ class TurnState:
     active [R] bool: decoding in this segment; reason [R]: why the row's last turn ended (RUNNING
     while active); recent [R, W]: the current turn's last W tokens (-1 before its start);
     tokens, logprobs, sampling_logprobs, mask, action_mask [R, T]; uniforms [R, T]; decode_steps []:
-    decode steps run (every one pays for all R rows); active_row_steps []: the rows active in them
-    (their sum: the tokens those steps recorded).
+    decode steps run (every one pays for all R rows, active or not).
     """
 
     cache: KVCache | tuple[KVCache, ...]
@@ -108,7 +107,6 @@ class TurnState:
     action_mask: Array
     uniforms: Array
     decode_steps: Array
-    active_row_steps: Array
 
 
 def turn_stop_hit(recent: Array, turn_stops: tuple[tuple[int, ...], ...]) -> Array:
@@ -193,7 +191,7 @@ def start(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *, 
         recent=jnp.full((rows, config.window), -1, jnp.int32), tokens=zeros(jnp.int32, sampling.pad_token_id),
         logprobs=zeros(jnp.float32), sampling_logprobs=zeros(jnp.float32), mask=zeros(jnp.int32),
         action_mask=zeros(jnp.int32), uniforms=_by_rows(response_uniforms(key, rows, new)),
-        decode_steps=jnp.int32(0), active_row_steps=jnp.int32(0))
+        decode_steps=jnp.int32(0))
     return _record(state, _choose(state, logits, config), config)
 
 
@@ -229,8 +227,7 @@ def decode(params: Any, state: TurnState, max_steps: Array | None = None, *, mod
         logits, cache = model.apply(variables, _last_tokens(state)[:, None], positions, kv_mask,
                                     _with_index(state.cache, slot), jnp.zeros_like(slot), layers.params,
                                     layers.adapters, method=forward_last)
-        state = state.replace(cache=cache, kv_mask=kv_mask, decode_steps=state.decode_steps + 1,
-                              active_row_steps=state.active_row_steps + state.active.sum(dtype=jnp.int32))
+        state = state.replace(cache=cache, kv_mask=kv_mask, decode_steps=state.decode_steps + 1)
         return _record(state, _choose(state, logits, config), config)
 
     def decode_group(state: TurnState) -> TurnState:
