@@ -15,8 +15,8 @@ from typing import Any
 import jax
 
 from ppo_jax.rl import roles
-from ppo_jax.sampling import weights
 from ppo_jax.rl.state import FrozenParams, policy_variables
+from ppo_jax.sampling import weights
 from ppo_jax.sharding import device_bytes
 
 
