@@ -212,17 +212,26 @@ def test_eight_devices_give_the_same_metrics(baseline, tmp_path):
             np.testing.assert_allclose(got[key], value, rtol=2e-3, atol=2e-4, err_msg=key)
 
 
-def test_continuous_schedule_gives_the_same_run(baseline, tmp_path):
+@pytest.mark.parametrize("schedule, overrides", [
+    ("continuous_rollout", {}),
+    # 8 slots for 16 episodes, environments of 0.2 s: waiting episodes give their slot up
+    ("slot_rollout", {"rollout.slots": 8, "rollout.prefill_prompts": 4, "environment.name": "slow_scripted_test_env"}),
+])
+def test_continuous_schedule_gives_the_same_run(baseline, tmp_path, schedule, overrides):
     """rollout.engine=continuous schedules each row on its own (agentic/continuous_rollout.py, 2-step
-    segments): the same episodes, so the same run, metric for metric (time aside)."""
+    segments), with rollout.slots on fewer slots than episodes (agentic/slot_rollout.py): the same
+    episodes, so the same run, metric for metric (time aside; log-probs through a re-prefill to
+    round-off)."""
     _, expected = baseline
-    trainer, history = run(multi_turn_config(**{"rollout.engine": "continuous", "environment.segment_steps": 2}),
-                           tmp_path)
-    assert trainer.rollouts.schedule.func.__module__ == "ppo_jax.agentic.continuous_rollout"
+    trainer, history = run(multi_turn_config(**{"rollout.engine": "continuous", "environment.segment_steps": 2,
+                                                **overrides}), tmp_path)
+    assert trainer.rollouts.schedule.func.__module__ == f"ppo_jax.agentic.{schedule}"
     for want, got in zip(expected, history, strict=True):
         for key, value in want.items():
             if not key.startswith(("time/", "perf/")):
                 np.testing.assert_allclose(got[key], value, rtol=1e-6, atol=1e-7, err_msg=key)
+    if overrides:
+        assert all(h["rollout/reprefilled_turns"] > 0 for h in history)
 
 
 def test_resume_continues_the_episodes_exactly(baseline, tmp_path):
@@ -317,8 +326,8 @@ def test_an_environment_error_on_the_episode_thread_fails_the_run_in_one_line(tm
     ({"environment.turn_stop": "</tool_call>"}, "environment.turn_stop='</tool_call>': the tokenizer cannot encode it"),
     ({"environment.name": "no_such_environment"}, "environment.name='no_such_environment' is not a registered"),
     ({"environment.max_turns": 0}, "environment.max_turns=0: an episode needs at least 1 turn"),
-    ({"rollout.engine": "continuous", "rollout.slots": 8}, "with rollout.slots=8, rollout.prefill_prompts=0: every "
-     "episode keeps its cache row"),
+    ({"rollout.engine": "continuous", "rollout.slots": 8, "rollout.prefill_prompts": 9},
+     "rollout.prefill_prompts=9: it is the episodes one insert re-prefills, at most the rollout.slots=8 slots"),
     ({"rollout.engine": "continuous", "environment.segment_steps": 0}, "environment.segment_steps=0: use at least 1"),
 ])
 def test_bad_multi_turn_settings_fail_before_compiling(overrides, message, tmp_path):

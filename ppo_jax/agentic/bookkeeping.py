@@ -138,17 +138,19 @@ class Episodes:
         self.seconds = np.zeros(rows, np.float32)
         self.wall = np.zeros(max_turns, np.float32)  # this process's own waits (a metric, not a decision)
         self.truncated = np.zeros(rows, np.int32)
+        self.reason = np.zeros(rows, np.int32)  # why each row's last turn ended (sampling.turns reasons)
 
-    def turn(self, row: int, tokens: np.ndarray, column: np.ndarray, decode_turn) -> Turn:
-        """Row `row`'s current turn: its action ids from the turn's start to `column[row]` (host
-        tokens [R, T])."""
-        ids = tokens[row, self.turn_start[row]:column[row]].tolist()
+    def turn(self, row: int, row_tokens: np.ndarray, column: int, decode_turn) -> Turn:
+        """Row `row`'s current turn: its action ids from the turn's start to `column`, of the row's
+        host response tokens [T]."""
+        ids = row_tokens[self.turn_start[row]:column].tolist()
         return Turn(text=decode_turn(ids), token_ids=ids)
 
-    def end_turn(self, row: int, column: int) -> None:
-        """Row `row`'s turn ended at response column `column` (its next free one)."""
+    def end_turn(self, row: int, column: int, reason: int) -> None:
+        """Row `row`'s turn ended at response column `column` (its next free one), for `reason`."""
         self.turn_ends[row, self.turns[row]] = column - 1
         self.turns[row] += 1
+        self.reason[row] = reason
 
     def record(self, answers: Answers) -> None:
         """The answered rows' rewards (on their last turn), done flags, times and info counts."""

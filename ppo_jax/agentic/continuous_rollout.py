@@ -45,7 +45,7 @@ from ppo_jax.config import check
 from ppo_jax.sampling.turns import FINAL_STOP, RUNNING, TURN_STOP, TurnDecoder
 
 
-def _wait_for_one(waiting: dict[int, concurrent.futures.Future], ep: Episodes) -> None:
+def wait_for_one(waiting: dict[int, concurrent.futures.Future], ep: Episodes) -> None:
     """Blocks until one of this process's environments answers; files the seconds under the lowest
     turn index waiting."""
     start = time.perf_counter()
@@ -81,13 +81,14 @@ def rollout(decoder: TurnDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
             ended = np.flatnonzero(decoding & (reason != RUNNING))
             tokens = sharding.to_host(state.tokens) if ended.size else None
             for row in ended:
-                ep.end_turn(row, column[row])
+                ep.end_turn(row, column[row], reason[row])
                 decoding[row], ended_reason[row], ended_column[row] = False, reason[row], column[row]
                 stepping[row] = reason[row] in (TURN_STOP, FINAL_STOP)  # a turn cut by the length is not
                 if stepping[row] and row in mine:
-                    waiting[row] = pool.submit(timed_step, mine[row], ep.turn(row, tokens, column, decode_turn))
+                    turn = ep.turn(row, tokens[row], column[row], decode_turn)
+                    waiting[row] = pool.submit(timed_step, mine[row], turn)
             if waiting and not decoding.any():
-                _wait_for_one(waiting, ep)
+                wait_for_one(waiting, ep)
             answers, failure = Answers.none(rows, width), None
             for row in [row for row, future in waiting.items() if future.done()]:
                 try:

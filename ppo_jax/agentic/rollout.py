@@ -56,8 +56,11 @@ class MultiTurnOutput:
     environment_seconds [R] float32: the row's own step time, summed over its turns.
     environment_wall_seconds [M] float32: each round's `step_all` wall time (0: no round).
     observations_truncated [R] int32: observation tokens cut by `max_observation_tokens` or T.
-    decode_steps [] int32: decode steps run, each for all R rows (None in episodes restored from a
-        checkpoint of before 2026-11-27).
+    decode_steps [] int32: decode steps run, each for all R rows (the slot schedule: for its S slots;
+        None in episodes restored from a checkpoint of before 2026-11-27).
+    reprefilled_turns [] int32: the slot schedule's turns resumed by a re-prefill of the whole row,
+        having given their slot up while their environment stepped (None on the other schedules).
+    decode_rows [] int32: the rows each decode step ran, S slots on the slot schedule (None: R).
     """
 
     prompt_tokens: np.ndarray
@@ -79,6 +82,8 @@ class MultiTurnOutput:
     environment_wall_seconds: np.ndarray
     observations_truncated: np.ndarray
     decode_steps: np.ndarray | None = None
+    reprefilled_turns: np.ndarray | None = None
+    decode_rows: np.ndarray | None = None
 
     @property
     def rewards(self) -> np.ndarray:
@@ -118,12 +123,12 @@ def rollout(decoder: TurnDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
         state = decoder.decode(params, state, adapters)
         reason, column, tokens = sharding.to_host((state.reason, state.column, state.tokens))
         for row in np.flatnonzero(ep.live):
-            ep.end_turn(row, column[row])
+            ep.end_turn(row, column[row], reason[row])
         stepped = [row for row in np.flatnonzero(ep.live & ((reason == TURN_STOP) | (reason == FINAL_STOP)))
                    if row in mine]
         answers, failure = Answers.none(rows, width), None
         try:
-            batch = step_all([mine[r] for r in stepped], [ep.turn(r, tokens, column, decode_turn) for r in stepped],
+            batch = step_all([mine[r] for r in stepped], [ep.turn(r, tokens[r], column[r], decode_turn) for r in stepped],
                              environment_workers, rows=stepped)
         except EnvironmentFailure as e:  # said after the gather, on every process
             answers.failed[e.row], failure = True, e
@@ -161,18 +166,24 @@ def append_observations(decoder: TurnDecoder, params: Any, state: TurnState, ep:
     return decoder.append(params, state, ids, lengths, resume, adapters)
 
 
-def episodes_output(state: TurnState, ep: Episodes, prompt_tokens: Any, prompt_mask: Any) -> MultiTurnOutput:
-    """The episodes, from the decoder's final state (its buffers, not its cache) and the bookkeeping."""
+def episodes_output(state: TurnState, ep: Episodes, prompt_tokens: Any, prompt_mask: Any, buffers: Any = None,
+                    reprefilled_turns: int | None = None) -> MultiTurnOutput:
+    """The episodes, from the decoder's final state (its buffers, not its cache; or `buffers`, e.g.
+    the slot schedule's `EpisodeStore`, with the same response fields [R, T]) and the bookkeeping."""
+    buffers = state if buffers is None else buffers
     prompt_tokens, prompt_mask, out = sharding.to_host((prompt_tokens, prompt_mask, {
-        "tokens": state.tokens, "mask": state.mask, "action_mask": state.action_mask, "logprobs": state.logprobs,
-        "sampling_logprobs": state.sampling_logprobs, "reason": state.reason, "decode_steps": state.decode_steps}))
+        "tokens": buffers.tokens, "mask": buffers.mask, "action_mask": buffers.action_mask,
+        "logprobs": buffers.logprobs, "sampling_logprobs": buffers.sampling_logprobs,
+        "decode_steps": state.decode_steps}))
     return MultiTurnOutput(
         prompt_tokens=np.asarray(prompt_tokens), prompt_mask=np.asarray(prompt_mask), tokens=out["tokens"],
         mask=out["mask"], action_mask=out["action_mask"], logprobs=out["logprobs"],
-        sampling_logprobs=out["sampling_logprobs"], stopped=out["reason"] == FINAL_STOP, turns=ep.turns,
+        sampling_logprobs=out["sampling_logprobs"], stopped=ep.reason == FINAL_STOP, turns=ep.turns,
         turn_ends=ep.turn_ends, turn_rewards=ep.turn_rewards, environment_done=ep.done, **ep.info_by_key(),
         environment_seconds=ep.seconds, environment_wall_seconds=ep.wall, observations_truncated=ep.truncated,
-        decode_steps=np.asarray(out["decode_steps"]))
+        decode_steps=np.asarray(out["decode_steps"]),
+        **({} if buffers is state else {"reprefilled_turns": np.asarray(reprefilled_turns, np.int32),
+                                         "decode_rows": np.asarray(state.tokens.shape[0], np.int32)}))
 
 
 def rollout_metrics(out: MultiTurnOutput) -> dict[str, float]:
@@ -189,6 +200,7 @@ def rollout_metrics(out: MultiTurnOutput) -> dict[str, float]:
         "rollout/observations_truncated": float(out.observations_truncated.sum()),
         "time/environment": float(out.environment_wall_seconds.sum()),
         **({} if out.decode_steps is None else {"perf/decode_row_occupancy": row_occupancy(out)}),
+        **({} if out.reprefilled_turns is None else {"rollout/reprefilled_turns": float(out.reprefilled_turns)}),
     }
 
 
@@ -196,11 +208,12 @@ def row_occupancy(out: MultiTurnOutput) -> float:
     """The share of the decode steps' row-slots that decoded an active row: at most what a decode
     that skipped waiting and ended rows could save (a CPU's decode cost follows the rows; an
     accelerator's, at small batches, the weights it streams)."""
-    return decoded_tokens(out) / max(1.0, float(out.decode_steps) * out.tokens.shape[0])
+    rows = out.tokens.shape[0] if out.decode_rows is None else int(out.decode_rows)
+    return decoded_tokens(out) / max(1.0, float(out.decode_steps) * rows)
 
 
 def decoded_tokens(out: MultiTurnOutput) -> int:
     """The action tokens the decode steps chose: an active row records one token a step, and the
     others come from `start` (one a row) and `append` (one a resumed turn: each turn after a row's
-    first)."""
+    first), or on the slot schedule from `insert` (one per first turn and per re-prefilled turn)."""
     return int(out.action_mask.sum()) - out.tokens.shape[0] - int((out.turns - 1).sum())

@@ -30,6 +30,10 @@ class EnvironmentSettings:
     workers: int = 16  # threads stepping the waiting rows' environments at once
     max_observation_tokens: int = 32  # tokens one observation may append (longer ones are cut; the row's total is rollout.response_length)
     segment_steps: int = 8  # rollout.engine=continuous: decode steps between the host's looks at the rows (a row's environment is stepped, and its observation appended, at the first look after its turn ends or it answers)
+    # rollout.slots with an environment (continuous engine): 0 = a cache row per episode for its whole
+    # life; S = S decode slots shared by the episodes, a waiting episode's slot given to another and
+    # the episode re-prefilled when its environment answers (agentic/slot_rollout.py);
+    # rollout.prefill_prompts = the episodes one insert re-prefills (0: a quarter of the slots).
 
     @property
     def enabled(self) -> bool:
@@ -46,10 +50,9 @@ class EnvironmentSettings:
         check(self.max_observation_tokens >= 1,
               f"environment.max_observation_tokens={self.max_observation_tokens}: use at least 1")
         check(self.segment_steps >= 1, f"environment.segment_steps={self.segment_steps}: use at least 1 decode step")
-        check(not (slots or prefill_prompts), f"environment.name={self.name!r} with rollout.slots={slots}, "
-              f"rollout.prefill_prompts={prefill_prompts}: every episode keeps its cache row until it ends "
-              f"(rollout.engine={engine!r} overlaps decoding with the environments, it shares no slots); leave "
-              "both 0")
+        check(not prefill_prompts or 0 < prefill_prompts <= slots, f"environment.name={self.name!r} with "
+              f"rollout.prefill_prompts={prefill_prompts}: it is the episodes one insert re-prefills, at most the "
+              f"rollout.slots={slots} slots (0: a quarter of them)")
         check(not router_replay, f"environment.name={self.name!r} with moe.router_replay: the multi-turn "
               "decoder records no routing; set moe.router_replay=False")
         check(not chat_template, f"environment.name={self.name!r} with data.chat_template: the environment's "

@@ -36,12 +36,13 @@ import numpy as np
 
 from ppo_jax import metrics as metrics_lib
 from ppo_jax import sampling, sharding
-from ppo_jax.agentic import continuous_rollout, rollout as episodes_lib
+from ppo_jax.agentic import continuous_rollout, rollout as episodes_lib, slot_rollout
 from ppo_jax.data.tokenization import PromptTokenizer
 from ppo_jax.models.transformer import CausalLM
 from ppo_jax.rl import roles
 from ppo_jax.rl.rollouts import InFlightRecord, Rollouts, StartedRollout, resolve_arrays
 from ppo_jax.rl.state import PPOState, Rollout
+from ppo_jax.sampling.turn_slots import SlotDecoder
 from ppo_jax.sampling.turns import TurnConfig, TurnDecoder
 
 
@@ -75,6 +76,20 @@ def sample_output(out: episodes_lib.MultiTurnOutput, mesh) -> sampling.SampleOut
     return sampling.SampleOutput(**sharding.put_batch(fields, mesh))
 
 
+def _schedule(r, env, model: CausalLM, config: TurnConfig, mesh):
+    """The host schedule of the episodes and its decoder: rounds (`rollout.engine=static`); per row,
+    overlapping decoding with the environments (continuous, agentic/continuous_rollout.py); and with
+    rollout.slots, per row on S slots shared by the episodes (agentic/slot_rollout.py)."""
+    if r.engine == "static":
+        return episodes_lib.rollout, TurnDecoder(model, config, mesh)
+    if not r.slots:
+        return functools.partial(continuous_rollout.rollout, segment_steps=env.segment_steps), \
+            TurnDecoder(model, config, mesh)
+    insert_rows = r.prefill_prompts or max(1, r.slots // 4)  # checked <= slots by EnvironmentSettings
+    return functools.partial(slot_rollout.rollout, segment_steps=env.segment_steps), \
+        SlotDecoder(model, config, r.slots, insert_rows, mesh)
+
+
 class EpisodeRollouts(Rollouts):
     """`Rollouts` whose samples are multi-turn episodes (see the module docstring)."""
 
@@ -87,15 +102,11 @@ class EpisodeRollouts(Rollouts):
         self.env_settings, self.tokenizer = env, tokenizer
         self.factory = env.bind(tokenizer)
         # One row per episode: with rollout.num_samples = n each prompt is reset n times (`_records`).
-        # The turn programs decode every row at once whatever rollout.engine is: "continuous" picks the
-        # host schedule that overlaps decoding with the environments (agentic/continuous_rollout.py).
         one_row = dataclasses.replace(self.steps.sampling_config, num_samples=1, engine="static", slots=0,
                                       prefill_prompts=0)
-        self.schedule = episodes_lib.rollout if self.settings.rollout.engine == "static" else functools.partial(
-            continuous_rollout.rollout, segment_steps=env.segment_steps)
         config = TurnConfig(sampling=one_row, turn_stops=turn_stops,
                             max_observation_tokens=env.max_observation_tokens)
-        self.decoder = TurnDecoder(model, config, self.meshes.sampler)
+        self.schedule, self.decoder = _schedule(self.settings.rollout, env, model, config, self.meshes.sampler)
         self.prompt_tokenizer = PromptTokenizer(tokenizer, max_prompt_length=prompt_length, truncation="left")
         self.prompt_length = prompt_length
         self.finished: episodes_lib.MultiTurnOutput | None = None  # the last finished batch's episodes

@@ -65,17 +65,18 @@ def derive_sizes(s: Settings, *, batch_divisor: int = 1, max_positions: int | No
         packed_rows = packed_rows_per_microbatch(p.max_tokens_per_microbatch, length, micro, batch_divisor)
     return DerivedSizes(rollout_rows=rows, minibatch_rows=mini, microbatch_rows=micro, forward_rows=fwd,
                         packed_rows=packed_rows, packed_length=length if packed_rows else 0,
-                        decode_slots=decode_slots(r, sampler_divisor))
+                        decode_slots=decode_slots(r, sampler_divisor, s.environment.enabled))
 
 
-def decode_slots(r: RolloutSettings, batch_divisor: int) -> int:
+def decode_slots(r: RolloutSettings, batch_divisor: int, multi_turn: bool = False) -> int:
     """The continuous engine's decode slots (rollout.slots; 0: half the rows, rounded up to a
-    multiple of the data-parallel devices), checked against the rows and the mesh; 0 for the static
-    engine."""
+    multiple of the data-parallel devices, or every row for multi-turn episodes), checked against the
+    rows and the mesh; 0 for the static engine."""
     if r.engine != "continuous":
         return 0
     rows = r.batch_size * r.num_samples
-    slots = r.slots or -(-rows // 2 // batch_divisor) * batch_divisor
+    half = -(-rows // 2 // batch_divisor) * batch_divisor
+    slots = r.slots or (rows if multi_turn else half)
     check(slots % batch_divisor == 0,
           f"rollout.slots={slots} is not a multiple of the {batch_divisor} data-parallel devices (mesh data x fsdp "
           f"x expert): every device decodes the same number of slots")

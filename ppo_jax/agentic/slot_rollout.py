@@ -1,0 +1,181 @@
+"""Multi-turn rollouts on fewer decode slots than episodes (`rollout.engine=continuous` with an
+environment and `rollout.slots` below the rows): the continuous schedule, plus a waiting episode's
+slot given to another.
+
+    out = rollout(slot_decoder, params, prompt_tokens, prompt_mask, envs, key, tokenizer=tok, max_turns=4,
+                  segment_steps=8)
+
+`continuous_rollout.py` keeps every episode in its cache row from its first token to its last, so a
+row whose environment is stepping holds its slot idle, and a decode step pays for all E rows. Here S
+slots decode the E episodes (`sampling/turn_slots.py`). The host loops over decode segments of
+`segment_steps` steps and, after each:
+
+1. steps the environment of every episode whose turn just ended, on a thread pool (an episode cut by
+   the length, or whose environment ended it, gives its slot up for good);
+2. appends the observation of every answered episode that still holds its slot (`append`, no
+   recompute), and queues the answered episodes that gave theirs up;
+3. fills the free slots (`insert`, P = `insert_rows` episodes a call): first the queued episodes,
+   re-prefilled whole with their observation, then episodes not yet started. When more wait than
+   slots are free, episodes whose environment has been stepping since an earlier look give their
+   slot up (`store`), the most recently submitted first (under a steady environment latency, the
+   longest left to wait); an environment that answers within one segment never costs a re-prefill.
+4. blocks on the environments only when no slot has a row to decode.
+
+Same episodes as the other schedules for the same key and deterministic environments: episode e
+draws the uniform (e, t) at response column t in whichever slot, and a re-prefilled row holds the
+same tokens at the same positions (log-probs to float round-off). One process only (the slots'
+bookkeeping is not gathered across processes).
+
+Shapes: E episodes (rows of the prompts), S slots, O observation tokens, T response columns.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from ppo_jax import sharding
+from ppo_jax.agentic.bookkeeping import Answers, Episodes, raise_failures
+from ppo_jax.agentic.continuous_rollout import wait_for_one
+from ppo_jax.agentic.environment import Environment, EnvironmentFailure, step_outcome, timed_step
+from ppo_jax.agentic.rollout import MultiTurnOutput, checked_episodes, episodes_output
+from ppo_jax.config import check
+from ppo_jax.sampling.turn_slots import SlotDecoder
+from ppo_jax.sampling.turns import FINAL_STOP, RUNNING, TURN_STOP
+
+
+class SlotTable:
+    """Which episode each slot holds (S slots, E episodes), on the host."""
+
+    def __init__(self, slots: int, episodes: int):
+        self.episode = np.full(slots, -1)  # [S]: the episode a slot holds, -1 free
+        self.slot = np.full(episodes, -1)  # [E]: the slot an episode holds, -1 none
+
+    def take(self, slot: int, episode: int) -> None:
+        self.episode[slot], self.slot[episode] = episode, slot
+
+    def free(self, episodes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Gives the episodes' slots up: (their slots, the episodes), for `SlotDecoder.store`."""
+        episodes = np.asarray(episodes, np.int32)
+        slots = self.slot[episodes].astype(np.int32)
+        self.episode[slots], self.slot[episodes] = -1, -1
+        return slots, episodes
+
+    def free_slots(self) -> np.ndarray:
+        return np.flatnonzero(self.episode < 0)
+
+    def per_slot(self, values: np.ndarray, episodes: np.ndarray) -> np.ndarray:
+        """values [E, ...] of `episodes` (held ones) at their slots [S, ...], zeros elsewhere."""
+        out = np.zeros((len(self.episode),) + values.shape[1:], values.dtype)
+        out[self.slot[episodes]] = values[episodes]
+        return out
+
+
+def rollout(decoder: SlotDecoder, params: Any, prompt_tokens: Any, prompt_mask: Any,
+            environments: Sequence[Environment], key: jax.Array, *, tokenizer: Any, max_turns: int,
+            environment_workers: int = 16, adapters: Any = None,
+            decode_turn: Callable[[Sequence[int]], str] | None = None, segment_steps: int = 8) -> MultiTurnOutput:
+    """`agentic.rollout.rollout`'s episodes (same arguments and output, plus `reprefilled_turns`), on
+    `decoder.slots` decode slots (see the module docstring)."""
+    check(segment_steps >= 1, f"environment.segment_steps={segment_steps}: use at least 1 decode step")
+    check(jax.process_count() == 1, f"rollout.slots={decoder.slots} with an environment runs on one process (the "
+          f"slots' bookkeeping is not gathered across the {jax.process_count()}); leave rollout.slots 0")
+    new = decoder.config.sampling.max_new_tokens
+    episodes = int(np.shape(prompt_tokens)[0])
+    mine, decode_turn = checked_episodes(decoder, prompt_tokens, environments, tokenizer, max_turns, decode_turn)
+    state, store = decoder.empty(params, prompt_tokens, prompt_mask, key, adapters)
+    ep, table = Episodes(episodes, max_turns), SlotTable(decoder.slots, episodes)
+    decoding = np.zeros(episodes, bool)  # episodes in a turn on the device
+    submitted_at = np.zeros(episodes, np.int64)  # the look at which each episode's environment step began
+    fresh = collections.deque(range(episodes))  # episodes not started
+    queued: dict[int, tuple[np.ndarray, int]] = {}  # answered, going on, slot given up: observation ids, length
+    waiting: dict[int, concurrent.futures.Future] = {}  # environments stepping, by episode
+    reprefilled, look = 0, 0
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(environment_workers, episodes)),
+                                               thread_name_prefix="environment") as pool:
+        while True:
+            look += 1
+            reason, column, active = sharding.to_host((state.reason, state.column, state.active))
+            in_turn = np.zeros(decoder.slots, bool)
+            in_turn[table.slot[decoding]] = True
+            if (active != (in_turn & (reason == RUNNING))).any():
+                raise RuntimeError(f"multi-turn rollout: the device decodes slots {np.flatnonzero(active)}, the "
+                                   f"host expected {np.flatnonzero(in_turn & (reason == RUNNING))}")
+            ended = np.flatnonzero(in_turn & (reason != RUNNING))
+            tokens = sharding.to_host(state.tokens) if ended.size else None
+            leaving = []  # episodes giving their slot up this look
+            for slot in ended:
+                e = int(table.episode[slot])
+                ep.end_turn(e, column[slot], reason[slot])
+                decoding[e] = False
+                if reason[slot] in (TURN_STOP, FINAL_STOP):
+                    waiting[e] = pool.submit(timed_step, mine[e], ep.turn(e, tokens[slot], column[slot], decode_turn))
+                    submitted_at[e] = look
+                else:  # cut by the length: the episode is over
+                    leaving.append(e)
+            turn_column = ep.turn_ends[np.arange(episodes), np.maximum(ep.turns - 1, 0)] + 1  # last turn's end
+            answers, failure = Answers.none(episodes, decoder.config.max_observation_tokens), None
+            for e in [e for e, future in waiting.items() if future.done()]:
+                try:
+                    result, seconds = step_outcome(e, waiting.pop(e))
+                except EnvironmentFailure as error:
+                    answers.failed[e], failure = True, failure or error
+                    continue
+                answers.put(e, result, seconds, tokenizer, room=new - int(turn_column[e]) - 1)
+            raise_failures(answers, failure)
+            ep.record(answers)
+            resume = ep.goes_on(answers, ep.reason, turn_column, new)
+            ids, lengths = ep.take_observations(answers, resume, turn_column)
+            leaving += [int(e) for e in np.flatnonzero(answers.answered & ~resume & (table.slot >= 0))]
+            kept = resume & (table.slot >= 0)
+            if kept.any():
+                state = decoder.append(params, state, table.per_slot(ids, kept), table.per_slot(lengths, kept),
+                                       table.per_slot(np.ones(episodes, bool), kept), adapters)
+                decoding |= kept
+            queued.update((int(e), (ids[e], int(lengths[e]))) for e in np.flatnonzero(resume & (table.slot < 0)))
+            shortfall = len(queued) + len(fresh) - len(table.free_slots()) - len(leaving)
+            if shortfall > 0:
+                stale = [e for e in waiting if table.slot[e] >= 0 and submitted_at[e] < look]
+                leaving += sorted(stale, key=lambda e: -submitted_at[e])[:shortfall]
+            if leaving:
+                store = decoder.store(state, store, *table.free(leaving))
+            state, started = _fill(decoder, params, state, store, table, queued, fresh, adapters)
+            decoding[started] = True
+            reprefilled += sum(int(ep.turns[e] > 0) for e in started)
+            if decoding.any():
+                state = decoder.decode(params, state, adapters, max_steps=segment_steps)
+            elif waiting:
+                wait_for_one(waiting, ep)
+            elif not (queued or fresh):
+                break
+    held = np.flatnonzero(table.slot >= 0)
+    if held.size:
+        store = decoder.store(state, store, *table.free(held))
+    return episodes_output(state, ep, prompt_tokens, prompt_mask, buffers=store, reprefilled_turns=reprefilled)
+
+
+def _fill(decoder: SlotDecoder, params: Any, state, store, table: SlotTable,
+          queued: dict[int, tuple[np.ndarray, int]], fresh: collections.deque, adapters: Any) -> tuple[Any, list[int]]:
+    """The free slots filled, `insert_rows` a call: the queued episodes first (their observations),
+    then fresh ones. Returns the state and the episodes started."""
+    started = []
+    free = list(table.free_slots())
+    while free and (queued or fresh):
+        slots, episodes, observations, lengths = [], [], [], []
+        while free and (queued or fresh) and len(slots) < decoder.insert_rows:
+            if queued:  # in the order they were queued
+                e = next(iter(queued))
+                ids, length = queued.pop(e)
+            else:
+                e, ids, length = fresh.popleft(), np.zeros(decoder.config.max_observation_tokens, np.int32), 0
+            slot = free.pop(0)
+            table.take(slot, e)
+            slots.append(slot), episodes.append(e), observations.append(ids), lengths.append(length)
+        state = decoder.insert(params, state, store, slots, episodes, np.stack(observations), lengths, adapters)
+        started += episodes
+    return state, started

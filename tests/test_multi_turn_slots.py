@@ -1,0 +1,96 @@
+"""Multi-turn episodes on fewer decode slots than episodes (sampling/turn_slots.py,
+agentic/slot_rollout.py): the episodes are the rounds schedule's although waiting episodes gave their
+slots up and came back through a re-prefill of their whole row, and the decode ran S rows, not E.
+
+The tiny GPT-2, word tokenizer and scripted environments of test_multi_turn.py.
+"""
+
+import jax
+import numpy as np
+import pytest
+import test_multi_turn as mt
+
+from ppo_jax.agentic import slot_rollout
+from ppo_jax.agentic.rollout import rollout_metrics
+from ppo_jax.sampling.turn_slots import SlotDecoder
+
+lm = mt.lm
+
+
+@pytest.fixture(scope="module")
+def reference(lm):
+    """The rounds schedule, one cache row per episode."""
+    envs = [mt.Scripted(row) for row in range(mt.ROWS)]
+    return mt._run(lm, mt._turn_config(lm[0]), envs), envs
+
+
+class CountingDecoder:
+    """A SlotDecoder that counts the episodes inserted after their first turn (re-prefilled) and the
+    slots given up while their episode still had turns to come."""
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+        self.config, self.mesh, self.slots, self.insert_rows = decoder.config, None, decoder.slots, decoder.insert_rows
+        self.inserted, self.stored = [], []
+
+    def __getattr__(self, name):
+        return getattr(self.decoder, name)
+
+    def insert(self, params, state, store, slots, episodes, observations, lengths, adapters=None):
+        self.inserted += [(e, int(n)) for e, n in zip(episodes, lengths)]
+        return self.decoder.insert(params, state, store, slots, episodes, observations, lengths, adapters)
+
+    def store(self, state, store, slots, episodes):
+        self.stored += list(episodes)
+        return self.decoder.store(state, store, slots, episodes)
+
+
+def _slot_run(lm, slots, insert_rows, envs, segment_steps=3):
+    tokenizer, model, params = lm
+    decoder = CountingDecoder(SlotDecoder(model, mt._turn_config(tokenizer), slots=slots, insert_rows=insert_rows))
+    tokens, mask = mt._prompts(tokenizer)
+    out = slot_rollout.rollout(decoder, params, tokens, mask, envs, jax.random.key(3), tokenizer=tokenizer,
+                               max_turns=3, segment_steps=segment_steps)
+    return out, decoder
+
+
+@pytest.mark.parametrize("slots,insert_rows", [(4, 2), (2, 1)])
+def test_fewer_slots_give_the_rounds_episodes(lm, reference, slots, insert_rows):
+    """8 episodes on 4 (or 2) slots, environments of 0-0.6 s: episodes that wait give their slot up,
+    new ones start in it, and the waiting ones come back re-prefilled with their observation; every
+    token, mask, turn end, reward and cut is the rounds schedule's, and what each environment saw;
+    log-probs to round-off (a re-prefill's arithmetic is not the decode's)."""
+    expected, expected_envs = reference
+    envs = [mt.Timed(row) for row in range(mt.ROWS)]
+    out, decoder = _slot_run(lm, slots, insert_rows, envs)
+    for field in ("tokens", "mask", "action_mask", "turns", "turn_ends", "turn_rewards", "environment_done",
+                  "stopped", "observations_truncated"):
+        np.testing.assert_array_equal(getattr(out, field), getattr(expected, field), err_msg=field)
+    np.testing.assert_allclose(out.logprobs, expected.logprobs, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(out.sampling_logprobs, expected.sampling_logprobs, atol=2e-5, rtol=0)
+    assert [env.seen for env in envs] == [env.seen for env in expected_envs]
+    # Not one row per episode in disguise: the slots were shared, and re-prefills resumed turns.
+    resumed = [e for e, length in decoder.inserted if length > 0]
+    assert len(decoder.inserted) > mt.ROWS and resumed
+    assert int(out.reprefilled_turns) == len(resumed)
+    assert int(out.decode_rows) == slots
+    metrics = rollout_metrics(out)
+    assert metrics["rollout/reprefilled_turns"] == len(resumed)
+    assert 0 < metrics["perf/decode_row_occupancy"] <= 1
+
+
+def test_instant_environments_keep_their_slots(lm, reference):
+    """An environment that answers before the next look never costs a re-prefill: with instant
+    environments every episode is inserted once, at its start, and resumes by `append`."""
+    expected, _ = reference
+    envs = [mt.Scripted(row) for row in range(mt.ROWS)]
+    out, decoder = _slot_run(lm, 4, 2, envs)
+    np.testing.assert_array_equal(out.tokens, expected.tokens)
+    assert sorted(e for e, _ in decoder.inserted) == list(range(mt.ROWS))
+    assert int(out.reprefilled_turns) == 0
+
+
+def test_insert_rows_are_checked(lm):
+    tokenizer, model, _ = lm
+    with pytest.raises(ValueError, match="insert_rows=5"):
+        SlotDecoder(model, mt._turn_config(tokenizer), slots=4, insert_rows=5)
