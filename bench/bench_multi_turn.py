@@ -1,6 +1,7 @@
-"""Multi-turn rollouts: the rounds schedule against the continuous one (issue 45), side by side.
+"""Multi-turn rollouts: the rounds schedule against the continuous one, and the continuous one on
+fewer decode slots than episodes (issue 45), side by side.
 
-    python bench/bench_multi_turn.py [--rows 16] [--repeats 3] [--out results.json]
+    python bench/bench_multi_turn.py [--rows 16] [--slots 8,4] [--repeats 3] [--out results.json]
 
 One random GPT-2-shaped policy over a word tokenizer (turns end at one of a few words, ~1 draw in
 8), the same prompts and key for both schedules, `--max-turns` turns of up to `--response-length`
@@ -13,11 +14,15 @@ tokens in all. Three kinds of environment answer each turn with a few words:
 - sandbox:  a real `sandbox.run_python` call per step (a process with its limits: the built-in
             Python tool's cost).
 
+Schedules: rounds, continuous (a cache row per episode), and for each S of `--slots` "slots S"
+(agentic/slot_rollout.py: S decode slots, a waiting episode's slot given to another and the episode
+re-prefilled when it is answered; `--insert-rows` a re-prefill call, 0: S / 4).
+
 For each, the rollout's wall time (compiled first, then `--repeats` runs of each schedule, taken
 in turn), the decode steps each ran and the share of their row-slots that decoded an active row
-(`row_occupancy`: the most a decode that skipped waiting rows could save), and whether the two
-schedules gave the same tokens. Prints a markdown table; `--out`
-writes the figures as JSON.
+(`row_occupancy`), the turns resumed by a re-prefill, and the rows whose tokens are not the rounds
+schedule's (0 for continuous, whose decode batch is the rounds'; a few for slots, whose decode batch
+and re-prefills round differently: a draw within ~1e-6 of a token's CDF boundary picks its neighbour). Prints a markdown table; `--out` writes the figures as JSON.
 
     python bench/bench_multi_turn.py --trainer
 
@@ -37,11 +42,12 @@ import jax
 import numpy as np
 
 from ppo_jax import sharding
-from ppo_jax.agentic import continuous_rollout, rollout as rounds_rollout, sandbox
+from ppo_jax.agentic import continuous_rollout, rollout as rounds_rollout, sandbox, slot_rollout
 from ppo_jax.agentic.environment import StepResult
 from ppo_jax.data import PromptTokenizer, build_word_tokenizer
 from ppo_jax.models import CausalLM, ModelConfig, init_params
 from ppo_jax.sampling import SamplingConfig
+from ppo_jax.sampling.turn_slots import SlotDecoder
 from ppo_jax.sampling.turns import TurnConfig, TurnDecoder
 
 WORDS = [f"w{i}" for i in range(60)] + ["obs"]
@@ -78,13 +84,24 @@ def build(args):
                         max_observation_tokens=4)
     texts = [" ".join(f"w{(7 * i + j) % 60}" for j in range(1 + i % 8)) for i in range(args.rows)]
     batch = PromptTokenizer(tokenizer, max_prompt_length=8).prompts(texts, length=8)
-    return tokenizer, TurnDecoder(model, config), params, np.asarray(batch.tokens), np.asarray(batch.mask)
+    return tokenizer, (model, config), params, np.asarray(batch.tokens), np.asarray(batch.mask)
+
+
+def schedules(args, model, config) -> dict[str, tuple]:
+    """name -> (rollout function, its decoder, its keyword arguments)."""
+    segments = {"segment_steps": args.segment_steps}
+    out = {"rounds": (rounds_rollout.rollout, TurnDecoder(model, config), {}),
+           "continuous": (continuous_rollout.rollout, TurnDecoder(model, config), segments)}
+    for slots in [int(s) for s in args.slots.split(",") if s]:
+        decoder = SlotDecoder(model, config, slots, args.insert_rows or max(1, slots // 4))
+        out[f"slots {slots}"] = (slot_rollout.rollout, decoder, segments)
+    return out
 
 
 def one_rollout(schedule, args, kind, built):
-    tokenizer, decoder, params, tokens, mask = built
+    tokenizer, _, params, tokens, mask = built
+    schedule, decoder, extra = schedule
     envs = [Answering(row, kind, args.latency_ms) for row in range(args.rows)]
-    extra = {"segment_steps": args.segment_steps} if schedule is continuous_rollout.rollout else {}
     start = time.perf_counter()
     out = schedule(decoder, params, tokens, mask, envs, jax.random.key(1), tokenizer=tokenizer,
                    max_turns=args.max_turns, environment_workers=args.rows, **extra)
@@ -124,6 +141,8 @@ def main():
     parser.add_argument("--response-length", type=int, default=192)
     parser.add_argument("--max-turns", type=int, default=6)
     parser.add_argument("--segment-steps", type=int, default=8)
+    parser.add_argument("--slots", default="8,4", help="comma-separated slot counts for the slot schedule")
+    parser.add_argument("--insert-rows", type=int, default=0, help="episodes a re-prefill call (0: a quarter of the slots)")
     parser.add_argument("--latency-ms", type=float, default=50.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kinds", default="instant,latency,sandbox")
@@ -133,34 +152,35 @@ def main():
     if args.trainer:
         return trainer_overlap()
     built = build(args)
-    schedules = {"rounds": rounds_rollout.rollout, "continuous": continuous_rollout.rollout}
-    for schedule in schedules.values():  # compile every program once
+    runs = schedules(args, *built[1])
+    for schedule in runs.values():  # compile every program once
         one_rollout(schedule, args, "instant", built)
     rows = []
     for kind in args.kinds.split(","):
-        times, outs = {name: [] for name in schedules}, {}
+        times, outs = {name: [] for name in runs}, {}
         for _ in range(args.repeats):
-            for name, schedule in schedules.items():
+            for name, schedule in runs.items():
                 seconds, outs[name] = one_rollout(schedule, args, kind, built)
                 times[name].append(seconds)
-        same = bool(np.array_equal(outs["rounds"].tokens, outs["continuous"].tokens))
-        medians = {name: statistics.median(t) for name, t in times.items()}
-        rows.append({"environment": kind, "same_tokens": same, "turns_mean": float(outs["rounds"].turns.mean()),
-                     "seconds": times, "median_seconds": medians, "speedup": medians["rounds"] / medians["continuous"],
-                     "blocked_seconds": {n: float(o.environment_wall_seconds.sum()) for n, o in outs.items()},
-                     "environment_seconds": float(outs["rounds"].environment_seconds.sum()),
-                     "decode_steps": {n: int(o.decode_steps) for n, o in outs.items()},
-                     "row_occupancy": {n: rounds_rollout.row_occupancy(o) for n, o in outs.items()}})
+        for name, out in outs.items():
+            median = statistics.median(times[name])
+            rows.append({"environment": kind, "schedule": name, "seconds": times[name], "median_seconds": median,
+                         "speedup": statistics.median(times["rounds"]) / median,
+                         "rows_differing": int((out.tokens != outs["rounds"].tokens).any(axis=1).sum()),
+                         "turns_mean": float(out.turns.mean()),
+                         "blocked_seconds": float(out.environment_wall_seconds.sum()),
+                         "environment_seconds": float(out.environment_seconds.sum()),
+                         "decode_steps": int(out.decode_steps), "row_occupancy": rounds_rollout.row_occupancy(out),
+                         "reprefilled_turns": None if out.reprefilled_turns is None else int(out.reprefilled_turns)})
     print(f"rows {args.rows}, response {args.response_length} tokens, up to {args.max_turns} turns, segments of "
           f"{args.segment_steps} steps, {jax.devices()[0].platform}\n")
-    print("| environment | turns/episode | rounds (s) | continuous (s) | speed-up | blocked: rounds / continuous (s) "
-          "| decode steps | row occupancy | same tokens |")
+    print("| environment | schedule | median (s) | speed-up over rounds | blocked (s) | decode steps | row occupancy "
+          "| re-prefilled turns | rows unlike rounds |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        m, b, d, o = r["median_seconds"], r["blocked_seconds"], r["decode_steps"], r["row_occupancy"]
-        print(f"| {r['environment']} | {r['turns_mean']:.2f} | {m['rounds']:.3f} | {m['continuous']:.3f} | "
-              f"{r['speedup']:.2f}x | {b['rounds']:.3f} / {b['continuous']:.3f} | {d['rounds']} / {d['continuous']} | "
-              f"{o['rounds']:.2f} / {o['continuous']:.2f} | {r['same_tokens']} |")
+        print(f"| {r['environment']} | {r['schedule']} | {r['median_seconds']:.3f} | {r['speedup']:.2f}x | "
+              f"{r['blocked_seconds']:.3f} | {r['decode_steps']} | {r['row_occupancy']:.2f} | "
+              f"{'-' if r['reprefilled_turns'] is None else r['reprefilled_turns']} | {r['rows_differing']} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "results": rows}, f, indent=1)

@@ -36,8 +36,8 @@ class CountingDecoder:
     def __getattr__(self, name):
         return getattr(self.decoder, name)
 
-    def insert(self, params, state, store, slots, episodes, observations, lengths, adapters=None):
-        self.inserted += [(e, int(n)) for e, n in zip(episodes, lengths)]
+    def insert(self, params, state, store, slots, episodes, observations=None, lengths=None, adapters=None):
+        self.inserted += [(e, None if lengths is None else int(n)) for e, n in zip(episodes, lengths or episodes)]
         return self.decoder.insert(params, state, store, slots, episodes, observations, lengths, adapters)
 
     def store(self, state, store, slots, episodes):
@@ -70,7 +70,7 @@ def test_fewer_slots_give_the_rounds_episodes(lm, reference, slots, insert_rows)
     np.testing.assert_allclose(out.sampling_logprobs, expected.sampling_logprobs, atol=2e-5, rtol=0)
     assert [env.seen for env in envs] == [env.seen for env in expected_envs]
     # Not one row per episode in disguise: the slots were shared, and re-prefills resumed turns.
-    resumed = [e for e, length in decoder.inserted if length > 0]
+    resumed = [e for e, length in decoder.inserted if length is not None]
     assert len(decoder.inserted) > mt.ROWS and resumed
     assert int(out.reprefilled_turns) == len(resumed)
     assert int(out.decode_rows) == slots

@@ -14,11 +14,13 @@ slots decode the E episodes (`sampling/turn_slots.py`). The host loops over deco
    the length, or whose environment ended it, gives its slot up for good);
 2. appends the observation of every answered episode that still holds its slot (`append`, no
    recompute), and queues the answered episodes that gave theirs up;
-3. fills the free slots (`insert`, P = `insert_rows` episodes a call): first the queued episodes,
-   re-prefilled whole with their observation, then episodes not yet started. When more wait than
-   slots are free, episodes whose environment has been stepping since an earlier look give their
-   slot up (`store`), the most recently submitted first (under a steady environment latency, the
-   longest left to wait); an environment that answers within one segment never costs a re-prefill.
+3. fills the free slots (`insert`, up to P = `insert_rows` episodes a call): first the queued
+   episodes, re-prefilled whole with their observation, then episodes not yet started. When more
+   wait than slots are free and fewer than half the slots decode, episodes whose environment has
+   been stepping for longer than the last decode segment took give their slot up (`store`), the
+   most recently submitted first (under a steady environment latency, the longest left to wait). A
+   re-prefill costs a forward over the whole row, so a slot is taken only from an environment slower
+   than a segment, and only while the decode batch is less than half full.
 4. blocks on the environments only when no slot has a row to decode.
 
 Same episodes as the other schedules for the same key and deterministic environments: episode e
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -91,16 +94,18 @@ def rollout(decoder: SlotDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
     state, store = decoder.empty(params, prompt_tokens, prompt_mask, key, adapters)
     ep, table = Episodes(episodes, max_turns), SlotTable(decoder.slots, episodes)
     decoding = np.zeros(episodes, bool)  # episodes in a turn on the device
-    submitted_at = np.zeros(episodes, np.int64)  # the look at which each episode's environment step began
+    submitted_at = np.zeros(episodes)  # when each episode's environment step began (perf_counter)
+    segment_seconds, decoded_at = float("inf"), None  # the last decode segment's wall time, and its start
     fresh = collections.deque(range(episodes))  # episodes not started
     queued: dict[int, tuple[np.ndarray, int]] = {}  # answered, going on, slot given up: observation ids, length
     waiting: dict[int, concurrent.futures.Future] = {}  # environments stepping, by episode
-    reprefilled, look = 0, 0
+    reprefilled = 0
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(environment_workers, episodes)),
                                                thread_name_prefix="environment") as pool:
         while True:
-            look += 1
             reason, column, active = sharding.to_host((state.reason, state.column, state.active))
+            if decoded_at is not None:
+                segment_seconds, decoded_at = time.perf_counter() - decoded_at, None
             in_turn = np.zeros(decoder.slots, bool)
             in_turn[table.slot[decoding]] = True
             if (active != (in_turn & (reason == RUNNING))).any():
@@ -108,14 +113,14 @@ def rollout(decoder: SlotDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
                                    f"host expected {np.flatnonzero(in_turn & (reason == RUNNING))}")
             ended = np.flatnonzero(in_turn & (reason != RUNNING))
             tokens = sharding.to_host(state.tokens) if ended.size else None
-            leaving = []  # episodes giving their slot up this look
+            leaving = []  # episodes giving their slot up at this look
             for slot in ended:
                 e = int(table.episode[slot])
                 ep.end_turn(e, column[slot], reason[slot])
                 decoding[e] = False
                 if reason[slot] in (TURN_STOP, FINAL_STOP):
                     waiting[e] = pool.submit(timed_step, mine[e], ep.turn(e, tokens[slot], column[slot], decode_turn))
-                    submitted_at[e] = look
+                    submitted_at[e] = time.perf_counter()
                 else:  # cut by the length: the episode is over
                     leaving.append(e)
             turn_column = ep.turn_ends[np.arange(episodes), np.maximum(ep.turns - 1, 0)] + 1  # last turn's end
@@ -139,8 +144,9 @@ def rollout(decoder: SlotDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
                 decoding |= kept
             queued.update((int(e), (ids[e], int(lengths[e]))) for e in np.flatnonzero(resume & (table.slot < 0)))
             shortfall = len(queued) + len(fresh) - len(table.free_slots()) - len(leaving)
-            if shortfall > 0:
-                stale = [e for e in waiting if table.slot[e] >= 0 and submitted_at[e] < look]
+            if shortfall > 0 and 2 * decoding.sum() < decoder.slots:
+                now = time.perf_counter()
+                stale = [e for e in waiting if table.slot[e] >= 0 and now - submitted_at[e] > segment_seconds]
                 leaving += sorted(stale, key=lambda e: -submitted_at[e])[:shortfall]
             if leaving:
                 store = decoder.store(state, store, *table.free(leaving))
@@ -148,6 +154,7 @@ def rollout(decoder: SlotDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
             decoding[started] = True
             reprefilled += sum(int(ep.turns[e] > 0) for e in started)
             if decoding.any():
+                decoded_at = time.perf_counter()
                 state = decoder.decode(params, state, adapters, max_steps=segment_steps)
             elif waiting:
                 wait_for_one(waiting, ep)
@@ -161,21 +168,22 @@ def rollout(decoder: SlotDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
 
 def _fill(decoder: SlotDecoder, params: Any, state, store, table: SlotTable,
           queued: dict[int, tuple[np.ndarray, int]], fresh: collections.deque, adapters: Any) -> tuple[Any, list[int]]:
-    """The free slots filled, `insert_rows` a call: the queued episodes first (their observations),
-    then fresh ones. Returns the state and the episodes started."""
+    """The free slots filled, `insert_rows` a call: the queued episodes first (in the order they were
+    queued, re-prefilled with their observations), then new ones (their prompts alone). Returns the
+    state and the episodes started."""
     started = []
     free = list(table.free_slots())
     while free and (queued or fresh):
-        slots, episodes, observations, lengths = [], [], [], []
-        while free and (queued or fresh) and len(slots) < decoder.insert_rows:
-            if queued:  # in the order they were queued
-                e = next(iter(queued))
-                ids, length = queued.pop(e)
-            else:
-                e, ids, length = fresh.popleft(), np.zeros(decoder.config.max_observation_tokens, np.int32), 0
-            slot = free.pop(0)
+        count = min(len(free), decoder.insert_rows, len(queued) or len(fresh))
+        slots, free = free[:count], free[count:]
+        if queued:
+            episodes = list(queued)[:count]
+            ids, lengths = zip(*(queued.pop(e) for e in episodes))
+            state = decoder.insert(params, state, store, slots, episodes, np.stack(ids), lengths, adapters)
+        else:
+            episodes = [fresh.popleft() for _ in range(count)]
+            state = decoder.insert(params, state, store, slots, episodes, adapters=adapters)
+        for slot, e in zip(slots, episodes):
             table.take(slot, e)
-            slots.append(slot), episodes.append(e), observations.append(ids), lengths.append(length)
-        state = decoder.insert(params, state, store, slots, episodes, np.stack(observations), lengths, adapters)
         started += episodes
     return state, started

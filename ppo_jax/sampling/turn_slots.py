@@ -18,8 +18,9 @@ the uniform (e, t) whatever slot it decodes in, and a re-prefilled row holds the
 cache slots and positions as a row that kept its slot (log-probs to float round-off: a prefill's and
 the decode steps' arithmetic differ).
 
-Cost: an insert runs one forward over P whole rows of C = Lq + T + O positions (padding rows when
-fewer wait), the recompute that buys the slot; `agentic/slot_rollout.py` decides when it pays.
+Cost: a resumed episode's insert runs a forward over its whole row of C = Lq + T + O positions (the
+rows of a call padded to a power of two), the recompute that buys the slot; `agentic/slot_rollout.py`
+decides when it pays. A new episode's insert prefills its prompt alone.
 
 Shapes: S slots, E episodes, P = `insert_rows`, Lq prompt length, T response columns, O observation
 tokens per turn, C = Lq + T + O.
@@ -123,15 +124,16 @@ def _rows_with_observations(episodes: EpisodeStore, at: Array, observations: Arr
 
 
 def insert(params: Any, state: TurnState, episodes: EpisodeStore, slot_ids: Array, episode_ids: Array,
-           observations: Array, lengths: Array, *, model: CausalLM, config: TurnConfig,
+           observations: Array, lengths: Array, *, model: CausalLM, config: TurnConfig, fresh: bool = False,
            adapters: Any = None) -> TurnState:
     """Episodes `episode_ids` [P] into the free slots `slot_ids` [P] (S: a padding pair, dropped),
-    each with the observation [P, O] of `lengths` [P] that its next turn follows (length 0: a new
-    episode's first turn), and the first token of that turn chosen.
+    each with the observation [P, O] of `lengths` [P] that its next turn follows, and the first
+    token of that turn chosen.
 
     One forward over each episode's whole row [P, C]: the left-padded prompt, the response so far and
     the observation, at the positions a kept slot would have given them; its cache rows replace the
-    slots'. The slots still decoding go on untouched.
+    slots'. `fresh` (static): every episode is new, its row is its prompt [P, Lq] (observations and
+    lengths unused). The slots still decoding go on untouched.
     """
     sampling = config.sampling
     num_slots, new = state.tokens.shape
@@ -141,26 +143,31 @@ def insert(params: Any, state: TurnState, episodes: EpisodeStore, slot_ids: Arra
     column = episodes.column[at] + lengths
     tokens, mask = _rows_with_observations(episodes, at, observations, lengths)
     prompt_mask = episodes.prompt_mask[at]
-    rows = slot_ids.shape[0]
-    tail = config.max_observation_tokens
-    row_tokens = jnp.concatenate([episodes.prompt_tokens[at], tokens,
-                                  jnp.full((rows, tail), sampling.pad_token_id, jnp.int32)], axis=1)
-    kv_mask = jnp.concatenate([prompt_mask, mask, jnp.zeros((rows, tail), jnp.int32)], axis=1)  # [P, C]
+    rows, tail = slot_ids.shape[0], config.max_observation_tokens
+    if fresh:  # the prompt is the whole row: [P, Lq] only
+        row_tokens, kv_mask = episodes.prompt_tokens[at], prompt_mask
+    else:
+        row_tokens = jnp.concatenate([episodes.prompt_tokens[at], tokens,
+                                      jnp.full((rows, tail), sampling.pad_token_id, jnp.int32)], axis=1)
+        kv_mask = jnp.concatenate([prompt_mask, mask, jnp.zeros((rows, tail), jnp.int32)], axis=1)  # [P, C]
     cache = init_cache(model.config, rows, kv_mask.shape[1], sampling.cache_dtype)
     logits, cache = model.apply(forward.variables(params, adapters), row_tokens, positions_from_mask(kv_mask),
                                 kv_mask, cache, prompt_len + column - 1, method=forward_last)
+    written = kv_mask.shape[1]  # the slots' cache positions replaced (the rest is out of their kv mask)
+    kv_mask = jnp.pad(kv_mask, ((0, 0), (0, state.kv_mask.shape[1] - written)))
 
     def put(buffer, values):
         return buffer.at[slot_ids].set(values.astype(buffer.dtype), mode="drop")
 
+    def put_cache(buffer, values, stacked):  # [(L,) S, K, C, Dh] <- [(L,) P, K, written, Dh]
+        at_slots = (slice(None),) * stacked + (slot_ids, slice(None), slice(0, written))
+        return buffer.at[at_slots].set(values.astype(buffer.dtype), mode="drop")
+
     if isinstance(state.cache, tuple):
-        slots_cache = tuple(c.replace(k=put(c.k, cache.k[i]), v=put(c.v, cache.v[i]))
+        slots_cache = tuple(c.replace(k=put_cache(c.k, cache.k[i], 0), v=put_cache(c.v, cache.v[i], 0))
                             for i, c in enumerate(state.cache))
     else:
-        slots_cache = state.cache.replace(k=state.cache.k.at[:, slot_ids].set(cache.k.astype(state.cache.k.dtype),
-                                                                               mode="drop"),
-                                          v=state.cache.v.at[:, slot_ids].set(cache.v.astype(state.cache.v.dtype),
-                                                                               mode="drop"))
+        slots_cache = state.cache.replace(k=put_cache(state.cache.k, cache.k, 1), v=put_cache(state.cache.v, cache.v, 1))
     inserted = jnp.zeros((num_slots,), bool).at[slot_ids].set(True, mode="drop")
     decoding = state.active
     state = state.replace(
@@ -189,28 +196,34 @@ class SlotDecoder(TurnDecoder):
         self.slots, self.insert_rows = slots, insert_rows
         static = dict(model=model, config=config)
         self._empty = jax.jit(lambda p, t, m, k, a: empty(p, t, m, k, slots=slots, adapters=a, **static))
-        self._insert = jax.jit(lambda p, s, e, i, j, o, n, a: insert(weights_in_compute_dtype(p, model), s, e, i, j, o,
-                                                                      n, adapters=a, **static), donate_argnums=1)
+        self._insert = jax.jit(lambda p, s, e, i, j, o, n, a, fresh: insert(
+            weights_in_compute_dtype(p, model), s, e, i, j, o, n, adapters=a, fresh=fresh, **static),
+            donate_argnums=1, static_argnums=8)
         self._store = jax.jit(store, donate_argnums=1)
 
     def empty(self, params, prompt_tokens, prompt_mask, key, adapters=None) -> tuple[TurnState, EpisodeStore]:
         return self._run(self._empty, params, prompt_tokens, prompt_mask, key, adapters)
 
-    def insert(self, params, state: TurnState, episodes: EpisodeStore, slot_ids, episode_ids, observations,
-               lengths, adapters=None) -> TurnState:
-        """Host arrays [n] (n <= P; padded here) of slots, episodes, observations [n, O], lengths."""
-        n, rows = len(slot_ids), self.insert_rows
-        if n > rows:
-            raise ValueError(f"insert: {n} episodes, at most insert_rows={rows} a call")
-        pad = rows - n
-        slot_ids = np.concatenate([np.asarray(slot_ids, np.int32), np.full(pad, self.slots, np.int32)])
-        episode_ids = np.concatenate([np.asarray(episode_ids, np.int32), np.full(pad, episodes.column.shape[0],
-                                                                                 np.int32)])
-        observations = np.concatenate([np.asarray(observations, np.int32).reshape(n, -1),
-                                       np.zeros((pad, self.config.max_observation_tokens), np.int32)])
-        lengths = np.concatenate([np.asarray(lengths, np.int32), np.zeros(pad, np.int32)])
-        return self._run(self._insert, params, state, episodes, slot_ids, episode_ids, observations, lengths,
-                         adapters)
+    def insert(self, params, state: TurnState, episodes: EpisodeStore, slot_ids, episode_ids, observations=None,
+               lengths=None, adapters=None) -> TurnState:
+        """Host arrays [n] (n <= P; padded to a power of two) of slots, episodes and (resumed episodes) their
+        observations [n, O] and lengths; without observations the episodes are new, their prompts
+        prefilled alone (a program of its own)."""
+        n, width = len(slot_ids), self.config.max_observation_tokens
+        if not 1 <= n <= self.insert_rows:
+            raise ValueError(f"insert: {n} episodes, 1 to insert_rows={self.insert_rows} a call")
+        rows = min(self.insert_rows, 1 << (n - 1).bit_length())  # a program per power of two: little padding
+        fresh = observations is None
+        if fresh:
+            observations, lengths = np.zeros((n, width), np.int32), np.zeros(n, np.int32)
+
+        def padded(values, fill, shape=()):
+            values = np.asarray(values, np.int32).reshape((n,) + shape)
+            return np.concatenate([values, np.full((rows - n,) + shape, fill, np.int32)])
+
+        return self._run(self._insert, params, state, episodes, padded(slot_ids, self.slots),
+                         padded(episode_ids, episodes.column.shape[0]), padded(observations, 0, (width,)),
+                         padded(lengths, 0), adapters, fresh)
 
     def store(self, state: TurnState, episodes: EpisodeStore, slot_ids, episode_ids) -> EpisodeStore:
         """Host arrays [n] (n <= S; padded here: one program) of slots and their episodes."""
