@@ -9,12 +9,20 @@ import jax
 import numpy as np
 import pytest
 import test_multi_turn as mt
+from conftest import make_test_mesh
 
+from ppo_jax import sharding
 from ppo_jax.agentic import slot_rollout
 from ppo_jax.agentic.rollout import rollout_metrics
 from ppo_jax.sampling.turn_slots import SlotDecoder
 
 lm = mt.lm
+
+
+def slow_environments():
+    """Scripted, 0.2, 0.4 or 0.6 s a step by row: every one far slower than a decode segment, so once
+    every slot waits for one, slots are given up (deterministically, whatever the machine's load)."""
+    return [mt.Scripted(row, sleep=0.2 * (1 + row % 3)) for row in range(mt.ROWS)]
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +53,15 @@ class CountingDecoder:
         return self.decoder.store(state, store, slots, episodes)
 
 
-def _slot_run(lm, slots, insert_rows, envs, segment_steps=3):
+def _slot_run(lm, slots, insert_rows, envs, segment_steps=3, mesh=None):
     tokenizer, model, params = lm
-    decoder = CountingDecoder(SlotDecoder(model, mt._turn_config(tokenizer), slots=slots, insert_rows=insert_rows))
+    decoder = CountingDecoder(SlotDecoder(model, mt._turn_config(tokenizer), slots=slots, insert_rows=insert_rows,
+                                          mesh=mesh))
+    decoder.mesh = mesh
     tokens, mask = mt._prompts(tokenizer)
+    if mesh is not None:
+        params = jax.device_put(params, mt._shardings_on(model, mesh))
+        tokens, mask = sharding.put_batch((tokens, mask), mesh)
     out = slot_rollout.rollout(decoder, params, tokens, mask, envs, jax.random.key(3), tokenizer=tokenizer,
                                max_turns=3, segment_steps=segment_steps)
     return out, decoder
@@ -56,12 +69,12 @@ def _slot_run(lm, slots, insert_rows, envs, segment_steps=3):
 
 @pytest.mark.parametrize("slots,insert_rows", [(4, 2), (2, 1)])
 def test_fewer_slots_give_the_rounds_episodes(lm, reference, slots, insert_rows):
-    """8 episodes on 4 (or 2) slots, environments of 0-0.6 s: episodes that wait give their slot up,
+    """8 episodes on 4 (or 2) slots, environments of 0.2-0.6 s: episodes that wait give their slot up,
     new ones start in it, and the waiting ones come back re-prefilled with their observation; every
     token, mask, turn end, reward and cut is the rounds schedule's, and what each environment saw;
     log-probs to round-off (a re-prefill's arithmetic is not the decode's)."""
     expected, expected_envs = reference
-    envs = [mt.Timed(row) for row in range(mt.ROWS)]
+    envs = slow_environments()
     out, decoder = _slot_run(lm, slots, insert_rows, envs)
     for field in ("tokens", "mask", "action_mask", "turns", "turn_ends", "turn_rewards", "environment_done",
                   "stopped", "observations_truncated"):
@@ -90,7 +103,31 @@ def test_instant_environments_keep_their_slots(lm, reference):
     assert int(out.reprefilled_turns) == 0
 
 
+def test_eight_devices_give_the_same_episodes(lm, reference):
+    """On a (2, 2, 2) mesh of the 8 fake CPU devices (slots split 4 ways, tensor-parallel layers),
+    episodes giving their slots up and coming back: the one-device rollout's episodes."""
+    expected, _ = reference
+    out, decoder = _slot_run(lm, 4, 2, slow_environments(), segment_steps=1,
+                             mesh=make_test_mesh((2, 2, 2)))
+    for field in ("tokens", "mask", "action_mask", "turns", "turn_ends", "observations_truncated"):
+        np.testing.assert_array_equal(getattr(out, field), getattr(expected, field), err_msg=field)
+    np.testing.assert_allclose(out.logprobs, expected.logprobs, atol=2e-5, rtol=0)
+    assert int(out.reprefilled_turns) > 0
+
+
 def test_insert_rows_are_checked(lm):
     tokenizer, model, _ = lm
     with pytest.raises(ValueError, match="insert_rows=5"):
         SlotDecoder(model, mt._turn_config(tokenizer), slots=4, insert_rows=5)
+
+
+def test_several_processes_are_refused_in_one_line(lm, monkeypatch):
+    """The slots' bookkeeping is not gathered across processes: refused before anything runs."""
+    from ppo_jax.config import ConfigError
+
+    tokenizer, model, params = lm
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    tokens, mask = mt._prompts(tokenizer)
+    with pytest.raises(ConfigError, match="rollout.slots=4 with an environment runs on one process"):
+        slot_rollout.rollout(SlotDecoder(model, mt._turn_config(tokenizer), slots=4, insert_rows=1), params, tokens,
+                             mask, slow_environments(), jax.random.key(3), tokenizer=tokenizer, max_turns=3)

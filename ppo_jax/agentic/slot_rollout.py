@@ -17,7 +17,7 @@ slots decode the E episodes (`sampling/turn_slots.py`). The host loops over deco
 3. fills the free slots (`insert`, up to P = `insert_rows` episodes a call): first the queued
    episodes, re-prefilled whole with their observation, then episodes not yet started. When more
    wait than slots are free and fewer than half the slots decode, episodes whose environment has
-   been stepping for longer than the last decode segment took give their slot up (`store`), the
+   been stepping for longer than a decode segment takes give their slot up (`store`), the
    most recently submitted first (under a steady environment latency, the longest left to wait). A
    re-prefill costs a forward over the whole row, so a slot is taken only from an environment slower
    than a segment, and only while the decode batch is less than half full.
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -95,7 +96,7 @@ def rollout(decoder: SlotDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
     ep, table = Episodes(episodes, max_turns), SlotTable(decoder.slots, episodes)
     decoding = np.zeros(episodes, bool)  # episodes in a turn on the device
     submitted_at = np.zeros(episodes)  # when each episode's environment step began (perf_counter)
-    segment_seconds, decoded_at = float("inf"), None  # the last decode segment's wall time, and its start
+    segment_seconds, decoded_at = float("inf"), None  # a decode segment's wall time, and the last one's start
     fresh = collections.deque(range(episodes))  # episodes not started
     queued: dict[int, tuple[np.ndarray, int]] = {}  # answered, going on, slot given up: observation ids, length
     waiting: dict[int, concurrent.futures.Future] = {}  # environments stepping, by episode
@@ -105,7 +106,8 @@ def rollout(decoder: SlotDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
         while True:
             reason, column, active = sharding.to_host((state.reason, state.column, state.active))
             if decoded_at is not None:
-                segment_seconds, decoded_at = time.perf_counter() - decoded_at, None
+                # the fastest segment so far: the first call's includes compiling
+                segment_seconds, decoded_at = min(segment_seconds, time.perf_counter() - decoded_at), None
             in_turn = np.zeros(decoder.slots, bool)
             in_turn[table.slot[decoding]] = True
             if (active != (in_turn & (reason == RUNNING))).any():
@@ -146,7 +148,10 @@ def rollout(decoder: SlotDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
             shortfall = len(queued) + len(fresh) - len(table.free_slots()) - len(leaving)
             if shortfall > 0 and 2 * decoding.sum() < decoder.slots:
                 now = time.perf_counter()
-                stale = [e for e in waiting if table.slot[e] >= 0 and now - submitted_at[e] > segment_seconds]
+                # Not sooner than two GIL switch intervals: an instant environment's thread may wait that
+                # long to run, and a slot taken from it would cost a re-prefill for nothing.
+                patience = max(segment_seconds, 2 * sys.getswitchinterval())
+                stale = [e for e in waiting if table.slot[e] >= 0 and now - submitted_at[e] > patience]
                 leaving += sorted(stale, key=lambda e: -submitted_at[e])[:shortfall]
             if leaving:
                 store = decoder.store(state, store, *table.free(leaving))
