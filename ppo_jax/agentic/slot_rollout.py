@@ -80,6 +80,52 @@ class SlotTable:
         return out
 
 
+class SegmentClock:
+    """How long a decode segment takes: the fastest measured, from its dispatch to the next look (the
+    first call's includes compiling)."""
+
+    def __init__(self):
+        self.fastest, self._started = float("inf"), None
+
+    def started(self) -> None:
+        self._started = time.perf_counter()
+
+    def looked(self) -> None:
+        if self._started is not None:
+            self.fastest, self._started = min(self.fastest, time.perf_counter() - self._started), None
+
+    @property
+    def patience(self) -> float:
+        """How long an environment may step before its episode gives its slot up: a segment, and not
+        less than two GIL switch intervals (an instant environment's thread may wait that long to
+        run at all, and taking its slot would cost a re-prefill for nothing)."""
+        return max(self.fastest, 2 * sys.getswitchinterval())
+
+
+def _answers(waiting: dict[int, concurrent.futures.Future], width: int, tokenizer: Any, room: np.ndarray) -> Answers:
+    """The answers of the environments done stepping (taken out of `waiting`), each observation cut to
+    its episode's `room` [E]; an environment that raised is raised here (`raise_failures`)."""
+    answers, failure = Answers.none(len(room), width), None
+    for e in [e for e, future in waiting.items() if future.done()]:
+        try:
+            result, seconds = step_outcome(e, waiting.pop(e))
+        except EnvironmentFailure as error:
+            answers.failed[e], failure = True, failure or error
+            continue
+        answers.put(e, result, seconds, tokenizer, room=int(room[e]))
+    raise_failures(answers, failure)
+    return answers
+
+
+def _slots_to_give_up(waiting: dict[int, concurrent.futures.Future], table: SlotTable, submitted_at: np.ndarray,
+                      patience: float, count: int) -> list[int]:
+    """Up to `count` episodes holding a slot whose environment has stepped longer than `patience`
+    seconds, the most recently submitted first (under a steady latency, the longest left to wait)."""
+    now = time.perf_counter()
+    stale = [e for e in waiting if table.slot[e] >= 0 and now - submitted_at[e] > patience]
+    return sorted(stale, key=lambda e: -submitted_at[e])[:count]
+
+
 def rollout(decoder: SlotDecoder, params: Any, prompt_tokens: Any, prompt_mask: Any,
             environments: Sequence[Environment], key: jax.Array, *, tokenizer: Any, max_turns: int,
             environment_workers: int = 16, adapters: Any = None,
@@ -96,7 +142,7 @@ def rollout(decoder: SlotDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
     ep, table = Episodes(episodes, max_turns), SlotTable(decoder.slots, episodes)
     decoding = np.zeros(episodes, bool)  # episodes in a turn on the device
     submitted_at = np.zeros(episodes)  # when each episode's environment step began (perf_counter)
-    segment_seconds, decoded_at = float("inf"), None  # a decode segment's wall time, and the last one's start
+    clock = SegmentClock()
     fresh = collections.deque(range(episodes))  # episodes not started
     queued: dict[int, tuple[np.ndarray, int]] = {}  # answered, going on, slot given up: observation ids, length
     waiting: dict[int, concurrent.futures.Future] = {}  # environments stepping, by episode
@@ -105,9 +151,7 @@ def rollout(decoder: SlotDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
                                                thread_name_prefix="environment") as pool:
         while True:
             reason, column, active = sharding.to_host((state.reason, state.column, state.active))
-            if decoded_at is not None:
-                # the fastest segment so far: the first call's includes compiling
-                segment_seconds, decoded_at = min(segment_seconds, time.perf_counter() - decoded_at), None
+            clock.looked()
             in_turn = np.zeros(decoder.slots, bool)
             in_turn[table.slot[decoding]] = True
             if (active != (in_turn & (reason == RUNNING))).any():
@@ -126,15 +170,7 @@ def rollout(decoder: SlotDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
                 else:  # cut by the length: the episode is over
                     leaving.append(e)
             turn_column = ep.turn_ends[np.arange(episodes), np.maximum(ep.turns - 1, 0)] + 1  # last turn's end
-            answers, failure = Answers.none(episodes, decoder.config.max_observation_tokens), None
-            for e in [e for e, future in waiting.items() if future.done()]:
-                try:
-                    result, seconds = step_outcome(e, waiting.pop(e))
-                except EnvironmentFailure as error:
-                    answers.failed[e], failure = True, failure or error
-                    continue
-                answers.put(e, result, seconds, tokenizer, room=new - int(turn_column[e]) - 1)
-            raise_failures(answers, failure)
+            answers = _answers(waiting, decoder.config.max_observation_tokens, tokenizer, new - turn_column - 1)
             ep.record(answers)
             resume = ep.goes_on(answers, ep.reason, turn_column, new)
             ids, lengths = ep.take_observations(answers, resume, turn_column)
@@ -147,19 +183,14 @@ def rollout(decoder: SlotDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
             queued.update((int(e), (ids[e], int(lengths[e]))) for e in np.flatnonzero(resume & (table.slot < 0)))
             shortfall = len(queued) + len(fresh) - len(table.free_slots()) - len(leaving)
             if shortfall > 0 and 2 * decoding.sum() < decoder.slots:
-                now = time.perf_counter()
-                # Not sooner than two GIL switch intervals: an instant environment's thread may wait that
-                # long to run, and a slot taken from it would cost a re-prefill for nothing.
-                patience = max(segment_seconds, 2 * sys.getswitchinterval())
-                stale = [e for e in waiting if table.slot[e] >= 0 and now - submitted_at[e] > patience]
-                leaving += sorted(stale, key=lambda e: -submitted_at[e])[:shortfall]
+                leaving += _slots_to_give_up(waiting, table, submitted_at, clock.patience, shortfall)
             if leaving:
                 store = decoder.store(state, store, *table.free(leaving))
             state, started = _fill(decoder, params, state, store, table, queued, fresh, adapters)
             decoding[started] = True
             reprefilled += sum(int(ep.turns[e] > 0) for e in started)
             if decoding.any():
-                decoded_at = time.perf_counter()
+                clock.started()
                 state = decoder.decode(params, state, adapters, max_steps=segment_steps)
             elif waiting:
                 wait_for_one(waiting, ep)
