@@ -33,13 +33,11 @@ def reference(lm):
 
 
 class CountingDecoder:
-    """A SlotDecoder that counts the episodes inserted after their first turn (re-prefilled) and the
-    slots given up while their episode still had turns to come."""
+    """A SlotDecoder that records every insert: (episode, observation length, None for a new one)."""
 
     def __init__(self, decoder):
         self.decoder = decoder
-        self.config, self.mesh, self.slots, self.insert_rows = decoder.config, None, decoder.slots, decoder.insert_rows
-        self.inserted, self.stored = [], []
+        self.inserted = []
 
     def __getattr__(self, name):
         return getattr(self.decoder, name)
@@ -48,16 +46,11 @@ class CountingDecoder:
         self.inserted += [(e, None if lengths is None else int(n)) for e, n in zip(episodes, lengths or episodes)]
         return self.decoder.insert(params, state, store, slots, episodes, observations, lengths, adapters)
 
-    def store(self, state, store, slots, episodes):
-        self.stored += list(episodes)
-        return self.decoder.store(state, store, slots, episodes)
-
 
 def _slot_run(lm, slots, insert_rows, envs, segment_steps=3, mesh=None):
     tokenizer, model, params = lm
     decoder = CountingDecoder(SlotDecoder(model, mt._turn_config(tokenizer), slots=slots, insert_rows=insert_rows,
                                           mesh=mesh))
-    decoder.mesh = mesh
     tokens, mask = mt._prompts(tokenizer)
     if mesh is not None:
         params = jax.device_put(params, mt._shardings_on(model, mesh))

@@ -14,6 +14,7 @@ Shapes: R rows, O = `max_observation_tokens`, M = `max_turns`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -22,7 +23,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from ppo_jax.agentic.environment import Environment, EnvironmentFailure, StepResult, Turn
+from ppo_jax.agentic.environment import Environment, EnvironmentFailure, StepResult, Turn, step_outcome
 from ppo_jax.sampling.turns import TURN_STOP
 
 INFO_KEYS = ("tool_calls", "tool_errors", "tool_timeouts")  # StepResult.info counts summed per row
@@ -112,6 +113,22 @@ def gather(answers: Answers) -> Answers:
     return Answers(**{f.name: combine(f.name) for f in dataclasses.fields(Answers)})
 
 
+def collect_answers(waiting: dict[int, concurrent.futures.Future], width: int, tokenizer: Any, room: np.ndarray
+                    ) -> tuple[Answers, EnvironmentFailure | None]:
+    """The answers of this process's environments done stepping (taken out of `waiting`, by row),
+    each observation cut to its row's `room` [R]; and the first error one raised (its row flagged
+    `failed`), to be raised after `gather` (`raise_failures`), so that every process stops."""
+    answers, failure = Answers.none(len(room), width), None
+    for row in [row for row, future in waiting.items() if future.done()]:
+        try:
+            result, seconds = step_outcome(row, waiting.pop(row))
+        except EnvironmentFailure as e:
+            answers.failed[row], failure = True, failure or e
+            continue
+        answers.put(row, result, seconds, tokenizer, room=int(room[row]))
+    return answers, failure
+
+
 def raise_failures(answers: Answers, local: EnvironmentFailure | None) -> None:
     """After `gather`: stops every process when any environment raised. This process raises its own
     error; the others one that names the row (its error is in its own process's output)."""
@@ -160,19 +177,24 @@ class Episodes:
         self.seconds[rows] += answers.seconds[rows]
         self.info[rows] += answers.info[rows]
 
-    def goes_on(self, answers: Answers, reason: np.ndarray, column: np.ndarray, new: int) -> np.ndarray:
-        """[R] bool: the answered rows that take another turn: their turn ended at a turn stop (not
-        EOS; `reason` and `column` [R] as it ended), the environment is not done, and turns and
-        columns are left."""
-        return answers.answered & (reason == TURN_STOP) & ~self.done & (column < new) & (self.turns < self.max_turns)
+    @property
+    def last_column(self) -> np.ndarray:
+        """[R]: the response column after each row's last ended turn (its next free one; 0 before any)."""
+        last = self.turn_ends[np.arange(len(self.turns)), np.maximum(self.turns - 1, 0)] + 1
+        return np.where(self.turns > 0, last, 0)
 
-    def take_observations(self, answers: Answers, resume: np.ndarray, column: np.ndarray
-                          ) -> tuple[np.ndarray, np.ndarray]:
+    def goes_on(self, answers: Answers, new: int) -> np.ndarray:
+        """[R] bool: the answered rows that take another turn: their last turn ended at a turn stop
+        (not EOS), the environment is not done, and turns and columns (of `new`) are left."""
+        return (answers.answered & (self.reason == TURN_STOP) & ~self.done & (self.last_column < new)
+                & (self.turns < self.max_turns))
+
+    def take_observations(self, answers: Answers, resume: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The resumed rows' observation ids [R, O] and lengths [R] (0 elsewhere); their next turns
         start after them."""
         lengths = np.where(resume, answers.length, 0).astype(np.int32)
         self.truncated += np.where(resume, answers.cut, 0).astype(np.int32)
-        self.turn_start = np.where(resume, column + lengths, self.turn_start)
+        self.turn_start = np.where(resume, self.last_column + lengths, self.turn_start)
         return np.where(resume[:, None], answers.ids, 0).astype(np.int32), lengths
 
     def info_by_key(self) -> dict[str, np.ndarray]:

@@ -38,8 +38,8 @@ import jax
 import numpy as np
 
 from ppo_jax import sharding
-from ppo_jax.agentic.bookkeeping import Answers, Episodes, gather, raise_failures
-from ppo_jax.agentic.environment import Environment, EnvironmentFailure, step_outcome, timed_step
+from ppo_jax.agentic.bookkeeping import Episodes, collect_answers, gather, raise_failures
+from ppo_jax.agentic.environment import Environment, timed_step
 from ppo_jax.agentic.rollout import MultiTurnOutput, append_observations, checked_episodes, episodes_output
 from ppo_jax.config import check
 from ppo_jax.sampling.turns import FINAL_STOP, RUNNING, TURN_STOP, TurnDecoder
@@ -69,7 +69,6 @@ def rollout(decoder: TurnDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
     ep = Episodes(rows, max_turns)
     decoding = np.ones(rows, bool)  # rows in a turn on the device
     stepping = np.zeros(rows, bool)  # rows whose environment (on any process) has not answered yet
-    ended_reason, ended_column = np.zeros(rows, np.int32), np.zeros(rows, np.int32)  # how each last turn ended
     waiting: dict[int, concurrent.futures.Future] = {}  # this process's environments stepping, by row
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(environment_workers, len(mine))),
                                                thread_name_prefix="environment") as pool:
@@ -82,28 +81,21 @@ def rollout(decoder: TurnDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
             tokens = sharding.to_host(state.tokens) if ended.size else None
             for row in ended:
                 ep.end_turn(row, column[row], reason[row])
-                decoding[row], ended_reason[row], ended_column[row] = False, reason[row], column[row]
+                decoding[row] = False
                 stepping[row] = reason[row] in (TURN_STOP, FINAL_STOP)  # a turn cut by the length is not
                 if stepping[row] and row in mine:
                     turn = ep.turn(row, tokens[row], column[row], decode_turn)
                     waiting[row] = pool.submit(timed_step, mine[row], turn)
             if waiting and not decoding.any():
                 wait_for_one(waiting, ep)
-            answers, failure = Answers.none(rows, width), None
-            for row in [row for row, future in waiting.items() if future.done()]:
-                try:
-                    result, seconds = step_outcome(row, waiting.pop(row))
-                except EnvironmentFailure as e:  # said after the gather, on every process
-                    answers.failed[row], failure = True, failure or e
-                    continue
-                answers.put(row, result, seconds, tokenizer, room=new - int(ended_column[row]) - 1)
+            answers, failure = collect_answers(waiting, width, tokenizer, new - ep.last_column - 1)
             answers = gather(answers)
             raise_failures(answers, failure)
             ep.record(answers)
             stepping &= ~answers.answered
-            resume = ep.goes_on(answers, ended_reason, ended_column, new)
+            resume = ep.goes_on(answers, new)
             if resume.any():
-                state = append_observations(decoder, params, state, ep, answers, resume, ended_column, adapters)
+                state = append_observations(decoder, params, state, ep, answers, resume, adapters)
                 decoding |= resume
             if decoding.any():
                 state = decoder.decode(params, state, adapters, max_steps=segment_steps)

@@ -139,10 +139,10 @@ def rollout(decoder: TurnDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
         answers = gather(answers)
         raise_failures(answers, failure)
         ep.record(answers)
-        ep.live = ep.goes_on(answers, reason, column, new)
+        ep.live = ep.goes_on(answers, new)
         if not ep.live.any():
             break
-        state = append_observations(decoder, params, state, ep, answers, ep.live, column, adapters)
+        state = append_observations(decoder, params, state, ep, answers, ep.live, adapters)
     return episodes_output(state, ep, prompt_tokens, prompt_mask)
 
 
@@ -157,20 +157,21 @@ def checked_episodes(decoder: TurnDecoder, prompt_tokens: Any, environments: Seq
 
 
 def append_observations(decoder: TurnDecoder, params: Any, state: TurnState, ep: Episodes, answers: Answers,
-                        resume: np.ndarray, column: np.ndarray, adapters: Any = None) -> TurnState:
+                        resume: np.ndarray, adapters: Any = None) -> TurnState:
     """The resumed rows' (`resume` [R] bool, the same on every process) observations appended to
     their caches; their next turns start after them."""
-    ids, lengths = ep.take_observations(answers, resume, column)
+    ids, lengths = ep.take_observations(answers, resume)
     if decoder.mesh is not None:
         ids, lengths, resume = sharding.put_batch((ids, lengths, resume), decoder.mesh)
     return decoder.append(params, state, ids, lengths, resume, adapters)
 
 
-def episodes_output(state: TurnState, ep: Episodes, prompt_tokens: Any, prompt_mask: Any, buffers: Any = None,
-                    reprefilled_turns: int | None = None) -> MultiTurnOutput:
-    """The episodes, from the decoder's final state (its buffers, not its cache; or `buffers`, e.g.
-    the slot schedule's `EpisodeStore`, with the same response fields [R, T]) and the bookkeeping."""
-    buffers = state if buffers is None else buffers
+def episodes_output(state: TurnState, ep: Episodes, prompt_tokens: Any, prompt_mask: Any, store: Any = None,
+                    reprefilled_turns: int = 0) -> MultiTurnOutput:
+    """The episodes, from the decoder's final state (its buffers, not its cache) and the bookkeeping;
+    on the slot schedule from its `store` (an `EpisodeStore`: the same response fields, [R, T]), with
+    its `reprefilled_turns` and the state's slots as `decode_rows`."""
+    buffers = state if store is None else store
     prompt_tokens, prompt_mask, out = sharding.to_host((prompt_tokens, prompt_mask, {
         "tokens": buffers.tokens, "mask": buffers.mask, "action_mask": buffers.action_mask,
         "logprobs": buffers.logprobs, "sampling_logprobs": buffers.sampling_logprobs,
@@ -182,8 +183,8 @@ def episodes_output(state: TurnState, ep: Episodes, prompt_tokens: Any, prompt_m
         turn_ends=ep.turn_ends, turn_rewards=ep.turn_rewards, environment_done=ep.done, **ep.info_by_key(),
         environment_seconds=ep.seconds, environment_wall_seconds=ep.wall, observations_truncated=ep.truncated,
         decode_steps=np.asarray(out["decode_steps"]),
-        **({} if buffers is state else {"reprefilled_turns": np.asarray(reprefilled_turns, np.int32),
-                                         "decode_rows": np.asarray(state.tokens.shape[0], np.int32)}))
+        **({} if store is None else {"reprefilled_turns": np.asarray(reprefilled_turns, np.int32),
+                                     "decode_rows": np.asarray(state.tokens.shape[0], np.int32)}))
 
 
 def rollout_metrics(out: MultiTurnOutput) -> dict[str, float]:

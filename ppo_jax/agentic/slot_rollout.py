@@ -44,13 +44,19 @@ import jax
 import numpy as np
 
 from ppo_jax import sharding
-from ppo_jax.agentic.bookkeeping import Answers, Episodes, raise_failures
+from ppo_jax.agentic.bookkeeping import Episodes, collect_answers, raise_failures
 from ppo_jax.agentic.continuous_rollout import wait_for_one
-from ppo_jax.agentic.environment import Environment, EnvironmentFailure, step_outcome, timed_step
+from ppo_jax.agentic.environment import Environment, timed_step
 from ppo_jax.agentic.rollout import MultiTurnOutput, checked_episodes, episodes_output
 from ppo_jax.config import check
 from ppo_jax.sampling.turn_slots import SlotDecoder
 from ppo_jax.sampling.turns import FINAL_STOP, RUNNING, TURN_STOP
+
+
+def check_one_process(slots: int) -> None:
+    """The slot schedule runs on one process: its slot table is not gathered across processes."""
+    check(jax.process_count() == 1, f"rollout.slots={slots} with an environment runs on one process (the slots' "
+          f"bookkeeping is not gathered across the {jax.process_count()}); leave rollout.slots 0")
 
 
 class SlotTable:
@@ -102,21 +108,6 @@ class SegmentClock:
         return max(self.fastest, 2 * sys.getswitchinterval())
 
 
-def _answers(waiting: dict[int, concurrent.futures.Future], width: int, tokenizer: Any, room: np.ndarray) -> Answers:
-    """The answers of the environments done stepping (taken out of `waiting`), each observation cut to
-    its episode's `room` [E]; an environment that raised is raised here (`raise_failures`)."""
-    answers, failure = Answers.none(len(room), width), None
-    for e in [e for e, future in waiting.items() if future.done()]:
-        try:
-            result, seconds = step_outcome(e, waiting.pop(e))
-        except EnvironmentFailure as error:
-            answers.failed[e], failure = True, failure or error
-            continue
-        answers.put(e, result, seconds, tokenizer, room=int(room[e]))
-    raise_failures(answers, failure)
-    return answers
-
-
 def _slots_to_give_up(waiting: dict[int, concurrent.futures.Future], table: SlotTable, submitted_at: np.ndarray,
                       patience: float, count: int) -> list[int]:
     """Up to `count` episodes holding a slot whose environment has stepped longer than `patience`
@@ -133,8 +124,7 @@ def rollout(decoder: SlotDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
     """`agentic.rollout.rollout`'s episodes (same arguments and output, plus `reprefilled_turns`), on
     `decoder.slots` decode slots (see the module docstring)."""
     check(segment_steps >= 1, f"environment.segment_steps={segment_steps}: use at least 1 decode step")
-    check(jax.process_count() == 1, f"rollout.slots={decoder.slots} with an environment runs on one process (the "
-          f"slots' bookkeeping is not gathered across the {jax.process_count()}); leave rollout.slots 0")
+    check_one_process(decoder.slots)
     new = decoder.config.sampling.max_new_tokens
     episodes = int(np.shape(prompt_tokens)[0])
     mine, decode_turn = checked_episodes(decoder, prompt_tokens, environments, tokenizer, max_turns, decode_turn)
@@ -169,11 +159,12 @@ def rollout(decoder: SlotDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
                     submitted_at[e] = time.perf_counter()
                 else:  # cut by the length: the episode is over
                     leaving.append(e)
-            turn_column = ep.turn_ends[np.arange(episodes), np.maximum(ep.turns - 1, 0)] + 1  # last turn's end
-            answers = _answers(waiting, decoder.config.max_observation_tokens, tokenizer, new - turn_column - 1)
+            answers, failure = collect_answers(waiting, decoder.config.max_observation_tokens, tokenizer,
+                                               new - ep.last_column - 1)
+            raise_failures(answers, failure)  # one process: nothing to gather
             ep.record(answers)
-            resume = ep.goes_on(answers, ep.reason, turn_column, new)
-            ids, lengths = ep.take_observations(answers, resume, turn_column)
+            resume = ep.goes_on(answers, new)
+            ids, lengths = ep.take_observations(answers, resume)
             leaving += [int(e) for e in np.flatnonzero(answers.answered & ~resume & (table.slot >= 0))]
             kept = resume & (table.slot >= 0)
             if kept.any():
@@ -199,7 +190,7 @@ def rollout(decoder: SlotDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
     held = np.flatnonzero(table.slot >= 0)
     if held.size:
         store = decoder.store(state, store, *table.free(held))
-    return episodes_output(state, ep, prompt_tokens, prompt_mask, buffers=store, reprefilled_turns=reprefilled)
+    return episodes_output(state, ep, prompt_tokens, prompt_mask, store=store, reprefilled_turns=reprefilled)
 
 
 def _fill(decoder: SlotDecoder, params: Any, state, store, table: SlotTable,

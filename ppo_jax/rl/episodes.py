@@ -37,7 +37,6 @@ import numpy as np
 from ppo_jax import metrics as metrics_lib
 from ppo_jax import sampling, sharding
 from ppo_jax.agentic import continuous_rollout, rollout as episodes_lib, slot_rollout
-from ppo_jax.config import check
 from ppo_jax.data.tokenization import PromptTokenizer
 from ppo_jax.models.transformer import CausalLM
 from ppo_jax.rl import roles
@@ -86,8 +85,7 @@ def _schedule(r, env, model: CausalLM, config: TurnConfig, mesh):
     if not r.slots:
         return functools.partial(continuous_rollout.rollout, segment_steps=env.segment_steps), \
             TurnDecoder(model, config, mesh)
-    check(jax.process_count() == 1, f"rollout.slots={r.slots} with an environment runs on one process (the slots' "
-          f"bookkeeping is not gathered across the {jax.process_count()}); leave rollout.slots 0")
+    slot_rollout.check_one_process(r.slots)  # at build, before anything compiles
     insert_rows = r.prefill_prompts or max(1, r.slots // 4)  # checked <= slots by EnvironmentSettings
     return functools.partial(slot_rollout.rollout, segment_steps=env.segment_steps), \
         SlotDecoder(model, config, r.slots, insert_rows, mesh)
