@@ -60,21 +60,39 @@ def _slot_run(lm, slots, insert_rows, envs, segment_steps=3, mesh=None):
     return out, decoder
 
 
+EPISODE_FIELDS = ("tokens", "mask", "action_mask", "turns", "turn_ends", "turn_rewards", "environment_done",
+                  "stopped", "observations_truncated")
+
+
+def assert_same_episodes(out, expected, envs, expected_envs):
+    """The rounds schedule's episodes, row for row (every field, what each environment saw, log-probs
+    to round-off), except at most one row whose tokens part at an action token. The slot schedule
+    decodes in batches of another size and re-prefills: its log-probs round differently, and on
+    some CPU a uniform within ~1e-6 of a token's CDF boundary may pick the neighbour (seen once in
+    12,288 draws, docs/agentic.md). A bug parts many rows."""
+    differ = np.flatnonzero((out.tokens != expected.tokens).any(axis=1))
+    assert len(differ) <= 1, f"episodes {differ} differ from the rounds schedule's"
+    for row in differ:
+        column = np.flatnonzero(out.tokens[row] != expected.tokens[row])[0]
+        assert out.action_mask[row, column] and expected.action_mask[row, column]
+    same = np.setdiff1d(np.arange(len(out.tokens)), differ)
+    for field in EPISODE_FIELDS:
+        np.testing.assert_array_equal(getattr(out, field)[same], getattr(expected, field)[same], err_msg=field)
+    np.testing.assert_allclose(out.logprobs[same], expected.logprobs[same], atol=2e-5, rtol=0)
+    np.testing.assert_allclose(out.sampling_logprobs[same], expected.sampling_logprobs[same], atol=2e-5, rtol=0)
+    assert [envs[r].seen for r in same] == [expected_envs[r].seen for r in same]
+
+
 @pytest.mark.parametrize("slots,insert_rows", [(4, 2), (2, 1)])
 def test_fewer_slots_give_the_rounds_episodes(lm, reference, slots, insert_rows):
     """8 episodes on 4 (or 2) slots, environments of 0.2-0.6 s: episodes that wait give their slot up,
     new ones start in it, and the waiting ones come back re-prefilled with their observation; every
     token, mask, turn end, reward and cut is the rounds schedule's, and what each environment saw;
-    log-probs to round-off (a re-prefill's arithmetic is not the decode's)."""
+    log-probs to round-off (a re-prefill's arithmetic is not the decode's; `assert_same_episodes`)."""
     expected, expected_envs = reference
     envs = slow_environments()
     out, decoder = _slot_run(lm, slots, insert_rows, envs)
-    for field in ("tokens", "mask", "action_mask", "turns", "turn_ends", "turn_rewards", "environment_done",
-                  "stopped", "observations_truncated"):
-        np.testing.assert_array_equal(getattr(out, field), getattr(expected, field), err_msg=field)
-    np.testing.assert_allclose(out.logprobs, expected.logprobs, atol=2e-5, rtol=0)
-    np.testing.assert_allclose(out.sampling_logprobs, expected.sampling_logprobs, atol=2e-5, rtol=0)
-    assert [env.seen for env in envs] == [env.seen for env in expected_envs]
+    assert_same_episodes(out, expected, envs, expected_envs)
     # Not one row per episode in disguise: the slots were shared, and re-prefills resumed turns.
     resumed = [e for e, length in decoder.inserted if length is not None]
     assert len(decoder.inserted) > mt.ROWS and resumed
@@ -88,10 +106,10 @@ def test_fewer_slots_give_the_rounds_episodes(lm, reference, slots, insert_rows)
 def test_instant_environments_keep_their_slots(lm, reference):
     """An environment that answers before the next look never costs a re-prefill: with instant
     environments every episode is inserted once, at its start, and resumes by `append`."""
-    expected, _ = reference
+    expected, expected_envs = reference
     envs = [mt.Scripted(row) for row in range(mt.ROWS)]
     out, decoder = _slot_run(lm, 4, 2, envs)
-    np.testing.assert_array_equal(out.tokens, expected.tokens)
+    assert_same_episodes(out, expected, envs, expected_envs)
     assert sorted(e for e, _ in decoder.inserted) == list(range(mt.ROWS))
     assert int(out.reprefilled_turns) == 0
 
@@ -99,12 +117,10 @@ def test_instant_environments_keep_their_slots(lm, reference):
 def test_eight_devices_give_the_same_episodes(lm, reference):
     """On a (2, 2, 2) mesh of the 8 fake CPU devices (slots split 4 ways, tensor-parallel layers),
     episodes giving their slots up and coming back: the one-device rollout's episodes."""
-    expected, _ = reference
-    out, decoder = _slot_run(lm, 4, 2, slow_environments(), segment_steps=1,
-                             mesh=make_test_mesh((2, 2, 2)))
-    for field in ("tokens", "mask", "action_mask", "turns", "turn_ends", "observations_truncated"):
-        np.testing.assert_array_equal(getattr(out, field), getattr(expected, field), err_msg=field)
-    np.testing.assert_allclose(out.logprobs, expected.logprobs, atol=2e-5, rtol=0)
+    expected, expected_envs = reference
+    envs = slow_environments()
+    out, _ = _slot_run(lm, 4, 2, envs, segment_steps=1, mesh=make_test_mesh((2, 2, 2)))
+    assert_same_episodes(out, expected, envs, expected_envs)
     assert int(out.reprefilled_turns) > 0
 
 
