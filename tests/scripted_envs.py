@@ -36,6 +36,16 @@ class SlowScripted(Scripted):
         return super().step(turn_text, turn_token_ids)
 
 
+@environment.register("slower_scripted_test_env")
+class SlowerScripted(Scripted):
+    """Scripted, 0.6 s a step: far slower than any decode segment or compile of the tiny runs, so an
+    episode waiting for it is still waiting at the next look (a slot schedule gives its slot up)."""
+
+    def step(self, turn_text, turn_token_ids):
+        time.sleep(0.6)
+        return super().step(turn_text, turn_token_ids)
+
+
 @environment.register("failing_scripted_test_env")
 class FailingScripted(Scripted):
     """Scripted, until 40 steps in all were taken (about two batches of episodes): then every step

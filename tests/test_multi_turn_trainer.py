@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_test_mesh, train_and_check_nothing_moved
-from scripted_envs import Scripted  # noqa: F401 (registers scripted_test_env and slow_scripted_test_env)
+from scripted_envs import Scripted  # noqa: F401 (registers the scripted_test_env family)
 from tiny_configs import tiny_config
 
 from ppo_jax.config import ConfigError
@@ -226,17 +226,18 @@ def test_continuous_schedule_gives_the_same_run(baseline, tmp_path):
 
 
 def test_fewer_slots_than_episodes_keep_the_invariants(tmp_path):
-    """rollout.slots=8 for 16 episodes with 0.2 s environments (agentic/slot_rollout.py): waiting
-    episodes give their slot up and come back re-prefilled, every iteration, and the rollout
+    """rollout.slots=8 for 16 episodes with 0.6 s environments (agentic/slot_rollout.py): waiting
+    episodes give their slot up and come back re-prefilled, and every iteration the rollout
     log-probs still equal the training forward's and the first minibatch's ratio is 1. (That the
     episodes are the rounds schedule's is test_multi_turn_slots.py's, where a round-off draw may
     part one row; here one would change every metric.)"""
     trainer, history = run(multi_turn_config(**{
         "rollout.engine": "continuous", "environment.segment_steps": 2, "rollout.slots": 8,
-        "rollout.prefill_prompts": 4, "environment.name": "slow_scripted_test_env"}), tmp_path)
+        "rollout.prefill_prompts": 4, "environment.name": "slower_scripted_test_env"}), tmp_path)
     assert trainer.rollouts.schedule.func.__module__ == "ppo_jax.agentic.slot_rollout"
+    # Whether a slot is given up depends on time (the first iteration also compiles): over the run.
+    assert sum(row["rollout/reprefilled_turns"] for row in history) > 0
     for row in history:
-        assert row["rollout/reprefilled_turns"] > 0
         assert row["policy/rollout_logprob_diff_max"] < 1e-5
         assert abs(row["first_minibatch/ratio"] - 1.0) < 1e-6
         assert row["first_minibatch/approxkl"] < 1e-12
