@@ -136,30 +136,47 @@ def test_the_policy_lag_is_per_token_over_the_action_tokens():
 
 PARTIAL = {"rollout.off_policy_steps": 2, "rollout.engine": "continuous", "rollout.partial_rollouts": True,
            "train.iterations": 3}
+# A Qwen3-MoE policy with routing replay: each token's record is that of the weights that fed it
+# (tests/test_router_replay.py); the records travel in the engine state, so the checkpoint holds them.
+MOE_REPLAY = {"policy.model.arch": "qwen3_moe", "policy.model.qk_norm": True, "policy.model.num_heads": 4,
+              "policy.model.num_experts": 4, "policy.model.experts_per_token": 2,
+              "policy.model.moe_intermediate_size": 16, "moe.router_replay": True}
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """The uninterrupted k = 2 run with partial rollouts: (its history, final policy, each iteration's
-    (step, token versions, mask) as the experience step saw them)."""
-    trainer = trainer_at(tmp_path_factory.mktemp("straight"), **PARTIAL)
+@dataclasses.dataclass
+class StraightRun:
+    """The uninterrupted k = 2 run with partial rollouts: its overrides, history, final policy, and
+    each iteration's (step, token versions [B, Lr], mask [B, Lr], routing record or None) as the
+    experience step saw them."""
+
+    overrides: dict
+    history: list
+    policy: dict
+    seen: list
+
+
+@pytest.fixture(scope="module", params=["dense", "moe_replay"])
+def straight(request, tmp_path_factory):
+    overrides = {**PARTIAL, **(MOE_REPLAY if request.param == "moe_replay" else {})}
+    trainer = trainer_at(tmp_path_factory.mktemp("straight"), **overrides)
     seen, finish = [], trainer.rollouts.finish
 
     def recording_finish(started):
         rollout = finish(started)
-        seen.append((int(trainer.state.step), *jax.device_get((rollout.token_policy_version, rollout.mask))))
+        seen.append((int(trainer.state.step),
+                     *jax.device_get((rollout.token_policy_version, rollout.mask, rollout.routed_experts))))
         return rollout
 
     trainer.rollouts.finish = recording_finish
     history = trainer.train()
     policy = jax.device_get(trainer.state.policy)
     trainer.close()
-    return history, policy, seen
+    return StraightRun(overrides, history, policy, seen)
 
 
 def test_the_trainer_logs_each_tokens_lag(straight):
-    history, _, seen = straight
-    for row, (step, versions, mask) in zip(history, seen):
+    history, seen = straight.history, straight.seen
+    for row, (step, versions, mask, _) in zip(history, seen):
         lag = (step - versions)[mask > 0]
         assert np.all(versions[mask == 0] == -1)
         np.testing.assert_allclose(row["rollout/policy_lag_mean"], lag.mean(), rtol=1e-6)
@@ -171,20 +188,32 @@ def test_the_trainer_logs_each_tokens_lag(straight):
     assert 0 < history[2]["rollout/policy_lag_mean"] < 2  # below k: later tokens came from newer weights
 
 
+@pytest.mark.parametrize("straight", ["moe_replay"], indirect=True)
+def test_routing_replay_carries_each_tokens_record_through_partial_rollouts(straight):
+    """The experience step gets every fed response token's record, and batch 0 (all θ_0, trained
+    under θ_0 in float32) has not one token whose own routing differs from it."""
+    for row, (_, _, mask, record) in zip(straight.history, straight.seen):
+        lr = mask.shape[1]
+        fed = (mask[:, 1:] > 0)  # response token j is fed when token j + 1 is chosen
+        assert (record[:, -lr:-1][fed] >= 0).all() and (record[:, -lr:][mask == 0] == -1).all()
+        assert "rollout/routing_mismatch" in row
+    assert straight.history[0]["rollout/routing_mismatch"] == 0.0
+
+
 def test_sigterm_with_partial_rollouts_in_flight_resumes_bit_for_bit(straight, tmp_path):
     """Stopped after iteration 1: batch 2 (begun under θ_0, advanced under θ_1) is in flight
-    mid-rollout; its engine state is saved whole and the resumed run finishes it under θ_2."""
-    expected, expected_policy, _ = straight
-    first = trainer_at(tmp_path, [(_toy_reward_then_sigterm_at(2), 1.0)], **PARTIAL)
+    mid-rollout; its engine state (KV cache, and with routing replay its records) is saved whole and
+    the resumed run finishes it under θ_2."""
+    first = trainer_at(tmp_path, [(_toy_reward_then_sigterm_at(2), 1.0)], **straight.overrides)
     assert len(first.train()) == 2 and first.stopped_by == "SIGTERM"
     first.close()
-    resumed = trainer_at(tmp_path, TOY, **PARTIAL)
+    resumed = trainer_at(tmp_path, TOY, **straight.overrides)
     assert resumed.resumed_from == 2
     (pending,) = resumed.rollouts.in_flight
     assert pending.sample is None and pending.version == 0  # mid-rollout
     rest = resumed.train()
-    assert [comparable(row) for row in rest] == [comparable(row) for row in expected[2:]]  # bitwise
-    for a, b in zip(jax.tree.leaves(expected_policy), jax.tree.leaves(jax.device_get(resumed.state.policy))):
+    assert [comparable(row) for row in rest] == [comparable(row) for row in straight.history[2:]]  # bitwise
+    for a, b in zip(jax.tree.leaves(straight.policy), jax.tree.leaves(jax.device_get(resumed.state.policy))):
         np.testing.assert_array_equal(a, b)
     resumed.close()
 

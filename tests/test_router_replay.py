@@ -17,14 +17,15 @@ import pytest
 from tiny_configs import tiny_config
 
 from ppo_jax.config import ConfigError
-from ppo_jax.models import ModelConfig, forward, init_params, packing
-from ppo_jax.models.transformer import CausalLM
+from ppo_jax.models import ModelConfig, forward, init_params, moe, packing
+from ppo_jax.models.transformer import CausalLM, chosen_experts
 from ppo_jax.rl import build
 from ppo_jax.rl.forwards import ResponseRows, packed_forwards, padded_forwards, run_packed
 from ppo_jax.rl.objective import packed_outputs, padded_outputs
 from ppo_jax.rl.settings import Settings
 from ppo_jax.rl.state import Experience, FrozenParams, Modules, Trainable
 from ppo_jax.rl.update import pack_minibatch
+from ppo_jax.sampling import segments
 from ppo_jax.sampling.config import SamplingConfig
 from ppo_jax.sampling.continuous import sample_continuous
 from ppo_jax.sampling.loop import sample
@@ -55,16 +56,23 @@ def tied_model(layout: str, engine: str = "static"):
         return x * 10 if "mlp" in names and "router" not in names else x
 
     params = jax.tree_util.tree_map_with_path(tie, params)
-    rng = np.random.default_rng(0)
-    prompts = jnp.asarray(rng.integers(1, 64, (4, 6)), jnp.int32)
-    prompt_mask = jnp.ones((4, 6), jnp.int32).at[0, :2].set(0).at[2, :4].set(0)
-    engine_args = dict(engine="continuous", slots=3, prefill_prompts=2) if engine == "continuous" else {}
-    config = SamplingConfig(max_new_tokens=10, pad_token_id=0, stop_token_ids=(3,), num_samples=2,
-                            record_experts=True, unroll_layers=unroll, **engine_args)
+    config = sampling_config(unroll, engine)
     sampler = sample_continuous if engine == "continuous" else sample
-    out = jax.jit(functools.partial(sampler, model=model, config=config))(params, prompts, prompt_mask,
-                                                                          jax.random.key(1))
+    out = jax.jit(functools.partial(sampler, model=model, config=config))(params, *moe_prompts(), jax.random.key(1))
     return model, params, out
+
+
+def moe_prompts():
+    """4 prompts [4, 6], two of them left-padded, and their mask."""
+    prompts = jnp.asarray(np.random.default_rng(0).integers(1, 64, (4, 6)), jnp.int32)
+    return prompts, jnp.ones((4, 6), jnp.int32).at[0, :2].set(0).at[2, :4].set(0)
+
+
+def sampling_config(unroll: bool, engine: str) -> SamplingConfig:
+    """2 samples of up to 10 tokens per prompt, recording the routing (continuous: 3 slots, 2 prompts per prefill)."""
+    engine_args = dict(engine="continuous", slots=3, prefill_prompts=2) if engine == "continuous" else {}
+    return SamplingConfig(max_new_tokens=10, pad_token_id=0, stop_token_ids=(3,), num_samples=2,
+                          record_experts=True, unroll_layers=unroll, **engine_args)
 
 
 def perturbed(params, scale: float):
@@ -142,6 +150,45 @@ def test_gradients_reach_the_router_through_the_replayed_gate_weights():
     assert float(jnp.abs(grad).max()) > 1e-4
 
 
+def plain_routing(model, params, out) -> np.ndarray:
+    """[R, Lq + N, Lm, k]: the experts a plain forward of `params` over each row's prompt + response
+    sends every token to."""
+    seq, pos, mask = forward.sequence_inputs(out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
+    _, sown = model.apply({"params": params}, seq, pos, mask, method=CausalLM.hidden, mutable=[moe.CHOSEN])
+    return np.asarray(chosen_experts(sown[moe.CHOSEN]))
+
+
+def test_a_partial_rollout_records_each_tokens_routing_under_the_weights_that_fed_it():
+    """moe.router_replay with partial rollouts: a weight sync lands in the middle of rows. It rotates
+    the expert columns of the last layer's router only, so every KV cache is the same under both
+    weights (a layer's keys and values come from its input) and a token's routing under either is
+    that of a plain forward of them. Each token's record must be the routing of the weights that fed
+    it: a prompt's, those of its prefill (which chose the row's first token); response token j's,
+    those of the step that chose token j + 1. Replaying it gives the trainer the sampler's experts."""
+    model, old, _ = tied_model("mixed", "continuous")
+    new = jax.tree.map(lambda x: x, old)
+    new["transformer"]["layers_2"]["mlp"]["router"]["kernel"] = (
+        old["transformer"]["layers_2"]["mlp"]["router"]["kernel"][:, jnp.asarray([2, 3, 0, 1])])
+    static = dict(model=model, config=sampling_config(True, "continuous"))
+    state = jax.jit(functools.partial(segments.begin, **static))(old, *moe_prompts(), jax.random.key(1), 0, 4)
+    out = jax.device_get(jax.jit(functools.partial(segments.finish, **static))(new, state, 1))
+    versions, mask = out.token_policy_version, out.mask.astype(bool)
+    lq = out.prompt_tokens.shape[1]
+    fed_by = np.full(out.routed_experts.shape[:2], -1)  # [R, Lq + N]: the version that fed each token
+    fed_by[:, :lq] = np.where(out.prompt_mask > 0, versions[:, :1], -1)
+    fed_by[:, lq:-1] = np.where(mask[:, 1:], versions[:, 1:], -1)
+    assert ((fed_by == 0).any(1) & (fed_by == 1).any(1)).any()  # rows the sync interrupted
+    assert (fed_by[:, :lq] == 1).any()  # and rows prefilled after it
+    routing = {0: plain_routing(model, old, out), 1: plain_routing(model, new, out)}
+    for version in (0, 1):
+        fed = fed_by == version
+        np.testing.assert_array_equal(out.routed_experts[fed], routing[version][fed], err_msg=f"version {version}")
+    # The two weights route the new tokens apart (the last layer), and the others alike.
+    later = fed_by == 1
+    assert (routing[0][later][:, -1] != routing[1][later][:, -1]).any(-1).mean() > 0.5
+    np.testing.assert_array_equal(routing[0][..., :-1, :], routing[1][..., :-1, :])
+
+
 def forced_rows(layout="mixed"):
     """The recorded rows with a forced routing (every recorded token to experts 3 and 2): a replay that
     differs from the model's own routing wherever it would not pick {2, 3}."""
@@ -193,12 +240,7 @@ def test_the_experience_and_the_update_replay_the_record_and_count_the_flips(pac
     np.testing.assert_allclose(np.asarray(logp), want_logp, atol=2e-5)
 
 
-def test_router_replay_on_a_dense_policy_or_with_partial_rollouts_is_refused():
+def test_router_replay_on_a_dense_policy_is_refused():
     s = Settings.from_config(tiny_config(**{"moe.router_replay": True}), reward_in_code=False)
     with pytest.raises(ConfigError, match="moe.router_replay replays the experts of a mixture-of-experts policy"):
         build.policy_model_config(s)
-    partial = {"moe.router_replay": True, "rollout.engine": "continuous", "rollout.off_policy_steps": 1,
-               "rollout.partial_rollouts": True}
-    with pytest.raises(ConfigError, match="moe.router_replay with rollout.partial_rollouts"):
-        Settings.from_config(tiny_config(**partial), reward_in_code=False)
-    Settings.from_config(tiny_config(**{"moe.router_replay": True, "rollout.engine": "continuous"}), reward_in_code=False)

@@ -16,7 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ppo_jax.config import ConfigError, check
+from ppo_jax.config import ConfigError
 from ppo_jax.models.config import ModelConfig
 
 Array = jax.Array
@@ -26,14 +26,7 @@ Array = jax.Array
 class MoeSettings:
     """A mixture-of-experts policy's training options (its router losses: ppo.router_aux_coef / router_z_coef)."""
 
-    router_replay: bool = False  # the sampler records each token's experts and the policy's training forwards use them instead of recomputing the top k (gate weights from the current router logits at those experts); not with partial rollouts; metric rollout/routing_mismatch
-
-    def validate(self, partial_rollouts: bool) -> None:
-        # A weight sync in the middle of a row changes the routing of the tokens it re-prefills or
-        # decodes next, so one row's record would mix two policies' routings: not built.
-        check(not self.router_replay or not partial_rollouts,
-              "moe.router_replay with rollout.partial_rollouts: a row that a weight sync interrupts would "
-              "record two policies' routings; set one of them off")
+    router_replay: bool = False  # the sampler records each token's experts and the policy's training forwards use them instead of recomputing the top k (gate weights from the current router logits at those experts); with partial rollouts each token's are those of the weights that fed it; metric rollout/routing_mismatch
 
     def check_model(self, cfg: ModelConfig) -> None:
         """Refuses replay on a policy without MoE layers (raised while the policy config is read)."""

@@ -234,7 +234,6 @@ class Settings(RunSettings):
         self.compute.validate()
         self._validate_models()
         self._validate_ppo()
-        self.moe.validate(self.rollout.partial_rollouts)
         r = self.rollout
         self.environment.validate(engine=r.engine, slots=r.slots, prefill_prompts=r.prefill_prompts,
                                   router_replay=self.moe.router_replay,
