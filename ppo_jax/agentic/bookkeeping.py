@@ -95,6 +95,12 @@ class Answers:
         self.ids[row, :keep], self.length[row], self.cut[row] = encoded[:keep], keep, len(encoded) - keep
 
 
+    def keep(self, answers: "Answers", rows: np.ndarray) -> None:
+        """`answers`' rows where `rows` [R] bool is set, copied into these (held for later)."""
+        for f in dataclasses.fields(self):
+            getattr(self, f.name)[rows] = getattr(answers, f.name)[rows]
+
+
 def gather(answers: Answers) -> Answers:
     """Every process's answers (each row answered by its owner only), the same on every process. A
     collective: every process calls it at the same point."""

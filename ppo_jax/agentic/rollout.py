@@ -61,6 +61,8 @@ class MultiTurnOutput:
     reprefilled_turns [] int32: the slot schedule's turns resumed by a re-prefill of the whole row,
         having given their slot up while their environment stepped (None on the other schedules).
     decode_rows [] int32: the rows each decode step ran, S slots on the slot schedule (None: R).
+    token_policy_version [R, T] int32: partial rollouts, the version of the weights that decoded each
+        action token's turn, -1 elsewhere (None: one set of weights decoded the whole batch).
     """
 
     prompt_tokens: np.ndarray
@@ -84,6 +86,7 @@ class MultiTurnOutput:
     decode_steps: np.ndarray | None = None
     reprefilled_turns: np.ndarray | None = None
     decode_rows: np.ndarray | None = None
+    token_policy_version: np.ndarray | None = None
 
     @property
     def rewards(self) -> np.ndarray:
