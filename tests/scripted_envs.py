@@ -2,6 +2,7 @@
 ("scripted_envs:Scripted", or the registered "scripted_test_env") from the test process and from
 the workers of a real multi-process run (tests/multihost_worker.py)."""
 
+import dataclasses
 import time
 
 from ppo_jax.agentic import environment
@@ -58,3 +59,16 @@ class FailingScripted(Scripted):
         if FailingScripted.steps_taken > 40:
             raise KeyError("no such tool")
         return super().step(turn_text, turn_token_ids)
+
+
+@environment.register("stateful_scripted_test_env")
+class StatefulScripted(Scripted):
+    """Scripted whose answers also follow from the steps it took before: 1-4 "w9" words by the turn's
+    length plus its step count, and 0.1 more reward a step. An environment restored mid-episode must
+    be replayed through its turns to answer the next one alike."""
+
+    def step(self, turn_text, turn_token_ids):
+        result = super().step(turn_text, turn_token_ids)
+        words = 1 + (len(turn_token_ids) + self.steps) % 4
+        return dataclasses.replace(result, observation=" ".join(["w9"] * words), reward=result.reward + 0.1 * self.steps)
+

@@ -12,7 +12,7 @@ import pytest
 import test_multi_turn as mt
 from test_multi_turn_slots import assert_same_episodes
 
-from ppo_jax.agentic import continuous_rollout
+from ppo_jax.agentic import continuous_rollout, saved_runs
 from ppo_jax.models import forward
 
 lm = mt.lm
@@ -90,3 +90,121 @@ def test_after_a_sync_each_turn_is_decoded_by_its_versions_weights(lm):
         np.testing.assert_allclose(out.logprobs[mine], expected[mine], atol=1e-5, rtol=0, err_msg=f"version {version}")
     later = actions & (versions == 1)
     assert np.abs(by_version[0][later] - by_version[1][later]).max() > 1e-2  # the two weights tell them apart
+
+
+# ---------------------------------------------------------------------------------------------- the trainer
+
+PARTIAL = {"rollout.off_policy_steps": 2, "rollout.engine": "continuous", "rollout.partial_rollouts": True,
+           "train.iterations": 4}
+
+
+def trainer_at(workdir, reward_functions):
+    from conftest import make_test_mesh
+    from test_multi_turn_trainer import multi_turn_config
+
+    from ppo_jax.rl.trainer import PPOTrainer
+
+    # Its answers follow from the steps taken before: a restored environment must be replayed.
+    config = multi_turn_config(**PARTIAL, **{"environment.name": "stateful_scripted_test_env"})
+    return PPOTrainer(config, str(workdir), reward_functions=reward_functions,
+                      mesh=make_test_mesh((1, 1, 1)))
+
+
+def test_the_trainer_decodes_each_turn_under_its_segments_weights_and_resumes_bit_for_bit(tmp_path):
+    """k = 2, 3 turns: one turn per segment. Batch b, begun at iteration s_b = max(0, b - 2), decodes
+    its turn j under the weights of iteration min(s_b + j, b); the logged lag is the action tokens'.
+    A SIGTERM after iteration 1 saves batches 2 and 3 between two segments (KV caches, bookkeeping);
+    the resumed run replays their environments and its iterations 2 and 3 and final weights equal the
+    straight run's, bit for bit."""
+    from scripted_envs import StatefulScripted  # noqa: F401 (registers stateful_scripted_test_env)
+    from test_reliability import _toy_reward_then_sigterm_at
+
+    from ppo_jax import reward_functions as reward_fns
+
+    toy = [(reward_fns.toy_target_count, 1.0)]
+    straight = trainer_at(tmp_path / "straight", toy)
+    seen, finish = [], straight.rollouts.finish
+
+    def recording_finish(started):
+        rollout = finish(started)
+        seen.append((int(straight.state.step), straight.rollouts.finished))
+        return rollout
+
+    straight.rollouts.finish = recording_finish
+    expected = straight.train()
+    expected_policy = jax.device_get(straight.state.policy)
+    straight.close()
+    for row, (step, out) in zip(expected, seen, strict=True):
+        turns = turn_of_each_column(out)
+        begun = max(0, step - 2)
+        np.testing.assert_array_equal(out.token_policy_version, np.where(turns >= 0, np.minimum(begun + turns, step), -1))
+        lag = (step - out.token_policy_version)[turns >= 0]
+        np.testing.assert_allclose(row["rollout/policy_lag_mean"], lag.mean(), rtol=1e-6)
+        assert row["rollout/policy_lag_max"] == lag.max()
+    assert expected[2]["rollout/policy_lag_max"] == 2 and 0 < expected[2]["rollout/policy_lag_mean"] < 2
+    assert all(row["rollout/turns"] > 1 for row in expected)
+
+    first = trainer_at(tmp_path / "run", [(_toy_reward_then_sigterm_at(2), 1.0)])
+    assert len(first.train()) == 2 and first.stopped_by == "SIGTERM"
+    first.close()
+    resumed = trainer_at(tmp_path / "run", toy)
+    assert resumed.resumed_from == 2
+    assert [(b.version, b.segments_run) for b in resumed.rollouts.in_flight] == [(0, 2), (1, 1)]
+    rest = resumed.train()
+    for want, got in zip(expected[2:], rest, strict=True):
+        for key, value in want.items():
+            if not key.startswith(("time/", "perf/")):
+                assert got[key] == value, key
+    for a, b in zip(jax.tree.leaves(expected_policy), jax.tree.leaves(jax.device_get(resumed.state.policy))):
+        np.testing.assert_array_equal(a, b)
+    resumed.close()
+
+
+def _first_segment(lm, envs):
+    tokenizer, model, params = lm
+    decoder = mt._decoder(model, mt._turn_config(tokenizer))
+    tokens, mask = mt._prompts(tokenizer)
+    run = continuous_rollout.begin(decoder, params, tokens, mask, envs, jax.random.key(3), tokenizer=tokenizer,
+                                   max_turns=3)
+    return decoder, continuous_rollout.run_turns(decoder, params, run, tokenizer=tokenizer, turn_limit=1,
+                                                 segment_steps=3)
+
+
+def test_a_run_saved_between_segments_goes_on_with_its_environments_replayed(lm, reference):
+    """Saved after turn 0 (host arrays) and rebuilt with fresh environments, which are stepped again
+    through the turns they were given: the rest of the run gives the rounds schedule's episodes, and
+    every environment saw the reference's turns (the replayed ones, then the new)."""
+    tokenizer, _, params = lm
+    expected, expected_envs = reference
+    decoder, run = _first_segment(lm, [mt.Scripted(row, turns=3) for row in range(mt.ROWS)])
+    arrays = saved_runs.run_arrays(run)
+    assert run.parked.any()  # rows wait, their observation held, for the next segment
+    fresh = [mt.Scripted(row, turns=3) for row in range(mt.ROWS)]
+    abstract = decoder.abstract_state(params, run.prompt_tokens, run.prompt_mask, jax.random.key(3))
+    rebuilt = saved_runs.rebuild_run(arrays, abstract, None, environments=dict(enumerate(fresh)),
+                                     decode_turn=run.decode_turn, tokenizer=tokenizer, response_length=mt.NEW)
+    rebuilt = continuous_rollout.run_turns(decoder, params, rebuilt, tokenizer=tokenizer, segment_steps=3)
+    assert_same_episodes(continuous_rollout.output(rebuilt), expected, fresh, expected_envs)
+
+
+def test_an_environment_that_answers_a_replay_otherwise_stops_the_resume_in_one_line(lm):
+    tokenizer, _, params = lm
+    decoder, run = _first_segment(lm, [mt.Scripted(row, turns=3) for row in range(mt.ROWS)])
+    arrays = saved_runs.run_arrays(run)
+    other = {row: mt.Scripted(row + 1, turns=3) for row in range(mt.ROWS)}  # other observation lengths
+    abstract = decoder.abstract_state(params, run.prompt_tokens, run.prompt_mask, jax.random.key(3))
+    with pytest.raises(saved_runs.ReplayMismatch, match=r"the environment of row \d+, stepped again with its turn 0, "
+                                                        r"answered another observation"):
+        saved_runs.rebuild_run(arrays, abstract, None, environments=other, decode_turn=run.decode_turn,
+                               tokenizer=tokenizer, response_length=mt.NEW)
+
+
+def test_several_processes_are_refused_in_one_line(monkeypatch):
+    from ppo_jax.config import ConfigError
+    from ppo_jax.rl import partial_episodes
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ConfigError, match="rollout.partial_rollouts with environment.name runs on one process, and "
+                                          "this run has 2") as err:
+        partial_episodes.check_one_process()
+    assert "\n" not in str(err.value)

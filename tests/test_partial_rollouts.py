@@ -268,7 +268,11 @@ def test_batches_in_flight_that_do_not_fit_the_devices_are_refused_in_one_line(m
      "partial rollouts need rollout.engine=continuous"),
     ({"rollout.partial_rollouts": True, "rollout.engine": "continuous"},
      "rollout.partial_rollouts needs rollout.off_policy_steps >= 1"),
-], ids=["static-engine", "on-policy"])
+    ({"rollout.partial_rollouts": True, "rollout.engine": "continuous", "rollout.off_policy_steps": 1,
+      "environment.name": "scripted_envs:Scripted", "rollout.slots": 8},
+     "rollout.partial_rollouts with environment.name and rollout.slots=8: partial multi-turn rollouts keep a "
+     "decode row per episode"),
+], ids=["static-engine", "on-policy", "multi-turn-slots"])
 def test_bad_partial_rollout_settings_fail_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message) as err:
         Settings.from_config(tiny_config(**overrides), reward_in_code=False)

@@ -21,6 +21,14 @@ Off-policy (rollout.off_policy_steps = k): batches of episodes run ahead with th
 version, as one-turn samples do, on an episode thread beside the update (one process); a batch is
 waited for before the update that learns from it and before a checkpoint, so the k in flight are
 saved as whole episodes (their sample and every `MultiTurnOutput` array) and restored bit for bit.
+
+Partial rollouts (rollout.partial_rollouts, the continuous schedule): a batch in flight is decoded in
+segments of turns, one per iteration under the weights synced then (`continuous_rollout.run_turns`):
+turns [s q, (s + 1) q) in its segment s, q = ceil(max_turns / (k + 1)), the rest when it is finished,
+so a turn's weights follow from its index. Each action token records its turn's version
+(`Rollout.token_policy_version`). A checkpoint saves the batches between two segments whole (decoder
+state, KV cache, bookkeeping: `agentic/saved_runs.py`); their environments are reset and replayed
+through the turns they were given on resume.
 """
 
 from __future__ import annotations
@@ -52,6 +60,11 @@ class StartedEpisodes(StartedRollout):
 
     episodes: episodes_lib.MultiTurnOutput | None = None
     pending: concurrent.futures.Future | None = None  # running on the episode thread (off-policy)
+    # Partial rollouts, between two segments of turns: the run (or, just restored, its saved arrays),
+    # the segments run so far and the rows' records (each environment's reset argument).
+    run: continuous_rollout.EpisodeRun | dict[str, np.ndarray] | None = None
+    segments_run: int = 0
+    records: list[dict[str, str]] | None = None
 
 
 def _not_donated(weights: roles.SyncedWeights, state: PPOState) -> roles.SyncedWeights:
@@ -73,6 +86,8 @@ def sample_output(out: episodes_lib.MultiTurnOutput, mesh) -> sampling.SampleOut
                   stopped=out.stopped,
                   # The static engine's convention: every row decoded for the longest row's steps.
                   slot_steps_at_finish=np.maximum(lengths - 1, 0).astype(np.int32) * rows)
+    if out.token_policy_version is not None:  # partial rollouts: each action token's turn's version
+        fields["token_policy_version"] = out.token_policy_version
     return sampling.SampleOutput(**sharding.put_batch(fields, mesh))
 
 
@@ -142,18 +157,28 @@ class EpisodeRollouts(Rollouts):
     def _run_episodes(self, weights, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key,
                       version: int) -> StartedEpisodes:
         """The episodes of the prompt rows, sampled with `weights` (of train step `version`), scored."""
-        mesh = self.meshes.sampler
-        envs, texts = episodes_lib.reset_episodes(self.factory, self._records(prompt_tokens, prompt_mask))
+        envs, tokens, mask = self._episode_inputs(self._records(prompt_tokens, prompt_mask))
+        out = self.schedule(self.decoder, weights.params, tokens, mask, envs,
+                            sharding.replicate(key, self.meshes.sampler), tokenizer=self.tokenizer,
+                            max_turns=self.env_settings.max_turns, environment_workers=self.env_settings.workers,
+                            adapters=weights.adapters)
+        return self._scored_episodes(out, version)
+
+    def _episode_inputs(self, records: list[dict[str, str]]) -> tuple[list, jax.Array, jax.Array]:
+        """A fresh environment per record, reset, and the prompts they return tokenised [R, Lq] on the
+        sampler's mesh."""
+        envs, texts = episodes_lib.reset_episodes(self.factory, records)
         before = self.prompt_tokenizer.num_truncated_prompts
         batch = self.prompt_tokenizer.prompts(texts, length=self.prompt_length)
         if self.prompt_tokenizer.num_truncated_prompts > before and not before:  # said once a run
             metrics_lib.warn(f"the environment's prompts are longer than data.prompt_length={self.prompt_length} "
                              "tokens: cut from the left (raise data.prompt_length)")
-        tokens, mask = sharding.put_local_batch((np.asarray(batch.tokens), np.asarray(batch.mask)), mesh)
-        out = self.schedule(self.decoder, weights.params, tokens, mask, envs, sharding.replicate(key, mesh),
-                            tokenizer=self.tokenizer, max_turns=self.env_settings.max_turns,
-                            environment_workers=self.env_settings.workers, adapters=weights.adapters)
-        started = self._scored(sample_output(out, mesh), version)
+        tokens, mask = sharding.put_local_batch((np.asarray(batch.tokens), np.asarray(batch.mask)), self.meshes.sampler)
+        return envs, tokens, mask
+
+    def _scored_episodes(self, out: episodes_lib.MultiTurnOutput, version: int) -> StartedEpisodes:
+        """Finished episodes as a started rollout (scored on the sampler's mesh with roles.scoring="sampler")."""
+        started = self._scored(sample_output(out, self.meshes.sampler), version)
         return StartedEpisodes(**{f.name: getattr(started, f.name) for f in dataclasses.fields(StartedRollout)},
                                episodes=out)
 
@@ -178,25 +203,19 @@ class EpisodeRollouts(Rollouts):
         if self.episode_thread is not None:
             self.episode_thread.shutdown(wait=True)
 
-    def in_flight_record(self) -> InFlightRecord:
-        """`Rollouts.in_flight_record`, each record with its episodes' host arrays (waited for)."""
-        for started in self.in_flight:
-            self._resolved(started)
-        record = super().in_flight_record()
-        for entry, started in zip(record.records, self.in_flight):
-            fields = {f.name: getattr(started.episodes, f.name)
-                      for f in dataclasses.fields(episodes_lib.MultiTurnOutput)}
-            entry["episodes"] = record.refer({k: v for k, v in fields.items() if v is not None})
-        return record
+    def _in_flight_entry(self, started: StartedEpisodes, record: InFlightRecord) -> dict:
+        """`Rollouts._in_flight_entry` (waits for the batch), with its episodes' host arrays."""
+        started = self._resolved(started)
+        entry = super()._in_flight_entry(started, record)
+        fields = {f.name: getattr(started.episodes, f.name) for f in dataclasses.fields(episodes_lib.MultiTurnOutput)}
+        entry["episodes"] = record.refer({k: v for k, v in fields.items() if v is not None})
+        return entry
 
-    def restore_in_flight(self, record: list[dict] | dict | None, step: int,
-                          arrays: dict[str, np.ndarray] | None = None) -> None:
-        """`Rollouts.restore_in_flight`, each sample with its episodes again."""
-        super().restore_in_flight(record, step, arrays)
-        self.in_flight = type(self.in_flight)(
-            StartedEpisodes(**{f.name: getattr(started, f.name) for f in dataclasses.fields(StartedRollout)},
-                            episodes=episodes_lib.MultiTurnOutput(**resolve_arrays(entry["episodes"], arrays or {})))
-            for started, entry in zip(self.in_flight, record or []))
+    def _restored(self, r: dict, arrays: dict[str, np.ndarray]) -> StartedEpisodes:
+        """`Rollouts._restored`, the sample with its episodes again."""
+        started = super()._restored(r, arrays)
+        return StartedEpisodes(**{f.name: getattr(started, f.name) for f in dataclasses.fields(StartedRollout)},
+                               episodes=episodes_lib.MultiTurnOutput(**resolve_arrays(r["episodes"], arrays)))
 
     def finish(self, started: StartedEpisodes) -> Rollout:
         """`Rollouts.finish` (reward functions on the whole transcript), plus the action mask and the

@@ -149,7 +149,9 @@ class Rollouts:
                                  f"{seconds:.2f} s); each iteration syncs only the adapters")
         # rollout.partial_rollouts: the continuous engine in segments, `segment_steps` decode steps each (a
         # rollout whose rows all run to rollout.response_length takes k + 1, one per iteration in flight).
-        self.segmented = segments.SegmentedSampler(steps.sampler) if settings.rollout.partial_rollouts else None
+        # (Multi-turn episodes are segmented by turns instead: rl/episodes.py.)
+        one_turn_partial = settings.rollout.partial_rollouts and not settings.environment.enabled
+        self.segmented = segments.SegmentedSampler(steps.sampler) if one_turn_partial else None
         self.segment_steps = segments.segment_budget(
             settings.rollout.batch_size * settings.rollout.num_samples, steps.sampling_config,
             settings.rollout.off_policy_steps + 1) if self.segmented else 0
@@ -267,7 +269,7 @@ class Rollouts:
         if not self.steps_ahead:
             return self.rollout(state, *self.prompts.next_batch(), self.iteration_key(iteration))
         last = min(iteration + self.steps_ahead, self.settings.train.iterations - 1)
-        if self.segmented is not None:
+        if self.settings.rollout.partial_rollouts:
             return self._next_partial(state, last)
         while iteration + len(self.in_flight) <= last:  # in flight: batches iteration, iteration + 1, ...
             batch = iteration + len(self.in_flight)
@@ -313,15 +315,21 @@ class Rollouts:
         if free is None:
             return
         first = self.in_flight[0]
-        each = sharding.device_bytes((first.sample, first.ref_logprobs, first.model_scores, first.segment))
+        each = sharding.device_bytes(self._held_on_sampler(first))
         if more * each <= free:
             return
-        held = "its engine state and KV cache" if self.segmented is not None else "its sample and scores"
+        partial = self.settings.rollout.partial_rollouts
+        held = "its engine state and KV cache" if partial else "its sample and scores"
         raise ConfigError(f"rollout.off_policy_steps={self.steps_ahead}: a batch in flight holds {_size(each)} per "
                           f"sampler device ({held}, measured on the first), so the {more} that join it need "
                           f"{_size(more * each)}, but {_size(free)} are free there; use "
                           f"rollout.off_policy_steps={free // each if each else 0} or less"
-                          + (" or fewer rollout.slots" if self.segmented is not None else ""))
+                          + (" or fewer rollout.slots" if partial else ""))
+
+    @staticmethod
+    def _held_on_sampler(started: StartedRollout) -> Any:
+        """The arrays a batch in flight holds on the sampler's devices."""
+        return started.sample, started.ref_logprobs, started.model_scores, started.segment
 
     def _rebuild_segment(self, arrays: dict[str, np.ndarray], weights: roles.SyncedWeights) -> segments.Segment:
         """A Segment saved as host arrays by tree path, back on the sampler's mesh (replicated; the
@@ -360,16 +368,17 @@ class Rollouts:
         scores are recomputed on restore: the same program on the same inputs)."""
         record = InFlightRecord([], {})
         for started in self.in_flight:
-            if started.sample is None:  # partial rollouts: the engine state between two segments
-                record.records.append({"version": started.version,
-                                       "segment": record.refer(self._segment_arrays(started))})
-                continue
-            out = started.sample
-            host = sharding.to_host({f.name: getattr(out, f.name) for f in dataclasses.fields(out)
-                                     if getattr(out, f.name) is not None})
-            record.records.append({"version": started.version,
-                                   "sample": record.refer({k: np.asarray(v) for k, v in host.items()})})
+            record.records.append({"version": started.version, **self._in_flight_entry(started, record)})
         return record
+
+    def _in_flight_entry(self, started: StartedRollout, record: InFlightRecord) -> dict:
+        """What a checkpoint keeps of one batch in flight besides its version (its arrays added to `record`)."""
+        if started.sample is None:  # partial rollouts: the engine state between two segments
+            return {"segment": record.refer(self._segment_arrays(started))}
+        out = started.sample
+        host = sharding.to_host({f.name: getattr(out, f.name) for f in dataclasses.fields(out)
+                                 if getattr(out, f.name) is not None})
+        return {"sample": record.refer({k: np.asarray(v) for k, v in host.items()})}
 
     def _segment_arrays(self, started: StartedRollout) -> dict[str, np.ndarray]:
         """A partial rollout's engine state as host arrays by tree path (waits for it). Its KV caches
@@ -403,13 +412,15 @@ class Rollouts:
                              f"{len(records) - self.steps_ahead} are skipped")
             records = records[:self.steps_ahead]
         for r in records:
-            if "segment" in r:  # partial rollouts: rebuilt on the sampler's mesh by the next segment
-                if self.segmented is None:
-                    raise ConfigError("the checkpoint holds partial rollouts in flight (mid-decode): resume with "
-                                      "rollout.partial_rollouts=True")
-                self.in_flight.append(StartedRollout(None, int(r["version"]),
-                                                     segment=resolve_arrays(r["segment"], arrays)))
-                continue
-            sample = resolve_arrays(r["sample"], arrays)
-            out = sampling.SampleOutput(**sharding.put_batch(sample, self.meshes.sampler))
-            self.in_flight.append(self._scored(out, int(r["version"])))
+            self.in_flight.append(self._restored(r, arrays))
+
+    def _restored(self, r: dict, arrays: dict[str, np.ndarray]) -> StartedRollout:
+        """One batch in flight as `_in_flight_entry` saved it."""
+        if "segment" in r:  # partial rollouts: rebuilt on the sampler's mesh by the next segment
+            if self.segmented is None:
+                raise ConfigError("the checkpoint holds partial rollouts in flight (mid-decode): resume with "
+                                  "rollout.partial_rollouts=True")
+            return StartedRollout(None, int(r["version"]), segment=resolve_arrays(r["segment"], arrays))
+        sample = resolve_arrays(r["sample"], arrays)
+        out = sampling.SampleOutput(**sharding.put_batch(sample, self.meshes.sampler))
+        return self._scored(out, int(r["version"]))

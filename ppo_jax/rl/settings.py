@@ -121,7 +121,7 @@ class RolloutSettings:
     slots: int = 0  # continuous: decode rows held at once, a multiple of the data-parallel devices, <= the rows; 0 = half the rows (with an environment: one per episode; S = the episodes share S slots, agentic/slot_rollout.py)
     prefill_prompts: int = 0  # continuous: prompts prefilled together when a slot is free and no prefilled row waits; 0 = a quarter of the slots' worth (with an environment: the episodes one insert prefills)
     off_policy_steps: int = 0  # 0..4: 0: each rollout samples the policy being updated; k: the sampler runs k batches ahead, batch i+k sampled with the weights before update i while the trainer updates on batch i (overlapped on disaggregated roles; policy lag k; the correction: ppo.off_policy_ratio)
-    partial_rollouts: bool = False  # continuous engine, off_policy_steps >= 1: a rollout in flight is decoded in segments, one per train step, each under the weights synced last (the rows in progress keep their KV cache); every token records its log-prob and the version of the weights that chose it, the policy lag is per token (docs/off_policy.md, "Partial rollouts")
+    partial_rollouts: bool = False  # continuous engine, off_policy_steps >= 1: a rollout in flight is decoded in segments, one per train step, each under the weights synced last (the rows in progress keep their KV cache); every token records its log-prob and the version of the weights that chose it, the policy lag is per token; multi-turn episodes advance by segments of turns (docs/off_policy.md, "Partial rollouts")
     tail_halvings: int = -1  # continuous: times the busy rows may move into half as many slots once nothing is left to insert (each a decode program of its own); -1 = 2 with the unrolled decode, 0 with the scanned one (TPU), whose stage caches cost memory there
 
 
@@ -286,9 +286,9 @@ class Settings(RunSettings):
         check(not r.partial_rollouts or r.off_policy_steps >= 1,
               "rollout.partial_rollouts needs rollout.off_policy_steps >= 1 (on-policy, no weight sync lands "
               "while a rollout is in flight)")
-        check(not r.partial_rollouts or not self.environment.enabled,
-              "rollout.partial_rollouts applies to one-turn rollouts: multi-turn episodes (environment.name) "
-              "decode each turn to its end")
+        check(not r.partial_rollouts or not self.environment.enabled or not r.slots,
+              f"rollout.partial_rollouts with environment.name and rollout.slots={r.slots}: partial multi-turn "
+              "rollouts keep a decode row per episode between their segments; set rollout.slots=0")
 
     def _validate_models(self) -> None:
         """The policy's and value model's LoRA and dtypes, and where the roles put the frozen models."""

@@ -33,6 +33,7 @@ from ppo_jax.reward_functions import parse as parse_reward_functions
 from ppo_jax.rl import build, initial_weights, roles
 from ppo_jax.rl.checkpointing import Checkpointing
 from ppo_jax.rl.episodes import EpisodeRollouts
+from ppo_jax.rl.partial_episodes import PartialEpisodeRollouts
 from ppo_jax.rl.errors import PREEMPTION_NOTICE, NonFiniteError, RunFailedError
 from ppo_jax.rl.experience import make_scoring_fn
 from ppo_jax.rl.health import NONFINITE_SAMPLES_FILE, NonFiniteGuard
@@ -98,8 +99,9 @@ class PPOTrainer:
         if s.environment.enabled:  # multi-turn episodes (rl/episodes.py)
             rollouts.update(model=self.modules.policy, tokenizer=self.tokenizer, turn_stops=self.turn_stops,
                             prompt_length=s.data.prompt_length)
-        self.rollouts = (EpisodeRollouts if s.environment.enabled else Rollouts)(
-            s, self.meshes, self.steps, frozen, **rollouts)
+        kind = Rollouts if not s.environment.enabled else \
+            PartialEpisodeRollouts if s.rollout.partial_rollouts else EpisodeRollouts
+        self.rollouts = kind(s, self.meshes, self.steps, frozen, **rollouts)
         # roles.scoring="sampler": the reference and reward model now live with the rollouts' scorer.
         self.frozen, self.frozen_shardings = ((roles.trainer_frozen(frozen), roles.trainer_frozen(frozen_shardings))
                                               if self.hp.scored_outside else (frozen, frozen_shardings))

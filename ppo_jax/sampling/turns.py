@@ -319,6 +319,11 @@ class TurnDecoder:
     def start(self, params, prompt_tokens, prompt_mask, key, adapters=None) -> TurnState:
         return self._run(self._start, params, prompt_tokens, prompt_mask, key, adapters)
 
+    def abstract_state(self, params, prompt_tokens, prompt_mask, key, adapters=None) -> TurnState:
+        """`start`'s state as shapes and dtypes (to rebuild one saved as host arrays)."""
+        return self._run(lambda *args: jax.eval_shape(self._start, *args), params, prompt_tokens, prompt_mask, key,
+                         adapters)
+
     def decode(self, params, state: TurnState, adapters=None, max_steps: int | None = None) -> TurnState:
         """Every active row to its turn's end, or `max_steps` decode steps (one program for both)."""
         budget = np.int32(np.iinfo(np.int32).max if max_steps is None else max_steps)
