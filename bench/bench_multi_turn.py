@@ -27,8 +27,9 @@ and re-prefills round differently: a draw within ~1e-6 of a token's CDF boundary
     python bench/bench_multi_turn.py --trainer
 
 instead times PPO iterations of the tests' tiny multi-turn run (tests/scripted_envs.py, 0.2 s an
-environment step) on-policy and at rollout.off_policy_steps = 1, where the next batch's episodes run
-on their thread beside the update: the median `time/iteration` of iterations 2-5.
+environment step) on-policy, at rollout.off_policy_steps = 1, where the next batch's episodes run
+on their thread beside the update, and at k = 2 on the continuous schedule with whole and partial
+rollouts (a segment of turns per iteration): the medians of iterations 2-5.
 """
 
 from __future__ import annotations
@@ -119,19 +120,24 @@ def trainer_overlap() -> None:
 
     from ppo_jax.rl.trainer import PPOTrainer
 
-    print("| rollout.off_policy_steps | time/iteration (median, s) | environment wait (median, s) | turns/episode |")
-    print("|---|---|---|---|")
-    for steps_ahead in (0, 1):
+    print("| rollout.off_policy_steps | engine | partial_rollouts | time/iteration (median, s) | environment wait "
+          "(median, s) | turns/episode | policy_lag_mean | mismatch_kl (median) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for steps_ahead, engine, partial in ((0, "static", False), (1, "static", False), (2, "continuous", False),
+                                         (2, "continuous", True)):
         config = tiny_config(**{"environment.name": "slow_scripted_test_env", "environment.max_turns": 3,
                                 "environment.max_observation_tokens": 3, "rollout.batch_size": 16,
                                 "rollout.response_length": 20, "policy.model.max_position_embeddings": 64,
-                                "train.iterations": 6, "rollout.off_policy_steps": steps_ahead})
+                                "train.iterations": 6, "rollout.off_policy_steps": steps_ahead,
+                                "rollout.engine": engine, "rollout.partial_rollouts": partial})
         trainer = PPOTrainer(config, tempfile.mkdtemp(), mesh=sharding.make_mesh((1, 1, 1), jax.devices()[:1]))
         history = trainer.train()[2:]
         trainer.close()
         wait = [row.get("time/environment", row.get("perf/environment_seconds_overlapped")) for row in history]
-        print(f"| {steps_ahead} | {statistics.median(row['time/iteration'] for row in history):.3f} | "
-              f"{statistics.median(wait):.3f} | {history[-1]['rollout/turns']:.2f} |")
+        median = lambda key: statistics.median(row.get(key, 0.0) for row in history)  # noqa: E731
+        print(f"| {steps_ahead} | {engine} | {partial} | {median('time/iteration'):.3f} | {statistics.median(wait):.3f} | "
+              f"{history[-1]['rollout/turns']:.2f} | {median('rollout/policy_lag_mean'):.2f} | "
+              f"{median('rollout/mismatch_kl'):.4f} |")
 
 
 def main():
