@@ -98,14 +98,14 @@ PARTIAL = {"rollout.off_policy_steps": 2, "rollout.engine": "continuous", "rollo
            "train.iterations": 4}
 
 
-def trainer_at(workdir, reward_functions):
+def trainer_at(workdir, reward_functions, **overrides):
     from conftest import make_test_mesh
     from test_multi_turn_trainer import multi_turn_config
 
     from ppo_jax.rl.trainer import PPOTrainer
 
     # Its answers follow from the steps taken before: a restored environment must be replayed.
-    config = multi_turn_config(**PARTIAL, **{"environment.name": "stateful_scripted_test_env"})
+    config = multi_turn_config(**{**PARTIAL, "environment.name": "stateful_scripted_test_env", **overrides})
     return PPOTrainer(config, str(workdir), reward_functions=reward_functions,
                       mesh=make_test_mesh((1, 1, 1)))
 
@@ -120,6 +120,7 @@ def test_the_trainer_decodes_each_turn_under_its_segments_weights_and_resumes_bi
     from test_reliability import _toy_reward_then_sigterm_at
 
     from ppo_jax import reward_functions as reward_fns
+    from ppo_jax.config import ConfigError
 
     toy = [(reward_fns.toy_target_count, 1.0)]
     straight = trainer_at(tmp_path / "straight", toy)
@@ -147,6 +148,8 @@ def test_the_trainer_decodes_each_turn_under_its_segments_weights_and_resumes_bi
     first = trainer_at(tmp_path / "run", [(_toy_reward_then_sigterm_at(2), 1.0)])
     assert len(first.train()) == 2 and first.stopped_by == "SIGTERM"
     first.close()
+    with pytest.raises(ConfigError, match="between two segments of turns: resume with rollout.partial_rollouts=True"):
+        trainer_at(tmp_path / "run", toy, **{"rollout.partial_rollouts": False})
     resumed = trainer_at(tmp_path / "run", toy)
     assert resumed.resumed_from == 2
     assert [(b.version, b.segments_run) for b in resumed.rollouts.in_flight] == [(0, 2), (1, 1)]

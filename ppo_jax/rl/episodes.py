@@ -45,6 +45,7 @@ import numpy as np
 from ppo_jax import metrics as metrics_lib
 from ppo_jax import sampling, sharding
 from ppo_jax.agentic import continuous_rollout, rollout as episodes_lib, slot_rollout
+from ppo_jax.config import ConfigError
 from ppo_jax.data.tokenization import PromptTokenizer
 from ppo_jax.models.transformer import CausalLM
 from ppo_jax.rl import roles
@@ -213,6 +214,9 @@ class EpisodeRollouts(Rollouts):
 
     def _restored(self, r: dict, arrays: dict[str, np.ndarray]) -> StartedEpisodes:
         """`Rollouts._restored`, the sample with its episodes again."""
+        if "episode_run" in r:  # saved between two segments of turns (rl/partial_episodes.py)
+            raise ConfigError("the checkpoint holds multi-turn rollouts in flight between two segments of turns: "
+                              "resume with rollout.partial_rollouts=True")
         started = super()._restored(r, arrays)
         return StartedEpisodes(**{f.name: getattr(started, f.name) for f in dataclasses.fields(StartedRollout)},
                                episodes=episodes_lib.MultiTurnOutput(**resolve_arrays(r["episodes"], arrays)))
