@@ -117,6 +117,7 @@ def test_the_trainer_decodes_each_turn_under_its_segments_weights_and_resumes_bi
     the resumed run replays their environments and its iterations 2 and 3 and final weights equal the
     straight run's, bit for bit."""
     from scripted_envs import StatefulScripted  # noqa: F401 (registers stateful_scripted_test_env)
+    from test_multi_turn_trainer import assert_resumes_bit_for_bit
     from test_reliability import _toy_reward_then_sigterm_at
 
     from ppo_jax import reward_functions as reward_fns
@@ -153,14 +154,7 @@ def test_the_trainer_decodes_each_turn_under_its_segments_weights_and_resumes_bi
     resumed = trainer_at(tmp_path / "run", toy)
     assert resumed.resumed_from == 2
     assert [(b.version, b.segments_run) for b in resumed.rollouts.in_flight] == [(0, 2), (1, 1)]
-    rest = resumed.train()
-    for want, got in zip(expected[2:], rest, strict=True):
-        for key, value in want.items():
-            if not key.startswith(("time/", "perf/")):
-                assert got[key] == value, key
-    for a, b in zip(jax.tree.leaves(expected_policy), jax.tree.leaves(jax.device_get(resumed.state.policy))):
-        np.testing.assert_array_equal(a, b)
-    resumed.close()
+    assert_resumes_bit_for_bit(resumed, expected[2:], expected_policy)
 
 
 def _first_segment(lm, envs):

@@ -278,8 +278,14 @@ def test_off_policy_episodes_in_flight_resume_bit_for_bit(tmp_path):
     first.close()
     resumed = PPOTrainer(config, str(tmp_path / "run"), reward_functions=toy, mesh=make_test_mesh((1, 1, 1)))
     assert resumed.resumed_from == 1 and [r.version for r in resumed.rollouts.in_flight] == [0, 0]
+    assert_resumes_bit_for_bit(resumed, expected[1:], expected_policy)
+
+
+def assert_resumes_bit_for_bit(resumed, expected_rows, expected_policy):
+    """The resumed trainer's remaining iterations log `expected_rows` (every metric but times), and its
+    final policy is `expected_policy`, bit for bit; closes it."""
     rest = resumed.train()
-    for want, got in zip(expected[1:], rest, strict=True):
+    for want, got in zip(expected_rows, rest, strict=True):
         for key, value in want.items():
             if not key.startswith(("time/", "perf/")):
                 assert got[key] == value, key

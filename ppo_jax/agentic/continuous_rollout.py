@@ -25,6 +25,12 @@ key and deterministic environments both give the same episodes (log-probs to flo
 same row's logits, computed beside other rows). What differs is `environment_wall_seconds`: here [M]
 holds the seconds the host was blocked on environments with nothing to decode, each wait filed under
 the lowest turn index then waiting (the rounds schedule blocks for every round's `step_all`).
+
+In segments of turns (partial rollouts, `rl/partial_episodes.py`): `begin` prefills, each
+`run_turns(..., turn_limit=L, version=v)` decodes every row's turns below L under the weights it is
+given, parking a row whose next turn would be turn L (its observation held, appended by the next
+call's weights), and `output` gives the episodes with each action token's turn's version. `rollout`
+is `begin` and one `run_turns` to the end.
 """
 
 from __future__ import annotations
