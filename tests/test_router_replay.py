@@ -47,6 +47,15 @@ def tied_model(layout: str, engine: str = "static"):
     scan, moe_layers, unroll = LAYOUTS[layout]
     cfg = ModelConfig(**MOE, num_layers=3 if moe_layers else 2, scan_layers=scan, moe_layers=moe_layers)
     model = CausalLM(cfg)
+    params = tied_params(model)
+    config = sampling_config(unroll, engine)
+    sampler = sample_continuous if engine == "continuous" else sample
+    out = jax.jit(functools.partial(sampler, model=model, config=config))(params, *moe_prompts(), jax.random.key(1))
+    return model, params, out
+
+
+def tied_params(model: CausalLM):
+    """Random params whose experts 0 and 1 tie in every router, the router x50 and the experts x10."""
     params, _ = init_params(model, jax.random.key(0), make_test_mesh((1, 1, 1)))
 
     def tie(path, x):
@@ -55,11 +64,7 @@ def tied_model(layout: str, engine: str = "static"):
             return (x.at[..., 1].set(x[..., 0]) * 50)
         return x * 10 if "mlp" in names and "router" not in names else x
 
-    params = jax.tree_util.tree_map_with_path(tie, params)
-    config = sampling_config(unroll, engine)
-    sampler = sample_continuous if engine == "continuous" else sample
-    out = jax.jit(functools.partial(sampler, model=model, config=config))(params, *moe_prompts(), jax.random.key(1))
-    return model, params, out
+    return jax.tree_util.tree_map_with_path(tie, params)
 
 
 def moe_prompts():
@@ -238,6 +243,45 @@ def test_the_experience_and_the_update_replay_the_record_and_count_the_flips(pac
     else:
         logp = padded_outputs(modules, params_t, no_frozen, exp, hp).logprobs
     np.testing.assert_allclose(np.asarray(logp), want_logp, atol=2e-5)
+
+
+@pytest.mark.parametrize("schedule", ["rounds", "continuous"])
+def test_multi_turn_episodes_record_every_fed_tokens_routing(schedule):
+    """Multi-turn episodes (sampling/turns.py: start, decode, append) on the tied 2-layer MoE: every
+    prompt, action and observation token fed is recorded, padding is not, and the record is the
+    training forward's own routing (replaying it changes no log-prob, flips none)."""
+    import test_multi_turn as mt
+
+    from ppo_jax.agentic import continuous_rollout, rollout as rollout_lib
+    from ppo_jax.data import build_word_tokenizer
+    from ppo_jax.sampling.turns import TurnDecoder
+
+    tokenizer = build_word_tokenizer(mt.WORDS)
+    model = CausalLM(ModelConfig(**{**MOE, "vocab_size": len(tokenizer)}, num_layers=2))
+    params = tied_params(model)
+    decoder = TurnDecoder(model, mt._turn_config(tokenizer, record_experts=True))
+    run = rollout_lib.rollout if schedule == "rounds" else continuous_rollout.rollout
+    out = run(decoder, params, *mt._prompts(tokenizer), [mt.Scripted(row) for row in range(mt.ROWS)],
+              jax.random.key(3), tokenizer=tokenizer, max_turns=3)
+    rec, lq = out.routed_experts, out.prompt_tokens.shape[1]
+    real = np.concatenate([out.prompt_mask, out.mask], 1).astype(bool)
+    assert (rec[~real] == -1).all()
+    fed = real.copy()
+    fed[np.arange(mt.ROWS), lq + out.mask.sum(-1) - 1] = False  # a row's last token is never fed back
+    assert (rec[fed] >= 0).all()
+    observations = np.concatenate([np.zeros_like(out.prompt_mask), out.mask & ~out.action_mask], 1).astype(bool)
+    assert observations.sum() > 10 and (rec[observations] >= 0).all()
+
+    def logprobs(replay: bool):
+        res = forward.response_outputs(model, params, out.prompt_tokens, out.prompt_mask, out.tokens, out.mask, 1.0,
+                                       experts=jnp.asarray(rec) if replay else None)
+        return np.asarray(forward.token_logprobs(res.hidden, out.tokens, out.action_mask)), res.flips
+
+    plain, _ = logprobs(False)
+    replayed, flips = logprobs(True)
+    np.testing.assert_array_equal(replayed, plain)
+    assert float(np.asarray(flips).sum()) == 0
+    assert np.abs(plain - out.logprobs).max() < 1e-5
 
 
 def test_router_replay_on_a_dense_policy_is_refused():

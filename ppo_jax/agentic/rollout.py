@@ -63,6 +63,8 @@ class MultiTurnOutput:
     decode_rows [] int32: the rows each decode step ran, S slots on the slot schedule (None: R).
     token_policy_version [R, T] int32: partial rollouts, the version of the weights that decoded each
         action token's turn, -1 elsewhere (None: one set of weights decoded the whole batch).
+    routed_experts [R, Lq + T, Lm, k] int8/int16 (`sampling.record_experts`, else None): the experts
+        each prompt, action and observation token went to when it was fed, -1 where none was.
     """
 
     prompt_tokens: np.ndarray
@@ -87,6 +89,7 @@ class MultiTurnOutput:
     reprefilled_turns: np.ndarray | None = None
     decode_rows: np.ndarray | None = None
     token_policy_version: np.ndarray | None = None
+    routed_experts: np.ndarray | None = None
 
     @property
     def rewards(self) -> np.ndarray:
@@ -178,14 +181,14 @@ def episodes_output(state: TurnState, ep: Episodes, prompt_tokens: Any, prompt_m
     prompt_tokens, prompt_mask, out = sharding.to_host((prompt_tokens, prompt_mask, {
         "tokens": buffers.tokens, "mask": buffers.mask, "action_mask": buffers.action_mask,
         "logprobs": buffers.logprobs, "sampling_logprobs": buffers.sampling_logprobs,
-        "decode_steps": state.decode_steps}))
+        "decode_steps": state.decode_steps, "routed_experts": state.experts}))
     return MultiTurnOutput(
         prompt_tokens=np.asarray(prompt_tokens), prompt_mask=np.asarray(prompt_mask), tokens=out["tokens"],
         mask=out["mask"], action_mask=out["action_mask"], logprobs=out["logprobs"],
         sampling_logprobs=out["sampling_logprobs"], stopped=ep.reason == FINAL_STOP, turns=ep.turns,
         turn_ends=ep.turn_ends, turn_rewards=ep.turn_rewards, environment_done=ep.done, **ep.info_by_key(),
         environment_seconds=ep.seconds, environment_wall_seconds=ep.wall, observations_truncated=ep.truncated,
-        decode_steps=np.asarray(out["decode_steps"]),
+        decode_steps=np.asarray(out["decode_steps"]), routed_experts=out["routed_experts"],
         **({} if store is None else {"reprefilled_turns": np.asarray(reprefilled_turns, np.int32),
                                      "decode_rows": np.asarray(state.tokens.shape[0], np.int32)}))
 

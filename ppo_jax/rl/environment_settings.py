@@ -53,8 +53,9 @@ class EnvironmentSettings:
         check(not prefill_prompts or 0 < prefill_prompts <= slots, f"environment.name={self.name!r} with "
               f"rollout.prefill_prompts={prefill_prompts}: it is the episodes one insert re-prefills, at most the "
               f"rollout.slots={slots} slots (0: a quarter of them)")
-        check(not router_replay, f"environment.name={self.name!r} with moe.router_replay: the multi-turn "
-              "decoder records no routing; set moe.router_replay=False")
+        check(not (router_replay and engine == "continuous" and slots), f"environment.name={self.name!r} with "
+              f"moe.router_replay and rollout.slots={slots}: the slot schedule's inserts record no routing; set "
+              "rollout.slots=0 (a decode row per episode) or moe.router_replay=False")
         check(not chat_template, f"environment.name={self.name!r} with data.chat_template: the environment's "
               "reset renders the prompt (ToolEnvironment applies the chat template itself); set "
               "data.chat_template=False")

@@ -89,6 +89,8 @@ def sample_output(out: episodes_lib.MultiTurnOutput, mesh) -> sampling.SampleOut
                   slot_steps_at_finish=np.maximum(lengths - 1, 0).astype(np.int32) * rows)
     if out.token_policy_version is not None:  # partial rollouts: each action token's turn's version
         fields["token_policy_version"] = out.token_policy_version
+    if out.routed_experts is not None:  # moe.router_replay
+        fields["routed_experts"] = out.routed_experts
     return sampling.SampleOutput(**sharding.put_batch(fields, mesh))
 
 

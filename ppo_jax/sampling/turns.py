@@ -33,12 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ppo_jax.models import forward
+from ppo_jax.models import forward, moe
 from ppo_jax.models.cache import KVCache, init_cache, split_cache
 from ppo_jax.models.transformer import CausalLM, positions_from_mask
 from ppo_jax.ppo.stats import last_token_index
 from ppo_jax.sampling.config import SamplingConfig, validate_inputs
-from ppo_jax.sampling.loop import constrain, constrain_cache, decode_layers, forward_last, is_stop_token
+from ppo_jax.sampling.loop import apply_last, constrain, constrain_cache, decode_layers, is_stop_token
 from ppo_jax.sampling.token_choice import TokenChoice, choose_tokens, response_uniforms
 from ppo_jax.sampling.weights import weights_in_compute_dtype
 
@@ -90,7 +90,9 @@ class TurnState:
     active [R] bool: decoding in this segment; reason [R]: why the row's last turn ended (RUNNING
     while active); recent [R, W]: the current turn's last W tokens (-1 before its start);
     tokens, logprobs, sampling_logprobs, mask, action_mask [R, T]; uniforms [R, T]; decode_steps []:
-    decode steps run (every one pays for all R rows, active or not).
+    decode steps run (every one pays for all R rows, active or not); experts [R, Lq + T, Lm, k]
+    (`sampling.record_experts`, else None): the experts each prompt and response token went to in the
+    Lm MoE layers when it was fed (routing replay), -1 where none was.
     """
 
     cache: KVCache | tuple[KVCache, ...]
@@ -107,6 +109,7 @@ class TurnState:
     action_mask: Array
     uniforms: Array
     decode_steps: Array
+    experts: Array | None = None
 
 
 def turn_stop_hit(recent: Array, turn_stops: tuple[tuple[int, ...], ...]) -> Array:
@@ -175,9 +178,9 @@ def start(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *, 
     prompt_mask = prompt_mask.astype(jnp.int32)
     cache = constrain_cache(init_cache(model.config, rows, prompt_len + new + extra, sampling.cache_dtype))
     kv_mask = _by_rows(jnp.concatenate([prompt_mask, jnp.zeros((rows, new + extra), jnp.int32)], axis=1))
-    logits, cache = model.apply(forward.variables(params, adapters), prompt_tokens.astype(jnp.int32),
-                                positions_from_mask(prompt_mask), kv_mask, cache,
-                                jnp.maximum(last_token_index(prompt_mask), 0), method=forward_last)
+    (logits, cache), prompt_experts = apply_last(
+        model, forward.variables(params, adapters), prompt_tokens.astype(jnp.int32), positions_from_mask(prompt_mask),
+        kv_mask, cache, jnp.maximum(last_token_index(prompt_mask), 0), record=sampling.record_experts)
     cache = cache.replace(index=jnp.zeros((rows,), jnp.int32))
     if decode_layers(params, adapters, sampling).unroll:
         cache = tuple(constrain_cache(layer) for layer in split_cache(cache))
@@ -191,8 +194,28 @@ def start(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *, 
         recent=jnp.full((rows, config.window), -1, jnp.int32), tokens=zeros(jnp.int32, sampling.pad_token_id),
         logprobs=zeros(jnp.float32), sampling_logprobs=zeros(jnp.float32), mask=zeros(jnp.int32),
         action_mask=zeros(jnp.int32), uniforms=_by_rows(response_uniforms(key, rows, new)),
-        decode_steps=jnp.int32(0))
+        decode_steps=jnp.int32(0), experts=_expert_buffer(model, prompt_experts, prompt_mask, new))
     return _record(state, _choose(state, logits, config), config)
+
+
+def _expert_buffer(model: CausalLM, prompt_experts: Array | None, prompt_mask: Array, new: int) -> Array | None:
+    """[R, Lq + T, Lm, k]: the prompts' routing (-1 on their padding), -1 over the response."""
+    if prompt_experts is None:
+        return None
+    prompt = jnp.where(prompt_mask.astype(bool)[..., None, None], prompt_experts, -1)
+    response = jnp.full((prompt.shape[0], new) + prompt.shape[2:], -1, prompt.dtype)
+    return jnp.concatenate([prompt.astype(moe.index_dtype(model.config.num_experts)), response], axis=1)
+
+
+def _record_fed(state: TurnState, experts: Array | None, fed: Array, first_column: Array, prompt_len: int) -> TurnState:
+    """The routing of the tokens just fed: experts [R, t, Lm, k] of each row's response columns
+    first_column [R] .. + t - 1, written where fed [R, t] (routing replay; a no-op without a record)."""
+    if experts is None:
+        return state
+    rows, width = state.experts.shape[:2]
+    at = jnp.where(fed, prompt_len + first_column[:, None] + jnp.arange(fed.shape[1])[None, :], width)
+    written = state.experts.at[jnp.arange(rows)[:, None], at].set(experts.astype(state.experts.dtype), mode="drop")
+    return state.replace(experts=written)
 
 
 def _prompt_len(state: TurnState, config: TurnConfig) -> int:
@@ -224,9 +247,10 @@ def decode(params: Any, state: TurnState, max_steps: Array | None = None, *, mod
         slot = prompt_len + state.column - 1
         kv_mask = state.kv_mask.at[rows, slot].max(state.active.astype(jnp.int32))
         positions = jnp.where(state.active, state.prompt_length + state.column - 1, 0)[:, None]
-        logits, cache = model.apply(variables, _last_tokens(state)[:, None], positions, kv_mask,
-                                    _with_index(state.cache, slot), jnp.zeros_like(slot), layers.params,
-                                    layers.adapters, method=forward_last)
+        (logits, cache), experts = apply_last(model, variables, _last_tokens(state)[:, None], positions, kv_mask,
+                                              _with_index(state.cache, slot), jnp.zeros_like(slot), layers.params,
+                                              layers.adapters, record=sampling.record_experts)
+        state = _record_fed(state, experts, state.active[:, None], state.column - 1, prompt_len)
         state = state.replace(cache=cache, kv_mask=kv_mask, decode_steps=state.decode_steps + 1)
         return _record(state, _choose(state, logits, config), config)
 
@@ -277,9 +301,10 @@ def append(params: Any, state: TurnState, observations: Array, observation_lengt
     written = resume[:, None] & (slots >= start_slot[:, None]) & (slots <= (start_slot + lengths)[:, None])
     kv_mask = state.kv_mask | written.astype(jnp.int32)
     layers = decode_layers(params, adapters, sampling)
-    logits, cache = model.apply(forward.variables(params, adapters), chunk, positions, kv_mask,
-                                _with_index(state.cache, start_slot), lengths, layers.params, layers.adapters,
-                                method=forward_last)
+    (logits, cache), experts = apply_last(model, forward.variables(params, adapters), chunk, positions, kv_mask,
+                                          _with_index(state.cache, start_slot), lengths, layers.params,
+                                          layers.adapters, record=sampling.record_experts)
+    state = _record_fed(state, experts, real, state.column - 1, prompt_len)
     # The observation into the response buffers: context, not actions (action_mask 0, log-prob 0).
     rows = jnp.arange(new)[None, :]
     into = resume[:, None] & (rows >= state.column[:, None]) & (rows < (state.column + lengths)[:, None])
