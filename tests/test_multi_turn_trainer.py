@@ -346,7 +346,7 @@ def test_an_environment_error_on_the_episode_thread_fails_the_run_in_one_line(tm
      "rollout.prefill_prompts=9: it is the episodes one insert re-prefills, at most the rollout.slots=8 slots"),
     ({"rollout.engine": "continuous", "environment.segment_steps": 0}, "environment.segment_steps=0: use at least 1"),
     ({"rollout.engine": "continuous", "rollout.slots": 8, "moe.router_replay": True},
-     "moe.router_replay and rollout.slots=8: the slot schedule's inserts record no routing"),
+     "moe.router_replay and rollout.slots=8: the slot schedule routes a re-prefilled episode's tokens a second"),
 ])
 def test_bad_multi_turn_settings_fail_before_compiling(overrides, message, tmp_path):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

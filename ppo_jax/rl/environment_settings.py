@@ -54,8 +54,9 @@ class EnvironmentSettings:
               f"rollout.prefill_prompts={prefill_prompts}: it is the episodes one insert re-prefills, at most the "
               f"rollout.slots={slots} slots (0: a quarter of them)")
         check(not (router_replay and engine == "continuous" and slots), f"environment.name={self.name!r} with "
-              f"moe.router_replay and rollout.slots={slots}: the slot schedule's inserts record no routing; set "
-              "rollout.slots=0 (a decode row per episode) or moe.router_replay=False")
+              f"moe.router_replay and rollout.slots={slots}: the slot schedule routes a re-prefilled episode's "
+              "tokens a second time, and one record cannot replay both; set rollout.slots=0 (a decode row per "
+              "episode) or moe.router_replay=False")
         check(not chat_template, f"environment.name={self.name!r} with data.chat_template: the environment's "
               "reset renders the prompt (ToolEnvironment applies the chat template itself); set "
               "data.chat_template=False")
