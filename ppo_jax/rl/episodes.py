@@ -68,7 +68,7 @@ class StartedEpisodes(StartedRollout):
     records: list[dict[str, str]] | None = None
 
 
-def _not_donated(weights: roles.SyncedWeights, state: PPOState) -> roles.SyncedWeights:
+def not_donated(weights: roles.SyncedWeights, state: PPOState) -> roles.SyncedWeights:
     """`weights` with a copy of every array that is the train state's own (the sampler on the
     trainer's mesh in its dtype: nothing was copied): the update donates those while the episode
     thread still decodes with them."""
@@ -152,7 +152,7 @@ class EpisodeRollouts(Rollouts):
         weights = self.sampler_weights(state)
         if self.episode_thread is None:
             return self._run_episodes(weights, prompt_tokens, prompt_mask, key, int(state.step))
-        weights = _not_donated(weights, state)
+        weights = not_donated(weights, state)
         future = self.episode_thread.submit(self._run_episodes, weights, prompt_tokens, prompt_mask, key,
                                             int(state.step))
         return StartedEpisodes(sample=None, version=int(state.step), pending=future)

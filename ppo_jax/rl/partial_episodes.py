@@ -37,14 +37,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from ppo_jax import sharding
+from ppo_jax import sampling, sharding
 from ppo_jax.agentic import continuous_rollout, rollout as episodes_lib, saved_runs
 from ppo_jax.config import ConfigError
 from ppo_jax.rl import roles
-from ppo_jax.rl.episodes import EpisodeRollouts, StartedEpisodes, _not_donated
+from ppo_jax.rl.episodes import EpisodeRollouts, StartedEpisodes, not_donated
 from ppo_jax.rl.rollouts import InFlightRecord, resolve_arrays
 from ppo_jax.rl.state import PPOState, Rollout
-from ppo_jax import sampling
 
 
 def check_one_process() -> None:
@@ -69,7 +68,7 @@ class PartialEpisodeRollouts(EpisodeRollouts):
         """The oldest batch finished under the current weights (queued first: the trainer waits for
         it), every other one a segment of turns further, then the batches up to `last` begun."""
         iteration = int(state.step)
-        weights = _not_donated(self.sampler_weights(state), state)  # the update donates the state's own
+        weights = not_donated(self.sampler_weights(state), state)  # the update donates the state's own
         if not self.in_flight:  # a run's first iteration: batch `iteration` begins now
             self.in_flight.append(self._then(self._begin, None, weights, iteration, *self.prompts.next_batch(),
                                              self.iteration_key(iteration)))

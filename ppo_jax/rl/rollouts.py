@@ -149,7 +149,7 @@ class Rollouts:
                                  f"{seconds:.2f} s); each iteration syncs only the adapters")
         # rollout.partial_rollouts: the continuous engine in segments, `segment_steps` decode steps each (a
         # rollout whose rows all run to rollout.response_length takes k + 1, one per iteration in flight).
-        # (Multi-turn episodes are segmented by turns instead: rl/episodes.py.)
+        # (Multi-turn episodes are segmented by turns instead: rl/partial_episodes.py.)
         one_turn_partial = settings.rollout.partial_rollouts and not settings.environment.enabled
         self.segmented = segments.SegmentedSampler(steps.sampler) if one_turn_partial else None
         self.segment_steps = segments.segment_budget(
