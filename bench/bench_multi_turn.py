@@ -29,7 +29,8 @@ and re-prefills round differently: a draw within ~1e-6 of a token's CDF boundary
 instead times PPO iterations of the tests' tiny multi-turn run (tests/scripted_envs.py, 0.2 s an
 environment step) on-policy, at rollout.off_policy_steps = 1, where the next batch's episodes run
 on their thread beside the update, and at k = 2 on the continuous schedule with whole and partial
-rollouts (a segment of turns per iteration): the medians of iterations 2-5.
+rollouts (a segment of turns per iteration): the medians of iterations 2-5. `--trainer-hidden`,
+`--trainer-layers`, `--trainer-heads` size the policy; `--trainer-settings k2` runs the k = 2 pair only.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def one_rollout(schedule, args, kind, built):
     return time.perf_counter() - start, out
 
 
-def trainer_overlap() -> None:
+def trainer_overlap(hidden: int = 32, layers: int = 2, heads: int = 2, settings: str = "all") -> None:
     import os
     import sys
     import tempfile
@@ -123,10 +124,11 @@ def trainer_overlap() -> None:
     print("| rollout.off_policy_steps | engine | partial_rollouts | time/iteration (median, s) | environment wait "
           "(median, s) | turns/episode | policy_lag_mean | mismatch_kl (median) |")
     print("|---|---|---|---|---|---|---|---|")
-    for steps_ahead, engine, partial in ((0, "static", False), (1, "static", False), (2, "continuous", False),
-                                         (2, "continuous", True)):
-        config = tiny_config(**{"environment.name": "slow_scripted_test_env", "environment.max_turns": 3,
-                                "environment.max_observation_tokens": 3, "rollout.batch_size": 16,
+    runs = ((0, "static", False), (1, "static", False), (2, "continuous", False), (2, "continuous", True))
+    for steps_ahead, engine, partial in runs if settings == "all" else runs[2:]:
+        config = tiny_config(**{"policy.model.hidden_size": hidden, "policy.model.num_layers": layers,
+                                "policy.model.num_heads": heads, "environment.name": "slow_scripted_test_env",
+                                "environment.max_turns": 3, "environment.max_observation_tokens": 3, "rollout.batch_size": 16,
                                 "rollout.response_length": 20, "policy.model.max_position_embeddings": 64,
                                 "train.iterations": 6, "rollout.off_policy_steps": steps_ahead,
                                 "rollout.engine": engine, "rollout.partial_rollouts": partial})
@@ -154,9 +156,14 @@ def main():
     parser.add_argument("--kinds", default="instant,latency,sandbox")
     parser.add_argument("--out", default="")
     parser.add_argument("--trainer", action="store_true", help="time PPO iterations on- and off-policy instead")
+    parser.add_argument("--trainer-hidden", type=int, default=32, help="--trainer: the policy's hidden size")
+    parser.add_argument("--trainer-layers", type=int, default=2, help="--trainer: the policy's layers")
+    parser.add_argument("--trainer-heads", type=int, default=2, help="--trainer: the policy's attention heads")
+    parser.add_argument("--trainer-settings", default="all", choices=("all", "k2"),
+                        help="--trainer: every setting, or k = 2 whole and partial only")
     args = parser.parse_args()
     if args.trainer:
-        return trainer_overlap()
+        return trainer_overlap(args.trainer_hidden, args.trainer_layers, args.trainer_heads, args.trainer_settings)
     built = build(args)
     runs = schedules(args, *built[1])
     for schedule in runs.values():  # compile every program once
