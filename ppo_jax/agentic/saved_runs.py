@@ -21,19 +21,15 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ppo_jax import sharding
+from ppo_jax.checkpoint import trees
 from ppo_jax.agentic.bookkeeping import Answers, Episodes
 from ppo_jax.agentic.continuous_rollout import EpisodeRun
 from ppo_jax.agentic.environment import Environment, StepResult, Turn, timed_step
 from ppo_jax.sampling.turns import LENGTH, TurnState
-
-EPISODE_FIELDS = ("live", "turn_start", "turns", "turn_ends", "turn_rewards", "done", "info", "seconds", "wall",
-                  "truncated", "reason")
-
 
 class ReplayMismatch(RuntimeError):
     """A restored environment answered a replayed turn otherwise than it did before the checkpoint."""
@@ -41,11 +37,10 @@ class ReplayMismatch(RuntimeError):
 
 def run_arrays(run: EpisodeRun) -> dict[str, np.ndarray]:
     """Every array of `run` as a host array by name (waits for the device)."""
-    paths, _ = jax.tree_util.tree_flatten_with_path(run.state)
-    host = sharding.to_host([leaf for _, leaf in paths] + [run.prompt_tokens, run.prompt_mask])
-    arrays = {"state" + jax.tree_util.keystr(path): np.asarray(a) for (path, _), a in zip(paths, host)}
-    arrays["prompt_tokens"], arrays["prompt_mask"] = np.asarray(host[-2]), np.asarray(host[-1])
-    arrays.update({f"ep.{name}": np.asarray(getattr(run.ep, name)) for name in EPISODE_FIELDS})
+    arrays = {"state" + name: a for name, a in trees.host_arrays_by_path(run.state).items()}
+    arrays["prompt_tokens"], arrays["prompt_mask"] = map(np.asarray, sharding.to_host((run.prompt_tokens,
+                                                                                       run.prompt_mask)))
+    arrays.update({f"ep.{name}": value for name, value in vars(run.ep).items() if isinstance(value, np.ndarray)})
     arrays.update({f"held.{f.name}": getattr(run.held, f.name) for f in dataclasses.fields(Answers)})
     arrays.update(decoding=run.decoding, parked=run.parked, turn_versions=run.turn_versions)
     return arrays
@@ -58,21 +53,15 @@ def rebuild_run(arrays: Mapping[str, np.ndarray], abstract_state: TurnState, mes
     split the rows again), its bookkeeping, and `environments` (this process's, by row, freshly
     reset) stepped again through the turns they were given (`replay`). `abstract_state`: the
     decoder's state shapes for these prompts, to check the saved arrays against."""
-    paths, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
-    leaves = []
-    for path, leaf in paths:
-        name = "state" + jax.tree_util.keystr(path)
-        array = arrays.get(name)
-        if array is None or array.shape != leaf.shape or array.dtype != leaf.dtype:
-            raise ValueError(f"the checkpoint's multi-turn rollout in flight does not fit this run's decoder: {name} "
-                             f"saved as {None if array is None else (array.shape, array.dtype)}, expected "
-                             f"{(leaf.shape, leaf.dtype)} (resume with the settings it was saved with)")
-        leaves.append(sharding.replicate(array, mesh) if mesh is not None else jnp.asarray(array))
+    place = (lambda a: sharding.replicate(a, mesh)) if mesh is not None else jnp.asarray
+    state = trees.tree_from_host_arrays(arrays, abstract_state, place, prefix="state",
+                                        what="the checkpoint's multi-turn rollout in flight")
     rows, max_turns = arrays["ep.turn_ends"].shape
     ep = Episodes(rows, max_turns)
-    for name in EPISODE_FIELDS:
-        setattr(ep, name, np.array(arrays[f"ep.{name}"]))
-    run = EpisodeRun(state=jax.tree_util.tree_unflatten(treedef, leaves), ep=ep,
+    for name, value in arrays.items():
+        if name.startswith("ep."):
+            setattr(ep, name[len("ep."):], np.array(value))
+    run = EpisodeRun(state=state, ep=ep,
                      decoding=np.array(arrays["decoding"]), parked=np.array(arrays["parked"]),
                      held=Answers(**{f.name: np.array(arrays[f"held.{f.name}"]) for f in dataclasses.fields(Answers)}),
                      turn_versions=np.array(arrays["turn_versions"]), environments=environments,

@@ -3,11 +3,15 @@ restore target before any array is read, and the abstract restore target of a st
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
+from ppo_jax import sharding
 from ppo_jax.checkpoint.errors import CheckpointMismatchError
+
 
 def _key_token(key) -> str:
     """One path entry as Orbax names it on disk: dict keys, attribute names, sequence indices."""
@@ -105,3 +109,30 @@ def check_tree_matches(stored_tree, abstract_state, *, what: str) -> None:
             raise CheckpointMismatchError(
                 f"{what} has an entry `{path_name(path)}` (shape {tuple(stored[path].shape)}) "
                 f"that the restore target does not have; {hint}")
+
+
+def host_arrays_by_path(tree) -> dict[str, np.ndarray]:
+    """Every leaf of `tree` as a host array named by its tree path (`keystr`); waits for the device.
+    The in-flight rollouts' engine states are saved this way (`tree_from_host_arrays` reads them)."""
+    paths, _ = jax.tree_util.tree_flatten_with_path(tree)
+    host = sharding.to_host([leaf for _, leaf in paths])
+    return {jax.tree_util.keystr(path): np.asarray(a) for (path, _), a in zip(paths, host)}
+
+
+def tree_from_host_arrays(arrays: Mapping[str, np.ndarray], abstract, place: Callable[[np.ndarray], Any], *,
+                          what: str, prefix: str = ""):
+    """The tree of `abstract`'s structure from `arrays` (`host_arrays_by_path`'s names, after `prefix`),
+    each leaf placed by `place`. A leaf missing or of another shape or dtype raises
+    CheckpointMismatchError: `what` does not fit this run."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    leaves = []
+    for path, leaf in paths:
+        name = prefix + jax.tree_util.keystr(path)
+        array = arrays.get(name)
+        if array is None or array.shape != leaf.shape or array.dtype != leaf.dtype:
+            raise CheckpointMismatchError(
+                f"{what} does not fit this run: {name} saved as "
+                f"{None if array is None else (array.shape, array.dtype)}, expected {(leaf.shape, leaf.dtype)} "
+                "(resume with the settings it was saved with)")
+        leaves.append(place(array))
+    return jax.tree_util.tree_unflatten(treedef, leaves)

@@ -148,7 +148,7 @@ class PartialEpisodeRollouts(EpisodeRollouts):
     def _held_on_sampler(started: StartedEpisodes) -> Any:
         """A batch between two segments holds its decoder state (KV cache included)."""
         run = started.run
-        return started.sample, started.ref_logprobs, started.model_scores, \
+        return EpisodeRollouts._held_on_sampler(started), \
             run.state if isinstance(run, continuous_rollout.EpisodeRun) else None
 
     def _in_flight_entry(self, started: StartedEpisodes, record: InFlightRecord) -> dict:
@@ -156,7 +156,8 @@ class PartialEpisodeRollouts(EpisodeRollouts):
         started = self._resolved(started)
         if started.sample is not None:
             return super()._in_flight_entry(started, record)
-        arrays = started.run if isinstance(started.run, dict) else saved_runs.run_arrays(started.run)
+        run = started.run
+        arrays = run if isinstance(run, dict) else self._saved_whole(saved_runs.run_arrays(run))
         return {"episode_run": record.refer(arrays), "segments_run": started.segments_run,
                 "records": started.records}
 

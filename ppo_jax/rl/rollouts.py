@@ -45,6 +45,7 @@ import numpy as np
 
 from ppo_jax import metrics as metrics_lib
 from ppo_jax import reward_functions, sampling, sharding
+from ppo_jax.checkpoint import trees
 from ppo_jax.config import ConfigError
 from ppo_jax.data.prompt_stream import PromptStream
 from ppo_jax.models import LoraConfig
@@ -338,17 +339,8 @@ class Rollouts:
         tokens = jax.ShapeDtypeStruct(arrays[".prompt_tokens"].shape, np.int32)
         key = sharding.replicate(self.iteration_key(0), mesh)
         abstract = self.segmented.abstract_segment(weights.params, tokens, tokens, key, adapters=weights.adapters)
-        paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-        leaves = []
-        for path, leaf in paths:
-            name = jax.tree_util.keystr(path)
-            array = arrays.get(name)
-            if array is None or array.shape != leaf.shape or array.dtype != leaf.dtype:
-                raise ConfigError(f"the checkpoint's partial rollout in flight does not fit this run's engine: {name} "
-                                  f"saved as {None if array is None else (array.shape, array.dtype)}, expected "
-                                  f"{(leaf.shape, leaf.dtype)} (resume with the settings it was saved with)")
-            leaves.append(sharding.replicate(array, mesh))
-        return jax.tree_util.tree_unflatten(treedef, leaves)
+        return trees.tree_from_host_arrays(arrays, abstract, lambda a: sharding.replicate(a, mesh),
+                                           what="the checkpoint's partial rollout in flight")
 
     def close(self) -> None:
         """Ends what runs beside the trainer (the one-turn sampler's work is all dispatched: nothing)."""
@@ -385,9 +377,10 @@ class Rollouts:
         make it large for a large model: the size is said once it passes 256 MiB."""
         if isinstance(started.segment, dict):  # restored and not run since
             return started.segment
-        paths, _ = jax.tree_util.tree_flatten_with_path(started.segment)
-        host = sharding.to_host([leaf for _, leaf in paths])
-        arrays = {jax.tree_util.keystr(path): np.asarray(a) for (path, _), a in zip(paths, host)}
+        return self._saved_whole(trees.host_arrays_by_path(started.segment))
+
+    def _saved_whole(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """`arrays`, a partial rollout's engine state; its size said once a run when it passes 256 MiB."""
         nbytes = sum(a.nbytes for a in arrays.values())
         if nbytes > 2**28 and not self.warned_segment_bytes:
             self.warned_segment_bytes = True
