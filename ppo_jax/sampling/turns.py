@@ -33,12 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ppo_jax.models import forward, moe
+from ppo_jax.models import forward
 from ppo_jax.models.cache import KVCache, init_cache, split_cache
 from ppo_jax.models.transformer import CausalLM, positions_from_mask
 from ppo_jax.ppo.stats import last_token_index
 from ppo_jax.sampling.config import SamplingConfig, validate_inputs
-from ppo_jax.sampling.loop import apply_last, constrain, constrain_cache, decode_layers, is_stop_token
+from ppo_jax.sampling.loop import apply_last, constrain, constrain_cache, decode_layers, is_stop_token, unrecorded
 from ppo_jax.sampling.token_choice import TokenChoice, choose_tokens, response_uniforms
 from ppo_jax.sampling.weights import weights_in_compute_dtype
 
@@ -194,17 +194,17 @@ def start(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *, 
         recent=jnp.full((rows, config.window), -1, jnp.int32), tokens=zeros(jnp.int32, sampling.pad_token_id),
         logprobs=zeros(jnp.float32), sampling_logprobs=zeros(jnp.float32), mask=zeros(jnp.int32),
         action_mask=zeros(jnp.int32), uniforms=_by_rows(response_uniforms(key, rows, new)),
-        decode_steps=jnp.int32(0), experts=_expert_buffer(model, prompt_experts, prompt_mask, new))
+        decode_steps=jnp.int32(0), experts=_expert_buffer(prompt_experts, prompt_mask, new))
     return _record(state, _choose(state, logits, config), config)
 
 
-def _expert_buffer(model: CausalLM, prompt_experts: Array | None, prompt_mask: Array, new: int) -> Array | None:
+def _expert_buffer(prompt_experts: Array | None, prompt_mask: Array, new: int) -> Array | None:
     """[R, Lq + T, Lm, k]: the prompts' routing (-1 on their padding), -1 over the response."""
     if prompt_experts is None:
         return None
-    prompt = jnp.where(prompt_mask.astype(bool)[..., None, None], prompt_experts, -1)
+    prompt = unrecorded(prompt_experts, prompt_mask)
     response = jnp.full((prompt.shape[0], new) + prompt.shape[2:], -1, prompt.dtype)
-    return jnp.concatenate([prompt.astype(moe.index_dtype(model.config.num_experts)), response], axis=1)
+    return jnp.concatenate([prompt, response], axis=1)
 
 
 def _record_fed(state: TurnState, experts: Array | None, fed: Array, first_column: Array, prompt_len: int) -> TurnState:
