@@ -68,6 +68,12 @@ class StartedEpisodes(StartedRollout):
     records: list[dict[str, str]] | None = None
 
 
+def with_episodes(started: StartedRollout, episodes: episodes_lib.MultiTurnOutput) -> StartedEpisodes:
+    """`started` (a scored sample) with the episodes it was made of."""
+    return StartedEpisodes(**{f.name: getattr(started, f.name) for f in dataclasses.fields(StartedRollout)},
+                           episodes=episodes)
+
+
 def not_donated(weights: roles.SyncedWeights, state: PPOState) -> roles.SyncedWeights:
     """`weights` with a copy of every array that is the train state's own (the sampler on the
     trainer's mesh in its dtype: nothing was copied): the update donates those while the episode
@@ -181,9 +187,7 @@ class EpisodeRollouts(Rollouts):
 
     def _scored_episodes(self, out: episodes_lib.MultiTurnOutput, version: int) -> StartedEpisodes:
         """Finished episodes as a started rollout (scored on the sampler's mesh with roles.scoring="sampler")."""
-        started = self._scored(sample_output(out, self.meshes.sampler), version)
-        return StartedEpisodes(**{f.name: getattr(started, f.name) for f in dataclasses.fields(StartedRollout)},
-                               episodes=out)
+        return with_episodes(self._scored(sample_output(out, self.meshes.sampler), version), out)
 
     @staticmethod
     def _resolved(started: StartedEpisodes) -> StartedEpisodes:
@@ -219,9 +223,8 @@ class EpisodeRollouts(Rollouts):
         if "episode_run" in r:  # saved between two segments of turns (rl/partial_episodes.py)
             raise ConfigError("the checkpoint holds multi-turn rollouts in flight between two segments of turns: "
                               "resume with rollout.partial_rollouts=True")
-        started = super()._restored(r, arrays)
-        return StartedEpisodes(**{f.name: getattr(started, f.name) for f in dataclasses.fields(StartedRollout)},
-                               episodes=episodes_lib.MultiTurnOutput(**resolve_arrays(r["episodes"], arrays)))
+        return with_episodes(super()._restored(r, arrays),
+                             episodes_lib.MultiTurnOutput(**resolve_arrays(r["episodes"], arrays)))
 
     def finish(self, started: StartedEpisodes) -> Rollout:
         """`Rollouts.finish` (reward functions on the whole transcript), plus the action mask and the
