@@ -7,6 +7,16 @@ from ppo_jax.ppo.advantages import (
     rloo_advantages,
     sequence_rewards,
 )
+from ppo_jax.ppo.aggregation import AGGREGATIONS, minibatch_normaliser, token_denominators
+from ppo_jax.ppo.entropy_control import (
+    CovarianceSelection,
+    EntropyControllerState,
+    covariance_selection,
+    entropy_coef,
+    init_entropy_controller,
+    kl_cov_loss,
+    update_entropy_controller,
+)
 from ppo_jax.ppo.gae import AdvantageEstimate, discounted_returns, gae
 from ppo_jax.ppo.kl import (
     KLControllerState,
@@ -15,6 +25,8 @@ from ppo_jax.ppo.kl import (
     update_kl_controller,
 )
 from ppo_jax.ppo.losses import dense_kl_loss, entropy_from_logits, entropy_loss, kl_loss, policy_loss, value_loss
+from ppo_jax.ppo.policy_objectives import OBJECTIVES, cispo_loss, gspo_loss
+from ppo_jax.ppo.sequences import sequence_mean, sequence_sum
 from ppo_jax.ppo.shaping import overlong_penalty, process_scores, shape_rewards, whiten_rewards
 from ppo_jax.ppo.stats import (
     Moments,
@@ -30,6 +42,9 @@ from ppo_jax.ppo.stats import (
 )
 
 __all__ = [
+    "AGGREGATIONS", "OBJECTIVES", "CovarianceSelection", "EntropyControllerState", "cispo_loss",
+    "covariance_selection", "entropy_coef", "gspo_loss", "init_entropy_controller", "kl_cov_loss",
+    "minibatch_normaliser", "sequence_mean", "sequence_sum", "token_denominators", "update_entropy_controller",
     "ESTIMATORS", "AdvantageEstimate", "KLControllerState", "Moments", "SumCount", "add_metrics",
     "dense_kl_loss", "discounted_returns", "entropy_from_logits", "entropy_loss", "estimate_advantages",
     "finalize_metrics", "gae", "grpo_advantages", "init_kl_controller", "kl_loss", "kl_penalty",

@@ -18,7 +18,10 @@ Definitions
   gae:          `gae.gae`; advantages optionally whitened over real tokens; returns = GAE
                 advantages (unwhitened) + values, the value-loss target.
   grpo:         A_i = (R_i - mean_g R) / (std_g R + 1e-4), std with Bessel's correction (n - 1), as
-                in DeepSeekMath and TRL; the same A_i on every real token of row i.
+                in DeepSeekMath and TRL; the same A_i on every real token of row i. With
+                divide_by_std=False, A_i = R_i - mean_g R: Dr. GRPO (Liu et al. 2025, "Understanding
+                R1-Zero-Like Training: A Critical Perspective", eq. 3), which drops the division because
+                it up-weights the groups whose rewards barely differ (too easy or too hard prompts).
   rloo:         A_i = R_i - (sum_{j != i in g} R_j) / (n - 1) (Kool et al. 2019; Ahmadian et al.
                 2024); on every real token of row i.
   reinforce_pp: G_t = discounted sum of the per-token rewards from t on (REINFORCE++, Hu 2025);
@@ -80,12 +83,14 @@ def _grouped(x: Array, group_size: int) -> Array:
     return x.reshape(-1, group_size)
 
 
-def grpo_advantages(sequence_reward: Array, group_size: int) -> Array:
-    """Group-normalised sequence rewards, [B] -> [B]."""
+def grpo_advantages(sequence_reward: Array, group_size: int, divide_by_std: bool = True) -> Array:
+    """Group-normalised sequence rewards, [B] -> [B] (divide_by_std=False: centred only, Dr. GRPO)."""
     grouped = _grouped(sequence_reward, group_size)
-    mean = grouped.mean(axis=1, keepdims=True)
+    centred = grouped - grouped.mean(axis=1, keepdims=True)
+    if not divide_by_std:
+        return centred.reshape(-1)
     std = grouped.std(axis=1, ddof=1, keepdims=True)
-    return ((grouped - mean) / (std + GRPO_STD_EPS)).reshape(-1)
+    return (centred / (std + GRPO_STD_EPS)).reshape(-1)
 
 
 def rloo_advantages(sequence_reward: Array, group_size: int) -> Array:
@@ -103,10 +108,11 @@ def estimate_advantages(name: str = "gae", *, rewards: Array | None = None,
                         values: Array | None = None, mask: Array, scores: Array | None = None,
                         kl: Array | None = None, kl_coef: Array | float | None = None,
                         group_size: int | None = None, gamma: float = 1.0, lam: float = 0.95,
-                        whiten: bool | None = None) -> AdvantageEstimate:
+                        whiten: bool | None = None, divide_by_std: bool = True) -> AdvantageEstimate:
     """Advantages [B, L] and returns [B, L] (0 on padding) by estimator `name` (see module doc).
 
-    Unpacks like a tuple: `advantages, returns = estimate_advantages(...)`.
+    Unpacks like a tuple: `advantages, returns = estimate_advantages(...)`. divide_by_std: grpo's
+    division by the group's standard deviation (False: Dr. GRPO); the other estimators ignore it.
     """
     if name not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; use one of {', '.join(ESTIMATORS)}")
@@ -133,8 +139,8 @@ def estimate_advantages(name: str = "gae", *, rewards: Array | None = None,
     if jnp.shape(scores) != mask.shape[:1]:
         raise ValueError(f"scores must be [B] = {mask.shape[:1]}, got shape {jnp.shape(scores)}")
     sequence_reward = sequence_rewards(scores, mask, kl, kl_coef)
-    per_sequence = (grpo_advantages if name == "grpo" else rloo_advantages)(sequence_reward,
-                                                                               group_size)
+    per_sequence = (grpo_advantages(sequence_reward, group_size, divide_by_std) if name == "grpo"
+                    else rloo_advantages(sequence_reward, group_size))
     advantages = _broadcast_to_tokens(per_sequence, mask)
     if whiten:
         advantages = masked_whiten(advantages, mask)

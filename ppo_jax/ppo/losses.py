@@ -7,7 +7,8 @@ Reduction. Every loss is  sum over this call's real tokens of the per-token loss
 `num_tokens` defaults to this call's own token count (a plain token mean). For gradient accumulation
 pass the token count of the whole minibatch (all microbatches, all devices): the microbatch losses
 (and their gradients) then add up to the full-minibatch loss exactly, however unevenly the real
-tokens fall into microbatches.
+tokens fall into microbatches. `num_tokens` may also be per token, [B, L]: each token's own
+denominator (the other loss aggregations, `ppo/aggregation.py`); the loss is then sum(l / d).
 
 Metrics. Every loss returns `(loss, metrics)`; each metric is a `stats.SumCount` (token sum and token
 count over this call's real tokens, independent of num_tokens) or a `stats.Moments` (adds a sum of
@@ -33,12 +34,22 @@ from ppo_jax.ppo.stats import Moments, SumCount, check_same_shape, masked_count,
 Array = jax.Array
 
 
-def _token_normalised(per_token: Array, mask: Array, num_tokens: Array | float | None) -> Array:
-    """sum(per_token over real tokens) / num_tokens (default: the real-token count), 0 if empty."""
+def token_normalised(per_token: Array, mask: Array, num_tokens: Array | float | None) -> Array:
+    """sum(per_token over real tokens) / num_tokens (default: the real-token count), 0 if empty;
+    num_tokens [B, L] (per-token denominators, `ppo/aggregation.py`): sum(per_token / num_tokens)."""
+    if num_tokens is not None and jnp.ndim(num_tokens):
+        return masked_sum(per_token / jnp.maximum(jnp.asarray(num_tokens, per_token.dtype), 1), mask)
     total = masked_sum(per_token, mask)
     denominator = masked_count(per_token, mask) if num_tokens is None else jnp.asarray(num_tokens,
                                                                                        total.dtype)
     return total / jnp.maximum(denominator, 1)
+
+
+def ratio_metrics(per_token: Array, clipped: Array, log_ratio: Array, ratio: Array, mask: Array) -> dict:
+    """The metrics every policy objective reports: its per-token loss, where its clip binds, the
+    approximate KL 0.5 * log_ratio^2 and the ratio it clips (Moments: mean and variance)."""
+    return dict(policy_loss=SumCount.of(per_token, mask), clipfrac=SumCount.of(clipped, mask),
+                approxkl=SumCount.of(0.5 * jnp.square(log_ratio), mask), ratio=Moments.of(ratio, mask, shift=1.0))
 
 
 def _as_float(*arrays: Array) -> list[Array]:
@@ -94,14 +105,8 @@ def policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
         per_token = jnp.where(dual_binds, cap, per_token)
         metrics["dual_clipfrac"] = SumCount.of(dual_binds, mask)
 
-    loss = _token_normalised(per_token, mask, num_tokens)
-    metrics.update(
-        policy_loss=SumCount.of(per_token, mask),
-        clipfrac=SumCount.of(clipped > unclipped, mask),
-        approxkl=SumCount.of(0.5 * jnp.square(log_ratio), mask),
-        ratio=Moments.of(ratio, mask, shift=1.0),
-    )
-    return loss, metrics
+    metrics.update(ratio_metrics(per_token, clipped > unclipped, log_ratio, ratio, mask))
+    return token_normalised(per_token, mask, num_tokens), metrics
 
 
 def value_loss(values: Array, old_values: Array, returns: Array, mask: Array, *,
@@ -129,7 +134,7 @@ def value_loss(values: Array, old_values: Array, returns: Array, mask: Array, *,
         clipped = jnp.square(clipped_values - returns)
         per_token = 0.5 * jnp.maximum(unclipped, clipped)
         value_clipped = clipped > unclipped
-    loss = _token_normalised(per_token, mask, num_tokens)
+    loss = token_normalised(per_token, mask, num_tokens)
     metrics = dict(
         value_loss=SumCount.of(per_token, mask),
         value_clipfrac=SumCount.of(value_clipped, mask),
@@ -164,7 +169,7 @@ def entropy_loss(logits: Array, mask: Array, *,
     logits [B, L, V], mask [B, L]. Returns (loss [] = -sum(H) / num_tokens, {"entropy": SumCount}).
     """
     entropy = entropy_from_logits(logits, mask)
-    return -_token_normalised(entropy, mask, num_tokens), {"entropy": SumCount.of(entropy, mask)}
+    return -token_normalised(entropy, mask, num_tokens), {"entropy": SumCount.of(entropy, mask)}
 
 
 def kl_loss(logp: Array, ref_logp: Array, mask: Array, kind: str = "k3",
@@ -178,7 +183,7 @@ def kl_loss(logp: Array, ref_logp: Array, mask: Array, kind: str = "k3",
     """
     check_same_shape(logp=logp, ref_logp=ref_logp, mask=mask)
     per_token = kl_penalty(logp, jax.lax.stop_gradient(jnp.asarray(ref_logp)), kind)
-    return _token_normalised(per_token, mask, num_tokens), {"kl_loss": SumCount.of(per_token, mask)}
+    return token_normalised(per_token, mask, num_tokens), {"kl_loss": SumCount.of(per_token, mask)}
 
 
 def dense_kl_loss(logits: Array, ref_logits: Array, mask: Array,
@@ -199,4 +204,4 @@ def dense_kl_loss(logits: Array, ref_logits: Array, mask: Array,
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     ref_logp = jax.nn.log_softmax(jax.lax.stop_gradient(ref_logits).astype(jnp.float32), axis=-1)
     per_token = jnp.sum(jnp.exp(logp) * (logp - ref_logp), axis=-1)
-    return _token_normalised(per_token, mask, num_tokens), {"dense_kl": SumCount.of(per_token, mask)}
+    return token_normalised(per_token, mask, num_tokens), {"dense_kl": SumCount.of(per_token, mask)}

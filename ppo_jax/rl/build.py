@@ -187,6 +187,12 @@ def init_kl(s: Settings) -> ppo.KLControllerState:
     return ppo.init_kl_controller(p.kl_controller, p.kl_coef, target=p.kl_target, horizon=p.kl_horizon)
 
 
+def init_entropy(s: Settings) -> ppo.EntropyControllerState | None:
+    """The adaptive entropy coefficient's starting state (ppo.entropy_target > 0), else None."""
+    p = s.ppo
+    return ppo.init_entropy_controller(p.ent_coef, p.entropy_target, p.entropy_coef_step) if p.entropy_target else None
+
+
 def abstract_train_state(s: Settings, modules: Modules, policy_tx, value_tx, mesh):
     """(abstract PPOState of ShapeDtypeStructs carrying shardings, PPOState of shardings).
 
@@ -201,7 +207,8 @@ def abstract_train_state(s: Settings, modules: Modules, policy_tx, value_tx, mes
         step=jax.ShapeDtypeStruct((), jnp.int32), policy=policy,
         policy_opt=jax.eval_shape(policy_tx.init, policy),
         value=value, value_opt=jax.eval_shape(value_tx.init, value) if value is not None else None,
-        kl=jax.eval_shape(lambda: init_kl(s)), key=jax.eval_shape(lambda: jax.random.key(0)))
+        kl=jax.eval_shape(lambda: init_kl(s)), key=jax.eval_shape(lambda: jax.random.key(0)),
+        entropy=jax.eval_shape(lambda: init_entropy(s)))
     shardings = sharding.tree_shardings(boxed, mesh)
     abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                             nn.unbox(boxed), shardings)

@@ -68,14 +68,15 @@ def experience_from_outputs(out: ForwardOutputs, rollout: Rollout, kl_coef: jax.
         hp.estimator, rewards=rewards, values=out.values, mask=mask, scores=episode_scores, kl=kl,
         kl_coef=reward_kl_coef, group_size=hp.group_size, gamma=hp.gamma, lam=hp.lam,
         # Critic-free estimators normalise in their own way (group or batch statistics).
-        whiten=hp.whiten_advantages if hp.estimator == "gae" else None)
+        whiten=hp.whiten_advantages if hp.estimator == "gae" else None, divide_by_std=hp.grpo_divide_by_std)
     correction = off_policy_correction(hp.off_policy_ratio, hp.is_cap, out.logprobs, rollout.behaviour_logprobs, mask)
     exp = Experience(
         prompt_tokens=rollout.prompt_tokens, prompt_mask=rollout.prompt_mask,
         tokens=rollout.tokens, mask=rollout.mask, old_logprobs=correction.ratio_logprobs,
         ref_logprobs=out.ref_logprobs, values=out.values, advantages=advantages * correction.pg_weights * mask,
         returns=returns * mask, scores=scores,
-        sequence_kl=kl.sum(-1), routed_experts=rollout.routed_experts, action_mask=rollout.action_mask)
+        sequence_kl=kl.sum(-1), routed_experts=rollout.routed_experts, action_mask=rollout.action_mask,
+        sequence_entropy=(out.entropy * mask).sum(-1))
     non_score = -(kl_coef * kl).sum(-1)
     metrics = {
         "objective/scores": scores.mean(),

@@ -13,6 +13,14 @@ if TYPE_CHECKING:
     from ppo_jax.rl.settings import Settings
 
 
+def loss_aggregation(setting: str, policy_objective: str) -> str:
+    """ppo.loss_aggregation -> the mode: "auto" is each objective's paper's (GSPO's objective is a
+    mean over responses; DAPO's token mean, the library's default, for the others)."""
+    if setting != "auto":
+        return setting
+    return "sequence_mean" if policy_objective.startswith("gspo") else "token_mean"
+
+
 @dataclasses.dataclass(frozen=True)
 class DerivedSizes:
     """Sizes that follow from the settings and the mesh (`rl/sizes.derive_sizes` makes them)."""
@@ -65,6 +73,12 @@ class PPOHyper:
     overlong_buffer: int = 0  # reward.overlong_buffer (0 = no overlong penalty)
     overlong_penalty: float = 0.0
     dense_kl_coef: float = 0.0  # ppo.dense_kl_coef (0 = no whole-vocabulary KL term, no reference forward in the update)
+    policy_objective: str = "ppo"  # ppo.policy_objective (ppo/policy_objectives.OBJECTIVES)
+    loss_aggregation: str = "token_mean"  # ppo.loss_aggregation, "auto" resolved (ppo/aggregation.py)
+    grpo_divide_by_std: bool = True
+    kl_cov_fraction: float = 0.002
+    kl_cov_coef: float = 1.0
+    entropy_target: float = 0.0  # > 0: the adaptive entropy coefficient (PPOState.entropy) replaces ent_coef
 
     @property
     def packed(self) -> bool:
@@ -91,7 +105,10 @@ class PPOHyper:
             router_z_coef=p.router_z_coef, packed_rows=sizes.packed_rows,
             packed_length=sizes.packed_length,
             off_policy_ratio=off_policy_ratio(p.off_policy_ratio, s.rollout.off_policy_steps), is_cap=p.is_cap,
-            scored_outside=s.roles.scoring == "sampler")
+            scored_outside=s.roles.scoring == "sampler", policy_objective=p.policy_objective,
+            loss_aggregation=loss_aggregation(p.loss_aggregation, p.policy_objective),
+            grpo_divide_by_std=p.grpo_divide_by_std, kl_cov_fraction=p.kl_cov_fraction, kl_cov_coef=p.kl_cov_coef,
+            entropy_target=p.entropy_target)
 
     @property
     def uses_critic(self) -> bool:

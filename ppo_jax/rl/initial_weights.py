@@ -18,7 +18,7 @@ from ppo_jax.checkpoint import verify
 from ppo_jax.config import ConfigError
 from ppo_jax.models import boxed_params, hf, init_adapters, init_params
 from ppo_jax.rl import roles
-from ppo_jax.rl.build import RunKeys, cast_floating, init_kl, reference_copy, trainable_value, value_lora
+from ppo_jax.rl.build import RunKeys, cast_floating, init_entropy, init_kl, reference_copy, trainable_value, value_lora
 from ppo_jax.rl.settings import Settings
 from ppo_jax.rl.state import Modules, PPOState
 
@@ -90,7 +90,7 @@ def fresh_state(s: Settings, policy, value, key, policy_tx, value_tx, shardings:
         return PPOState(
             step=jnp.zeros((), jnp.int32), policy=policy, policy_opt=policy_tx.init(policy),
             value=value, value_opt=value_tx.init(value) if value is not None else None,
-            kl=init_kl(s), key=key)
+            kl=init_kl(s), key=key, entropy=init_entropy(s))
 
     return jax.jit(build, out_shardings=shardings)(policy, value, sharding.replicate(key, mesh))
 

@@ -6,9 +6,10 @@
 
 Each returns (loss [], metrics). The loss is clipped policy loss + ent_coef * (-entropy)
 [+ kl_coef * KL when the KL is a loss term] [+ dense_kl_coef * the whole-vocabulary KL] [+ vf_coef * clipped value loss] [+ an MoE policy's
-router losses]; every term is a token sum over this microbatch divided by `LossBatch.num_tokens`, the
-token count of the whole minibatch, so microbatch losses and gradients add up to the minibatch's
-exactly (`ppo/losses.py`). Metrics are `SumCount` / `Moments` (pooled exactly across microbatches)
+router losses]; the policy loss is `hp.policy_objective`'s (PPO, GSPO, GSPO-token, CISPO, KL-Cov), and
+every term is a token sum over this microbatch of each token's loss divided by its denominator
+(`hp.loss_aggregation`, `ppo/aggregation.py`: for token_mean `LossBatch.num_tokens`, the token count
+of the whole minibatch), so microbatch losses and gradients add up to the minibatch's exactly. Metrics are `SumCount` / `Moments` (pooled exactly across microbatches)
 or token-weighted scalars (their sum over microbatches is the minibatch's mean).
 
 Shapes: b rows of a microbatch, Lq prompt length, Lr response length, V vocabulary; packed: M rows
@@ -40,8 +41,13 @@ class LossBatch:
     """One microbatch and the minibatch-wide numbers its loss is scaled by."""
 
     experience: Experience | PackedExperience  # [b, Lr] padded rows, or [M, T] packed slots
-    num_tokens: Array  # [] real response tokens of the whole minibatch: each term is a token sum / this
+    num_tokens: Array  # [] real response tokens of the whole minibatch (token_mean: each term is a token sum / this)
     kl_coef: Array  # [] the KL controller's beta (used when the KL is a loss term: hp.kl_in_reward=False)
+    # [] the minibatch-wide part of hp.loss_aggregation's denominators (`ppo.minibatch_normaliser`);
+    # None: num_tokens (token_mean)
+    normaliser: Array | None = None
+    ent_coef: Array | None = None  # [] the adaptive entropy coefficient this update (hp.entropy_target); None: hp.ent_coef
+    kl_cov: ppo.CovarianceSelection | None = None  # the minibatch's KL-Cov selection (hp.policy_objective="kl_cov")
 
 
 @flax.struct.dataclass
@@ -55,16 +61,38 @@ class TokenOutputs:
     ref_logits: Array | None = None  # [..., V] the reference's, temperature applied; only with hp.dense_kl_coef
 
 
+def policy_term(out: TokenOutputs, batch: LossBatch, hp: PPOHyper, mask: Array,
+                denominators: Array) -> tuple[Array, dict[str, Any]]:
+    """The policy loss of `hp.policy_objective` (`ppo/losses.py`, `ppo/policy_objectives.py`,
+    `ppo/entropy_control.py`) over `mask` [b, Lr] (or [M, T]), each token's loss / `denominators`."""
+    exp, objective = batch.experience, hp.policy_objective
+    args = (out.logprobs, exp.old_logprobs, exp.advantages, mask)
+    if objective in ("gspo", "gspo_token"):
+        return ppo.gspo_loss(*args, clip_eps=hp.clip_eps, clip_eps_high=hp.clip_eps_high,
+                             token_level=objective == "gspo_token", segment_ids=exp.segment_ids,
+                             num_tokens=denominators)
+    if objective == "cispo":
+        return ppo.cispo_loss(*args, clip_eps_low=hp.clip_eps, clip_eps_high=hp.clip_eps_high or hp.clip_eps,
+                              num_tokens=denominators)
+    if objective == "kl_cov":
+        return ppo.kl_cov_loss(*args, batch.kl_cov, coef=hp.kl_cov_coef, num_tokens=denominators)
+    return ppo.policy_loss(*args, clip_eps=hp.clip_eps, clip_eps_high=hp.clip_eps_high, dual_clip=hp.dual_clip,
+                           num_tokens=denominators)
+
+
 def ppo_loss(out: TokenOutputs, batch: LossBatch, hp: PPOHyper) -> tuple[Array, dict[str, Any]]:
     """The microbatch loss [] and metrics from the models' outputs and the experience. Every term is a
-    token sum over `mask` / `batch.num_tokens`, so the layout (padded or packed) does not matter."""
-    exp, num_tokens = batch.experience, batch.num_tokens
+    token sum over `mask` of the token's loss / its denominator (`hp.loss_aggregation`: token_mean
+    divides by `batch.num_tokens`), so the layout (padded or packed) does not matter."""
+    exp = batch.experience
     mask = exp.loss_mask.astype(jnp.float32)  # multi-turn rows: the policy's tokens only
-    loss, metrics = ppo.policy_loss(out.logprobs, exp.old_logprobs, exp.advantages, mask, clip_eps=hp.clip_eps,
-                                    clip_eps_high=hp.clip_eps_high, dual_clip=hp.dual_clip, num_tokens=num_tokens)
+    num_tokens = ppo.token_denominators(hp.loss_aggregation,
+                                        batch.num_tokens if batch.normaliser is None else batch.normaliser,
+                                        mask, exp.segment_ids)
+    loss, metrics = policy_term(out, batch, hp, mask, num_tokens)
     ent_loss, ent_metrics = ppo.entropy_loss(out.logits, mask, num_tokens=num_tokens)
     metrics.update(ent_metrics)
-    loss = loss + hp.ent_coef * ent_loss
+    loss = loss + (hp.ent_coef if batch.ent_coef is None else batch.ent_coef) * ent_loss
     if not hp.kl_in_reward:
         kl_loss, kl_metrics = ppo.kl_loss(out.logprobs, exp.ref_logprobs, mask, hp.kl_estimator, num_tokens=num_tokens)
         loss = loss + batch.kl_coef * kl_loss
@@ -82,7 +110,7 @@ def ppo_loss(out: TokenOutputs, batch: LossBatch, hp: PPOHyper) -> tuple[Array, 
         # Each router loss is its microbatch's (as transformers computes it per forward), weighted by
         # the microbatch's share of the minibatch's tokens: the sums over microbatches are
         # token-weighted means.
-        share = mask.sum() / num_tokens
+        share = mask.sum() / batch.num_tokens
         loss = loss + share * RouterCoefs(hp.router_aux_coef, hp.router_z_coef).penalty(out.router)
         metrics.update(router_balance=share * out.router.balance, router_z=share * out.router.z,
                        router_load_max=share * out.router.load_max, router_dropped=out.router.dropped)

@@ -21,12 +21,14 @@ from ppo_jax.config import (HF_MODEL_DIR, HF_REWARD_DIR, PEFT_ADAPTER_DIR,
 from ppo_jax.data.prompt_stream import PromptDataSettings
 from ppo_jax.distributed import DistributedSettings
 from ppo_jax.models.config import LoraConfig, ModelConfig
-from ppo_jax.rl.corrections import OFF_POLICY_RATIOS
+from ppo_jax.ppo.aggregation import AGGREGATIONS
+from ppo_jax.ppo.policy_objectives import OBJECTIVES
+from ppo_jax.rl.corrections import OFF_POLICY_RATIOS, off_policy_ratio
 from ppo_jax.rl.environment_settings import EnvironmentSettings
 from ppo_jax.rl.roles import RolesSettings
 from ppo_jax.rl.router_replay import MoeSettings
 from ppo_jax.sampling import SamplingConfig
-from ppo_jax.sampling.config import ENGINES
+from ppo_jax.sampling.config import ENGINES, GEMM_OPTIONS
 
 ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
 # rollout.decode -> SamplingConfig.unroll_layers (None: decided by the backend).
@@ -122,6 +124,7 @@ class RolloutSettings:
     prefill_prompts: int = 0  # continuous: prompts prefilled together when a slot is free and no prefilled row waits; 0 = a quarter of the slots' worth (with an environment: the episodes one insert prefills)
     off_policy_steps: int = 0  # 0..4: 0: each rollout samples the policy being updated; k: the sampler runs k batches ahead, batch i+k sampled with the weights before update i while the trainer updates on batch i (overlapped on disaggregated roles; policy lag k; the correction: ppo.off_policy_ratio)
     partial_rollouts: bool = False  # continuous engine, off_policy_steps >= 1: a rollout in flight is decoded in segments, one per train step, each under the weights synced last (the rows in progress keep their KV cache); every token records its log-prob and the version of the weights that chose it, the policy lag is per token; multi-turn episodes advance by segments of turns (docs/off_policy.md, "Partial rollouts")
+    gemm: str = "auto"  # GPU only, the sampler's program alone (prefill + decode): "auto" (XLA's choice: autotuned Triton GEMMs), "cublas" (xla_gpu_enable_triton_gemm off; compiles faster), "triton_exhaustive" (every Triton tiling autotuned; compiles slower); bench_accel.py --gemm-ab measures them (docs/benchmarks.md)
     tail_halvings: int = -1  # continuous: times the busy rows may move into half as many slots once nothing is left to insert (each a decode program of its own); -1 = 2 with the unrolled decode, 0 with the scanned one (TPU), whose stage caches cost memory there
 
 
@@ -140,6 +143,13 @@ class PPOLossSettings:
     clip_eps: float = 0.2  # policy ratio clip (lower side, and upper side unless clip_eps_high is set)
     clip_eps_high: float = 0.0  # upper ratio clip for asymmetric clipping; 0 = same as clip_eps
     dual_clip: float = 0.0  # dual-clip constant c > 1 for negative advantages; 0 = off
+    policy_objective: str = "ppo"  # the policy loss (docs/ablations.md, "Objectives"): "ppo": the clipped token ratio (Schulman et al. 2017); "gspo": the clipped length-normalised sequence ratio, one per response (GSPO, Zheng et al. 2025; with grpo or rloo; its clip_eps ~3e-4); "gspo_token": GSPO-token, the same ratio with per-token advantages (same paper); "cispo": the clipped importance weight, stopped, times the log-prob: every token keeps a gradient (CISPO, MiniMax-M1 2025; ppo.clip_eps >= 1: no lower bound, as the paper); "kl_cov": the unclipped ratio plus a KL penalty on the tokens whose log-prob covaries most with their advantage (KL-Cov, Cui et al. 2025)
+    loss_aggregation: str = "auto"  # how token losses make the minibatch loss: "token_mean": sum / tokens (DAPO, Yu et al. 2025); "sequence_mean": the mean over responses of their token means (GRPO, Shao et al. 2024); "constant": sum / (rows x rollout.response_length) (Dr. GRPO, Liu et al. 2025); "auto": sequence_mean for gspo and gspo_token (GSPO's objective), token_mean otherwise
+    grpo_divide_by_std: bool = True  # grpo advantages: the group-centred reward divided by the group's std (DeepSeekMath); False: centred only (Dr. GRPO, Liu et al. 2025)
+    kl_cov_fraction: float = 0.002  # kl_cov: the share of a minibatch's tokens penalised, those with the largest Cov(log-prob, advantage) (the paper's k: 2e-3; 2e-4 for 32B models)
+    kl_cov_coef: float = 1.0  # kl_cov: the coefficient of |log pi - log pi_old| on the selected tokens (the paper's beta)
+    entropy_target: float = 0.0  # adaptive entropy coefficient (Skywork-OR1, He et al. 2025): the target mean token entropy in nats; the bonus's coefficient starts at ppo.ent_coef, rises by ppo.entropy_coef_step each iteration whose rollout's entropy is below the target, falls above it, and acts only at or below it; 0 = off (ppo.ent_coef fixed)
+    entropy_coef_step: float = 0.005  # the adaptive entropy coefficient's change per iteration (with ppo.entropy_target)
     value_clip: float = 0.2  # value prediction clip range
     vf_coef: float = 0.1  # value loss coefficient
     ent_coef: float = 0.0  # entropy bonus coefficient
@@ -269,6 +279,7 @@ class Settings(RunSettings):
         check(r.steps_per_sync >= 0, f"rollout.steps_per_sync must be >= 0 (0: by platform), got {r.steps_per_sync}")
         check(r.decode in DECODE_LOOPS, f"rollout.decode={r.decode!r}: use one of {sorted(DECODE_LOOPS)}")
         check(r.engine in ENGINES, f"rollout.engine={r.engine!r}: use one of {', '.join(ENGINES)}")
+        check(r.gemm in GEMM_OPTIONS, f"rollout.gemm={r.gemm!r}: use one of {', '.join(GEMM_OPTIONS)}")
         check(r.slots >= 0 and r.prefill_prompts >= 0,
               f"rollout.slots and rollout.prefill_prompts must be >= 0 (0 = automatic), got {r.slots} and "
               f"{r.prefill_prompts}")
@@ -341,6 +352,7 @@ class Settings(RunSettings):
         check(p.clip_eps_high >= 0, f"ppo.clip_eps_high must be >= 0 (0 = same as clip_eps), got {p.clip_eps_high}")
         check(p.dual_clip == 0 or p.dual_clip > 1, f"ppo.dual_clip must be 0 (off) or > 1, got {p.dual_clip}")
         check(p.value_clip > 0, f"ppo.value_clip must be > 0, got {p.value_clip}")
+        self._validate_objective()
         check(p.router_aux_coef >= 0 and p.router_z_coef >= 0,
               f"ppo.router_aux_coef and ppo.router_z_coef must be >= 0, got {p.router_aux_coef} and {p.router_z_coef}")
         check(0 < p.gamma <= 1, f"ppo.gamma must be in (0, 1], got {p.gamma}")
@@ -355,6 +367,41 @@ class Settings(RunSettings):
         if p.kl_controller == "adaptive":
             check(p.kl_target > 0 and p.kl_horizon > 0,
                   "ppo.kl_target and ppo.kl_horizon must be > 0 for the adaptive controller")
+
+    def _validate_objective(self) -> None:
+        """ppo.policy_objective, ppo.loss_aggregation and entropy control: each value, and the
+        combinations that do not compose (docs/ablations.md, "Objectives")."""
+        p = self.ppo
+        objective, correction = p.policy_objective, off_policy_ratio(p.off_policy_ratio, self.rollout.off_policy_steps)
+        check(objective in OBJECTIVES, f"ppo.policy_objective={objective!r}: use one of {', '.join(OBJECTIVES)}")
+        check(p.loss_aggregation in ("auto",) + AGGREGATIONS,
+              f"ppo.loss_aggregation={p.loss_aggregation!r}: use auto or one of {', '.join(AGGREGATIONS)}")
+        check(objective != "gspo" or p.advantage_estimator in ("grpo", "rloo"),
+              f"ppo.policy_objective=gspo clips one ratio per response against one advantage per response, but "
+              f"ppo.advantage_estimator={p.advantage_estimator} gives one per token: use grpo or rloo, or gspo_token")
+        check(objective != "gspo" or correction in ("", "behaviour") or correction.startswith("sequence_"),
+              f"ppo.policy_objective=gspo with ppo.off_policy_ratio={correction}: a per-token weight varies the "
+              "advantage inside a response GSPO clips as one; use sequence_truncated_is, sequence_masked_is, "
+              "behaviour, or gspo_token")
+        check(objective == "ppo" or not p.dual_clip,
+              f"ppo.dual_clip bounds PPO's clipped token ratio; ppo.policy_objective={objective} has none: set "
+              "ppo.dual_clip=0")
+        check(objective != "kl_cov" or not p.clip_eps_high,
+              "ppo.policy_objective=kl_cov clips nothing (KL-Cov replaces the clip): set ppo.clip_eps_high=0")
+        check(objective == "cispo" or p.clip_eps < 1,
+              f"ppo.clip_eps={p.clip_eps}: the ratio is clipped to [1 - clip_eps, ...], so it must be < 1 (only "
+              "cispo takes >= 1, as no lower bound)")
+        check(0 < p.kl_cov_fraction <= 1 and p.kl_cov_coef >= 0,
+              f"ppo.kl_cov_fraction must be in (0, 1] and ppo.kl_cov_coef >= 0, got {p.kl_cov_fraction} and "
+              f"{p.kl_cov_coef}")
+        check(p.grpo_divide_by_std or p.advantage_estimator == "grpo",
+              f"ppo.grpo_divide_by_std=False (Dr. GRPO) changes grpo's advantages; ppo.advantage_estimator="
+              f"{p.advantage_estimator}: set it to grpo, or leave grpo_divide_by_std True")
+        check(p.entropy_target >= 0 and p.entropy_coef_step > 0,
+              f"ppo.entropy_target must be >= 0 (0 = off) and ppo.entropy_coef_step > 0, got {p.entropy_target} "
+              f"and {p.entropy_coef_step}")
+        check(not p.entropy_target or p.ent_coef >= 0,
+              f"ppo.entropy_target: the adaptive coefficient starts at ppo.ent_coef, which must be >= 0, got {p.ent_coef}")
 
 
 def ppo_config() -> ml_collections.ConfigDict:
@@ -390,4 +437,5 @@ def sampling_config(s: Settings, stop_ids: Sequence[int], pad_id: int,
         top_k=r.top_k, top_p=r.top_p, stop_token_ids=tuple(stop_ids), pad_token_id=int(pad_id),
         num_samples=r.num_samples, cache_dtype=r.cache_dtype or None, engine=r.engine, slots=slots,
         prefill_prompts=r.prefill_prompts, tail_halvings=None if r.tail_halvings < 0 else r.tail_halvings,
-        steps_per_sync=steps_per_sync, unroll_layers=unroll_layers, record_experts=s.moe.router_replay)
+        steps_per_sync=steps_per_sync, unroll_layers=unroll_layers, record_experts=s.moe.router_replay,
+        gemm=r.gemm)

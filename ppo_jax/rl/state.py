@@ -52,6 +52,7 @@ class PPOState:
     value_opt: Any
     kl: ppo.KLControllerState
     key: Array  # base PRNG key; per-iteration keys are fold_in(key, step)
+    entropy: ppo.EntropyControllerState | None = None  # the adaptive entropy coefficient (ppo.entropy_target); None: off
 
 
 @flax.struct.dataclass
@@ -154,12 +155,20 @@ class Experience:
     sequence_kl: Array
     routed_experts: Array | None = None  # [B, Lq + Lr, Lm, k]: the rollout's, the update replays it (moe.router_replay)
     action_mask: Array | None = None  # [B, Lr] multi-turn rows: the policy's tokens (None: every response token)
+    # [B] each response's summed token entropy over `loss_mask` under the policy about to be updated:
+    # what the adaptive entropy coefficient steps on (None: not computed, e.g. a hand-made batch).
+    sequence_entropy: Array | None = None
 
     @property
     def loss_mask(self) -> Array:
         """[B, Lr] the tokens trained on (log-probs, KL, advantages, losses): the actions of
         multi-turn rows, else every response token. `mask` stays the forwards' context."""
         return self.mask if self.action_mask is None else self.action_mask
+
+    @property
+    def segment_ids(self) -> None:
+        """Each row is one sequence (`ppo/sequences.py`)."""
+        return None
 
 
 
@@ -179,3 +188,8 @@ class PackedExperience:
     @property
     def loss_mask(self) -> Array:
         return self.mask  # packed from `Experience.loss_mask`: the rows' context is in `rows`
+
+    @property
+    def segment_ids(self) -> Array:
+        """[..., M, T] the sequence of each slot (`ppo/sequences.py`): runs of one id."""
+        return self.rows.segment_ids

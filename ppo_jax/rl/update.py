@@ -43,6 +43,7 @@ UPDATE_METRIC_NAMES = {
     "approxkl": "policy/approxkl_avg",
     "clipfrac": "policy/clipfrac_avg",
     "dual_clipfrac": "policy/dual_clipfrac_avg",
+    "kl_cov_frac": "policy/kl_cov_frac_avg",
     "entropy": "policy/entropy_avg",
     "value_clipfrac": "val/clipfrac_avg",
     "values": "val/values_avg",
@@ -134,6 +135,32 @@ def step_kl_controller(state: PPOState, exp: Experience, exp_finite: Array, rows
     return state.replace(kl=kl, step=state.step + 1)
 
 
+def rollout_entropy(exp: Experience) -> Array:
+    """[] the rollout's mean token entropy (over the tokens trained on) under the policy being updated."""
+    return exp.sequence_entropy.sum() / jnp.maximum(exp.loss_mask.sum(), 1).astype(jnp.float32)
+
+
+def step_entropy_controller(state: PPOState, entropy: Array, exp_finite: Array) -> PPOState:
+    """The adaptive entropy coefficient stepped on the rollout's entropy (unchanged after a non-finite
+    experience); the state as it was without one."""
+    if state.entropy is None:
+        return state
+    new = ppo.update_entropy_controller(state.entropy, entropy)
+    return state.replace(entropy=jax.tree.map(lambda n, o: jnp.where(exp_finite, n, o), new, state.entropy))
+
+
+def minibatch_batch(exp: Experience, picked: Array, hp: PPOHyper, kl_coef: Array, ent_coef: Array | None):
+    """The minibatch-wide numbers of the rows `picked` [R] that every microbatch's `LossBatch` carries
+    (its experience left None): the token count, the loss aggregation's normaliser and KL-Cov's
+    selection, each known before any microbatch runs (so the microbatches add up to the minibatch)."""
+    mask = exp.loss_mask[picked]
+    num_tokens = jnp.maximum(mask.sum().astype(jnp.float32), 1.0)  # the tokens trained on
+    kl_cov = None
+    if hp.policy_objective == "kl_cov":
+        kl_cov = ppo.covariance_selection(exp.old_logprobs[picked], exp.advantages[picked], mask, hp.kl_cov_fraction)
+    return LossBatch(None, num_tokens, kl_coef, ppo.minibatch_normaliser(hp.loss_aggregation, mask), ent_coef, kl_cov)
+
+
 def make_update_fn(modules: Modules, policy_tx: optax.GradientTransformation,
                    value_tx: optax.GradientTransformation | None, hp: PPOHyper, rows: int,
                    batch_sharding: NamedSharding) -> Callable:
@@ -156,14 +183,14 @@ def make_update_fn(modules: Modules, policy_tx: optax.GradientTransformation,
     packed_sharding = (None if batch_sharding is None else
                        NamedSharding(batch_sharding.mesh, PartitionSpec(None, *batch_sharding.spec)))
 
-    def minibatch_step(state: PPOState, frozen: FrozenParams, exp: Experience, exp_finite, idx):
+    def minibatch_step(state: PPOState, frozen: FrozenParams, exp: Experience, exp_finite, ent_coef, idx):
         """idx [num_microbatches, micro_rows] -> one optimizer step on the policy (and value). A
         non-finite experience or gradient skips it: `skipped` says so."""
         picked = idx.reshape(-1)
-        num_tokens = jnp.maximum(exp.loss_mask[picked].sum().astype(jnp.float32), 1.0)  # the tokens trained on
+        minibatch = minibatch_batch(exp, picked, hp, state.kl.coef, ent_coef)
 
         def grads_of(mb):
-            batch = LossBatch(constrain(mb, batch_sharding), num_tokens, state.kl.coef)
+            batch = minibatch.replace(experience=constrain(mb, batch_sharding))
             (_, metrics), grads = grad_fn(Trainable(state.policy, state.value), frozen, batch, hp)
             return grads, metrics
 
@@ -193,14 +220,22 @@ def make_update_fn(modules: Modules, policy_tx: optax.GradientTransformation,
                               policy=frozen.policy, value=frozen.value)
         epoch_keys = jax.random.split(jax.random.fold_in(jax.random.fold_in(state.key, state.step), 1), hp.epochs)
         exp_finite = all_finite(exp)
+        ent_coef, entropy = None, None
+        if state.entropy is not None:  # this update's coefficient, from the rollout's entropy
+            entropy = rollout_entropy(exp)
+            ent_coef = ppo.entropy_coef(state.entropy, entropy)
 
         def epoch_step(state, epoch_key):
             perm = jax.random.permutation(epoch_key, rows)
             idx = perm.reshape(hp.num_minibatches, hp.num_microbatches, micro_rows)
-            return jax.lax.scan(lambda s, i: minibatch_step(s, frozen, exp, exp_finite, i), state, idx)
+            return jax.lax.scan(lambda s, i: minibatch_step(s, frozen, exp, exp_finite, ent_coef, i), state, idx)
 
         state, metrics = jax.lax.scan(epoch_step, state, epoch_keys)
-        state = step_kl_controller(state, exp, exp_finite, rows)
-        return state, update_metrics(metrics, state)
+        state = step_entropy_controller(step_kl_controller(state, exp, exp_finite, rows), entropy, exp_finite)
+        out = update_metrics(metrics, state)
+        if ent_coef is not None:
+            out.update({"policy/entropy_coef": ent_coef, "policy/entropy_coef_next": state.entropy.coef,
+                        "policy/rollout_entropy": entropy})
+        return state, out
 
     return update
