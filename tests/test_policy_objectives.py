@@ -99,14 +99,28 @@ def test_gspo_is_the_papers_clipped_sequence_ratio_on_padded_and_packed_rows(tok
     np.testing.assert_allclose(np.asarray(p_grad)[p_mask], expected_grad[mask], rtol=1e-4, atol=1e-7)
 
 
-def test_gspo_ratio_is_exactly_one_on_its_own_log_probs():
+def test_every_objectives_ratio_is_exactly_one_on_its_own_log_probs():
+    """The first minibatch (DESIGN.md section 5): old log-probs equal to the new ones give ratio 1,
+    variance 0, nothing clipped, approx-KL 0, and the gradient of -A r (CISPO: -A log pi). Red with
+    KL-Cov's penalty as jnp.abs(log_ratio), whose gradient at 0 is 1 (it was, before this test)."""
     logp, _, adv, mask = random_batch(1, per_token_advantages=False)
-    for token_level in (False, True):
-        loss, metrics = ppo.gspo_loss(logp, logp, adv, mask, clip_eps=3e-4, clip_eps_high=4e-4,
-                                      token_level=token_level)
+    selection = ppo.covariance_selection(logp, adv, mask, 0.2)
+    objectives = {
+        "gspo": lambda lp: ppo.gspo_loss(lp, logp, adv, mask, clip_eps=3e-4, clip_eps_high=4e-4),
+        "gspo_token": lambda lp: ppo.gspo_loss(lp, logp, adv, mask, clip_eps=3e-4, clip_eps_high=4e-4,
+                                               token_level=True),
+        "cispo": lambda lp: ppo.cispo_loss(lp, logp, adv, mask, clip_eps_low=1.0, clip_eps_high=0.28),
+        "kl_cov": lambda lp: ppo.kl_cov_loss(lp, logp, adv, mask, selection, coef=1.0),
+    }
+    n = mask.sum()
+    for name, loss in objectives.items():
+        (value, metrics), grad = jax.value_and_grad(loss, has_aux=True)(logp)
         final = stats.finalize_metrics(metrics)
-        assert final["ratio"] == 1 and final["ratio_var"] == 0 and final["clipfrac"] == 0 and final["approxkl"] == 0
-        np.testing.assert_allclose(float(loss), -adv[mask].astype(np.float64).mean(), rtol=1e-6)
+        assert final["ratio"] == 1 and final["ratio_var"] == 0 and final["clipfrac"] == 0, name
+        assert final["approxkl"] == 0, name
+        np.testing.assert_allclose(np.asarray(grad), -adv / n, rtol=1e-6, atol=1e-9, err_msg=name)
+        if name != "cispo":
+            np.testing.assert_allclose(float(value), -adv[mask].astype(np.float64).mean(), rtol=1e-6)
 
 
 def test_cispo_is_the_stopped_clipped_weight_times_the_log_prob():

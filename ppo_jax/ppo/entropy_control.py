@@ -102,7 +102,10 @@ def kl_cov_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, se
     selected = (jnp.asarray(mask) != 0) & (_covariance(selection, old_logp, advantages) >= selection.threshold)
     log_ratio = logp - old_logp
     ratio = jnp.exp(log_ratio)
-    per_token = -advantages * ratio + jnp.where(selected, coef * jnp.abs(log_ratio), 0.0)
+    # |d| with the gradient sign(d), 0 at d = 0 (jnp.abs's is 1 there: the first minibatch, where
+    # every ratio is 1, would push the selected tokens' log-probs down).
+    abs_log_ratio = log_ratio * jax.lax.stop_gradient(jnp.sign(log_ratio))
+    per_token = -advantages * ratio + jnp.where(selected, coef * abs_log_ratio, 0.0)
     metrics = ratio_metrics(per_token, jnp.zeros(per_token.shape, bool), log_ratio, ratio, mask)
     metrics["kl_cov_frac"] = SumCount.of(selected, mask)
     return token_normalised(per_token, mask, num_tokens), metrics

@@ -46,7 +46,7 @@ class LossBatch:
     # [] the minibatch-wide part of hp.loss_aggregation's denominators (`ppo.minibatch_normaliser`);
     # None: num_tokens (token_mean)
     normaliser: Array | None = None
-    ent_coef: Array | None = None  # [] the adaptive entropy coefficient this update (hp.entropy_target); None: hp.ent_coef
+    ent_coef: Array | None = None  # [] the adaptive entropy coefficient (hp.entropy_target); None: hp.ent_coef
     kl_cov: ppo.CovarianceSelection | None = None  # the minibatch's KL-Cov selection (hp.policy_objective="kl_cov")
 
 
