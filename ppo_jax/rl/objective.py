@@ -9,8 +9,9 @@ Each returns (loss [], metrics). The loss is clipped policy loss + ent_coef * (-
 router losses]; the policy loss is `hp.policy_objective`'s (PPO, GSPO, GSPO-token, CISPO, KL-Cov), and
 every term is a token sum over this microbatch of each token's loss divided by its denominator
 (`hp.loss_aggregation`, `ppo/aggregation.py`: for token_mean `LossBatch.num_tokens`, the token count
-of the whole minibatch), so microbatch losses and gradients add up to the minibatch's exactly. Metrics are `SumCount` / `Moments` (pooled exactly across microbatches)
-or token-weighted scalars (their sum over microbatches is the minibatch's mean).
+of the whole minibatch), so microbatch losses and gradients add up to the minibatch's exactly.
+Metrics are `SumCount` / `Moments` (pooled exactly across microbatches) or token-weighted scalars
+(their sum over microbatches is the minibatch's mean).
 
 Shapes: b rows of a microbatch, Lq prompt length, Lr response length, V vocabulary; packed: M rows
 of T slots, each per-token field at the slot that predicts the token.
@@ -41,7 +42,7 @@ class LossBatch:
     """One microbatch and the minibatch-wide numbers its loss is scaled by."""
 
     experience: Experience | PackedExperience  # [b, Lr] padded rows, or [M, T] packed slots
-    num_tokens: Array  # [] real response tokens of the whole minibatch (token_mean: each term is a token sum / this)
+    num_tokens: Array  # [] real response tokens of the whole minibatch (token_mean: each term's token sum / this)
     kl_coef: Array  # [] the KL controller's beta (used when the KL is a loss term: hp.kl_in_reward=False)
     # [] the minibatch-wide part of hp.loss_aggregation's denominators (`ppo.minibatch_normaliser`);
     # None: num_tokens (token_mean)
