@@ -29,13 +29,17 @@ LIMITS = {"wall_seconds": 20.0, "cpu_seconds": 2, "memory_bytes": 256 << 20, "fi
           "disk_bytes": 4 << 20, "output_bytes": 64 << 10}
 CANARY = f"hf_canary_{uuid.uuid4().hex}"  # an HF token stand-in in each trainer's environment
 
-# The three ways issue 59 switched the hook off, applied before every attack: (a) the hook's refused
-# prefixes are a global of the runner's module, so code empties them; (b) os.path.realpath replaced
-# (the old hook resolved paths with it); (c) ctypes, then free, reaches libc without any audit event.
+# The three ways issue 59 switched the hook off, applied before every attack: (a) the hook reads globals
+# of the runner's module at call time, so code empties its refused prefixes; (b) and replaces the `os`
+# it resolves paths with, so every path looks like the sandbox's; (c) ctypes, then free, reaches libc
+# without any audit event (and directory fds resolve paths the hook never sees; test_host_files...).
 UNHOOK = """
-import ctypes, os, sys
-sys.modules["__main__"]._REFUSED_PREFIXES = ()
-os.path.realpath = lambda path, **_: "/sandbox/x"
+import ctypes, os, sys, types
+runner = sys.modules["__main__"]
+runner._REFUSED_PREFIXES = ()
+runner.os = types.ModuleType("os")
+runner.os.__dict__.update(os.__dict__)
+runner.os.path = types.SimpleNamespace(abspath=lambda path: "/sandbox/x")
 libc = ctypes.CDLL(None, use_errno=True)
 def err():
     return os.strerror(ctypes.get_errno())
