@@ -175,3 +175,21 @@ def test_a_layer_the_kernel_does_not_confirm_stops_the_run(monkeypatch, tmp_path
     monkeypatch.setattr(sandbox_boundary.KernelBoundary, "command", lambda self, **kw: change(command(self, **kw)))
     with pytest.raises(SandboxSetupError, match=f"did not hold: .*'{missing}'"):
         run_python("print('ran')", TIGHT)
+
+
+def test_the_config_trusts_tool_code_only_when_it_says_so(fresh_boundary, monkeypatch, tmp_path):
+    """environment.trusted_tool_code reaches the python tool through the environment's factory; without
+    it the missing boundary stops the first tool call."""
+    from ppo_jax.agentic import environment
+    from ppo_jax.rl.environment_settings import EnvironmentSettings
+
+    fake = _fake_bwrap(tmp_path, "bwrap: setting up uid map: Permission denied")
+    monkeypatch.setattr(sandbox_boundary, "_find_bwrap", lambda: fake)
+    monkeypatch.setitem(environment._REGISTRY, "python_tools_for_test",
+                        lambda max_turns, tokenizer, trusted_tool_code=False: environment.tool_environment(
+                            "python", max_turns, tokenizer=tokenizer, trusted_tool_code=trusted_tool_code))
+    strict = EnvironmentSettings(name="python_tools_for_test").bind(tokenizer=None)()
+    trusted = EnvironmentSettings(name="python_tools_for_test", trusted_tool_code=True).bind(tokenizer=None)()
+    with pytest.raises(SandboxSetupError, match="uid map"):
+        strict.tools["python"]({"code": "print(1)"})
+    assert trusted.tools["python"]({"code": "print(1)"}) == "1\n"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import inspect
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -114,15 +115,25 @@ def register_tool(name: str):
     return wrap
 
 
-def resolve_tools(names: str | Sequence[str], field: str = "rollout.tools") -> list[tools_lib.Tool]:
+def resolve_tools(names: str | Sequence[str], field: str = "rollout.tools",
+                  trusted_tool_code: bool = False) -> list[tools_lib.Tool]:
     """Comma-separated (or listed) tool names -> the tools, or one ConfigError line for a name that is
-    not declared (built in or `register_tool`-ed)."""
+    not declared (built in or `register_tool`-ed). `trusted_tool_code` reaches the tools whose factory
+    takes `trusted_code` (the sandboxed `python`: run without the kernel boundary where it is missing)."""
     names = [n.strip() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()]
     unknown = [n for n in names if n not in _TOOLS]
     check(not unknown, f"{field}: tool(s) {unknown} are not declared (declared: {sorted(_TOOLS)}); "
                        "register one with ppo_jax.agentic.environment.register_tool")
     check(len(set(names)) == len(names), f"{field}={names}: a tool is named twice")
-    return [_TOOLS[n]() for n in names]
+    return [_TOOLS[n](**({"trusted_code": True} if trusted_tool_code and _takes(_TOOLS[n], "trusted_code") else {}))
+            for n in names]
+
+
+def _takes(function: Callable, name: str) -> bool:
+    try:
+        return name in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 class ToolEnvironment:
@@ -183,9 +194,11 @@ class ToolEnvironment:
 @register("tools")
 def tool_environment(tools: str | Sequence[str] = "calculator", max_turns: int = 4,
                      reward: Callable[[Mapping[str, Any], str], float] | None = None,
-                     tokenizer: Any = None) -> ToolEnvironment:
-    """The registered "tools" environment: `ToolEnvironment` over tools named in a config."""
-    return ToolEnvironment(resolve_tools(tools), max_turns=max_turns, reward=reward, tokenizer=tokenizer)
+                     tokenizer: Any = None, trusted_tool_code: bool = False) -> ToolEnvironment:
+    """The registered "tools" environment: `ToolEnvironment` over tools named in a config
+    (`environment.trusted_tool_code` reaches the sandboxed tools: `resolve_tools`)."""
+    return ToolEnvironment(resolve_tools(tools, trusted_tool_code=trusted_tool_code), max_turns=max_turns,
+                           reward=reward, tokenizer=tokenizer)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -194,16 +194,19 @@ def calculator() -> Tool:
                 run=_run_calculator)
 
 
-def python(limits: sandbox.Limits = sandbox.Limits()) -> Tool:
+def python(limits: sandbox.Limits = sandbox.Limits(), trusted_code: bool = False) -> Tool:
     """Runs the code in the sandbox (`sandbox.run_python`); the observation is what it printed, or how it
-    failed (the sandbox's observation: error text, time-out, memory or output limit)."""
+    failed (the sandbox's observation: error text, time-out, memory or output limit). `trusted_code`:
+    where the kernel boundary cannot be set up, run the code anyway (`Limits.trusted_code`)."""
+    if trusted_code:
+        limits = dataclasses.replace(limits, trusted_code=True)
 
     def run(arguments: Mapping[str, Any]) -> str:
         return sandbox.run_python(arguments["code"], limits).observation()
 
     return Tool(name="python",
-                description="Runs Python 3 code in a sandbox (no network, no files outside a temporary "
-                            "directory) and returns what it printed.",
+                description="Runs Python 3 code (standard library only) in a sandbox with no network and "
+                            "only /sandbox writable, and returns what it printed.",
                 parameters={"type": "object",
                             "properties": {"code": {"type": "string", "description": "a Python program; "
                                                                                      "print the result"}},

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,10 @@ class EnvironmentSettings:
     turn_stop: str = ""  # comma-separated markers that end a turn and step the environment (e.g. "</tool_call>"); "" = the environment's stop_strings
     workers: int = 16  # threads stepping the waiting rows' environments at once
     max_observation_tokens: int = 32  # tokens one observation may append (longer ones are cut; the row's total is rollout.response_length)
+    # The tools' code is trusted: where the sandbox's kernel boundary (bwrap, user namespaces) cannot be
+    # set up, the `python` tool runs the code as this user with rlimits and seccomp only, and says so in
+    # the log; False (the default) stops the run in one line instead (docs/agentic.md, threat model).
+    trusted_tool_code: bool = False
     segment_steps: int = 8  # rollout.engine=continuous: decode steps between the host's looks at the rows (a row's environment is stepped, and its observation appended, at the first look after its turn ends or it answers)
     # rollout.slots with an environment (continuous engine): 0 = a cache row per episode for its whole
     # life; S = S decode slots shared by the episodes, a waiting episode's slot given to another and
@@ -75,6 +80,11 @@ class EnvironmentSettings:
         the tokenizer's chat template."""
         factory = self.factory()
         offered = {"max_turns": self.max_turns, "tokenizer": tokenizer}
+        if self.trusted_tool_code:
+            offered["trusted_tool_code"] = True
+            logging.getLogger(__name__).warning(
+                "environment.trusted_tool_code=True: tool code runs without the sandbox's kernel boundary "
+                "wherever that cannot be set up (docs/agentic.md)")
         try:
             params = inspect.signature(factory).parameters
         except (TypeError, ValueError):  # a builtin or C callable: call it bare
