@@ -156,6 +156,27 @@ def test_gpu_decode_tests_for_stopped_rows_once_per_eight_steps(h100):
     assert [loop for loop in sampler.loops if not loop.known] == [decode]
 
 
+def gemm_kernels(text):
+    """(Triton GEMM fusions, cuBLAS / cuBLASLt calls) in an optimised XLA:GPU program."""
+    triton = len(re.findall(r'"kind":"__triton(?:_nested)?_gemm(?:_fusion)?"', text))
+    cublas = len(re.findall(r'custom_call_target="__cublas\$(?:lt\$matmul|gemm)"', text))
+    return triton, cublas
+
+
+@needs_cuda
+def test_gpu_gemm_choice_is_the_samplers_alone(h100):
+    """rollout.gemm=cublas compiles the sampler's dots as cuBLAS calls (XLA's default there: Triton
+    GEMM fusions) and leaves the update's GEMMs to XLA's default: a compiler option of one program."""
+    config = tiny_config()
+    _, auto = compile_plan(config, h100, phases=("sampler",))
+    config.rollout.gemm = "cublas"
+    _, cublas = compile_plan(config, h100, phases=("sampler", "update"))
+    assert gemm_kernels(auto["sampler"])[0] > 0
+    triton, calls = gemm_kernels(cublas["sampler"])
+    assert triton == 0 and calls >= 3 * LAYERS  # q/k/v (merged or not), o, MLP, per layer, and the head
+    assert gemm_kernels(cublas["update"])[0] > 0
+
+
 @needs_cuda
 def test_gpu_static_profile_counts_the_matmuls_of_the_four_forwards(gpu_auto):
     """The static profile's GEMM FLOPs are the models' matmuls (counted from the shapes here): the

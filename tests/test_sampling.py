@@ -474,6 +474,46 @@ def test_several_steps_per_stop_test_decode_the_same_responses(gpt2, stop_run, f
     assert free_run.mask.all() and stop_run.stopped.any()
 
 
+def test_one_new_token_is_the_prefill_alone(gpt2, free_run):
+    """A sibling sampler with max_new_tokens=1 (`Sampler.with_config`) is the prefill and the first
+    token's choice, with no decode loop compiled (the benchmark times it to separate the prefill from
+    the loop): the same first token and log-prob as the 12-token sampler."""
+    model, params, _ = gpt2
+    mesh = make_test_mesh((1, 1, 1))
+    full = make_sampler(model, FREE_CONFIG, mesh, _shardings_on(model, mesh))
+    first = full.with_config(max_new_tokens=1)
+    tokens, mask = _prompts()
+    out = jax.device_get(first(params, tokens, mask, jax.random.key(1)))
+    np.testing.assert_array_equal(out.tokens, free_run.tokens[:, :1])
+    np.testing.assert_allclose(out.logprobs, free_run.logprobs[:, :1], atol=1e-6)
+    loops = {name: sampler.lower(params, tokens, mask, jax.random.key(1)).compile().as_text().count(" while(")
+             for name, sampler in (("full", full), ("first", first))}
+    assert loops["first"] < loops["full"], loops  # the prefill's layer scan stays, the decode loop goes
+    assert first.mesh is full.mesh and first.config.stop_token_ids == FREE_CONFIG.stop_token_ids
+
+
+@pytest.mark.parametrize("new, per_sync, steps", [(12, 1, 11), (12, 5, 15), (12, 16, 11), (1, 8, 0), (128, 8, 128)])
+def test_decode_steps_count_whole_loop_iterations(new, per_sync, steps):
+    """The decode steps a full-length sample runs: N - 1 (the first token is the prefill's) rounded
+    up to the loop's K steps per stop test."""
+    config = dataclasses.replace(FREE_CONFIG, max_new_tokens=new, steps_per_sync=per_sync)
+    assert sampling.loop.decode_steps(config) == steps
+
+
+def test_gemm_choice_reaches_gpu_programs_only(gpt2, free_run):
+    """rollout.gemm is a compiler option of the sampler's program on a GPU (compile-only there:
+    tests/test_accelerators.py); on a CPU the program is the default one and draws the same tokens."""
+    cublas = dataclasses.replace(FREE_CONFIG, gemm="cublas")
+    assert cublas.compiler_options("gpu") == cublas.compiler_options("cuda") == {"xla_gpu_enable_triton_gemm": False}
+    assert cublas.compiler_options("cpu") is None and cublas.compiler_options("tpu") is None
+    assert FREE_CONFIG.compiler_options("gpu") is None  # auto: XLA's defaults, the same cache key as before
+    model, params, _ = gpt2
+    mesh = make_test_mesh((1, 1, 1))
+    out = jax.device_get(make_sampler(model, cublas, mesh, _shardings_on(model, mesh))(
+        params, *_prompts(), jax.random.key(1)))
+    np.testing.assert_array_equal(out.tokens, free_run.tokens)
+
+
 def _shardings_on(model, mesh):
     """Parameter shardings of `model` on `mesh` (from the abstract, logically named tree)."""
     tokens = jnp.zeros((1, 4), jnp.int32)
@@ -522,6 +562,7 @@ def test_bf16_cache_halves_cache_memory(gpt2):
     ("top_p", 0.0, "top_p"),
     ("num_samples", 0, "num_samples"),
     ("cache_dtype", "int3", "dtype"),
+    ("gemm", "tensor_cores", "gemm"),
 ])
 def test_bad_config_is_rejected(field, value, message):
     with pytest.raises(ValueError, match=message):

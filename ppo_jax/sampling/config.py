@@ -26,6 +26,15 @@ Array = jax.Array
 
 
 ENGINES = ("static", "continuous")
+# SamplingConfig.gemm -> XLA:GPU options of the sampler's program alone (jax.jit's compiler_options):
+# decode's GEMMs are M = rows skinny and bandwidth-bound, the update's are not, so one process-wide
+# XLA_FLAGS choice cannot suit both.
+GEMM_OPTIONS: dict[str, dict[str, bool]] = {
+    "auto": {},  # XLA's default: Triton GEMM fusions, autotuned, cuBLAS as a fallback candidate
+    "cublas": {"xla_gpu_enable_triton_gemm": False},  # every dot a cuBLAS (nvjet) call; compiles faster
+    "triton_exhaustive": {"xla_gpu_exhaustive_tiling_search": True},  # Triton, all tilings autotuned
+}
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,6 +82,9 @@ class SamplingConfig:
                     f32 for its dots. None: on except on TPU (not measured there).
     record_experts: an MoE model's routing of every prompt and response token is returned
                     (`SampleOutput.routed_experts`), for routing replay in training.
+    gemm:           the GEMM kernels of the sampler's program on a GPU (`GEMM_OPTIONS`): "auto"
+                    (XLA's choice), "cublas" or "triton_exhaustive"; other platforms ignore it. The
+                    samples are the same up to the kernels' summation order.
     """
 
     max_new_tokens: int
@@ -92,6 +104,7 @@ class SamplingConfig:
     steps_per_sync: int = 1
     unroll_layers: bool | None = None
     record_experts: bool = False
+    gemm: str = "auto"
 
     def __post_init__(self):
         # Accept any sequence of ids but store a tuple so the config stays hashable.
@@ -129,9 +142,17 @@ class SamplingConfig:
             raise ValueError(f"sampling.steps_per_sync must be >= 1, got {self.steps_per_sync}")
         if self.tail_halvings is not None and self.tail_halvings < 0:
             raise ValueError(f"sampling.tail_halvings must be >= 0, got {self.tail_halvings}")
+        if self.gemm not in GEMM_OPTIONS:
+            raise ValueError(f"sampling.gemm={self.gemm!r}: use one of {', '.join(GEMM_OPTIONS)}")
         if self.prefill_prompts < 0:
             raise ValueError(f"sampling.prefill_prompts must be >= 0 (0: a quarter of the slots), got "
                              f"{self.prefill_prompts}")
+
+    def compiler_options(self, platform: str) -> dict[str, bool] | None:
+        """jax.jit's compiler_options for the sampler's program on devices of `platform` (None: XLA's
+        defaults, so programs elsewhere, and with gemm "auto", compile and cache exactly as before)."""
+        options = GEMM_OPTIONS[self.gemm]
+        return dict(options) if options and platform in GPU_PLATFORMS else None
 
     def prefill_batch(self, prompts: int) -> int:
         """Prompts the continuous engine prefills at once, for a call of `prompts` prompts (never more

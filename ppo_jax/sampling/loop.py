@@ -186,6 +186,18 @@ def repeat_samples(n: int, arrays: tuple, cache: KVCache) -> tuple[tuple, KVCach
     return tuple(map(repeat, arrays)), cache
 
 
+def steps_per_iteration(config: SamplingConfig) -> int:
+    """Decode steps K of one iteration of `sample`'s loop (`config.steps_per_sync`, at most N - 1)."""
+    return max(1, min(config.steps_per_sync, config.max_new_tokens - 1))
+
+
+def decode_steps(config: SamplingConfig) -> int:
+    """Decode steps `sample` runs when no row stops early: N - 1 rounded up to whole loop iterations
+    (the first token comes from the prefill; 0 for N = 1)."""
+    per_iteration = steps_per_iteration(config)
+    return -(-(config.max_new_tokens - 1) // per_iteration) * per_iteration
+
+
 def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *, model: CausalLM,
            config: SamplingConfig, adapters: Any = None, response_limits: Array | None = None) -> SampleOutput:
     """Samples `config.num_samples` responses per left-padded prompt. Pure and jittable.
@@ -232,7 +244,7 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
 
     # Decode steps per loop iteration; steps past the last column (at most K - 1, once every row is
     # done) write into spare columns.
-    per_sync = max(1, min(config.steps_per_sync, new - 1))
+    per_sync = steps_per_iteration(config)
 
     def zeros(dtype):
         return constrain(jnp.zeros((rows, new + per_sync - 1), dtype), ("batch", "length"))
@@ -271,7 +283,8 @@ def sample(params: Any, prompt_tokens: Array, prompt_mask: Array, key: Array, *,
             return decode_one(state)
         return jax.lax.fori_loop(0, per_sync, lambda _, s: decode_one(s), state)
 
-    state = jax.lax.while_loop(keep_going, decode_group, state)
+    if new > 1:  # N = 1: the prefill's token is the whole response; no loop body to compile
+        state = jax.lax.while_loop(keep_going, decode_group, state)
     tokens, logprobs, sampling_logprobs, mask = (x[:, :new] for x in (
         state.tokens, state.logprobs, state.sampling_logprobs, state.mask))
     lengths = mask.sum(axis=-1)

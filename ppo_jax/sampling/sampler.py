@@ -25,12 +25,14 @@ class Sampler:
 
     Batch-major inputs and outputs are split over the batch mesh axes, params follow
     `param_shardings`, LoRA adapters (the "lora" tree, None for the base) `adapter_shardings`, the key
-    is replicated. One trace per input shape: `trace_count` counts them.
+    is replicated. One trace per input shape: `trace_count` counts them. On a GPU the program
+    compiles with `config.compiler_options` (its GEMM choice), no other program does.
     """
 
     def __init__(self, model: CausalLM, config: SamplingConfig, mesh: Mesh, param_shardings: Any,
                  adapter_shardings: Any = None):
         self.model, self.config, self.mesh = model, config, mesh
+        self.param_shardings, self.adapter_shardings = param_shardings, adapter_shardings
         self.trace_count = 0
         batch = sharding.data_sharding(mesh)
         out_shardings = SampleOutput(**{f.name: batch for f in dataclasses.fields(SampleOutput)})
@@ -49,7 +51,14 @@ class Sampler:
         # a base sampler keeps its (params, prompt_tokens, prompt_mask, key) signature.
         in_shardings = (param_shardings, batch, batch, sharding.replicated(mesh))
         in_shardings += (adapter_shardings,) if self.takes_adapters else ()
-        self.jitted = jax.jit(run, in_shardings=in_shardings, out_shardings=out_shardings)
+        self.jitted = jax.jit(run, in_shardings=in_shardings, out_shardings=out_shardings,
+                              compiler_options=config.compiler_options(mesh.devices.flat[0].platform))
+
+    def with_config(self, **changes) -> Sampler:
+        """A sampler of the same model, mesh and shardings whose SamplingConfig differs by `changes`
+        (e.g. `max_new_tokens=1`: the prefill alone; `gemm="cublas"`): a program of its own."""
+        return Sampler(self.model, dataclasses.replace(self.config, **changes), self.mesh, self.param_shardings,
+                       self.adapter_shardings)
 
     @property
     def batch_multiple(self) -> int:
