@@ -4,6 +4,8 @@ pi_behaviour. Each test pins one thing a broken correction gets wrong: the cap a
 tokens / rows a mask drops, the weight on the policy-gradient term only, numerator over denominator,
 and the metrics (mismatch KL, truncated / dropped shares, policy lag)."""
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -93,6 +95,77 @@ def test_the_weight_is_train_over_behaviour_not_the_reverse(kind):
     assert float(c.pg_weights[1, 0]) > 1
 
 
+# Off the mask the forwards may leave anything: log-probs of padding, of tokens after the stop. Wild
+# but finite values, whose log ratio (+-160) overflows exp in float32 to inf or 0.
+JUNK_TRAIN = np.array([[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 80.0], [0.0, 0.0, -80.0, 80.0]])
+JUNK_BEHAVIOUR = np.array([[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, -80.0], [0.0, 0.0, 80.0, -80.0]])
+
+
+@pytest.mark.parametrize("shift", [0.0, -1.0], ids=["as_is", "every_ratio_below_1"])
+@pytest.mark.parametrize("kind", ("", "behaviour") + corrections.WEIGHTING)
+def test_junk_off_the_mask_changes_nothing(kind, shift):
+    """off_policy_correction fed log-probs that are not zeroed off the mask (every other test masks
+    them first) returns what it returns for the zeroed batch: the weights (also against NumPy),
+    every metric, and the ratio's log-probs on the mask (behaviour's: 0 off it). The shift moves
+    every real token's ratio below 1, so a max taken over the padding (ratio 1 there once log w is
+    masked) would show. Red with `* mask` dropped from `log_w = (logp - behaviour_logp) * mask`
+    (the sequence weights sum the junk, is_weight_max is NaN), from `w.weights * mask` (padding
+    weighted), from `behaviour_logp * mask` and from `(ratio * mask).max()` (the shifted batch)."""
+    train = (TRAIN + shift) * MASK
+    behaviour = BEHAVIOUR * MASK
+    clean = corrections.off_policy_correction(kind, CAP, jnp.asarray(train, jnp.float32),
+                                              jnp.asarray(behaviour, jnp.float32), jnp.asarray(MASK))
+    junk = corrections.off_policy_correction(kind, CAP, jnp.asarray(train + JUNK_TRAIN, jnp.float32),
+                                             jnp.asarray(behaviour + JUNK_BEHAVIOUR, jnp.float32), jnp.asarray(MASK))
+    np.testing.assert_array_equal(np.asarray(junk.pg_weights), np.asarray(clean.pg_weights))
+    assert set(junk.metrics) == set(clean.metrics)
+    for name, value in clean.metrics.items():
+        assert np.isfinite(float(junk.metrics[name])) and float(junk.metrics[name]) == float(value), name
+    real = MASK > 0
+    np.testing.assert_array_equal(np.asarray(junk.ratio_logprobs)[real], np.asarray(clean.ratio_logprobs)[real])
+    if kind == "behaviour":
+        assert not np.any(np.asarray(junk.ratio_logprobs)[~real])
+    if kind in corrections.WEIGHTING:
+        log_w = (train - behaviour) * MASK
+        if kind.startswith("sequence_"):
+            log_w = np.repeat(log_w.sum(-1, keepdims=True), log_w.shape[1], axis=1)
+        w = np.exp(log_w)
+        expected = (np.minimum(w, CAP) if kind.endswith("truncated_is")
+                    else np.where((w >= 1 / CAP) & (w <= CAP), w, 0.0)) * MASK
+        np.testing.assert_allclose(np.asarray(junk.pg_weights), expected, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(float(junk.metrics["off_policy/is_weight_max"]), np.exp(log_w[real]).max()
+                                   if not kind.startswith("sequence_") else np.exp((train - behaviour)[real]).max(),
+                                   rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", corrections.WEIGHTING)
+def test_the_sequence_modes_log_each_rows_weight(kind):
+    """`off_policy/sequence_weight_mean` / `_min` / `_max`: the one weight a sequence mode gives each row
+    (row sums of log w: -0.05, 1.1, -1.4; TIS caps row 1 at 1.5, MIS drops rows 1 and 2), over the rows
+    with a response token: a fourth row of padding (junk log-probs) is not a row. The token modes log
+    none. Red with the empty row counted (mean over 4 rows, min 0)."""
+    mask = np.concatenate([MASK, np.zeros((1, 4), np.float32)])
+    train = np.concatenate([TRAIN * MASK, np.full((1, 4), 9.0)])
+    behaviour = np.concatenate([BEHAVIOUR * MASK, np.full((1, 4), -9.0)])
+    c = corrections.off_policy_correction(kind, CAP, jnp.asarray(train, jnp.float32),
+                                          jnp.asarray(behaviour, jnp.float32), jnp.asarray(mask))
+    names = ("off_policy/sequence_weight_mean", "off_policy/sequence_weight_min", "off_policy/sequence_weight_max")
+    if not kind.startswith("sequence_"):
+        assert not set(names) & set(c.metrics)
+        return
+    ratio = np.exp(np.array([-0.05, 1.1, -1.4]))
+    rows = np.minimum(ratio, CAP) if kind.endswith("truncated_is") else np.where((ratio >= 1 / CAP) & (ratio <= CAP),
+                                                                                ratio, 0.0)
+    expected = {"truncated_is": [ratio[0], CAP, ratio[2]], "masked_is": [ratio[0], 0.0, 0.0]}[kind.split("_", 1)[1]]
+    np.testing.assert_allclose(rows, expected, rtol=1e-12)  # the reference agrees with the hand-made rows
+    got = [float(c.metrics[name]) for name in names]
+    np.testing.assert_allclose(got, [rows.mean(), rows.min(), rows.max()], rtol=1e-6)
+    # The trainer logs them: the experience step's metrics carry the correction's.
+    _, metrics = experience(hyper(off_policy_ratio=kind, is_cap=CAP))
+    np.testing.assert_allclose([float(metrics[name]) for name in names], [rows.mean(), rows.min(), rows.max()],
+                               rtol=1e-6)
+
+
 def test_mismatch_kl_is_the_masked_mean_k3_of_behaviour_against_train():
     """KL(pi_behaviour || pi_train) under the sampler's tokens, k3 = w - 1 - log w per token, the mean
     over real tokens only (the junk off the mask would dominate it). Logged with no correction too."""
@@ -165,14 +238,21 @@ def test_policy_lag_is_the_step_minus_each_rows_version():
     assert "rollout/policy_lag_mean" not in unstamped
 
 
-def test_auto_means_behaviour_off_policy_and_none_on_policy_and_any_correction_runs_on_policy():
+def test_auto_means_truncated_is_off_policy_and_none_on_policy_and_any_correction_runs_on_policy():
+    """"auto" follows docs/off_policy.md: no correction on-policy; off-policy token TIS (the ratio 1 on
+    the first minibatch), sequence TIS for GSPO (one weight per response, the only kind it accepts)."""
     def hp(**overrides):
         s = Settings.from_config(tiny_config(**overrides), reward_in_code=False)
         return PPOHyper.from_settings(s, derive_sizes(s, batch_divisor=1, max_positions=32, vocab_size=32,
                                                       platform="cpu", sampler_divisor=1))
     assert hp().off_policy_ratio == ""
-    assert hp(**{"rollout.off_policy_steps": 2}).off_policy_ratio == "behaviour"
+    for k in (1, 2, 4):
+        assert hp(**{"rollout.off_policy_steps": k}).off_policy_ratio == "truncated_is"
+    gspo = {"ppo.policy_objective": "gspo", "ppo.advantage_estimator": "grpo", "rollout.num_samples": 2}
+    assert hp(**gspo, **{"rollout.off_policy_steps": 1}).off_policy_ratio == "sequence_truncated_is"
+    assert hp(**gspo).off_policy_ratio == ""
     assert hp(**{"rollout.off_policy_steps": 2, "ppo.off_policy_ratio": "none"}).off_policy_ratio == ""
+    assert hp(**{"rollout.off_policy_steps": 2, "ppo.off_policy_ratio": "behaviour"}).off_policy_ratio == "behaviour"
     assert hp(**{"ppo.off_policy_ratio": "sequence_masked_is"}).off_policy_ratio == "sequence_masked_is"
 
 
@@ -182,8 +262,24 @@ def test_auto_means_behaviour_off_policy_and_none_on_policy_and_any_correction_r
     ({"ppo.off_policy_ratio": "tis"}, "ppo.off_policy_ratio='tis': use one of auto, none, behaviour, truncated_is, "
                                       "sequence_truncated_is, masked_is, sequence_masked_is"),
     ({"ppo.is_cap": 0.5}, "ppo.is_cap must be a finite number >= 1, got 0.5"),
+    ({"ppo.is_cap": 1, "ppo.off_policy_ratio": "masked_is"},
+     "ppo.is_cap=1 with ppo.off_policy_ratio=masked_is: the kept band [1/is_cap, is_cap] is the single ratio 1, so "
+     "nearly every token is dropped; use ppo.is_cap > 1 (e.g. 2), or truncated_is"),
+    ({"ppo.is_cap": 1.0, "ppo.off_policy_ratio": "sequence_masked_is", "rollout.off_policy_steps": 1},
+     "ppo.is_cap=1 with ppo.off_policy_ratio=sequence_masked_is: the kept band"),
 ], ids=lambda x: x if isinstance(x, str) else None)
 def test_bad_staleness_and_correction_settings_fail_in_one_line(overrides, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
+    """Each refused when the config is read, before anything compiles. ppo.is_cap = 1 with masked IS
+    keeps only tokens whose ratio is exactly 1 (red with that check removed: the settings are accepted)."""
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
         Settings.from_config(tiny_config(**overrides), reward_in_code=False)
     assert "\n" not in str(err.value)
+
+
+def test_is_cap_one_is_accepted_where_it_drops_nothing():
+    """The cap of 1 is a valid truncation (IMPALA's rho-bar = 1): weights min(w, 1). Only the masked
+    kinds refuse it."""
+    for ratio in ("truncated_is", "sequence_truncated_is", "behaviour", "none"):
+        Settings.from_config(tiny_config(**{"ppo.is_cap": 1, "ppo.off_policy_ratio": ratio}), reward_in_code=False)
+    c = correct("masked_is", cap=1.0)  # what it would do: all but row 0's last token (w exactly 1) dropped
+    assert float(c.metrics["rollout/masked_frac"]) == pytest.approx(8 / 9)

@@ -9,11 +9,14 @@ truncation). Per token the log ratio is log w_t = log pi_train(y_t) - log pi_beh
 
     "" (none)               ratio to pi_train, no weight: the batch treated as on-policy
     behaviour               ratio to pi_behaviour itself: PPO's clip bounds the step from the sampler
-    truncated_is            token TIS: weight min(w_t, cap) per token (decoupled PPO, Hilton et al. 2021)
+    truncated_is            token TIS: weight min(w_t, cap) per token (Yao et al. 2025's TIS; IMPALA's
+                            truncated policy-gradient weight; decoupled PPO's behaviour weight, capped)
     sequence_truncated_is   sequence TIS: weight min(prod_t w_t, cap) on every token of the row
     masked_is               token MIS: weight w_t where 1/cap <= w_t <= cap, else 0 (the token dropped)
     sequence_masked_is      sequence MIS: weight prod_t w_t on every token of a row whose product is in
                             [1/cap, cap]; rows outside are dropped whole
+    auto                    none on-policy; off-policy (k >= 1) truncated_is, sequence_truncated_is for
+                            GSPO's sequence-level objective (docs/off_policy.md: which reference does what)
 
 Every weighting correction keeps the PPO ratio to pi_train (ratio exactly 1 on the first minibatch)
 and multiplies each token's advantage by its weight, a constant of the update (no gradient). The
@@ -37,14 +40,21 @@ Array = jax.Array
 # ppo.off_policy_ratio's corrections that weight the policy gradient (the others: "" and "behaviour").
 WEIGHTING = ("truncated_is", "sequence_truncated_is", "masked_is", "sequence_masked_is")
 CORRECTIONS = ("behaviour",) + WEIGHTING
-# ppo.off_policy_ratio: "auto" (behaviour off-policy, none on-policy), "none", or one of CORRECTIONS.
+# ppo.off_policy_ratio: "auto" (off-policy truncated_is, on-policy none), "none", or one of CORRECTIONS.
 OFF_POLICY_RATIOS = ("auto", "none") + CORRECTIONS
 
 
-def off_policy_ratio(setting: str, off_policy_steps: int) -> str:
-    """ppo.off_policy_ratio -> the correction the steps apply ("" = none)."""
+def off_policy_ratio(setting: str, off_policy_steps: int, policy_objective: str = "ppo") -> str:
+    """ppo.off_policy_ratio -> the correction the steps apply ("" = none). "auto" is no correction
+    on-policy, and off-policy the one docs/off_policy.md recommends: token TIS (the first minibatch's
+    ratio stays 1, the staleness goes into capped weights; `behaviour` would start the ratio at
+    pi_train / pi_sampler, e.g. the kept mass under top-k, where PPO's clip stops the gradient of
+    negative advantages), or sequence TIS for GSPO, whose one clipped ratio per response takes one
+    weight per response."""
     if setting == "auto":
-        return "behaviour" if off_policy_steps else ""
+        if not off_policy_steps:
+            return ""
+        return "sequence_truncated_is" if policy_objective == "gspo" else "truncated_is"
     return "" if setting == "none" else setting
 
 
@@ -105,7 +115,21 @@ def off_policy_correction(kind: str, cap: float, logp: Array, behaviour_logp: Ar
     w = importance_weights(kind, log_w, cap)
     metrics.update({"rollout/truncated_frac": ppo.masked_mean(w.truncated.astype(jnp.float32), mask),
                     "rollout/masked_frac": ppo.masked_mean(w.dropped.astype(jnp.float32), mask)})
+    if kind.startswith("sequence_"):
+        metrics.update(sequence_weight_metrics(w.weights, mask))
     return Correction(logp, jax.lax.stop_gradient(w.weights * mask), metrics)
+
+
+def sequence_weight_metrics(weights: Array, mask: Array) -> dict[str, Array]:
+    """`off_policy/sequence_weight_mean` / `_min` / `_max`: the weight a sequence-level correction gives
+    each row (the same on every token of the row: capped, or 0 where the row is dropped), over the rows
+    with a response token. weights [B, Lr], mask [B, Lr] float."""
+    rows = mask.sum(-1) > 0
+    row_weight = jnp.where(mask > 0, weights, 0.0).max(-1)  # the row's one weight (>= 0)
+    count = jnp.maximum(rows.sum(), 1)
+    return {"off_policy/sequence_weight_mean": jnp.where(rows, row_weight, 0.0).sum() / count,
+            "off_policy/sequence_weight_min": jnp.where(rows.any(), jnp.where(rows, row_weight, jnp.inf).min(), 0.0),
+            "off_policy/sequence_weight_max": jnp.where(rows, row_weight, 0.0).max()}
 
 
 def policy_lag_metrics(step: Array, policy_version: Array | None, token_policy_version: Array | None = None,

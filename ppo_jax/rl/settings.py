@@ -138,8 +138,8 @@ class PPOLossSettings:
     num_microbatches: int = 1  # gradient-accumulation slices per minibatch (padded rows; packed: see max_tokens_per_microbatch)
     packing: str = "auto"  # "on": experience forwards and update on packed rows, only the real tokens computed (models/packing.py); "off": padded rows; "auto": on a CPU only (measured faster there whenever the rows hold padding; on an H200 the default granularity made a no-padding iteration 1.5x slower, long-tailed lengths unmeasured: docs/benchmarks.md). rollout.forward_microbatch applies to padded rows only
     max_tokens_per_microbatch: int = 0  # packed: token slots per update microbatch and per experience forward chunk, a multiple of data.prompt_length + rollout.response_length (one row); 0 = an eighth of a padded microbatch's (bench/bench_packing.py: 0.90 token efficiency, 1.57x on CPU at uniform lengths)
-    off_policy_ratio: str = "auto"  # the rollout correction for a sampler whose weights (rollout.off_policy_steps) or numerics differ from the trainer's, w = pi_trainer / pi_sampler (docs/off_policy.md): "none"; "behaviour": the ratio's denominator is the sampler's log-probs; "truncated_is" / "sequence_truncated_is": the ratio to the trainer's recomputed log-probs, each token's advantage weighted by min(w, ppo.is_cap), w per token or the row's product; "masked_is" / "sequence_masked_is": weighted by w, 0 (dropped) outside [1/is_cap, is_cap]; "auto": behaviour off-policy, none on-policy
-    is_cap: float = 2.0  # the truncated_is cap of the importance weight, and the masked_is bounds [1/is_cap, is_cap] (>= 1)
+    off_policy_ratio: str = "auto"  # the rollout correction for a sampler whose weights (rollout.off_policy_steps) or numerics differ from the trainer's, w = pi_trainer / pi_sampler (docs/off_policy.md): "none"; "behaviour": the ratio's denominator is the sampler's log-probs; "truncated_is" / "sequence_truncated_is": the ratio to the trainer's recomputed log-probs, each token's advantage weighted by min(w, ppo.is_cap), w per token or the row's product; "masked_is" / "sequence_masked_is": weighted by w, 0 (dropped) outside [1/is_cap, is_cap]; "auto": none on-policy, off-policy truncated_is (sequence_truncated_is with policy_objective=gspo)
+    is_cap: float = 2.0  # the truncated_is cap of the importance weight, and the masked_is bounds [1/is_cap, is_cap] (>= 1; > 1 for masked_is)
     clip_eps: float = 0.2  # policy ratio clip (lower side, and upper side unless clip_eps_high is set)
     clip_eps_high: float = 0.0  # upper ratio clip for asymmetric clipping; 0 = same as clip_eps
     dual_clip: float = 0.0  # dual-clip constant c > 1 for negative advantages; 0 = off
@@ -336,6 +336,9 @@ class Settings(RunSettings):
         check(p.off_policy_ratio in OFF_POLICY_RATIOS,
               f"ppo.off_policy_ratio={p.off_policy_ratio!r}: use one of {', '.join(OFF_POLICY_RATIOS)}")
         check(p.is_cap >= 1 and math.isfinite(p.is_cap), f"ppo.is_cap must be a finite number >= 1, got {p.is_cap}")
+        check(not (p.off_policy_ratio.endswith("masked_is") and p.is_cap == 1),
+              f"ppo.is_cap=1 with ppo.off_policy_ratio={p.off_policy_ratio}: the kept band [1/is_cap, is_cap] is the "
+              "single ratio 1, so nearly every token is dropped; use ppo.is_cap > 1 (e.g. 2), or truncated_is")
         check(p.advantage_estimator in ESTIMATORS,
               f"ppo.advantage_estimator={p.advantage_estimator!r}: use one of {', '.join(ESTIMATORS)}")
         if p.advantage_estimator in ("grpo", "rloo"):
@@ -372,7 +375,8 @@ class Settings(RunSettings):
         """ppo.policy_objective, ppo.loss_aggregation and entropy control: each value, and the
         combinations that do not compose (docs/ablations.md, "Objectives")."""
         p = self.ppo
-        objective, correction = p.policy_objective, off_policy_ratio(p.off_policy_ratio, self.rollout.off_policy_steps)
+        objective = p.policy_objective
+        correction = off_policy_ratio(p.off_policy_ratio, self.rollout.off_policy_steps, objective)
         check(objective in OBJECTIVES, f"ppo.policy_objective={objective!r}: use one of {', '.join(OBJECTIVES)}")
         check(p.loss_aggregation in ("auto",) + AGGREGATIONS,
               f"ppo.loss_aggregation={p.loss_aggregation!r}: use auto or one of {', '.join(AGGREGATIONS)}")
