@@ -20,6 +20,17 @@
 # PART "next" (about 6 minutes): what the 2026-11-27 bf16 session left open: fp32 master weights cast once
 #   per rollout, cuBLAS in bf16 decode, and the full shape at `--remat auto` (the trainer's memory choice).
 # PART "all": main and ab, in one call (needs a limit of about 11 minutes: two device calls are safer).
+# PART "compiled" (issue 63; fits one device call of 9 minutes: every run has its own limit and all of
+#   them end by DEADLINE seconds, default 500, so that the tar at the end always runs; in order of
+#   importance, a run with too little time left is skipped):
+#   default_compiled  the full shape at the defaults with every peer: HF generate, the PyTorch eager
+#                     update, the torch.compile update and experience forwards (a child process, at most
+#                     140 s); the decode loop timed apart from the prefill; a fresh compilation cache
+#   slice_gemm        4 layers, no peers: the sampler alone under rollout.gemm auto (the base), cublas
+#                     and triton_exhaustive, each its own program in one process (bf16)
+#   cached_warm       the full shape again, no peers, against default_compiled's cache: the warm compile
+#   slice_xla_caches  4 layers, a fresh cache with jax_persistent_cache_enable_xla_caches=all (XLA's
+#                     kernel cache and parallel LLVM compilation): its cold compile against slice_gemm's
 #
 # Each run has its own time limit, so one slow run cannot eat the others. Everything lands in
 # OUT_DIR/session-PART.tgz (each run's .json and .log, the trace, the HLO) plus OUT_DIR/summary-PART.txt,
@@ -31,7 +42,7 @@
 # the wheels it lacks (ml-collections, tensorboardX) in .whl/ and install them first, e.g.
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 set -uo pipefail
-out=${1:?usage: accel_session.sh OUT_DIR [main|ab|next|all] [SECONDS_PER_RUN]}
+out=${1:?usage: accel_session.sh OUT_DIR [main|ab|next|all|compiled] [SECONDS_PER_RUN]}
 part=${2:-main}
 limit=${3:-300}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -43,17 +54,24 @@ export PPO_JAX_COMMIT
 summary="$out/summary-$part.txt"
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" | tee "$summary"
 
-run() {  # run NAME [VAR=VALUE ...] -- BENCH_ARGS...: one bench_accel.py run, its table, its figures in NAME.json
+default_deadline=1000000
+[ "$part" = compiled ] && default_deadline=500  # one 9-minute device call: the tar must still run
+deadline=$((SECONDS + ${DEADLINE:-$default_deadline}))  # every run ends by then
+
+run() {  # [RUN_LIMIT=S] run NAME [VAR=VALUE ...] -- BENCH_ARGS...: one bench_accel.py run, its table, its figures in NAME.json
   local name=$1; shift
   if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi  # ONLY="a b": just these runs
   local env=()
   while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do env+=("$1"); shift; done
   shift
+  local secs=${RUN_LIMIT:-$limit} left=$((deadline - SECONDS))
+  if [ "$left" -lt 45 ]; then echo "== $name: skipped, ${left} s left before the deadline" | tee -a "$summary"; return; fi
+  [ "$secs" -gt "$left" ] && secs=$left
   local start=$SECONDS
   # shellcheck disable=SC2086  # BENCH_EXTRA is a list of flags
-  env "${env[@]}" timeout "$limit" python3 "$here/bench_accel.py" --json "$work/$name.json" "$@" ${BENCH_EXTRA:-} \
+  env "${env[@]}" timeout "$secs" python3 "$here/bench_accel.py" --json "$work/$name.json" "$@" ${BENCH_EXTRA:-} \
     >"$work/$name.log" 2>&1
-  echo "== $name: exit $? after $((SECONDS - start)) s (${env[*]} $*)" | tee -a "$summary"
+  echo "== $name: exit $? after $((SECONDS - start)) s of $secs (${env[*]} $*)" | tee -a "$summary"
   cp "$work/$name.json" "$out/" 2>/dev/null  # each run's figures reach OUT at once: a cut call keeps them
   grep -v -e "Loading weights" -e "UserWarning" -e "warnings.warn" "$work/$name.log" | tail -n 30 | tee -a "$summary"
 }
@@ -95,12 +113,25 @@ next_part() {
   run remat_auto -- --no-peers --remat auto
 }
 
+compiled_part() {
+  # Issue 63: what a user would compare against (torch.compile), the decode loop apart from its
+  # prefill, the sampler's GEMM choice, the warm compile. The most important run first.
+  RUN_LIMIT=360 run default_compiled -- --torch-compile-timeout 140 --compilation-cache "$work/xla_cache"
+  RUN_LIMIT=110 run slice_gemm -- --no-peers --layers 4 --gemm-ab cublas,triton_exhaustive
+  RUN_LIMIT=100 run cached_warm -- --no-peers --iterations 1 --no-decode-split --compilation-cache "$work/xla_cache"
+  rm -rf "$work/xla_cache"
+  RUN_LIMIT=80 run slice_xla_caches JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES=all -- \
+    --no-peers --layers 4 --no-decode-split --compilation-cache "$work/xla_cache_all"
+  rm -rf "$work/xla_cache_all"
+}
+
 case "$part" in
   main) main_part ;;
   ab) ab_part ;;
   next) next_part ;;
   all) main_part; ab_part ;;
-  *) echo "PART must be main, ab, next or all, got $part" >&2; exit 2 ;;
+  compiled) compiled_part ;;
+  *) echo "PART must be main, ab, next, all or compiled, got $part" >&2; exit 2 ;;
 esac
 tar -czf "$out/session-$part.tgz" -C "$work" . && rm -rf "$work"
 ls -la "$out"

@@ -12,10 +12,19 @@ Per phase of ppo_jax's iteration (median of `--iterations` steady iterations aft
   update      time, MFU (policy and value forward + backward, optimizer)
 and compile time (first iteration - steady), trainer start-up, peak device memory of the whole run.
 
-With torch installed, in the same process on the same device (`--no-peers` skips them):
+The generate phase is the trainer's whole rollout (sampling, scoring, the move to the trainer's
+mesh). After the timed iterations the sampler alone is timed at N and at 1 new tokens: their difference
+over the N program's decode steps is the decode loop's time per step apart from the prefill
+(`decode_ms_per_step`, `decode_roofline_fraction`), also under each rollout.gemm of `--gemm-ab`.
+
+With torch installed, on the same device (`--no-peers` skips them):
   HF generate  `transformers` generate with a static KV cache, same weights, same lengths
   torch update a PyTorch eager update of the same policy + value (fused AdamW where CUDA has it):
                clipped policy loss + value loss per minibatch, the same rows and minibatches.
+  torch.compile update / experience (a child process with a time limit; with CUDA, or
+               `--torch-compile on`): the same update with each decoder layer and the loss compiled
+               (compile time recorded), and the four experience forwards likewise; a peer that cannot
+               compile or run gets its reason in the JSON instead of figures.
 
 FLOPs (stated in the output): N = matmul parameters of a model (every projection and the LM head;
 not the embedding lookup); forward = 2·N per token + attention 4·T·H·Dh per token per layer (no causal
@@ -73,6 +82,10 @@ class Shape:
                            max_position_embeddings=max_positions, tie_word_embeddings=False,
                            param_dtype=param_dtype, dtype=dtype, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
+
+# rollout.gemm's choices (ppo_jax.sampling.config.GEMM_OPTIONS; written out so that the torch.compile
+# worker, this file run as a child process, never imports jax).
+GEMMS = ("auto", "cublas", "triton_exhaustive")
 
 TINYLLAMA = Shape(vocab=32000, hidden=2048, layers=22, heads=32, kv_heads=4, mlp=5632)
 TINY = Shape(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, mlp=128)
@@ -181,6 +194,7 @@ def ppo_jax_settings(args, assets):
     # process with the same cache then shows what a rerun or a resume compiles).
     c.compute.compilation_cache = args.compilation_cache
     c.rollout.steps_per_sync = args.steps_per_sync
+    c.rollout.gemm = args.sampler_gemm
     c.train.iterations = 10**6  # the benchmark calls run_iteration() itself
     c.train.progress = False
     return c
@@ -215,9 +229,67 @@ def run_ppo_jax(args, assets, workdir: str, on_timed=lambda ours: None) -> dict:
             # compute.remat=auto on a GPU: the remat the update kept (rl/remat_choice.py), else None
             "update_remat": getattr(trainer.steps.update_jit, "chosen", None)}
     on_timed(ours)  # the timings are saved before the trace, which a device session's limit may cut
+    if not args.no_decode_split:
+        ours["decode"] = {}
+        for gemm in dict.fromkeys([args.sampler_gemm, *args.gemm_ab]):  # the run's own choice first
+            ours["decode"][gemm] = decode_split(trainer, args, assets, gemm)
+            on_timed(ours)
     if args.profile:
         ours["profile"] = traced_iteration(trainer, args.profile)
     return ours
+
+
+def sampler_inputs(trainer, args, assets) -> tuple:
+    """(params, prompt tokens [rows, prompt], mask [rows, prompt], key) on the sampler's mesh: the
+    trainer's current policy and the benchmark's first `--rows` prompts (no padding)."""
+    import jax
+
+    from ppo_jax import sharding
+
+    mesh = trainer.meshes.sampler
+    tokens = np.asarray(assets["tokenizer"](assets["prompts"][:args.rows], return_tensors="np")["input_ids"])
+    assert tokens.shape == (args.rows, args.prompt), tokens.shape
+    toks, mask = sharding.put_local_batch((tokens.astype(np.int32), np.ones_like(tokens, np.int32)), mesh)
+    weights = trainer.sampler_weights()
+    assert weights.adapters is None, "the benchmark decodes a full policy, no LoRA"
+    return weights.params, toks, mask, sharding.replicate(jax.random.key(0), mesh)
+
+
+def time_calls(call, calls: int = 5) -> tuple[float, float]:
+    """(first call's seconds, compile included; median of `calls` more), each until the result is ready."""
+    import jax
+
+    times = []
+    for _ in range(1 + calls):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - t0)
+    return times[0], statistics.median(times[1:])
+
+
+def decode_split(trainer, args, assets, gemm: str) -> dict:
+    """The decode loop's time per step apart from the prefill, for the sampler with GEMM choice `gemm`.
+
+    Two generation lengths, N and 1, and their difference: the N = 1 program is the prefill and the
+    first token's choice alone (`loop.sample` compiles no loop for it), and everything else both pay
+    (dispatch, the input and output buffers, the key's split) cancels, which timing the prefill inside
+    the N-step program could not separate from the loop. N - 1 rounded up to the loop's K steps per
+    iteration is the number of decode steps the N program runs (every response is full length)."""
+    from ppo_jax.sampling.loop import decode_steps
+
+    full = trainer.sampler if gemm == trainer.sampler.config.gemm else trainer.sampler.with_config(gemm=gemm)
+    prefill = full.with_config(max_new_tokens=1, min_new_tokens=min(1, full.config.min_new_tokens))
+    inputs = sampler_inputs(trainer, args, assets)
+    full_first, full_s = time_calls(lambda: full(*inputs))
+    prefill_first, prefill_s = time_calls(lambda: prefill(*inputs))
+    steps = decode_steps(full.config)
+    per_step = (full_s - prefill_s) / steps
+    print(f"  sampler gemm={gemm}: {full_s * 1e3:.1f} ms for {args.response} tokens, prefill {prefill_s * 1e3:.1f} ms, "
+          f"decode {per_step * 1e3:.3f} ms/step over {steps} steps; compile {full_first - full_s:.1f} s "
+          f"(prefill program {prefill_first - prefill_s:.1f} s)", flush=True)
+    return {"gemm": gemm, "sampler_s": full_s, "prefill_s": prefill_s, "decode_steps": steps,
+            "decode_s_per_step": per_step, "compile_s": full_first - full_s,
+            "prefill_compile_s": prefill_first - prefill_s}
 
 
 def traced_iteration(trainer, trace_dir: str) -> dict:
@@ -280,43 +352,67 @@ def run_hf_generate(args, assets) -> dict:
     return {"first": times[0], "median": statistics.median(times[1:]), "device": device}
 
 
-def run_torch_update(args, assets) -> dict:
-    """A PyTorch eager PPO update of policy + value: for each minibatch, the policy's clipped surrogate
-    on the response tokens and the value model's squared error, one backward, clipping, AdamW."""
+def load_update_models(args, paths: dict, device: str, dtype) -> tuple:
+    """(policy, value backbone, value head) as the update peers train them: the benchmark's policy
+    checkpoint, the reward checkpoint's backbone with a fresh scalar head (`value.init = "reward"`)."""
     import torch
     import transformers
 
-    device, dtype = torch_device_and_dtype(args)
     torch.manual_seed(0)
     policy = transformers.AutoModelForCausalLM.from_pretrained(
-        assets["paths"]["policy"], dtype=dtype, attn_implementation="sdpa").to(device)
+        paths["policy"], dtype=dtype, attn_implementation="sdpa").to(device)
     backbone = transformers.AutoModel.from_pretrained(
-        assets["paths"]["reward"], dtype=dtype, attn_implementation="sdpa").to(device)
+        paths["reward"], dtype=dtype, attn_implementation="sdpa").to(device)
     head = torch.nn.Linear(backbone.config.hidden_size, 1, dtype=dtype, device=device)
+    return policy, backbone, head
+
+
+def update_inputs(args, vocab: int, device: str) -> tuple:
+    """Seeded update batch: tokens [rows, T], old log-probs, advantages, returns [rows, response]."""
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    tokens = torch.randint(4, vocab, (args.rows, args.prompt + args.response), generator=gen)
+    old_logp = -torch.rand(args.rows, args.response, generator=gen) * 5
+    advantages = torch.randn(args.rows, args.response, generator=gen)
+    returns = torch.randn(args.rows, args.response, generator=gen)
+    return tuple(x.to(device) for x in (tokens, old_logp, advantages, returns))
+
+
+def ppo_losses(logits, values, tokens, old_logp, advantages, returns, prompt: int):
+    """The peers' minibatch loss: clipped policy surrogate + 0.1 x value loss on the response tokens.
+    logits [b, T, V], values [b, T - prompt] (positions prompt - 1 .. T - 2), tokens [b, T]; the rest
+    [b, T - prompt]."""
+    import torch
+
+    logits = logits[:, prompt - 1:-1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, tokens[:, prompt:, None]).squeeze(-1)
+    ratio = torch.exp(logp - old_logp)
+    policy_loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.2)).mean()
+    value_loss = 0.5 * ((values.float() - returns) ** 2).mean()
+    return policy_loss + 0.1 * value_loss
+
+
+def timed_torch_update(args, models: tuple, inputs: tuple, device: str, losses=ppo_losses) -> dict:
+    """1 + `--iterations` PPO updates (each the rows' minibatches: forward, backward, clipping, fused
+    AdamW where CUDA has it), timed; `losses` is `ppo_losses` or its compiled version."""
+    import torch
+
+    policy, backbone, head = models
     params = [*policy.parameters(), *backbone.parameters(), *head.parameters()]
     optimizer = torch.optim.AdamW(params, lr=1e-6, eps=1e-5, fused=device == "cuda")
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-
-    T, P = args.prompt + args.response, args.prompt
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    tokens = torch.randint(4, assets["config"].vocab_size, (args.rows, T), generator=gen).to(device)
-    old_logp = (-torch.rand(args.rows, args.response, generator=gen) * 5).to(device)
-    advantages = torch.randn(args.rows, args.response, generator=gen).to(device)
-    returns = torch.randn(args.rows, args.response, generator=gen).to(device)
+    tokens, old_logp, advantages, returns = inputs
+    P = args.prompt
 
     def update():
         for start in range(0, args.rows, args.minibatch_rows):
             rows = slice(start, start + args.minibatch_rows)
             x = tokens[rows]
-            logits = policy(x).logits[:, P - 1:-1].float()
-            logp = torch.log_softmax(logits, -1).gather(-1, x[:, P:, None]).squeeze(-1)
-            ratio = torch.exp(logp - old_logp[rows])
-            adv = advantages[rows]
-            policy_loss = torch.max(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)).mean()
-            values = head(backbone(x).last_hidden_state[:, P - 1:-1]).squeeze(-1).float()
-            value_loss = 0.5 * ((values - returns[rows]) ** 2).mean()
-            (policy_loss + 0.1 * value_loss).backward()
+            values = head(backbone(x).last_hidden_state[:, P - 1:-1]).squeeze(-1)
+            loss = losses(policy(x).logits, values, x, old_logp[rows], advantages[rows], returns[rows], P)
+            loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -328,7 +424,186 @@ def run_torch_update(args, assets) -> dict:
         update()
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
-    return {"first": times[0], "median": statistics.median(times[1:]), "peak_bytes": peak, "device": device}
+    return {"first": times[0], "median": statistics.median(times[1:]), "compile_s": times[0] - statistics.median(times[1:]),
+            "peak_bytes": peak, "device": device}
+
+
+def run_torch_update(args, assets) -> dict:
+    """A PyTorch eager PPO update of policy + value: for each minibatch, the policy's clipped surrogate
+    on the response tokens and the value model's squared error, one backward, clipping, AdamW."""
+    device, dtype = torch_device_and_dtype(args)
+    models = load_update_models(args, assets["paths"], device, dtype)
+    return timed_torch_update(args, models, update_inputs(args, assets["config"].vocab_size, device), device)
+
+
+# --------------------------------------------------------------------------------------------
+# The torch.compile peers, in a child process with a time limit: a compile that hangs or takes longer
+# than the device session allows cannot take ppo_jax's figures with it, and what it cannot do is
+# written into the JSON as the reason.
+
+TORCH_COMPILE_PEERS = ("torch_compile_update", "torch_compile_experience")
+
+
+def compile_regions(*models) -> None:
+    """torch.compile each decoder layer in place (regional compilation, torchtitan's choice): the
+    layers share one compiled code object, so the compile is one layer's, not 22's; inductor's default
+    mode (no max-autotune: its compile alone would not fit a device session)."""
+    import torch
+
+    limits = ("recompile_limit", "cache_size_limit")  # the layers must not fall back to eager silently
+    for name in limits:
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    for model in models:
+        base = getattr(model, "model", model)  # a *ForCausalLM holds its decoder in .model
+        for layer in base.layers:
+            layer.compile()
+
+
+def dynamo_stats() -> dict:
+    """torch._dynamo's counters: compiled graphs, recompiles, graph breaks (a peer that fell back to
+    eager shows here)."""
+    from torch._dynamo.utils import counters
+
+    return {group: dict(counters[group]) for group in ("stats", "recompiles", "graph_break") if counters[group]}
+
+
+def torch_compile_update(args, paths: dict, vocab: int) -> tuple[dict, tuple]:
+    """The eager peer's update with every decoder layer and the loss compiled (bf16, SDPA attention,
+    fused AdamW): its timings (compile_s = first iteration - steady) and the models, for the next peer."""
+    import torch
+
+    device, dtype = torch_device_and_dtype(args)
+    models = load_update_models(args, paths, device, dtype)
+    compile_regions(models[0], models[1])
+    result = timed_torch_update(args, models, update_inputs(args, vocab, device), device,
+                                losses=torch.compile(ppo_losses))
+    return {**result, "dynamo": dynamo_stats(), "mode": "regional: each decoder layer and the loss"}, models
+
+
+def response_logprobs(logits, tokens, prompt: int):
+    """log-probs [b, T - prompt] (fp32) of the response tokens under logits [b, T, V]."""
+    import torch
+
+    logits = logits[:, prompt - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, tokens[:, prompt:, None]).squeeze(-1)
+
+
+def torch_compile_experience(args, models: tuple, vocab: int) -> dict:
+    """The experience forwards, compiled layers and log-prob head: policy and reference log-probs,
+    values and the reward model's score, on all rows at once (as ppo_jax's experience step). The
+    reference and reward forwards reuse the policy's and the value's modules (the same shapes and FLOPs
+    as the frozen copies ppo_jax holds; the weights are read once per forward either way)."""
+    import torch
+
+    device = torch_device_and_dtype(args)[0]
+    policy, backbone, head = models
+    tokens = update_inputs(args, vocab, device)[0]
+    logprobs = torch.compile(response_logprobs)
+    P = args.prompt
+
+    def experience():
+        with torch.inference_mode():
+            out = [logprobs(policy(tokens).logits, tokens, P) for _ in ("policy", "reference")]
+            hidden = [backbone(tokens).last_hidden_state for _ in ("value", "reward")]
+            out += [head(hidden[0][:, P - 1:-1]), head(hidden[1][:, -1])]
+        _sync(device)
+        return out
+
+    times = []
+    for _ in range(1 + args.iterations):
+        t0 = time.perf_counter()
+        experience()
+        times.append(time.perf_counter() - t0)
+    median = statistics.median(times[1:])
+    return {"first": times[0], "median": median, "compile_s": times[0] - median, "dynamo": dynamo_stats()}
+
+
+def torch_compile_worker(job_path: str) -> None:
+    """The child process: both torch.compile peers, each result (or its error) written to the job's
+    `out` file as soon as it is known."""
+    import traceback
+
+    with open(job_path) as f:
+        job = json.load(f)
+    args = argparse.Namespace(**job["args"])
+    out: dict = {}
+
+    def save():
+        with open(job["out"], "w") as f:
+            json.dump(out, f, default=str)
+
+    def attempt(name: str, run):
+        try:
+            return run()
+        except Exception as err:  # noqa: BLE001 - the reason goes into the JSON, the bench goes on
+            traceback.print_exc()
+            out[name] = {"error": f"{type(err).__name__}: {err}"[:4000]}
+            return None
+        finally:
+            save()
+
+    def update():
+        out["torch_compile_update"], models = torch_compile_update(args, job["paths"], job["vocab"])
+        return models
+
+    models = attempt("torch_compile_update", update)
+    if models is not None:
+        attempt("torch_compile_experience",
+                lambda: out.__setitem__("torch_compile_experience", torch_compile_experience(args, models, job["vocab"])))
+    else:
+        out["torch_compile_experience"] = {"error": "not run: the compiled update failed"}
+        save()
+
+
+def run_torch_compile_peers(args, assets, workdir: str) -> dict:
+    """Both torch.compile peers in a child process (`--torch-compile-worker`) killed after
+    `--torch-compile-timeout` s; a peer it did not finish gets {"error": why}."""
+    import signal
+    import subprocess
+
+    job = {"args": vars(args), "paths": assets["paths"], "vocab": assets["config"].vocab_size,
+           "out": os.path.join(workdir, "torch_compile.json")}
+    job_path = os.path.join(workdir, "torch_compile_job.json")
+    with open(job_path, "w") as f:
+        json.dump(job, f, default=str)
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--torch-compile-worker", job_path],
+                            start_new_session=True)  # its own group: inductor's compile workers go with it
+
+    def kill_group(*_):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    # A SIGTERM to this process (the session script's per-run `timeout`) must not leave the worker,
+    # outside its process group, running on the GPU through the next runs.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: (kill_group(), sys.exit(128 + signum)))
+    try:
+        why = f"the worker exited with status {proc.wait(timeout=args.torch_compile_timeout)} before this peer finished"
+    except subprocess.TimeoutExpired:
+        kill_group()
+        proc.wait()
+        why = f"not finished within --torch-compile-timeout={args.torch_compile_timeout} s (compile and timed runs)"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        kill_group()  # inductor's compile workers, if any outlived the worker
+    results = {}
+    if os.path.exists(job["out"]):
+        with open(job["out"]) as f:
+            results = json.load(f)
+    return {name: results.get(name, {"error": why}) for name in TORCH_COMPILE_PEERS}
+
+
+def torch_compile_wanted(args) -> str | None:
+    """None when the torch.compile peers should run, else why not (recorded in the JSON)."""
+    import torch
+
+    if args.torch_compile == "off":
+        return "--torch-compile off"
+    if args.torch_compile == "auto" and not torch.cuda.is_available():
+        return "no CUDA device (--torch-compile on runs them on the CPU too)"
+    return None
 
 
 def release_torch_memory() -> None:
@@ -372,9 +647,23 @@ def figures(args, cfg, ours: dict, peers: dict) -> dict:
         return {"seconds": seconds, "ms_per_step": 1e3 * per_step, "tokens_per_s": rows * args.response / seconds,
                 "roofline_fraction": roofline}
 
+    def decode_loop(split: dict) -> dict:
+        per_step = split["decode_s_per_step"]
+        roofline = step_bytes / (hbm_tbps * 1e12) / per_step if hbm_tbps and per_step > 0 else None
+        return {"decode_ms_per_step": 1e3 * per_step, "decode_roofline_fraction": roofline,
+                "prefill_ms": 1e3 * split["prefill_s"], "sampler_ms": 1e3 * split["sampler_s"],
+                "compile_s": split["compile_s"], "prefill_compile_s": split["prefill_compile_s"]}
+
     med = ours["median"]
+    splits = {gemm: decode_loop(split) for gemm, split in (ours.get("decode") or {}).items()}
+    generate = decode(med["time/generate"])
+    if args.sampler_gemm in splits:  # the trainer's own sampler: its decode loop apart from the prefill
+        own = splits[args.sampler_gemm]
+        generate.update(decode_ms_per_step=own["decode_ms_per_step"],
+                        decode_roofline_fraction=own["decode_roofline_fraction"], prefill_ms=own["prefill_ms"])
     out = {"ppo_jax": {
-        "generate": decode(med["time/generate"]),
+        "generate": generate,
+        "sampler_gemm": splits,
         "experience": {"seconds": med["time/experience"], "mfu": mfu("experience", med["time/experience"])},
         "update": {"seconds": med["time/update"], "mfu": mfu("update", med["time/update"]),
                    "tokens_per_s": rows * T / med["time/update"]},
@@ -387,6 +676,15 @@ def figures(args, cfg, ours: dict, peers: dict) -> dict:
         t = peers["torch_update"]
         out["torch_update"] = {"seconds": t["median"], "mfu": mfu("update", t["median"]),
                                "peak_gib": t["peak_bytes"] / 2**30 if t["peak_bytes"] else None}
+    if "torch_compile_update" in peers:
+        t = peers["torch_compile_update"]
+        out["torch_compile_update"] = {"error": t["error"]} if "error" in t else {
+            "seconds": t["median"], "mfu": mfu("update", t["median"]), "compile_s": t["compile_s"],
+            "peak_gib": t["peak_bytes"] / 2**30 if t["peak_bytes"] else None}
+    if "torch_compile_experience" in peers:
+        t = peers["torch_compile_experience"]
+        out["torch_compile_experience"] = {"error": t["error"]} if "error" in t else {
+            "seconds": t["median"], "mfu": mfu("experience", t["median"]), "compile_s": t["compile_s"]}
     out["flops"] = flops
     out["decode_bytes_per_step"] = step_bytes
     out["peaks"] = {"tflops": peak_tflops, "hbm_tbps": hbm_tbps}
@@ -435,20 +733,37 @@ def print_table(args, fig: dict, ours: dict) -> None:
         h = fig["hf_generate"]
         print(f"    HF generate (static cache) {h['seconds']:.3f} s  {h['ms_per_step']:.2f} ms/step  "
               f"roofline {_fmt(h['roofline_fraction'], '.0%')}  -> ppo_jax {h['seconds'] / g['seconds']:.2f}×")
+    for gemm, split in ppo["sampler_gemm"].items():
+        print(f"    sampler alone, gemm={gemm}: decode {split['decode_ms_per_step']:.3f} ms/step, roofline "
+              f"{_fmt(split['decode_roofline_fraction'], '.0%')}; prefill {split['prefill_ms']:.1f} ms; "
+              f"compile {split['compile_s']:.1f} s + prefill program {split['prefill_compile_s']:.1f} s")
     e = ppo["experience"]
     print(f"  experience  {e['seconds']:.3f} s  MFU {_fmt(e['mfu'], '.1%')}  ({fig['flops']['experience']:.3g} FLOP)")
+    _print_peer(fig, "torch_compile_experience", "torch.compile experience", e["seconds"])
     u = ppo["update"]
     print(f"  update      {u['seconds']:.3f} s  MFU {_fmt(u['mfu'], '.1%')}  ({fig['flops']['update']:.3g} FLOP)")
     if "torch_update" in fig:
         t = fig["torch_update"]
         print(f"    torch eager update {t['seconds']:.3f} s  MFU {_fmt(t['mfu'], '.1%')}  peak "
               f"{_fmt(t['peak_gib'], '.1f', ' GiB')}  -> ppo_jax {t['seconds'] / u['seconds']:.2f}×")
+    _print_peer(fig, "torch_compile_update", "torch.compile update", u["seconds"])
     c = ppo["compile_s"]
     print(f"  iteration {ppo['iteration_seconds']:.3f} s; compile (first - steady) {c['wall']:.1f} s "
           f"(generate {c['time/generate']:.1f}, experience {c['time/experience']:.1f}, update {c['time/update']:.1f}); "
           f"trainer start {ppo['trainer_start_s']:.1f} s; peak {_fmt(ppo['peak_gib'], '.1f', ' GiB')}")
     if ours["trace_counts"] != {"experience": 1, "update": 1}:
         print(f"  WARNING: recompiled: {ours['trace_counts']}")
+
+
+def _print_peer(fig: dict, name: str, label: str, ours_s: float) -> None:
+    if name not in fig:
+        return
+    t = fig[name]
+    if "error" in t:
+        print(f"    {label}: {t['error'][:300]}")
+        return
+    print(f"    {label} {t['seconds']:.3f} s  MFU {_fmt(t['mfu'], '.1%')}  compile {t['compile_s']:.1f} s"
+          f"  -> ppo_jax {t['seconds'] / ours_s:.2f}×")
 
 
 def parse_args(argv=None):
@@ -472,13 +787,30 @@ def parse_args(argv=None):
                    help="layers of the TinyLlama shape (default 22): a slice of the model for quick A/B runs")
     p.add_argument("--compilation-cache", default="", metavar="DIR",
                    help="jax's persistent compilation cache (default: off, compile time being a figure)")
-    p.add_argument("--no-peers", action="store_true", help="skip HF generate and the torch update")
+    p.add_argument("--sampler-gemm", default="auto", choices=GEMMS,
+                   help="rollout.gemm: the sampler program's GEMM kernels on a GPU")
+    p.add_argument("--gemm-ab", type=lambda v: [x for x in v.split(",") if x], default=[], metavar="LIST",
+                   help="after the timed iterations, also time the sampler alone under these rollout.gemm "
+                        "choices (comma-separated), each a program of its own in the same process")
+    p.add_argument("--no-decode-split", action="store_true",
+                   help="skip timing the sampler alone at N and 1 new tokens (the decode loop apart from the prefill)")
+    p.add_argument("--no-peers", action="store_true", help="skip HF generate and the torch updates")
+    p.add_argument("--torch-compile", choices=("auto", "on", "off"), default="auto",
+                   help="the torch.compile peers (update, experience): auto = with a CUDA device")
+    p.add_argument("--torch-compile-timeout", type=float, default=150.0,
+                   help="seconds for both torch.compile peers, compile included (a child process, then killed)")
+    p.add_argument("--torch-compile-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak (default: by device kind)")
     p.add_argument("--hbm-tbps", type=float, default=None, help="device memory bandwidth (default: by kind)")
     p.add_argument("--json", default=None, help="write every figure here")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="trace one extra iteration into DIR and print its device time by program and kernel kind")
     args = p.parse_args(argv)
+    if args.torch_compile_worker:
+        return args
+    unknown = set(args.gemm_ab) - set(GEMMS)
+    if unknown:
+        p.error(f"--gemm-ab: unknown choice(s) {sorted(unknown)}")
     defaults = dict(rows=4, prompt=8, response=8, minibatch_rows=2) if args.tiny else \
         dict(rows=64, prompt=128, response=128, minibatch_rows=16)
     for name, value in defaults.items():
@@ -492,8 +824,10 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> dict | None:
     args = parse_args(argv)
+    if args.torch_compile_worker:
+        return torch_compile_worker(args.torch_compile_worker)
     shape = TINY if args.tiny else TINYLLAMA
     if args.layers:
         shape = dataclasses.replace(shape, layers=args.layers)
@@ -512,6 +846,9 @@ def main(argv=None) -> dict:
                 peers["hf_generate"] = run_hf_generate(args, assets)
                 peers["torch_update"] = run_torch_update(args, assets)
                 release_torch_memory()
+                why_not = torch_compile_wanted(args)
+                peers.update({name: {"error": f"skipped: {why_not}"} for name in TORCH_COMPILE_PEERS} if why_not
+                             else run_torch_compile_peers(args, assets, workdir))
 
         def save(ours: dict) -> dict:
             result = {"args": vars(args), "environment": environment(),

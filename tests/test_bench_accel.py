@@ -43,6 +43,13 @@ def test_tiny_run_reports_every_phase_and_the_peers(tmp_path):
     assert env["device_kind"] and env["backend"] == "cpu" and env["jax"] and env["date"].startswith("20")
     assert len(env["commit"]) == 40 or env["commit"] == "unknown"
     assert result["figures"]["torch_update"]["seconds"] > 0
+    # The decode loop apart from the prefill (the sampler alone at N and 1 new tokens); the
+    # torch.compile peers need CUDA unless asked for, and say so instead of figures.
+    generate = ours["generate"]
+    assert generate["decode_ms_per_step"] == ours["sampler_gemm"]["auto"]["decode_ms_per_step"]
+    assert generate["prefill_ms"] > 0 and result["ppo_jax_raw"]["decode"]["auto"]["decode_steps"] == 7
+    for peer in bench_accel.TORCH_COMPILE_PEERS:
+        assert result["figures"][peer]["error"].startswith("skipped: no CUDA device"), peer
     # The traced iteration's device time, by program: the experience and update steps' XLA modules,
     # their busy time split into kernel kinds that add up to it (on CPU: XLA:CPU's thunks).
     profile = result["ppo_jax_raw"]["profile"]
@@ -51,6 +58,18 @@ def test_tiny_run_reports_every_phase_and_the_peers(tmp_path):
         assert times["seconds"] > 0 and times["events"] > 0, program
         assert sum(times["by_kind"].values()) == pytest.approx(times["seconds"])
     assert profile["jit_update"]["by_kind"].get("gemm", 0) > 0  # the update's matmuls are found as such
+
+
+def test_a_torch_compile_peer_out_of_time_is_recorded_not_fatal(tmp_path):
+    """The torch.compile peers run in a child process killed at --torch-compile-timeout: what they
+    did not finish gets the reason in the JSON, and the benchmark goes on."""
+    pytest.importorskip("torch")
+    args = bench_accel.parse_args(["--tiny", "--torch-compile", "on", "--torch-compile-timeout", "0.5"])
+    assets = bench_accel.build_assets(bench_accel.TINY, args, str(tmp_path))
+    peers = bench_accel.run_torch_compile_peers(args, assets, str(tmp_path))
+    assert set(peers) == set(bench_accel.TORCH_COMPILE_PEERS)
+    for peer in peers.values():
+        assert "--torch-compile-timeout=0.5" in peer["error"]
 
 
 def test_the_trainer_runs_in_the_dtypes_the_benchmark_names(tmp_path):
