@@ -49,7 +49,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 work=$(mktemp -d /tmp/accel_session.XXXX)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
-PPO_JAX_COMMIT=$(git -C "$here" rev-parse HEAD 2>/dev/null || echo unknown)
+# a tree exported without .git (git archive) names its commit here
+PPO_JAX_COMMIT=${PPO_JAX_COMMIT:-$(git -C "$here" rev-parse HEAD 2>/dev/null || echo unknown)}
 export PPO_JAX_COMMIT
 summary="$out/summary-$part.txt"
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" | tee "$summary"
