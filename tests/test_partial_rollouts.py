@@ -200,6 +200,21 @@ def test_routing_replay_carries_each_tokens_record_through_partial_rollouts(stra
     assert straight.history[0]["rollout/routing_mismatch"] == 0.0
 
 
+@pytest.mark.parametrize("straight", ["dense"], indirect=True)
+def test_evaluation_during_partial_rollouts_is_a_whole_rollout_and_leaves_training_alone(straight, tmp_path):
+    """Evaluation samples whole responses of the current weights, whatever the training source (it
+    crashed on the segmented source's empty first sample, issue 60), and takes nothing from the batches
+    in flight: the training metrics equal the run's without evaluation, bit for bit."""
+    trainer = trainer_at(tmp_path, **{**straight.overrides, "train.eval_every": 2})
+    history = trainer.train()
+    trainer.close()
+    evaluated = [row for row in history if "eval/scores" in row]
+    assert evaluated and all(np.isfinite(row["eval/scores"]) for row in evaluated)
+    for row, plain in zip(history, straight.history):
+        assert {k: v for k, v in row.items() if k.startswith(("objective/", "loss/", "rollout/"))} == \
+            {k: v for k, v in plain.items() if k.startswith(("objective/", "loss/", "rollout/"))}
+
+
 def test_sigterm_with_partial_rollouts_in_flight_resumes_bit_for_bit(straight, tmp_path):
     """Stopped after iteration 1: batch 2 (begun under θ_0, advanced under θ_1) is in flight
     mid-rollout; its engine state (KV cache, and with routing replay its records) is saved whole and

@@ -204,16 +204,22 @@ class Rollouts:
         return self.steps.sampler(weights.params, prompt_tokens, prompt_mask, key, adapters=weights.adapters)
 
     def start(self, state: PPOState, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key) -> StartedRollout:
-        """Dispatches the sampling of this process's prompt rows (host arrays), and with
-        roles.scoring="sampler" its scoring, and returns at once."""
+        """Dispatches the sampling of this process's prompt rows (host arrays), whole, and with
+        roles.scoring="sampler" its scoring, and returns at once. Whatever the training source: an
+        evaluation's rollout is a whole one of the current weights."""
         mesh = self.meshes.sampler
         toks, mask = sharding.put_local_batch((prompt_tokens, prompt_mask), mesh)
-        if self.segmented is not None:  # partial rollouts: the first segment only
-            weights = self.sampler_weights(state)
-            segment = self.segmented.begin(weights.params, toks, mask, sharding.replicate(key, mesh), int(state.step),
-                                           self.segment_steps, adapters=weights.adapters)
-            return StartedRollout(None, int(state.step), segment=segment)
         return self._scored(self.sample(state, toks, mask, sharding.replicate(key, mesh)), int(state.step))
+
+    def _begin_partial(self, state: PPOState, prompt_tokens: np.ndarray, prompt_mask: np.ndarray,
+                       key) -> StartedRollout:
+        """Partial rollouts: dispatches the first segment of a batch (finished by `_next_partial`)."""
+        mesh = self.meshes.sampler
+        toks, mask = sharding.put_local_batch((prompt_tokens, prompt_mask), mesh)
+        weights = self.sampler_weights(state)
+        segment = self.segmented.begin(weights.params, toks, mask, sharding.replicate(key, mesh), int(state.step),
+                                       self.segment_steps, adapters=weights.adapters)
+        return StartedRollout(None, int(state.step), segment=segment)
 
     def _scored(self, out: sampling.SampleOutput, version: int) -> StartedRollout:
         if self.scorer is None:
@@ -285,7 +291,8 @@ class Rollouts:
         then the batches up to `last` begun."""
         iteration, weights = int(state.step), self.sampler_weights(state)
         if not self.in_flight:  # a run's first iteration: batch `iteration` begins now
-            self.in_flight.append(self.start(state, *self.prompts.next_batch(), self.iteration_key(iteration)))
+            self.in_flight.append(self._begin_partial(state, *self.prompts.next_batch(),
+                                                      self.iteration_key(iteration)))
             self._check_room(more=last - iteration)
         for started in self.in_flight:
             if isinstance(started.segment, dict):  # restored from a checkpoint: rebuilt on the sampler's mesh
@@ -301,7 +308,7 @@ class Rollouts:
                                                      adapters=weights.adapters)
         while iteration + 1 + len(self.in_flight) <= last:
             batch = iteration + 1 + len(self.in_flight)
-            self.in_flight.append(self.start(state, *self.prompts.next_batch(), self.iteration_key(batch)))
+            self.in_flight.append(self._begin_partial(state, *self.prompts.next_batch(), self.iteration_key(batch)))
         return self.finish(current), current.sample
 
     def _check_room(self, more: int) -> None:
