@@ -1,9 +1,10 @@
-"""The pieces of `python -m ppo_jax.agentic` that need no training: the character tokenizer, the
+"""The pieces of `python -m ppo_jax.arithmetic` that need no training: the character tokenizer, the
 demonstrations as SFT records, the bare environment, the interval. (The run itself: docs/agentic.md.)"""
 
 import pytest
 
-from ppo_jax.agentic import arithmetic_task, environment, pipeline, tool_format
+from ppo_jax.agentic import environment, tool_format
+from ppo_jax.arithmetic import pipeline, task as arithmetic_task
 
 
 @pytest.fixture(scope="module")

@@ -160,8 +160,8 @@ def test_an_environment_that_raises_names_its_row():
 # ----------------------------------------------------------------------------------------------
 # The arithmetic task (issue 45 item 6, data only).
 
-from ppo_jax.agentic import arithmetic_task  # noqa: E402
-from ppo_jax.agentic.arithmetic_task import ArithmeticTask  # noqa: E402
+from ppo_jax.arithmetic import task as arithmetic_task  # noqa: E402
+from ppo_jax.arithmetic.task import ArithmeticTask  # noqa: E402
 
 
 def test_the_generator_is_deterministic_in_its_seed_and_the_splits_are_disjoint():

@@ -4,6 +4,7 @@ console script `ppo-jax-train`): a PPO run; the same command on the same workdir
 from __future__ import annotations
 
 from ppo_jax import distributed
+from ppo_jax.arithmetic import task as _arithmetic_task  # noqa: F401 (registers environment.name="arithmetic")
 from ppo_jax.cli.common import config_command, fail
 from ppo_jax.rl.settings import Settings
 from ppo_jax.rl.errors import NonFiniteError, RunFailedError, RunStopped

@@ -25,7 +25,7 @@ from ppo_jax.config import check
 class EnvironmentSettings:
     """Multi-turn episodes: an environment steps each row's turns (docs/agentic.md)."""
 
-    name: str = ""  # the environment factory: a registered name ("arithmetic", "tools") or "module:function"; "" = one-turn rollouts
+    name: str = ""  # the environment factory: a registered name ("tools"; "arithmetic" once ppo_jax.arithmetic is imported, as ppo-jax-train does) or "module:function"; "" = one-turn rollouts
     max_turns: int = 4  # policy turns per episode (>= 1); also passed to a factory that takes max_turns
     turn_stop: str = ""  # comma-separated markers that end a turn and step the environment (e.g. "</tool_call>"); "" = the environment's stop_strings
     workers: int = 16  # threads stepping the waiting rows' environments at once
@@ -70,7 +70,7 @@ class EnvironmentSettings:
     def factory(self) -> Callable[[], Any]:
         """A zero-argument environment factory: the named one, given `max_turns` and `tokenizer`
         when it takes them (bound later by `bind`)."""
-        from ppo_jax.agentic import arithmetic_task, environment  # noqa: F401 (registers the built-in names)
+        from ppo_jax.agentic import environment
 
         return environment.resolve(self.name, field="environment.name")
 

@@ -11,7 +11,7 @@ The SFT demonstrations call the calculator and are imperfect on purpose (`demons
 copy a digit of the question wrong into the call, or misread the tool's result, so the SFT policy
 imitates mistakes and RL on the 1/0 reward has something to correct. Train and eval prompts are
 disjoint: a prompt's split is a fixed hash of its numbers. The SFT-then-RL run on it:
-`python -m ppo_jax.agentic` (agentic/pipeline.py, docs/agentic.md).
+`python -m ppo_jax.arithmetic` (arithmetic/pipeline.py, docs/agentic.md).
 """
 
 from __future__ import annotations

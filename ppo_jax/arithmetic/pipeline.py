@@ -1,6 +1,6 @@
 """The arithmetic task end to end (issue 45 item 6): SFT a tiny policy on calculator demonstrations
 (a share of them wrong), then PPO with the calculator as a tool, accuracy on held-out prompts before
-and after RL. `python -m ppo_jax.agentic` runs it and writes <workdir>/summary.json.
+and after RL. `python -m ppo_jax.arithmetic` runs it and writes <workdir>/summary.json.
 
     tokenizer     characters, plus the tool format's fixed pieces as single tokens (short rows)
     sft           prompt "what is A * B" -> tool call, its result, "the answer is N" (SFTTrainer)
@@ -26,7 +26,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from ppo_jax.agentic import arithmetic_task, environment, tool_format, tools
+from ppo_jax.agentic import environment, tool_format, tools
+from ppo_jax.arithmetic import task as arithmetic_task
+from ppo_jax.rl.settings import ppo_config as ppo_defaults
+from ppo_jax.rl.trainer import PPOTrainer
+from ppo_jax.supervised.sft import SFTTrainer, sft_config
 
 # The tool format's fixed pieces, one token each (every other character is its own token).
 PIECES = (tool_format.CALL_OPEN, tool_format.CALL_CLOSE, tool_format.RESULT_OPEN, tool_format.RESULT_CLOSE,
@@ -98,7 +102,6 @@ def sft_records(task: arithmetic_task.ArithmeticTask, n: int) -> list[dict[str, 
 
 def train_sft(p: PipelineSettings, task, tokenizer, workdir: str) -> str:
     """SFT on the demonstrations; returns the exported Hugging Face directory."""
-    from ppo_jax.supervised.sft import SFTTrainer, sft_config
 
     c = sft_config()
     c.seed = p.seed
@@ -112,9 +115,7 @@ def train_sft(p: PipelineSettings, task, tokenizer, workdir: str) -> str:
 
 
 def ppo_config(p: PipelineSettings, sft_dir: str):
-    from ppo_jax.rl.settings import ppo_config as defaults
-
-    c = defaults()
+    c = ppo_defaults()
     c.seed = p.seed
     c.policy.path = sft_dir
     c.environment.name, c.environment.max_turns, c.environment.max_observation_tokens = "arithmetic_bare", 2, 12
@@ -170,7 +171,6 @@ def _episodes(trainer, prompts: list[str], key):
 
 def run(workdir: str, p: PipelineSettings = PipelineSettings()) -> dict[str, Any]:
     """SFT, evaluation, PPO, evaluation; writes and returns <workdir>/summary.json."""
-    from ppo_jax.rl.trainer import PPOTrainer
 
     os.makedirs(workdir, exist_ok=True)
     t0 = time.perf_counter()
