@@ -7,6 +7,7 @@ resumes bit for bit, the one-step checkpoint format still reads, and the planner
 import base64
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_test_mesh
@@ -16,6 +17,7 @@ from tiny_configs import tiny_config
 
 from ppo_jax import reward_functions as reward_fns
 from ppo_jax import sharding
+from ppo_jax.models.forward import response_logits
 from ppo_jax.plan import role_memory
 from ppo_jax.rl.rollouts import resolve_arrays
 from ppo_jax.rl.state import Rollout, policy_variables
@@ -162,3 +164,56 @@ def test_the_planner_holds_k_samples_in_flight():
             assert live["sampler"] - on_policy["sampler"] == k * (40 + 8) + 300, (where, k)
             extra = 0 if where == "disaggregated" else k * (40 + 8)  # held beside the trainer's phases
             assert live["update"] - on_policy["update"] == extra, (where, k)
+
+
+def truncated_log_probs(logits: np.ndarray, tokens: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """Float64 NumPy, from the definitions: each token's log-prob under the distribution of logits
+    [B, Lr, V] (tempered) kept to its top_k tokens, renormalised,
+    then to the smallest set of most likely tokens whose mass reaches top_p, renormalised -> [B, Lr]."""
+    z = logits.astype(np.float64)
+    kth = -np.sort(-z, axis=-1)[..., top_k - 1: top_k]
+    z = np.where(z >= kth, z, -np.inf)
+    ordered = -np.sort(-z, axis=-1)
+    p = np.exp(ordered - ordered.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    keep = (np.cumsum(p, -1) - p < top_p).sum(-1, keepdims=True)  # mass strictly before each < top_p
+    z = np.where(z >= np.take_along_axis(ordered, keep - 1, -1), z, -np.inf)
+    log_z = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
+    return np.take_along_axis(z, tokens[..., None], -1)[..., 0] - log_z
+
+
+def test_truncated_sampling_records_and_corrects_by_the_sampled_distribution(tmp_path):
+    """rollout.top_k = 8 and top_p = 0.9, k = 1 with ppo.off_policy_ratio=auto (truncated_is; the
+    experience and update programs are those of this module's k = 2 run): batch 0, sampled and
+    trained by the initial weights. The rollout's behaviour
+    log-probs are those of the truncated, renormalised distribution the tokens were drawn from
+    (float64 NumPy from a plain forward's logits), the full ones are the trainer's, and the logged
+    kept mass and importance weight are their ratio (< 1), while the first minibatch's ratio is 1.
+    Red when the rollout's behaviour log-probs are the full distribution's (`rl/rollouts.py`
+    passing `behaviour_logprobs=out.logprobs`): the log-probs differ, kept mass and weight read 1."""
+    top_k, top_p = 8, 0.9
+    trainer = trainer_at(tmp_path, **{"rollout.off_policy_steps": 1, "ppo.off_policy_ratio": "auto",
+                                      "rollout.top_k": top_k, "rollout.top_p": top_p})
+    assert trainer.hp.off_policy_ratio == "truncated_is"
+    initial = jax.device_get(trainer.state.policy)
+    row = trainer.run_iteration()
+    rollout, _ = trainer._last_rollout
+    r = jax.device_get({"pt": rollout.prompt_tokens, "pm": rollout.prompt_mask, "t": rollout.tokens,
+                        "m": rollout.mask, "full": rollout.sampler_logprobs, "behaviour": rollout.behaviour_logprobs})
+    params, adapters = policy_variables(initial, jax.device_get(trainer.frozen.policy))
+    logits = np.asarray(jax.jit(response_logits, static_argnums=0)(
+        trainer.modules.policy, params, *(jnp.asarray(r[k]) for k in ("pt", "pm", "t", "m")), 1.0, adapters))
+    trainer.close()
+    real = r["m"] > 0
+    full = jax.nn.log_softmax(logits.astype(np.float64), axis=-1)
+    np.testing.assert_allclose(r["full"][real], np.take_along_axis(full, r["t"][..., None], -1)[..., 0][real],
+                               atol=2e-5)
+    expected = truncated_log_probs(logits, r["t"], top_k, top_p)
+    np.testing.assert_allclose(r["behaviour"][real], expected[real], atol=2e-5)
+    kept = np.exp(r["full"] - expected)[real]  # pi_train / pi_behaviour per token: the kept mass
+    assert kept.mean() < 0.95  # the truncation bites
+    np.testing.assert_allclose(row["sampling/kept_mass"], kept.mean(), rtol=1e-4)
+    np.testing.assert_allclose(row["off_policy/is_weight_mean"], kept.mean(), rtol=1e-4)
+    assert row["rollout/truncated_frac"] == 0.0  # every weight below the cap: scaled, none capped
+    assert abs(row["first_minibatch/ratio"] - 1.0) < 1e-6  # the ratio to the recomputed policy
+
