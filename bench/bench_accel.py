@@ -445,9 +445,11 @@ TORCH_COMPILE_PEERS = ("torch_compile_update", "torch_compile_experience")
 
 
 def compile_regions(*models) -> None:
-    """torch.compile each decoder layer in place (regional compilation, torchtitan's choice): the
-    layers share one compiled code object, so the compile is one layer's, not 22's; inductor's default
-    mode (no max-autotune: its compile alone would not fit a device session)."""
+    """torch.compile each decoder layer in place (regional compilation, torchtitan's choice), in
+    inductor's default mode (no max-autotune: its compile alone would not fit a device session).
+    Dynamo keeps one graph per layer index (on the H200, 23 graphs for the update: layer i of the
+    policy and of the value share one, plus the loss), hence the raised recompile limit: at torch's
+    default of 8 the later layers would run eager without a word."""
     import torch
 
     limits = ("recompile_limit", "cache_size_limit")  # the layers must not fall back to eager silently
@@ -699,15 +701,29 @@ def environment() -> dict:
     import flax
     import jax
 
+    # PPO_JAX_COMMIT first: a tree exported without .git (git archive) into a repository's folder would
+    # otherwise report that repository's HEAD, not the code that ran (the 2026-11-28 session did).
+    commit = os.environ.get("PPO_JAX_COMMIT", "")
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
-                                capture_output=True, text=True, check=True).stdout.strip()
+        commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                                          capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        commit = os.environ.get("PPO_JAX_COMMIT", "unknown")
+        commit = "unknown"
     return {"device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend(),
             "device_count": jax.device_count(), "jax": jax.__version__, "flax": flax.__version__,
+            "torch": _version("torch"), "transformers": _version("transformers"),
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit}
+
+
+def _version(distribution: str) -> str | None:
+    """An installed distribution's version (the peers' software), None if absent."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _fmt(x, spec=".3f", unit=""):
@@ -791,7 +807,10 @@ def parse_args(argv=None):
                    help="rollout.gemm: the sampler program's GEMM kernels on a GPU")
     p.add_argument("--gemm-ab", type=lambda v: [x for x in v.split(",") if x], default=[], metavar="LIST",
                    help="after the timed iterations, also time the sampler alone under these rollout.gemm "
-                        "choices (comma-separated), each a program of its own in the same process")
+                        "choices (comma-separated), each a program of its own in the same process; XLA's "
+                        "in-process autotuning results may be reused for identical fusions, so a choice that "
+                        "changes only the autotuning (triton_exhaustive) needs a process of its own "
+                        "(--sampler-gemm)")
     p.add_argument("--no-decode-split", action="store_true",
                    help="skip timing the sampler alone at N and 1 new tokens (the decode loop apart from the prefill)")
     p.add_argument("--no-peers", action="store_true", help="skip HF generate and the torch updates")
