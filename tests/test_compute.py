@@ -228,10 +228,10 @@ def test_auto_resolves_for_the_mesh_it_runs_on():
     # were 34.8 GiB unrolled, 17.4 scanned; docs/benchmarks.md).
     assert build.mesh_platform(make_test_mesh((1, 1, 1, 1, 8))) == ("cpu", 8)
     assert build.mesh_platform(make_test_mesh((1, 2, 1, 2, 2))) == ("cpu", 8)
-    assert build.decode_unrolled(s, cpu) is True  # CPU: per-layer decode (measured 2x faster here)
-    assert build.decode_unrolled(s, None) is None  # no mesh: the sampler decides
+    assert build.decode_unrolled(s.rollout, cpu) is True  # CPU: per-layer decode (measured 2x faster here)
+    assert build.decode_unrolled(s.rollout, None) is None  # no mesh: the sampler decides
     scan = s.replace(rollout=dataclasses.replace(s.rollout, decode="scan"))
-    assert build.decode_unrolled(scan, cpu) is False
+    assert build.decode_unrolled(scan.rollout, cpu) is False
 
 
 @pytest.mark.parametrize("settings, message", [

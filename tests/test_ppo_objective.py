@@ -160,7 +160,7 @@ def tiny_run(**overrides):
     s = Settings.from_config(tiny_config(**{"ppo.advantage_estimator": "grpo", "rollout.num_samples": 2,
                                             **overrides}), reward_in_code=False)
     policy_cfg = build.policy_model_config(s)
-    modules = build.make_modules(s, policy_cfg, None)
+    modules = build.make_modules(s.ppo, s.value, policy_cfg, None)
     params, _ = init_params(modules.policy, jax.random.key(0), make_test_mesh((1, 1, 1)))
     rng = np.random.default_rng(0)
     b, lq, lr = 4, s.data.prompt_length, s.rollout.response_length
@@ -219,7 +219,7 @@ def test_a_non_finite_gradient_leaves_the_train_state_exactly_as_it_was():
         lambda path, x: x.at[(0,) * x.ndim].set(jnp.nan) if path == first_mlp[0] else x, params)
     policy_tx, _ = build.make_optimizers(s)
     state = PPOState(step=jnp.zeros((), jnp.int32), policy=broken, policy_opt=policy_tx.init(broken), value=None,
-                       value_opt=None, kl=build.init_kl(s), key=jax.random.key(0))
+                       value_opt=None, kl=build.init_kl(s.ppo), key=jax.random.key(0))
     zeros = jnp.zeros(rows.mask.shape, jnp.float32)
     exp = Experience(prompt_tokens=rows.prompt_tokens, prompt_mask=rows.prompt_mask, tokens=rows.tokens, mask=rows.mask,
                      old_logprobs=zeros - 1.0, ref_logprobs=zeros - 1.0, values=zeros, advantages=zeros + rows.mask,

@@ -43,12 +43,12 @@ def planned_reward_config(s: Settings, policy_cfg: ModelConfig, mesh=None) -> tu
     run as the trainer would hold a checkpoint: in reward.param_dtype / reward.dtype ("" = the policy's).
     """
     if s.plan.reward_model is None and s.reward.path:
-        return build.reward_model_config(s, policy_cfg, mesh), f"reward.path={s.reward.path}"
+        return build.reward_model_config(s.reward, s.compute, policy_cfg, mesh), f"reward.path={s.reward.path}"
     cfg, source = ((s.plan.reward_model, "plan.reward_model") if s.plan.reward_model is not None
                    else (policy_cfg, "same as the policy"))
     if s.reward.param_dtype and s.reward.param_dtype != policy_cfg.param_dtype:
         source += f", held in {s.reward.param_dtype}"
-    return s.compute.apply(build.in_reward_dtypes(s, cfg, policy_cfg), *build.mesh_platform(mesh)), source
+    return s.compute.apply(build.in_reward_dtypes(s.reward, cfg, policy_cfg), *build.mesh_platform(mesh)), source
 
 
 def planned_settings(config) -> Settings:
@@ -105,17 +105,17 @@ def planned_run(s: Settings, mesh=None, devices=None) -> PlannedRun:
                          max_positions=policy_cfg.max_position_embeddings, vocab_size=policy_cfg.vocab_size,
                          platform=platform, sampler_divisor=sharding.batch_divisor(meshes.sampler))
     hp = PPOHyper.from_settings(s, sizes)
-    modules = build.make_modules(s, policy_cfg, reward_cfg)
+    modules = build.make_modules(s.ppo, s.value, policy_cfg, reward_cfg)
     policy_tx, value_tx = build.make_optimizers(s)
-    state, state_shardings = build.abstract_train_state(s, modules, policy_tx, value_tx, mesh)
+    state, state_shardings = build.abstract_train_state(s.ppo, modules, policy_tx, value_tx, mesh)
     reward = abstract_params(boxed_params(modules.reward), mesh)
     # With LoRA the trainable policy is its adapters, beside a frozen base that is also the reference
     # (with imported adapters the reference is base + a frozen copy of them). A LoRA value model's
     # base is a subtree of these trees (FrozenParams.value), held once: counted under its owner only.
     base = abstract_params(boxed_params(modules.policy), mesh) if policy_cfg.lora is not None else None
-    reference = (build.as_reference(s, state.policy) if base is None
+    reference = (build.as_reference(s.policy, state.policy) if base is None
                  else state.policy if s.policy.lora.init_from else None)
-    frozen = build.frozen_params(s, modules, reference, reward, base)
+    frozen = build.frozen_params(s.value, modules, reference, reward, base)
     # roles.scoring="sampler": the reference and reward model live on the sampler's mesh; the trainer
     # keeps the rest (a LoRA base, a LoRA value base).
     kept = roles.trainer_frozen(frozen) if hp.scored_outside else frozen

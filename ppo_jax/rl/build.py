@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from ppo_jax import ppo, sampling, sharding
-from ppo_jax.config import ConfigError, override_dtypes, with_lora
+from ppo_jax.config import ComputeSettings, ConfigError, override_dtypes, with_lora
 from ppo_jax.models import lora as lora_lib
 from ppo_jax.models import rope
 from ppo_jax.models import CausalLM, LoraConfig, ModelConfig, ScalarModel, boxed_params, hf
@@ -24,7 +24,8 @@ from ppo_jax.optim import make_optimizer
 from ppo_jax.rl import remat_choice, roles
 from ppo_jax.rl.experience import make_experience_fn, make_scoring_fn
 from ppo_jax.rl.hyper import DerivedSizes, PPOHyper
-from ppo_jax.rl.settings import DECODE_LOOPS, PolicyLoraSettings, Settings, sampling_config
+from ppo_jax.rl.settings import (DECODE_LOOPS, PolicyLoraSettings, PolicySettings, PPOLossSettings, RewardSettings,
+                                 RolloutSettings, Settings, ValueSettings, sampling_config)
 from ppo_jax.rl.state import Experience, FrozenParams, Modules, Rollout, PPOState
 from ppo_jax.rl.update import make_update_fn
 
@@ -75,10 +76,10 @@ def mesh_platform(mesh) -> tuple[str | None, int]:
     return mesh.devices.flat[0].platform, shards
 
 
-def decode_unrolled(s: Settings, mesh) -> bool | None:
+def decode_unrolled(rollout: RolloutSettings, mesh) -> bool | None:
     """rollout.decode resolved for `mesh`: "auto" decodes per-layer copies except on a TPU and except
     where FSDP shards a GPU run's (scanned) layers; None leaves it to the sampler (no mesh)."""
-    explicit = DECODE_LOOPS[s.rollout.decode]
+    explicit = DECODE_LOOPS[rollout.decode]
     if explicit is not None or mesh is None:
         return explicit
     platform, fsdp = mesh_platform(mesh)
@@ -127,49 +128,51 @@ def _check_cached_rope(cfg: ModelConfig, length: int) -> None:
             f"the new ones, so rollout log-probs would not be training log-probs. Keep the sum <= {limit}")
 
 
-def reward_model_config(s: Settings, policy_cfg: ModelConfig, mesh=None) -> ModelConfig | None:
+def reward_model_config(reward: RewardSettings, compute: ComputeSettings, policy_cfg: ModelConfig,
+                        mesh=None) -> ModelConfig | None:
     """The frozen reward model's architecture (its config.json, no weights read), held and run in
     reward.param_dtype / reward.dtype, each "" meaning the policy's (`policy_cfg`): a bf16 policy
     scores with a bf16 reward model rather than an fp32 one at half the GPU's matmul rate."""
-    if not s.reward.path:
+    if not reward.path:
         return None
-    cfg, kind = hf.load_config(s.reward.path)
+    cfg, kind = hf.load_config(reward.path)
     if kind != "reward":
         raise ConfigError(
-            f"reward.path={s.reward.path!r} holds a {kind} checkpoint; the reward model must be a "
+            f"reward.path={reward.path!r} holds a {kind} checkpoint; the reward model must be a "
             "sequence classifier with one label (ForSequenceClassification, num_labels=1)")
     sharding.check_experts_split(cfg.num_experts, mesh, "reward", ConfigError)
-    return s.compute.apply(in_reward_dtypes(s, cfg, policy_cfg), *mesh_platform(mesh))
+    return compute.apply(in_reward_dtypes(reward, cfg, policy_cfg), *mesh_platform(mesh))
 
 
-def in_reward_dtypes(s: Settings, cfg: ModelConfig, policy_cfg: ModelConfig) -> ModelConfig:
+def in_reward_dtypes(reward: RewardSettings, cfg: ModelConfig, policy_cfg: ModelConfig) -> ModelConfig:
     """`cfg` held in reward.param_dtype and run in reward.dtype, each "" meaning the policy's."""
-    return cfg.replace(param_dtype=s.reward.param_dtype or policy_cfg.param_dtype,
-                       dtype=s.reward.dtype or policy_cfg.dtype)
+    return cfg.replace(param_dtype=reward.param_dtype or policy_cfg.param_dtype,
+                       dtype=reward.dtype or policy_cfg.dtype)
 
 
-def load_reward_params(s: Settings, cfg: ModelConfig, mesh):
+def load_reward_params(reward: RewardSettings, cfg: ModelConfig, mesh):
     """The frozen reward model's weights from reward.path, in the dtypes of `cfg` (reward_model_config)."""
-    return hf.load_model(s.reward.path, mesh, kind="reward", param_dtype=cfg.param_dtype, dtype=cfg.dtype,
+    return hf.load_model(reward.path, mesh, kind="reward", param_dtype=cfg.param_dtype, dtype=cfg.dtype,
                          execution=cfg.execution()).params
 
 
-def value_model_config(s: Settings, policy_cfg: ModelConfig, reward_cfg: ModelConfig | None) -> ModelConfig:
+def value_model_config(value: ValueSettings, policy_cfg: ModelConfig, reward_cfg: ModelConfig | None) -> ModelConfig:
     """The value model: the reward model's architecture or the policy's (value.init), trained like the
     policy, in its parameter and compute dtypes. A LoRA value model keeps its frozen base's parameter
     dtype (the base is that tree's arrays, not a copy)."""
-    cfg = reward_cfg if s.value.init == "reward" else policy_cfg
-    cfg = s.value.lora.apply(cfg, "value")
+    cfg = reward_cfg if value.init == "reward" else policy_cfg
+    cfg = value.lora.apply(cfg, "value")
     if cfg.lora is None:
         cfg = cfg.replace(param_dtype=policy_cfg.param_dtype)
     return cfg.replace(dtype=policy_cfg.dtype)
 
 
-def make_modules(s: Settings, policy_cfg: ModelConfig, reward_cfg: ModelConfig | None) -> Modules:
+def make_modules(ppo_settings: PPOLossSettings, value_settings: ValueSettings, policy_cfg: ModelConfig,
+                 reward_cfg: ModelConfig | None) -> Modules:
     value = None
-    if s.uses_critic:  # value.lora's adapters (a full model when off, whatever the policy is)
-        value = ScalarModel(value_model_config(s, policy_cfg, reward_cfg),
-                            head_init="reward" if s.value.init == "reward" else "zero")
+    if ppo_settings.uses_critic:  # value.lora's adapters (a full model when off, whatever the policy is)
+        value = ScalarModel(value_model_config(value_settings, policy_cfg, reward_cfg),
+                            head_init="reward" if value_settings.init == "reward" else "zero")
     reward = ScalarModel(reward_cfg, head_init="reward") if reward_cfg is not None else None
     return Modules(policy=CausalLM(policy_cfg), value=value, reward=reward)
 
@@ -182,18 +185,16 @@ def make_optimizers(s: Settings):
     return policy_tx, value_tx
 
 
-def init_kl(s: Settings) -> ppo.KLControllerState:
-    p = s.ppo
+def init_kl(p: PPOLossSettings) -> ppo.KLControllerState:
     return ppo.init_kl_controller(p.kl_controller, p.kl_coef, target=p.kl_target, horizon=p.kl_horizon)
 
 
-def init_entropy(s: Settings) -> ppo.EntropyControllerState | None:
+def init_entropy(p: PPOLossSettings) -> ppo.EntropyControllerState | None:
     """The adaptive entropy coefficient's starting state (ppo.entropy_target > 0), else None."""
-    p = s.ppo
     return ppo.init_entropy_controller(p.ent_coef, p.entropy_target, p.entropy_coef_step) if p.entropy_target else None
 
 
-def abstract_train_state(s: Settings, modules: Modules, policy_tx, value_tx, mesh):
+def abstract_train_state(p: PPOLossSettings, modules: Modules, policy_tx, value_tx, mesh):
     """(abstract PPOState of ShapeDtypeStructs carrying shardings, PPOState of shardings).
 
     Built once from `jax.eval_shape` and the logical axis rules: the shardings every step is
@@ -207,18 +208,18 @@ def abstract_train_state(s: Settings, modules: Modules, policy_tx, value_tx, mes
         step=jax.ShapeDtypeStruct((), jnp.int32), policy=policy,
         policy_opt=jax.eval_shape(policy_tx.init, policy),
         value=value, value_opt=jax.eval_shape(value_tx.init, value) if value is not None else None,
-        kl=jax.eval_shape(lambda: init_kl(s)), key=jax.eval_shape(lambda: jax.random.key(0)),
-        entropy=jax.eval_shape(lambda: init_entropy(s)))
+        kl=jax.eval_shape(lambda: init_kl(p)), key=jax.eval_shape(lambda: jax.random.key(0)),
+        entropy=jax.eval_shape(lambda: init_entropy(p)))
     shardings = sharding.tree_shardings(boxed, mesh)
     abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                             nn.unbox(boxed), shardings)
     return abstract, shardings
 
 
-def as_reference(s: Settings, tree):
+def as_reference(policy: PolicySettings, tree):
     """`tree` (the policy's params, as arrays or ShapeDtypeStructs) in the dtype the frozen reference
     is held in (`policy.reference_dtype`; unchanged when ""). Only floating-point leaves change."""
-    return cast_floating(tree, s.policy.reference_dtype) if s.policy.reference_dtype else tree
+    return cast_floating(tree, policy.reference_dtype) if policy.reference_dtype else tree
 
 
 def cast_floating(tree, dtype):
@@ -235,10 +236,11 @@ def cast_floating(tree, dtype):
     return jax.tree.map(cast, tree)
 
 
-def reference_copy(s: Settings, policy, shardings):
+def reference_copy(policy_settings: PolicySettings, policy, shardings):
     """The frozen reference: a real copy of the initial policy (not an alias: the policy is donated to
     the update) on `shardings`, in the reference dtype."""
-    return jax.jit(lambda t: jax.tree.map(jnp.copy, as_reference(s, t)), out_shardings=shardings)(policy)
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, as_reference(policy_settings, t)),
+                   out_shardings=shardings)(policy)
 
 
 def value_lora(modules: Modules) -> bool:
@@ -262,7 +264,7 @@ def boxed_value(modules: Modules):
     return trainable_value(boxed_params(modules.value, collection="lora"), boxed_params(modules.value)["score"])
 
 
-def shared_value_base(s: Settings, modules: Modules, frozen: FrozenParams):
+def shared_value_base(value: ValueSettings, modules: Modules, frozen: FrozenParams):
     """The frozen transformer a LoRA value model's adapters apply to, as a subtree of a frozen tree
     the run holds anyway (so it is in memory once): the reward model's with value.init="reward", else
     the policy's base (LoRA policy) or the reference (full fine-tuning: the initial policy, never the
@@ -271,7 +273,7 @@ def shared_value_base(s: Settings, modules: Modules, frozen: FrozenParams):
     ScalarModel's (the same Transformer module; the LM head sits outside it)."""
     if not value_lora(modules):
         return None
-    if s.value.init == "reward":
+    if value.init == "reward":
         return frozen.reward["transformer"]
     return (frozen.policy if frozen.policy is not None else frozen.reference)["transformer"]
 
@@ -309,7 +311,7 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
     batch = sharding.data_sharding(mesh)
     replicated = sharding.replicated(mesh)
     sampler_mesh = mesh if sampler_mesh is None else sampler_mesh
-    unroll_layers = decode_unrolled(s, sampler_mesh) if unroll_layers is None else unroll_layers
+    unroll_layers = decode_unrolled(s.rollout, sampler_mesh) if unroll_layers is None else unroll_layers
     sampler_settings = sampling_config(s, stop_ids, pad_id, unroll_layers, sizes.decode_slots,
                                        platform=mesh_platform(sampler_mesh)[0])
     # LoRA: the rollout decodes the frozen base with the trainable adapters (no merged copy).
@@ -363,20 +365,20 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
     return Steps(sampler_settings, sampler, experience_jit, update_jit, trace_counts, where, scoring_jit, scorer_sh)
 
 
-def frozen_params(s: Settings, modules: Modules, reference, reward, base) -> FrozenParams:
+def frozen_params(value: ValueSettings, modules: Modules, reference, reward, base) -> FrozenParams:
     """The frozen trees of a run (arrays, shardings or abstract), the LoRA value base filled in as a
     subtree of the others (`shared_value_base`)."""
     frozen = FrozenParams(reference=reference, reward=reward, policy=base)
-    return frozen.replace(value=shared_value_base(s, modules, frozen))
+    return frozen.replace(value=shared_value_base(value, modules, frozen))
 
 
-def frozen_shardings(s: Settings, modules: Modules, state_shardings: PPOState, reward_params,
-                     lora_base_shardings=None) -> FrozenParams:
+def frozen_shardings(policy: PolicySettings, value: ValueSettings, modules: Modules, state_shardings: PPOState,
+                     reward_params, lora_base_shardings=None) -> FrozenParams:
     """The reference lives on the policy's shardings (with LoRA there is none: the base, on
     `lora_base_shardings`, is the reference; with imported adapters it is their copy, on the
     adapters' shardings); the reward model keeps its own; a LoRA value base those of its tree."""
-    imported = bool(s.policy.lora.init_from)
+    imported = bool(policy.lora.init_from)
     return frozen_params(
-        s, modules, reference=state_shardings.policy if lora_base_shardings is None or imported else None,
+        value, modules, reference=state_shardings.policy if lora_base_shardings is None or imported else None,
         reward=jax.tree.map(lambda x: x.sharding, reward_params) if reward_params is not None else None,
         base=lora_base_shardings)

@@ -42,7 +42,7 @@ class Checkpointing:
         """abstract_state: the restore target; init_key: rebuilds the reference (or a LoRA base) from its source."""
         self.settings, self.workdir, self.modules, self.mesh = settings, workdir, modules, mesh
         self.abstract_state, self.state_shardings, self.init_key = abstract_state, state_shardings, init_key
-        self.abstract_reference = build.as_reference(settings, abstract_state.policy)  # a restore's target
+        self.abstract_reference = build.as_reference(settings.policy, abstract_state.policy)  # a restore's target
         self.lora = modules.policy.config.lora is not None
         self.directory = os.path.join(workdir, "checkpoints")
         # Opening the manager writes nothing; the first save does, after every input was read and checked.
@@ -134,7 +134,7 @@ class Checkpointing:
         except CheckpointError as err:  # missing, damaged, or another model's (shapes differ)
             problem = str(err)
         source = f"policy.path={s.policy.path}" if s.policy.path else "the seed"
-        rebuilt = build.as_reference(s, initial_weights.initial_policy(s, self.modules, self.state_shardings.policy, self.mesh,
+        rebuilt = build.as_reference(s.policy, initial_weights.initial_policy(s, self.modules, self.state_shardings.policy, self.mesh,
                                                              self.init_key))
         if recorded is None or verify.mismatches(rebuilt, recorded):
             raise CheckpointCorruptError(

@@ -67,7 +67,7 @@ def export_checkpoint(checkpoint: str, out: str, *, step: int | None = None, whi
         modules = Modules(policy=CausalLM(policy_cfg), value=value, reward=None)
         policy_tx, value_tx = build.make_optimizers(settings)
         mesh = mesh or sharding.make_mesh((1, -1, 1))
-        abstract, _ = build.abstract_train_state(settings, modules, policy_tx, value_tx, mesh)
+        abstract, _ = build.abstract_train_state(settings.ppo, modules, policy_tx, value_tx, mesh)
         state, _ = manager.restore(step, abstract_state=abstract)
         base = None
         if which == "policy" and policy_cfg.lora is not None and lora_format == "merged":
@@ -106,12 +106,12 @@ def lora_value_base(settings: Settings, modules: Modules, extra: dict, abstract,
     recorded = extra.get("frozen_checksums", {})
     if settings.value.init == "reward":
         # The base is the reward model as the run held it: in the value model's parameter dtype.
-        tree = build.load_reward_params(settings, modules.value.config, mesh)
+        tree = build.load_reward_params(settings.reward, modules.value.config, mesh)
     elif modules.policy.config.lora is not None:
         tree = initial_weights.rebuild_lora_base(settings, modules, mesh, build.run_keys(settings.seed).init,
                                        recorded.get("policy_base"), ckpt_dir)
     else:
-        tree = manager.restore_frozen("reference", build.as_reference(settings, abstract.policy),
+        tree = manager.restore_frozen("reference", build.as_reference(settings.policy, abstract.policy),
                                       checksums=recorded.get("reference"))
     base = tree["transformer"]
     verify.check_rebuilt(base, recorded.get("value_base"), ckpt_dir, "value base", "value base",

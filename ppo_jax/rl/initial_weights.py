@@ -90,7 +90,7 @@ def fresh_state(s: Settings, policy, value, key, policy_tx, value_tx, shardings:
         return PPOState(
             step=jnp.zeros((), jnp.int32), policy=policy, policy_opt=policy_tx.init(policy),
             value=value, value_opt=value_tx.init(value) if value is not None else None,
-            kl=init_kl(s), key=key, entropy=init_entropy(s))
+            kl=init_kl(s.ppo), key=key, entropy=init_entropy(s.ppo))
 
     return jax.jit(build, out_shardings=shardings)(policy, value, sharding.replicate(key, mesh))
 
@@ -114,5 +114,5 @@ def fresh_weights(s: Settings, modules: Modules, shardings: PPOState, mesh, keys
         if s.policy.lora.init_from:  # the reference is base + the imported adapters: a frozen copy (undonated)
             reference = sharding.copy_tree(policy, shardings.policy)
     else:
-        reference = reference_copy(s, policy, shardings.policy)
+        reference = reference_copy(s.policy, policy, shardings.policy)
     return StartWeights(fresh_state(s, policy, value, keys.state, policy_tx, value_tx, shardings, mesh), reference, base)

@@ -167,6 +167,11 @@ class PPOLossSettings:
     kl_horizon: int = 10000  # adaptive controller horizon (samples)
     dense_kl_coef: float = 0.0  # coefficient of the exact whole-vocabulary KL(pi || pi_ref) at every visited response position, a loss term beside kl_coef's sampled-token KL (ppo/losses.dense_kl_loss; docs/demo.md "The spike"); costs one reference forward per update microbatch; 0 = off
 
+    @property
+    def uses_critic(self) -> bool:
+        """GAE needs the value model; the group and REINFORCE estimators do without."""
+        return self.advantage_estimator == "gae"
+
 
 @dataclasses.dataclass(frozen=True)
 class PPOOptimSettings(AdamWSettings):
@@ -227,7 +232,7 @@ class Settings(RunSettings):
 
     @property
     def uses_critic(self) -> bool:
-        return self.ppo.advantage_estimator == "gae"
+        return self.ppo.uses_critic
 
     def path_fields(self) -> tuple[tuple[str, str, str], ...]:
         return ((self.policy.path, "policy.path", HF_MODEL_DIR),

@@ -73,24 +73,25 @@ class PPOTrainer:
         self.eval_prompts = (PromptStream(s.data, self.tokenizer, split="eval", **stream)
                              if s.train.eval_every else None)
         # -- Modules, optimizers and the shardings of everything, from abstract shapes.
-        self.modules = build.make_modules(s, self.policy_config, self.reward_config)
+        self.modules = build.make_modules(s.ppo, s.value, self.policy_config, self.reward_config)
         self.policy_tx, self.value_tx = build.make_optimizers(s)
         self.abstract_state, self.state_shardings = build.abstract_train_state(
-            s, self.modules, self.policy_tx, self.value_tx, self.mesh)
+            s.ppo, self.modules, self.policy_tx, self.value_tx, self.mesh)
         # -- Weights: the frozen reward model, then a checkpoint to resume or fresh trainable state.
         reward_params = None
         if self.modules.reward is not None:
-            reward_params = build.load_reward_params(s, self.reward_config, self.mesh)
+            reward_params = build.load_reward_params(s.reward, self.reward_config, self.mesh)
         self.checkpointing = Checkpointing(s, self.workdir, self.modules, self.mesh, self.abstract_state,
                                            self.state_shardings, self.keys.init)
         weights, extra = self._start_weights(reward_params)
         self.state = weights.state
         # A LoRA value base is a subtree of these trees (the same arrays): nothing is copied for it.
-        frozen = build.frozen_params(s, self.modules, weights.reference, reward_params, weights.base)
+        frozen = build.frozen_params(s.value, self.modules, weights.reference, reward_params, weights.base)
         if build.value_lora(self.modules):
             self.checkpointing.record_value_base(frozen.value)
         base_shardings = roles.policy_shardings(self.modules, self.mesh) if weights.base is not None else None
-        frozen_shardings = build.frozen_shardings(s, self.modules, self.state_shardings, reward_params, base_shardings)
+        frozen_shardings = build.frozen_shardings(s.policy, s.value, self.modules, self.state_shardings, reward_params,
+                                                  base_shardings)
         self.steps = build.build_steps(s, self.mesh, self.sizes, self.hp, self.modules, self.policy_tx,
                                        self.value_tx, self.state_shardings, frozen_shardings, self.stop_ids,
                                        int(self.tokenizer.pad_token_id), sampler_mesh=self.meshes.sampler)
@@ -121,7 +122,7 @@ class PPOTrainer:
         """The model configs, tokenizer, reward functions, batch sizes and stop tokens, each checked."""
         s = self.settings
         self.policy_config = build.policy_model_config(s, self.mesh)
-        self.reward_config = build.reward_model_config(s, self.policy_config, self.mesh)
+        self.reward_config = build.reward_model_config(s.reward, s.compute, self.policy_config, self.mesh)
         if warning := build.fp32_compute_warning(self.policy_config, build.mesh_platform(self.mesh)[0]):
             metrics_lib.warn(warning)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
