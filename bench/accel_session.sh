@@ -31,6 +31,15 @@
 #   cached_warm       the full shape again, no peers, against default_compiled's cache: the warm compile
 #   slice_xla_caches  4 layers, a fresh cache with jax_persistent_cache_enable_xla_caches=all (XLA's
 #                     kernel cache and parallel LLVM compilation): its cold compile against slice_gemm's
+# PART "gemm2" (issue 63; fits one device call of 190 s: DEADLINE default 185, a run skipped when less
+#   than its RUN_MIN seconds are left; every run a process of its own, so that no autotuning is reused):
+#   gemm2_full_train_cublas      the full shape, no peers, ppo.gemm=cublas (--train-gemm): the experience
+#                                and update programs without Triton GEMMs, the sampler at its default;
+#                                its compile against part compiled's default_compiled (84.1 s)
+#   gemm2_slice_default          4 layers, no peers, the defaults: the base of the next two
+#   gemm2_slice_train_cublas     4 layers, ppo.gemm=cublas: compile and run time against the base
+#   gemm2_slice_sampler_exhaustive  4 layers, rollout.gemm=triton_exhaustive in a process of its own
+#   gemm2_full_default           the full shape at the defaults (only with DEADLINE >= about 330)
 #
 # Each run has its own time limit, so one slow run cannot eat the others. Everything lands in
 # OUT_DIR/session-PART.tgz (each run's .json and .log, the trace, the HLO) plus OUT_DIR/summary-PART.txt,
@@ -42,7 +51,7 @@
 # the wheels it lacks (ml-collections, tensorboardX) in .whl/ and install them first, e.g.
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 set -uo pipefail
-out=${1:?usage: accel_session.sh OUT_DIR [main|ab|next|all|compiled] [SECONDS_PER_RUN]}
+out=${1:?usage: accel_session.sh OUT_DIR [main|ab|next|all|compiled|gemm2] [SECONDS_PER_RUN]}
 part=${2:-main}
 limit=${3:-300}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -57,16 +66,17 @@ python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__versi
 
 default_deadline=1000000
 [ "$part" = compiled ] && default_deadline=500  # one 9-minute device call: the tar must still run
+[ "$part" = gemm2 ] && default_deadline=185  # one device call of about 200 s
 deadline=$((SECONDS + ${DEADLINE:-$default_deadline}))  # every run ends by then
 
-run() {  # [RUN_LIMIT=S] run NAME [VAR=VALUE ...] -- BENCH_ARGS...: one bench_accel.py run, its table, its figures in NAME.json
+run() {  # [RUN_LIMIT=S] [RUN_MIN=S] run NAME [VAR=VALUE ...] -- BENCH_ARGS...: one bench_accel.py run, its table, its figures in NAME.json
   local name=$1; shift
   if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi  # ONLY="a b": just these runs
   local env=()
   while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do env+=("$1"); shift; done
   shift
   local secs=${RUN_LIMIT:-$limit} left=$((deadline - SECONDS))
-  if [ "$left" -lt 45 ]; then echo "== $name: skipped, ${left} s left before the deadline" | tee -a "$summary"; return; fi
+  if [ "$left" -lt "${RUN_MIN:-45}" ]; then echo "== $name: skipped, ${left} s left before the deadline" | tee -a "$summary"; return; fi
   [ "$secs" -gt "$left" ] && secs=$left
   local start=$SECONDS
   # shellcheck disable=SC2086  # BENCH_EXTRA is a list of flags
@@ -126,13 +136,26 @@ compiled_part() {
   rm -rf "$work/xla_cache_all"
 }
 
+gemm2_part() {
+  # Issue 63, the compile of the trainer's programs: ppo.gemm=cublas takes the Triton GEMMs, and their
+  # autotuning, out of the experience and update programs. Each run a process of its own, no decode
+  # split (its prefill program is compile time of its own), no peers. The most important run first.
+  local full=(--no-peers --iterations 3 --no-decode-split) slice=(--no-peers --layers 4 --iterations 3 --no-decode-split)
+  RUN_LIMIT=135 run gemm2_full_train_cublas -- "${full[@]}" --train-gemm cublas
+  RUN_LIMIT=60 RUN_MIN=40 run gemm2_slice_default -- "${slice[@]}"
+  RUN_LIMIT=60 RUN_MIN=40 run gemm2_slice_train_cublas -- "${slice[@]}" --train-gemm cublas
+  RUN_LIMIT=60 RUN_MIN=40 run gemm2_slice_sampler_exhaustive -- "${slice[@]}" --sampler-gemm triton_exhaustive
+  RUN_LIMIT=140 RUN_MIN=130 run gemm2_full_default -- "${full[@]}"
+}
+
 case "$part" in
   main) main_part ;;
   ab) ab_part ;;
   next) next_part ;;
   all) main_part; ab_part ;;
   compiled) compiled_part ;;
-  *) echo "PART must be main, ab, next, all or compiled, got $part" >&2; exit 2 ;;
+  gemm2) gemm2_part ;;
+  *) echo "PART must be main, ab, next, all, compiled or gemm2, got $part" >&2; exit 2 ;;
 esac
 tar -czf "$out/session-$part.tgz" -C "$work" . && rm -rf "$work"
 ls -la "$out"

@@ -16,6 +16,8 @@ The generate phase is the trainer's whole rollout (sampling, scoring, the move t
 mesh). After the timed iterations the sampler alone is timed at N and at 1 new tokens: their difference
 over the N program's decode steps is the decode loop's time per step apart from the prefill
 (`decode_ms_per_step`, `decode_roofline_fraction`), also under each rollout.gemm of `--gemm-ab`.
+`--sampler-gemm` (rollout.gemm) and `--train-gemm` (ppo.gemm: the experience and update programs)
+choose each program's GEMM kernels on a GPU; a compile-time A/B needs a process per choice.
 
 With torch installed, on the same device (`--no-peers` skips them):
   HF generate  `transformers` generate with a static KV cache, same weights, same lengths
@@ -83,8 +85,8 @@ class Shape:
                            param_dtype=param_dtype, dtype=dtype, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-# rollout.gemm's choices (ppo_jax.sampling.config.GEMM_OPTIONS; written out so that the torch.compile
-# worker, this file run as a child process, never imports jax).
+# rollout.gemm's and ppo.gemm's choices (ppo_jax.sampling.config.GEMM_OPTIONS; written out so that
+# the torch.compile worker, this file run as a child process, never imports jax).
 GEMMS = ("auto", "cublas", "triton_exhaustive")
 
 TINYLLAMA = Shape(vocab=32000, hidden=2048, layers=22, heads=32, kv_heads=4, mlp=5632)
@@ -195,6 +197,7 @@ def ppo_jax_settings(args, assets):
     c.compute.compilation_cache = args.compilation_cache
     c.rollout.steps_per_sync = args.steps_per_sync
     c.rollout.gemm = args.sampler_gemm
+    c.ppo.gemm = args.train_gemm
     c.train.iterations = 10**6  # the benchmark calls run_iteration() itself
     c.train.progress = False
     return c
@@ -741,7 +744,7 @@ def print_table(args, fig: dict, ours: dict) -> None:
           f"attention={args.attention} ({model['attention']}) layer_loop={args.layer_loop} "
           f"(scan {model['scan_layers']}) remat={args.remat} ({model['remat_policy'] if model['remat'] else 'none'}"
           f"{'; update ' + ours['update_remat'] if ours.get('update_remat') else ''}) "
-          f"decode={args.decode}")
+          f"decode={args.decode} gemm: sampler {args.sampler_gemm}, experience and update {args.train_gemm}")
     g = ppo["generate"]
     print(f"  generate    {g['seconds']:.3f} s  {g['ms_per_step']:.2f} ms/step  {g['tokens_per_s']:.0f} tok/s  "
           f"roofline {_fmt(g['roofline_fraction'], '.0%')}")
@@ -805,6 +808,8 @@ def parse_args(argv=None):
                    help="jax's persistent compilation cache (default: off, compile time being a figure)")
     p.add_argument("--sampler-gemm", default="auto", choices=GEMMS,
                    help="rollout.gemm: the sampler program's GEMM kernels on a GPU")
+    p.add_argument("--train-gemm", default="auto", choices=GEMMS,
+                   help="ppo.gemm: the experience and update programs' GEMM kernels on a GPU")
     p.add_argument("--gemm-ab", type=lambda v: [x for x in v.split(",") if x], default=[], metavar="LIST",
                    help="after the timed iterations, also time the sampler alone under these rollout.gemm "
                         "choices (comma-separated), each a program of its own in the same process; XLA's "

@@ -178,6 +178,24 @@ def test_gpu_gemm_choice_is_the_samplers_alone(h100):
 
 
 @needs_cuda
+def test_gpu_trainer_gemm_choice_is_the_experience_and_updates_alone(h100, gpu_auto):
+    """ppo.gemm=cublas compiles the experience's and the update's dots as cuBLAS calls (no Triton GEMM
+    fusion left to autotune) and leaves the sampler's to rollout.gemm (here XLA's default, Triton)."""
+    _, auto = gpu_auto
+    config = tiny_config()
+    config.ppo.gemm = "cublas"
+    _, cublas = compile_plan(config, h100, phases=("sampler", "experience", "update"))
+    for phase in ("experience", "update"):
+        assert gemm_kernels(auto[phase])[0] > 0, phase
+        triton, calls = gemm_kernels(cublas[phase])
+        assert triton == 0 and calls >= 3 * LAYERS, phase  # per layer at least q/k/v, o and the MLP's
+    assert gemm_kernels(cublas["sampler"])[0] > 0
+    config.ppo.gemm = "triton"
+    with pytest.raises(ConfigError, match="ppo.gemm='triton': use one of auto, cublas, triton_exhaustive"):
+        planned_settings(config)
+
+
+@needs_cuda
 def test_gpu_static_profile_counts_the_matmuls_of_the_four_forwards(gpu_auto):
     """The static profile's GEMM FLOPs are the models' matmuls (counted from the shapes here): the
     experience runs policy, reference, value and reward transformers over every token, the LM head

@@ -28,6 +28,7 @@ from ppo_jax.rl.settings import (DECODE_LOOPS, PolicyLoraSettings, PolicySetting
                                  RolloutSettings, Settings, ValueSettings, sampling_config)
 from ppo_jax.rl.state import Experience, FrozenParams, Modules, Rollout, PPOState
 from ppo_jax.rl.update import make_update_fn
+from ppo_jax.sampling.config import gemm_compiler_options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,10 +335,13 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
         frozen_shardings = roles.trainer_frozen(frozen_shardings)
         sampler_batch = sharding.data_sharding(sampler_mesh)
         scoring_jit = jax.jit(make_scoring_fn(modules, hp),
-                              in_shardings=(scorer_sh,) + (sampler_batch,) * 4, out_shardings=(sampler_batch,) * 2)
+                              in_shardings=(scorer_sh,) + (sampler_batch,) * 4, out_shardings=(sampler_batch,) * 2,
+                              compiler_options=gemm_compiler_options(s.ppo.gemm, mesh_platform(sampler_mesh)[0]))
     else:
         rollout_sh = rollout_sh.replace(ref_logprobs=None, model_scores=None)
     trace_counts = {"experience": 0, "update": 0}
+    # ppo.gemm: the GEMM kernels of the trainer's programs on a GPU (the sampler's: rollout.gemm)
+    trainer_options = gemm_compiler_options(s.ppo.gemm, mesh_platform(mesh)[0])
 
     def traced(name, fn):
         @functools.wraps(fn)  # the program keeps the step's name (jit_update, jit_experience) in HLO dumps
@@ -348,11 +352,12 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
 
     experience_jit = jax.jit(traced("experience", experience),
                              in_shardings=(state_shardings, frozen_shardings, rollout_sh),
-                             out_shardings=(exp_sh, replicated))
+                             out_shardings=(exp_sh, replicated), compiler_options=trainer_options)
 
     def jit_update(fn):
         return jax.jit(traced("update", fn), in_shardings=(state_shardings, frozen_shardings, exp_sh),
-                       out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+                       out_shardings=(state_shardings, replicated), donate_argnums=(0,),
+                       compiler_options=trainer_options)
 
     update_jit = jit_update(update)
     if remat_choice.applies(s.compute.remat, mesh_platform(mesh)[0],

@@ -103,6 +103,11 @@ class ValueSettings:
     lora: ValueLoraSettings = ValueLoraSettings()
 
 
+def check_gemm(name: str, gemm: str) -> None:
+    """rollout.gemm, ppo.gemm: a GEMM choice of `GEMM_OPTIONS`."""
+    check(gemm in GEMM_OPTIONS, f"{name}={gemm!r}: use one of {', '.join(GEMM_OPTIONS)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutSettings:
     """Sampling the responses of one iteration."""
@@ -137,6 +142,7 @@ class PPOLossSettings:
     num_minibatches: int = 1  # optimizer steps per epoch
     num_microbatches: int = 1  # gradient-accumulation slices per minibatch (padded rows; packed: see max_tokens_per_microbatch)
     packing: str = "auto"  # "on": experience forwards and update on packed rows, only the real tokens computed (models/packing.py); "off": padded rows; "auto": on a CPU only (measured faster there whenever the rows hold padding; on an H200 the default granularity made a no-padding iteration 1.5x slower, long-tailed lengths unmeasured: docs/benchmarks.md). rollout.forward_microbatch applies to padded rows only
+    gemm: str = "auto"  # GPU only, the experience and update programs (and roles.scoring=sampler's scoring), never the sampler's (rollout.gemm): "auto" (XLA's choice: autotuned Triton GEMMs), "cublas" (xla_gpu_enable_triton_gemm off: no Triton GEMM autotuning, a shorter compile), "triton_exhaustive" (every Triton tiling autotuned; compiles slower); bench_accel.py --train-gemm measures it (docs/benchmarks.md)
     max_tokens_per_microbatch: int = 0  # packed: token slots per update microbatch and per experience forward chunk, a multiple of data.prompt_length + rollout.response_length (one row); 0 = an eighth of a padded microbatch's (bench/bench_packing.py: 0.90 token efficiency, 1.57x on CPU at uniform lengths)
     off_policy_ratio: str = "auto"  # the rollout correction for a sampler whose weights (rollout.off_policy_steps) or numerics differ from the trainer's, w = pi_trainer / pi_sampler (docs/off_policy.md): "none"; "behaviour": the ratio's denominator is the sampler's log-probs; "truncated_is" / "sequence_truncated_is": the ratio to the trainer's recomputed log-probs, each token's advantage weighted by min(w, ppo.is_cap), w per token or the row's product; "masked_is" / "sequence_masked_is": weighted by w, 0 (dropped) outside [1/is_cap, is_cap]; "auto": none on-policy, off-policy truncated_is (sequence_truncated_is with policy_objective=gspo)
     is_cap: float = 2.0  # the truncated_is cap of the importance weight, and the masked_is bounds [1/is_cap, is_cap] (>= 1; > 1 for masked_is)
@@ -284,7 +290,7 @@ class Settings(RunSettings):
         check(r.steps_per_sync >= 0, f"rollout.steps_per_sync must be >= 0 (0: by platform), got {r.steps_per_sync}")
         check(r.decode in DECODE_LOOPS, f"rollout.decode={r.decode!r}: use one of {sorted(DECODE_LOOPS)}")
         check(r.engine in ENGINES, f"rollout.engine={r.engine!r}: use one of {', '.join(ENGINES)}")
-        check(r.gemm in GEMM_OPTIONS, f"rollout.gemm={r.gemm!r}: use one of {', '.join(GEMM_OPTIONS)}")
+        check_gemm("rollout.gemm", r.gemm)
         check(r.slots >= 0 and r.prefill_prompts >= 0,
               f"rollout.slots and rollout.prefill_prompts must be >= 0 (0 = automatic), got {r.slots} and "
               f"{r.prefill_prompts}")
@@ -338,6 +344,7 @@ class Settings(RunSettings):
     def _validate_ppo(self) -> None:
         """ppo.*: the rollout correction, the estimator, the batch split, the losses and the KL leash."""
         p = self.ppo
+        check_gemm("ppo.gemm", p.gemm)
         check(p.off_policy_ratio in OFF_POLICY_RATIOS,
               f"ppo.off_policy_ratio={p.off_policy_ratio!r}: use one of {', '.join(OFF_POLICY_RATIOS)}")
         check(p.is_cap >= 1 and math.isfinite(p.is_cap), f"ppo.is_cap must be a finite number >= 1, got {p.is_cap}")

@@ -26,15 +26,24 @@ Array = jax.Array
 
 
 ENGINES = ("static", "continuous")
-# SamplingConfig.gemm -> XLA:GPU options of the sampler's program alone (jax.jit's compiler_options):
-# decode's GEMMs are M = rows skinny and bandwidth-bound, the update's are not, so one process-wide
-# XLA_FLAGS choice cannot suit both.
+# A GEMM choice -> XLA:GPU options of one program (jax.jit's compiler_options): SamplingConfig.gemm
+# (rollout.gemm) the sampler's, ppo.gemm the experience and update programs'. Decode's GEMMs are
+# M = rows skinny and bandwidth-bound, the update's are not, so one process-wide XLA_FLAGS choice
+# cannot suit both.
 GEMM_OPTIONS: dict[str, dict[str, bool]] = {
     "auto": {},  # XLA's default: Triton GEMM fusions, autotuned, cuBLAS as a fallback candidate
     "cublas": {"xla_gpu_enable_triton_gemm": False},  # every dot a cuBLAS (nvjet) call; compiles faster
     "triton_exhaustive": {"xla_gpu_exhaustive_tiling_search": True},  # Triton, all tilings autotuned
 }
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def gemm_compiler_options(gemm: str, platform: str | None) -> dict[str, bool] | None:
+    """jax.jit's compiler_options for a program under GEMM choice `gemm` (`GEMM_OPTIONS`) on devices
+    of `platform` (None: XLA's defaults, so programs elsewhere, and with gemm "auto", compile and
+    cache exactly as before)."""
+    options = GEMM_OPTIONS[gemm]
+    return dict(options) if options and platform in GPU_PLATFORMS else None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -149,10 +158,9 @@ class SamplingConfig:
                              f"{self.prefill_prompts}")
 
     def compiler_options(self, platform: str) -> dict[str, bool] | None:
-        """jax.jit's compiler_options for the sampler's program on devices of `platform` (None: XLA's
-        defaults, so programs elsewhere, and with gemm "auto", compile and cache exactly as before)."""
-        options = GEMM_OPTIONS[self.gemm]
-        return dict(options) if options and platform in GPU_PLATFORMS else None
+        """jax.jit's compiler_options for the sampler's program on devices of `platform`
+        (`gemm_compiler_options`)."""
+        return gemm_compiler_options(self.gemm, platform)
 
     def prefill_batch(self, prompts: int) -> int:
         """Prompts the continuous engine prefills at once, for a call of `prompts` prompts (never more
