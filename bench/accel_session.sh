@@ -36,8 +36,9 @@
 #   gemm2_full_train_cublas      the full shape, no peers, ppo.gemm=cublas (--train-gemm): the experience
 #                                and update programs without Triton GEMMs, the sampler at its default;
 #                                its compile against part compiled's default_compiled (84.1 s)
-#   gemm2_slice_default          4 layers, no peers, the defaults: the base of the next two
-#   gemm2_slice_train_cublas     4 layers, ppo.gemm=cublas: compile and run time against the base
+#   gemm2_slice_train_cublas     4 layers, no peers, ppo.gemm=cublas: against part compiled's slice_gemm,
+#                                and against the next run where there is time for it
+#   gemm2_slice_default          4 layers, no peers, the defaults: the base of the one before and after
 #   gemm2_slice_sampler_exhaustive  4 layers, rollout.gemm=triton_exhaustive in a process of its own
 #   gemm2_full_default           the full shape at the defaults (only with DEADLINE >= about 330)
 #
@@ -142,8 +143,8 @@ gemm2_part() {
   # split (its prefill program is compile time of its own), no peers. The most important run first.
   local full=(--no-peers --iterations 3 --no-decode-split) slice=(--no-peers --layers 4 --iterations 3 --no-decode-split)
   RUN_LIMIT=135 run gemm2_full_train_cublas -- "${full[@]}" --train-gemm cublas
-  RUN_LIMIT=60 RUN_MIN=40 run gemm2_slice_default -- "${slice[@]}"
   RUN_LIMIT=60 RUN_MIN=40 run gemm2_slice_train_cublas -- "${slice[@]}" --train-gemm cublas
+  RUN_LIMIT=60 RUN_MIN=40 run gemm2_slice_default -- "${slice[@]}"
   RUN_LIMIT=60 RUN_MIN=40 run gemm2_slice_sampler_exhaustive -- "${slice[@]}" --sampler-gemm triton_exhaustive
   RUN_LIMIT=140 RUN_MIN=130 run gemm2_full_default -- "${full[@]}"
 }
