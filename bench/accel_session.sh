@@ -31,16 +31,20 @@
 #   cached_warm       the full shape again, no peers, against default_compiled's cache: the warm compile
 #   slice_xla_caches  4 layers, a fresh cache with jax_persistent_cache_enable_xla_caches=all (XLA's
 #                     kernel cache and parallel LLVM compilation): its cold compile against slice_gemm's
-# PART "gemm2" (issue 63; fits one device call of 190 s: DEADLINE default 185, a run skipped when less
-#   than its RUN_MIN seconds are left; every run a process of its own, so that no autotuning is reused):
+# PART "gemm2" (issue 63; DEADLINE default 185 s, a run skipped when less than its RUN_MIN seconds are
+#   left; every run a process of its own, so that no autotuning is reused; progress lines in each log):
 #   gemm2_full_train_cublas      the full shape, no peers, ppo.gemm=cublas (--train-gemm): the experience
 #                                and update programs without Triton GEMMs, the sampler at its default;
-#                                its compile against part compiled's default_compiled (84.1 s)
+#                                its compile against part compiled's default_compiled (84.1 s). On a fresh
+#                                H200 on 2026-11-28 it had not finished after 135 s: it now has 175 s,
+#                                which is the whole of a 200 s device call
 #   gemm2_slice_train_cublas     4 layers, no peers, ppo.gemm=cublas: against part compiled's slice_gemm,
-#                                and against the next run where there is time for it
-#   gemm2_slice_default          4 layers, no peers, the defaults: the base of the one before and after
+#                                and against the next run (a slice run takes about 50-60 s)
+#   gemm2_slice_default          4 layers, no peers, the defaults
 #   gemm2_slice_sampler_exhaustive  4 layers, rollout.gemm=triton_exhaustive in a process of its own
-#   gemm2_full_default           the full shape at the defaults (only with DEADLINE >= about 330)
+#   gemm2_full_default           the full shape at the defaults
+#   The slice runs and the full default need a call of their own, e.g. DEADLINE=200 ONLY="gemm2_slice_train_cublas
+#   gemm2_slice_default gemm2_slice_sampler_exhaustive" (about 3 minutes).
 #
 # Each run has its own time limit, so one slow run cannot eat the others. Everything lands in
 # OUT_DIR/session-PART.tgz (each run's .json and .log, the trace, the HLO) plus OUT_DIR/summary-PART.txt,
@@ -142,11 +146,11 @@ gemm2_part() {
   # autotuning, out of the experience and update programs. Each run a process of its own, no decode
   # split (its prefill program is compile time of its own), no peers. The most important run first.
   local full=(--no-peers --iterations 3 --no-decode-split) slice=(--no-peers --layers 4 --iterations 3 --no-decode-split)
-  RUN_LIMIT=135 run gemm2_full_train_cublas -- "${full[@]}" --train-gemm cublas
-  RUN_LIMIT=60 RUN_MIN=40 run gemm2_slice_train_cublas -- "${slice[@]}" --train-gemm cublas
-  RUN_LIMIT=60 RUN_MIN=40 run gemm2_slice_default -- "${slice[@]}"
-  RUN_LIMIT=60 RUN_MIN=40 run gemm2_slice_sampler_exhaustive -- "${slice[@]}" --sampler-gemm triton_exhaustive
-  RUN_LIMIT=140 RUN_MIN=130 run gemm2_full_default -- "${full[@]}"
+  RUN_LIMIT=175 run gemm2_full_train_cublas -- "${full[@]}" --train-gemm cublas
+  RUN_LIMIT=65 RUN_MIN=55 run gemm2_slice_train_cublas -- "${slice[@]}" --train-gemm cublas
+  RUN_LIMIT=65 RUN_MIN=55 run gemm2_slice_default -- "${slice[@]}"
+  RUN_LIMIT=65 RUN_MIN=55 run gemm2_slice_sampler_exhaustive -- "${slice[@]}" --sampler-gemm triton_exhaustive
+  RUN_LIMIT=175 RUN_MIN=170 run gemm2_full_default -- "${full[@]}"
 }
 
 case "$part" in

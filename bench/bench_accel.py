@@ -89,6 +89,15 @@ class Shape:
 # the torch.compile worker, this file run as a child process, never imports jax).
 GEMMS = ("auto", "cublas", "triton_exhaustive")
 
+_T0 = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    """A line on stderr at once, seconds since start: a run cut by its time limit still says how far
+    it got (the 2026-11-28 gemm2 session's runs printed nothing before their limits)."""
+    print(f"[{time.perf_counter() - _T0:.0f} s] {message}", file=sys.stderr, flush=True)
+
+
 TINYLLAMA = Shape(vocab=32000, hidden=2048, layers=22, heads=32, kv_heads=4, mlp=5632)
 TINY = Shape(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, mlp=128)
 
@@ -214,12 +223,15 @@ def run_ppo_jax(args, assets, workdir: str, on_timed=lambda ours: None) -> dict:
     trainer = PPOTrainer(ppo_jax_settings(args, assets), workdir, tokenizer=assets["tokenizer"],
                          prompts=assets["prompts"], mesh=mesh)
     start_s = time.perf_counter() - t0
+    progress(f"trainer start {start_s:.1f} s")
     phases = ("time/generate", "time/experience", "time/update")
     rows = []
-    for _ in range(1 + args.iterations):
+    for i in range(1 + args.iterations):
         t0 = time.perf_counter()
         m = trainer.run_iteration()
         rows.append({"wall": time.perf_counter() - t0, **{k: float(m[k]) for k in phases}})
+        progress(f"iteration {i} ({'compiles' if i == 0 else 'steady'}): {rows[-1]['wall']:.2f} s, "
+                 + ", ".join(f"{k[5:]} {rows[-1][k]:.2f} s" for k in phases))
         if m["response/length_mean"] != args.response:
             raise RuntimeError(f"responses averaged {m['response/length_mean']} tokens, expected {args.response}")
     first, steady = rows[0], rows[1:]
@@ -856,7 +868,9 @@ def main(argv=None) -> dict | None:
     if args.layers:
         shape = dataclasses.replace(shape, layers=args.layers)
     with tempfile.TemporaryDirectory(prefix="bench_accel_") as workdir:
+        progress(f"start: {shape}, gemm sampler {args.sampler_gemm}, experience and update {args.train_gemm}")
         assets = build_assets(shape, args, workdir)
+        progress("assets built (random weights exported, tokenizer, prompts)")
         # The peers run first and hand their memory back (torch's cache emptied) before ppo_jax
         # starts; jax allocates on demand here (no preallocation, see the top), so both fit.
         peers = {}
