@@ -40,6 +40,7 @@ setup(
             # TRL's DPOTrainer is a reference for the DPO loss (tests/test_dpo.py). 1.x has no PPO trainer:
             # bench_ppo.py needs the [bench] pin (0.29.1), so install [test] and [bench] in separate envs.
             "trl>=1.16",
+            "wandb>=0.19.10",  # tests/test_wandb.py reads back an offline W&B run (nothing is sent)
             # The compile-only accelerator tests (tests/test_accelerators.py, test_plan.py, test_tpu_attention.py):
             # XLA:GPU and XLA:TPU compile the real programs on a CPU machine through the CUDA plugin and
             # libtpu (no GPU or TPU needed; 3.2 GB of wheels). Where no wheel exists the tests skip.
@@ -51,6 +52,9 @@ setup(
         "gcs": ["gcsfs"],
         # The TensorBoard viewer (the trainers write its event files with tensorboardX, a core dependency).
         "tensorboard": ["tensorboard>=2.14"],
+        # Weights & Biases logging (the wandb config section; imported only when wandb.mode is online/offline).
+        # 0.19.10: several runs in one process (reinit="create_new"), the demo's stages.
+        "wandb": ["wandb>=0.19.10"],
         # Accelerators: the jax build with the platform's plugin (CUDA 12 wheels / libtpu).
         "cuda12": ["jax[cuda12]"],
         "tpu": ["jax[tpu]"],

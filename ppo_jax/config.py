@@ -359,6 +359,40 @@ def with_lora(cfg: ModelConfig, lora: LoraConfig | None, where: str) -> ModelCon
         raise ConfigError(f"{where}.{err}") from None
 
 
+WANDB_MODES = ("disabled", "online", "offline")
+WANDB_INSTALL = 'pip install "ppo_jax[wandb]"'
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbSettings:
+    """Weights & Biases: the run's metrics (the names and steps of metrics.jsonl), its config, its samples
+    (a table) and plots mirrored to a W&B run (`ppo_jax.wandb_run`). Off unless `mode` asks for it: the
+    package is then imported, and only then (the `[wandb]` extra)."""
+
+    mode: str = "disabled"  # "disabled" (nothing to W&B), "online" (sent as the run goes) or "offline" (files under the workdir; `wandb sync` sends them later)
+    project: str = "ppo_jax"  # W&B project
+    entity: str = ""  # W&B team or user; "" = the account's default
+    name: str = ""  # run name; "" = the workdir's name
+    group: str = ""  # runs shown together; "" = $WANDB_RUN_GROUP (a sweep sets it to its name), else none
+    tags: tuple = ()  # W&B tags, e.g. ("baseline", "kl-sweep")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "disabled"
+
+    def validate(self, prefix: str = "wandb") -> None:
+        """The mode, and with W&B on, the package: one line naming the extra, before anything compiles."""
+        check(self.mode in WANDB_MODES, f"{prefix}.mode={self.mode!r}: use one of {', '.join(WANDB_MODES)}")
+        check(all(isinstance(t, str) and t for t in self.tags),
+              f"{prefix}.tags={self.tags!r}: give non-empty strings, e.g. ('baseline',)")
+        if self.enabled:
+            try:
+                import wandb  # noqa: F401 (lazy: the core install does without it)
+            except ImportError:
+                raise ConfigError(f"{prefix}.mode={self.mode!r} needs the wandb package, which is not installed: "
+                                  f"{WANDB_INSTALL} (or {prefix}.mode=disabled)") from None
+
+
 # The "auto" compilation cache: per user, like pip's and Hugging Face's caches.
 AUTO_CACHE_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "ppo_jax", "xla")
 AUTO_CACHE_MAX_BYTES = 4 << 30

@@ -1,4 +1,5 @@
-"""Metric and sample writers: JSONL + TensorBoard events under the workdir (process 0 writes)."""
+"""Metric and sample writers: JSONL + TensorBoard events under the workdir, mirrored to Weights & Biases when
+the run asks (`ppo_jax.wandb_run`; process 0 writes)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import math
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 from etils import epath
+
+if TYPE_CHECKING:
+    from ppo_jax.config import WandbSettings
 
 
 def _is_local(path: str) -> bool:
@@ -42,16 +46,22 @@ def _to_float(v: Any) -> float:
 
 
 class MetricWriter:
-    """Appends one JSON object per step to `metrics.jsonl` and mirrors scalars to TensorBoard."""
+    """Appends one JSON object per step to `metrics.jsonl` and mirrors scalars to TensorBoard and, when
+    the run's `wandb` section turns it on, to a W&B run (the same names and steps)."""
 
     def __init__(self, workdir: str, *, filename: str = "metrics.jsonl", tensorboard: bool = True,
-                 resume_step: int = 0):
+                 resume_step: int = 0, wandb: WandbSettings | None = None,
+                 run_config: Mapping[str, Any] | None = None, job_type: str = ""):
         """resume_step: the step a run restarts after (0 for a run starting from scratch); rows
         logged beyond it by an interrupted run (after its last checkpoint, or before its first one)
-        are dropped so that every step appears once."""
+        are dropped so that every step appears once. wandb: the run's W&B section (None or mode
+        "disabled": no W&B); run_config: the run's settings as a dict, the W&B run's config; job_type:
+        what the run is ("ppo", "sft", ...)."""
         self.active = jax.process_index() == 0
+        self.workdir = workdir
         self.path = os.path.join(workdir, filename)
         self._tb = None
+        self._wandb = None
         if self.active:
             epath.Path(workdir).mkdir(parents=True, exist_ok=True)
             truncate_after(self.path, resume_step)
@@ -60,6 +70,10 @@ class MetricWriter:
 
                 self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
                                          purge_step=resume_step + 1)
+            if wandb is not None and wandb.enabled:
+                from ppo_jax.wandb_run import WandbRun  # lazy: wandb is an optional extra
+
+                self._wandb = WandbRun.open(wandb, workdir, config=run_config, job_type=job_type)
 
     def write(self, step: int, scalars: Mapping[str, Any]) -> dict[str, float]:
         row = {k: _to_float(v) for k, v in scalars.items()}
@@ -71,11 +85,22 @@ class MetricWriter:
                     if math.isfinite(v):
                         self._tb.add_scalar(k, v, int(step))
                 self._tb.flush()
+            if self._wandb is not None:
+                self._wandb.log(int(step), row)
         return row
+
+    def write_samples(self, step: int, rows: Sequence[Mapping[str, Any]], filename: str = "samples.jsonl") -> None:
+        """`write_samples` into this writer's workdir, and the rows as a W&B table named after the file."""
+        write_samples(self.workdir, step, rows, filename=filename)
+        if self._wandb is not None:
+            self._wandb.table(int(step), os.path.splitext(filename)[0], rows)
 
     def close(self):
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:  # finished once: a later write goes to the files only
+            self._wandb.finish()
+            self._wandb = None
 
 
 def _step_of(line: str) -> int | None:

@@ -77,6 +77,13 @@ def _report(outcome: runner.Outcome, done: int, total: int) -> None:
     print(f"[{done}/{total}] {run.name}: {status} in {outcome.seconds:.1f} s: {outcome.last_line}", flush=True)
 
 
+def run_environment(sweep_dir: str, environ=os.environ) -> dict[str, str]:
+    """The runs' environment: this process's, unbuffered, and $WANDB_RUN_GROUP (unless set) the sweep's name, so a
+    config with wandb.mode on groups its W&B runs by sweep."""
+    group = environ.get("WANDB_RUN_GROUP") or os.path.basename(os.path.abspath(sweep_dir))
+    return dict(environ, PYTHONUNBUFFERED="1", WANDB_RUN_GROUP=group)
+
+
 def sweep(overrides: list[str]) -> int:
     trainer = spec.TRAINERS[TRAINER.value]
     config_file = CONFIG.value or trainer.default_config_file()
@@ -93,7 +100,7 @@ def sweep(overrides: list[str]) -> int:
         for run in runs:
             print(" ".join(command(run, runner.run_dir(SWEEP_DIR.value, run))))
         return 0
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = run_environment(SWEEP_DIR.value)
     slot_envs, shares = devices.slot_environments(PARALLEL.value, devices.local_accelerators(env), env)
     runner.write_manifest(SWEEP_DIR.value, {"trainer": TRAINER.value, "config": config_file,
                                             "config_sha256": runner.config_sha256(config_file), "overrides": overrides,

@@ -31,6 +31,7 @@ import time
 import jax
 
 from ppo_jax.cli.common import config_command
+from ppo_jax.config import to_dict
 from ppo_jax.demo import default_config
 from ppo_jax.demo.evaluator import EvalPoint
 from ppo_jax.demo.plots import plot_ppo, plot_supervised
@@ -40,7 +41,8 @@ from ppo_jax.demo.stages import DPOResult, sample_preferences, train_dpo, train_
 DEFAULT_WORKDIR = os.path.join("runs", "demo")
 MARKER = ".ppo_jax_demo"  # marks a directory the demo may clear and rewrite
 STAGE_DIRS = ("sft", "preferences", "reward_model", "ppo", "dpo", "plots")
-STAGE_FILES = ("samples_before_after.jsonl", "summary.json")
+STAGE_FILES = ("samples_before_after.jsonl", "summary.json", "wandb_run_id")  # (the W&B files under wandb/ stay: an
+# offline run not yet synced is the user's)
 
 
 @dataclasses.dataclass
@@ -220,10 +222,31 @@ def run(config, workdir: str = DEFAULT_WORKDIR, *, mesh=None, verbose: bool = Tr
         summary["load_average_at_end"] = list(os.getloadavg()) if load else None
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
+        if settings.wandb.enabled:
+            _wandb_summary(settings, workdir, summary, ppo)
     log("\nsummary\n" + result.table())
     log(f"\noutputs: {workdir}/plots/ppo_curves.png, {workdir}/samples_before_after.jsonl, "
         f"{workdir}/summary.json")
     return result
+
+
+def _wandb_summary(settings: DemoSettings, workdir: str, summary: dict, ppo) -> None:
+    """The demo's own W&B run beside its stages' (<name>-summary, same group): summary.json's numbers, the
+    before/after answers as a table and the PNG plots as images."""
+    from ppo_jax.wandb_run import WandbRun  # lazy: wandb is an optional extra
+
+    run = WandbRun.open(settings.stage_wandb("summary", workdir), workdir, config=to_dict(settings), job_type="summary")
+    try:
+        run.summary(summary)
+        run.table(0, "samples_before_after", [
+            {"prompt": b["prompt"], "sft_response": b["response"], "sft_gold": b["gold"], "ppo_response": a["response"],
+             "ppo_gold": a["gold"]} for b, a in zip(ppo.before, ppo.after)])
+        plots = os.path.join(workdir, "plots")
+        if os.path.isdir(plots):
+            run.images({f"plots/{os.path.splitext(name)[0]}": os.path.join(plots, name)
+                        for name in sorted(os.listdir(plots)) if name.endswith(".png")})
+    finally:
+        run.finish()
 
 
 def _command(config, workdir: str) -> None:

@@ -12,11 +12,12 @@ typed settings only and hand the trainers typed settings (which they accept as t
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import replace
 
 import ml_collections
 
-from ppo_jax.config import RunSettings, check, config_dict
+from ppo_jax.config import RunSettings, WandbSettings, check, config_dict
 from ppo_jax.demo.world import World
 from ppo_jax.rl.settings import Settings
 from ppo_jax.supervised.settings import DPOSettings, RewardModelSettings, SFTSettings
@@ -206,6 +207,10 @@ class DemoSettings(RunSettings):
     targets: TargetSettings = TargetSettings()
     progress: bool = True  # tqdm bars per stage
     plots: bool = True  # write PNG plots (matplotlib, Agg backend)
+    # Weights & Biases for every stage: runs <name>-sft, -reward_model, -ppo (-dpo) and -summary (the summary
+    # and the plots) in one group (wandb.group, else $WANDB_RUN_GROUP, else the demo's name); the stages' own
+    # wandb sections stay at their defaults
+    wandb: WandbSettings = WandbSettings()
 
     # -- the settings each stage runs with (the demo's paths and switches filled in)
 
@@ -226,6 +231,14 @@ class DemoSettings(RunSettings):
                          # the demo stops at the first non-finite iteration
                          train=replace(p.train, progress=self.progress, max_consecutive_nonfinite=1))
 
+    def stage_wandb(self, stage: str, workdir: str) -> WandbSettings:
+        """The W&B section of one stage's run (`stage`: sft, reward_model, ppo, dpo, summary) of the demo in
+        `workdir`: the demo's section, the run named <demo name>-<stage>, grouped with the demo's other runs
+        (or with the sweep's, whose name $WANDB_RUN_GROUP holds)."""
+        w = self.wandb
+        name = w.name or os.path.basename(os.path.normpath(workdir))
+        return replace(w, name=f"{name}-{stage}", group=w.group or os.environ.get("WANDB_RUN_GROUP", "") or name)
+
     def with_kl_coef(self, kl_coef: float) -> DemoSettings:
         """The same demo with another PPO KL coefficient (the KL sweep)."""
         return replace(self, ppo=self.ppo.replace(ppo=replace(self.ppo.ppo, kl_coef=float(kl_coef))))
@@ -240,6 +253,11 @@ class DemoSettings(RunSettings):
         check(p.num_train >= 1 and p.num_val >= 1, "demo: preferences.num_train and preferences.num_val must be >= 1")
         check(p.label_temperature > 0, "demo: preferences.label_temperature must be > 0")
         check(p.batch_size >= 1, f"demo: preferences.batch_size must be >= 1, got {p.batch_size}")
+        self.wandb.validate("demo: wandb")
+        for stage in ("sft", "reward_model", "ppo", "dpo"):
+            check(getattr(self, stage).wandb == WandbSettings(),
+                  f"demo: {stage}.wandb is set, but the demo's own wandb section applies to every stage (its runs "
+                  f"<name>-sft, -reward_model, -ppo, ... in one group): set wandb.* and leave {stage}.wandb as it is")
         check(self.sft.model.config.vocab_size >= self.world.vocab_size,
               f"demo: sft.model.config.vocab_size={self.sft.model.config.vocab_size} is smaller than the "
               f"world's vocabulary ({self.world.vocab_size})")

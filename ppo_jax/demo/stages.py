@@ -66,7 +66,7 @@ def train_sft(settings: DemoSettings, workdir: str, mesh=None) -> StageResult:
     train = world.sft_corpus(settings.corpus.num_train, seed=seed)
     held_out = world.sft_corpus(settings.corpus.num_eval, seed=seed + 1)
     out = os.path.join(workdir, "sft")
-    trainer = SFTTrainer(settings.sft_stage(), out, tokenizer=world.tokenizer, train_records=train,
+    trainer = SFTTrainer(dataclasses.replace(settings.sft_stage(), wandb=settings.stage_wandb("sft", workdir)), out, tokenizer=world.tokenizer, train_records=train,
                          eval_records=held_out, mesh=mesh)
     history = trainer.train()
     return StageResult("sft", time.perf_counter() - t0, history, os.path.join(out, "hf"))
@@ -109,7 +109,9 @@ def train_reward_model(settings: DemoSettings, sft_dir: str, train_pairs, val_pa
     """Stage 3: Bradley-Terry reward model from the SFT transformer; exports <workdir>/reward_model/hf."""
     t0 = time.perf_counter()
     out = os.path.join(workdir, "reward_model")
-    trainer = RewardModelTrainer(settings.reward_model_stage(sft_dir), out, tokenizer=settings.world.tokenizer,
+    rm_settings = dataclasses.replace(settings.reward_model_stage(sft_dir),
+                                      wandb=settings.stage_wandb("reward_model", workdir))
+    trainer = RewardModelTrainer(rm_settings, out, tokenizer=settings.world.tokenizer,
                                  train_records=train_pairs, eval_records=val_pairs, mesh=mesh)
     history = trainer.train()
     return StageResult("reward_model", time.perf_counter() - t0, history, os.path.join(out, "hf"))
@@ -124,7 +126,7 @@ def train_ppo(settings: DemoSettings, sft_dir: str, rm_dir: str, workdir: str, m
     """
     t0 = time.perf_counter()
     world = settings.world
-    ppo_settings = settings.ppo_stage(sft_dir, rm_dir)
+    ppo_settings = settings.ppo_stage(sft_dir, rm_dir).replace(wandb=settings.stage_wandb("ppo", workdir))
     out = os.path.join(workdir, "ppo")
     trainer = PPOTrainer(ppo_settings, out, prompts=world.all_prompts("train"), mesh=mesh)
     eval_prompts = world.prompts(settings.eval.num_prompts, "eval", seed=settings.seed + 29)
@@ -175,11 +177,12 @@ def train_dpo(settings: DemoSettings, sft_dir: str, rm_dir: str, train_pairs, va
     t0 = time.perf_counter()
     world = settings.world
     out = os.path.join(workdir, "dpo")
-    trainer = DPOTrainer(settings.dpo_stage(sft_dir), out, tokenizer=world.tokenizer, train_records=train_pairs,
+    dpo_settings = dataclasses.replace(settings.dpo_stage(sft_dir), wandb=settings.stage_wandb("dpo", workdir))
+    trainer = DPOTrainer(dpo_settings, out, tokenizer=world.tokenizer, train_records=train_pairs,
                          eval_records=val_pairs, mesh=mesh)
     history = trainer.train()
     # A PPO trainer built as stage 4's (SFT reference, the reward model) but never trained: its sampler,
-    # reference and reward model are the evaluator's instruments; the DPO policy takes its place.
+    # reference and reward model are the evaluator's instruments; the DPO policy takes its place (no W&B run).
     judge = PPOTrainer(settings.ppo_stage(sft_dir, rm_dir), os.path.join(out, "gold_eval"),
                        prompts=world.all_prompts("train"), mesh=mesh)
     judge.state = judge.state.replace(policy=jax.device_put(trainer.params, judge.state_shardings.policy))

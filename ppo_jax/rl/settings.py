@@ -16,8 +16,8 @@ import jax
 import ml_collections
 
 from ppo_jax.config import (HF_MODEL_DIR, HF_REWARD_DIR, PEFT_ADAPTER_DIR,
-                            AdamWSettings, ComputeSettings, ConfigError, LoraSettings, MeshSettings, RunSettings, check,
-                            config_dict)
+                            AdamWSettings, ComputeSettings, ConfigError, LoraSettings, MeshSettings, RunSettings,
+                            WandbSettings, check, config_dict)
 from ppo_jax.data.prompt_stream import PromptDataSettings
 from ppo_jax.distributed import DistributedSettings
 from ppo_jax.models.config import LoraConfig, ModelConfig
@@ -232,6 +232,7 @@ class Settings(RunSettings):
     optim: PPOOptimSettings = PPOOptimSettings()
     train: PPOTrainSettings = PPOTrainSettings()
     plan: PlanSettings = PlanSettings()
+    wandb: WandbSettings = WandbSettings()  # Weights & Biases logging (off by default)
 
     def replace(self, **sections) -> "Settings":
         return dataclasses.replace(self, **sections)
@@ -253,6 +254,7 @@ class Settings(RunSettings):
         t = self.train
         self._validate_rollout()
         self.compute.validate()
+        self.wandb.validate()
         self._validate_models()
         self._validate_ppo()
         r = self.rollout

@@ -25,7 +25,7 @@ from ppo_jax import metrics as metrics_lib
 from ppo_jax import sampling, sharding
 from ppo_jax.checkpoint import CheckpointError, CheckpointManager
 from ppo_jax.checkpoint.step_items import ARRAYS_ITEM
-from ppo_jax.config import ConfigError
+from ppo_jax.config import ConfigError, to_dict
 from ppo_jax.data import toy
 from ppo_jax.data.prompt_stream import PromptStream
 from ppo_jax.models import hf
@@ -186,7 +186,8 @@ class PPOTrainer:
         """The metrics writer; on process 0 the sample logs cut back to the step resumed from (they
         restart with the steps too) and the tokenizer saved beside them."""
         step = self.resumed_from or 0
-        writer = metrics_lib.MetricWriter(self.workdir, resume_step=step)
+        writer = metrics_lib.MetricWriter(self.workdir, resume_step=step, wandb=self.settings.wandb,
+                                          run_config=to_dict(self.settings), job_type="ppo")
         if jax.process_index() == 0:
             for name in (SAMPLES_FILE, NONFINITE_SAMPLES_FILE):
                 metrics_lib.truncate_after(os.path.join(self.workdir, name), step)
@@ -391,7 +392,7 @@ class PPOTrainer:
                 if step % cfg.log_every == 0 or step == cfg.iterations:
                     self.writer.write(step, scalars)
                 if cfg.sample_every and step % cfg.sample_every == 0:
-                    metrics_lib.write_samples(self.workdir, step, self.samples(), filename=SAMPLES_FILE)
+                    self.writer.write_samples(step, self.samples(), filename=SAMPLES_FILE)
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix(score=f"{scalars['objective/scores']:.3f}",

@@ -34,7 +34,7 @@ from ppo_jax import data as data_lib
 from ppo_jax import metrics as metrics_lib
 from ppo_jax import sharding
 from ppo_jax.checkpoint import verify
-from ppo_jax.config import ConfigError
+from ppo_jax.config import ConfigError, to_dict
 from ppo_jax.models import CausalLM
 from ppo_jax.models.moe import RouterCoefs
 from ppo_jax.ppo.stats import SumCount, finalize_metrics
@@ -205,7 +205,9 @@ class DPOTrainer(supervised.SupervisedTrainer):
             make_eval_step(self.module, s.loss),
             in_shardings=(self.state_shardings.params, self.base_shardings, batch_sh, data_sh),
             out_shardings=replicated), self.mesh)
-        self.writer = metrics_lib.MetricWriter(workdir, resume_step=self.step)  # drops rows past the checkpoint
+        # drops rows past the checkpoint; mirrors them to W&B when settings.wandb asks
+        self.writer = metrics_lib.MetricWriter(workdir, resume_step=self.step, wandb=s.wandb,
+                                               run_config=to_dict(s), job_type="dpo")
 
     # -- the reference
 

@@ -12,7 +12,7 @@ import dataclasses
 import ml_collections
 
 from ppo_jax.config import (HF_MODEL_DIR, HF_TOKENIZER_DIR, AdamWSettings, ComputeSettings, LoraSettings, MeshSettings,
-                            RunSettings, check, config_dict)
+                            RunSettings, WandbSettings, check, config_dict)
 from ppo_jax.models.config import ModelConfig
 from ppo_jax.models.moe import RouterCoefs
 from ppo_jax.supervised.dpo_loss import LOSS_TYPES
@@ -179,6 +179,7 @@ class SFTSettings(RunSettings):
     data: SFTDataSettings = SFTDataSettings()
     train: SupervisedTrainSettings = SupervisedTrainSettings(steps=1000)
     optim: SupervisedOptimSettings = SupervisedOptimSettings(lr=1e-3)
+    wandb: WandbSettings = WandbSettings()  # Weights & Biases logging (off by default)
 
     def path_fields(self) -> tuple[tuple[str, str, str], ...]:
         what = "sft"
@@ -187,6 +188,7 @@ class SFTSettings(RunSettings):
 
     def validate(self) -> None:
         self.compute.validate("sft: compute")
+        self.wandb.validate("sft: wandb")
         self.model.validate("sft")
         self.train.validate("sft")
         _validate_lora_export(self.model, self.train, "sft")
@@ -206,6 +208,7 @@ class RewardModelSettings(RunSettings):
     normalize: NormalizeSettings = NormalizeSettings()
     train: SupervisedTrainSettings = SupervisedTrainSettings(steps=500)
     optim: SupervisedOptimSettings = SupervisedOptimSettings(lr=3e-4)
+    wandb: WandbSettings = WandbSettings()  # Weights & Biases logging (off by default)
 
     def path_fields(self) -> tuple[tuple[str, str, str], ...]:
         what = "reward_model"
@@ -216,6 +219,7 @@ class RewardModelSettings(RunSettings):
     def validate(self) -> None:
         what = "reward_model"
         self.compute.validate(f"{what}: compute")
+        self.wandb.validate(f"{what}: wandb")
         self.model.validate(what)
         self.train.validate(what)
         # A PEFT directory cannot carry our new score head (it would need modules_to_save): merged only.
@@ -248,6 +252,7 @@ class DPOSettings(RunSettings):
     loss: DPOLossSettings = DPOLossSettings()
     train: DPOTrainSettings = DPOTrainSettings(steps=500)
     optim: SupervisedOptimSettings = SupervisedOptimSettings(lr=1e-4)
+    wandb: WandbSettings = WandbSettings()  # Weights & Biases logging (off by default)
 
     def path_fields(self) -> tuple[tuple[str, str, str], ...]:
         what = "dpo"
@@ -257,6 +262,7 @@ class DPOSettings(RunSettings):
     def validate(self) -> None:
         what = "dpo"
         self.compute.validate(f"{what}: compute")
+        self.wandb.validate(f"{what}: wandb")
         self.model.validate(what)
         self.train.validate(what)
         _validate_lora_export(self.model, self.train, what)

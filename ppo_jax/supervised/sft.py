@@ -25,7 +25,7 @@ import optax
 from ppo_jax import data as data_lib
 from ppo_jax import metrics as metrics_lib
 from ppo_jax import sharding
-from ppo_jax.config import ConfigError
+from ppo_jax.config import ConfigError, to_dict
 from ppo_jax.models import CausalLM, positions_from_mask
 from ppo_jax.models.forward import hidden_states, variables
 from ppo_jax.models.moe import RouterCoefs, RouterLosses
@@ -154,7 +154,9 @@ class SFTTrainer(supervised.SupervisedTrainer):
         self._eval_step = sharding.on_mesh(jax.jit(
             make_eval_step(self.module), in_shardings=(self.state_shardings.params, self.base_shardings, batch_sh),
             out_shardings=replicated), self.mesh)
-        self.writer = metrics_lib.MetricWriter(workdir, resume_step=self.step)  # drops rows past the checkpoint
+        # drops rows past the checkpoint; mirrors them to W&B when settings.wandb asks
+        self.writer = metrics_lib.MetricWriter(workdir, resume_step=self.step, wandb=s.wandb,
+                                               run_config=to_dict(s), job_type="sft")
 
     # -- steps
 
