@@ -12,7 +12,8 @@ from conftest import make_test_mesh, train_and_check_nothing_moved
 
 from ppo_jax.config import ConfigError
 from tiny_configs import tiny_config  # noqa: F401 (re-exported for other tests)
-from ppo_jax.rl.settings import Settings, sampling_config
+from ppo_jax.rl.sampler_settings import sampling_config
+from ppo_jax.rl.settings import Settings
 from ppo_jax.rl.trainer import PPOTrainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

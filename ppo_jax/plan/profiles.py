@@ -13,7 +13,8 @@ from typing import Any
 
 from ppo_jax.accelerators.profile import DEVICE_MODELS, ProgramProfile, profile_program
 from ppo_jax.config import ConfigError
-from ppo_jax.rl.settings import AUTO_STEPS_PER_SYNC, Settings
+from ppo_jax.rl.sampler_settings import AUTO_STEPS_PER_SYNC
+from ppo_jax.rl.settings import Settings
 
 
 def decode_groups(s: Settings) -> tuple[int, int]:

@@ -24,8 +24,9 @@ from ppo_jax.optim import make_optimizer
 from ppo_jax.rl import remat_choice, roles
 from ppo_jax.rl.experience import make_experience_fn, make_scoring_fn
 from ppo_jax.rl.hyper import DerivedSizes, PPOHyper
+from ppo_jax.rl.sampler_settings import sampling_config
 from ppo_jax.rl.settings import (DECODE_LOOPS, PolicyLoraSettings, PolicySettings, PPOLossSettings, RewardSettings,
-                                 RolloutSettings, Settings, ValueSettings, sampling_config)
+                                 RolloutSettings, Settings, ValueSettings)
 from ppo_jax.rl.state import Experience, FrozenParams, Modules, Rollout, PPOState
 from ppo_jax.rl.update import make_update_fn
 from ppo_jax.sampling.config import gemm_compiler_options
@@ -307,7 +308,7 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
                 unroll_layers: bool | None = None, sampler_mesh=None) -> Steps:
     """The sampler and the jitted experience and update steps of a run (also what `ppo_jax.plan`
     lowers and measures, so the planner sees exactly the programs a run compiles). unroll_layers:
-    overrides rollout.decode (see `settings.sampling_config`); sampler_mesh: the sampler's own mesh
+    overrides rollout.decode (see `sampler_settings.sampling_config`); sampler_mesh: the sampler's own mesh
     (`rl/roles.py`; None: `mesh`), `sizes.decode_slots` derived for it."""
     batch = sharding.data_sharding(mesh)
     replicated = sharding.replicated(mesh)

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 
-import jax
 import ml_collections
 
 from ppo_jax.config import (HF_MODEL_DIR, HF_REWARD_DIR, PEFT_ADAPTER_DIR,
@@ -27,7 +25,6 @@ from ppo_jax.rl.corrections import OFF_POLICY_RATIOS, off_policy_ratio
 from ppo_jax.rl.environment_settings import EnvironmentSettings
 from ppo_jax.rl.roles import RolesSettings
 from ppo_jax.rl.router_replay import MoeSettings
-from ppo_jax.sampling import SamplingConfig
 from ppo_jax.sampling.config import ENGINES, GEMM_OPTIONS
 
 ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
@@ -435,25 +432,3 @@ def stop_token_ids(rollout: RolloutSettings, default_eos: int | None) -> tuple[i
         except ValueError:
             raise ConfigError(f"rollout.stop_token_ids={spec!r}: use comma-separated integers") from None
     return (default_eos,) if default_eos is not None else ()
-
-
-# rollout.steps_per_sync = 0 by platform: a GPU evaluates a data-dependent loop condition on the host.
-AUTO_STEPS_PER_SYNC = {"gpu": 8}
-
-
-def sampling_config(s: Settings, stop_ids: Sequence[int], pad_id: int,
-                    unroll_layers: bool | None = None, slots: int = 0, platform: str | None = None) -> SamplingConfig:
-    """The sampler settings of a run (rollout.*); unroll_layers, if given, overrides rollout.decode;
-    slots: the continuous engine's (`DerivedSizes.decode_slots`); platform: the sampler's devices'
-    (what rollout.steps_per_sync = 0 resolves for; None: this process's backend)."""
-    r = s.rollout
-    if unroll_layers is None:
-        unroll_layers = DECODE_LOOPS[r.decode]
-    steps_per_sync = r.steps_per_sync or AUTO_STEPS_PER_SYNC.get(platform or jax.default_backend(), 1)
-    return SamplingConfig(
-        max_new_tokens=r.response_length, min_new_tokens=r.min_new_tokens, temperature=r.temperature,
-        top_k=r.top_k, top_p=r.top_p, stop_token_ids=tuple(stop_ids), pad_token_id=int(pad_id),
-        num_samples=r.num_samples, cache_dtype=r.cache_dtype or None, engine=r.engine, slots=slots,
-        prefill_prompts=r.prefill_prompts, tail_halvings=None if r.tail_halvings < 0 else r.tail_halvings,
-        steps_per_sync=steps_per_sync, unroll_layers=unroll_layers, record_experts=s.moe.router_replay,
-        gemm=r.gemm)
