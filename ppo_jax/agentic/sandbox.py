@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import logging
 import os
 import selectors
@@ -46,6 +47,9 @@ _RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_chi
 # only mislabels its own ending.
 MEMORY_EXIT, CPU_EXIT = 99, 97
 STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "killed")
+# Both launches put two filters on the runner: the boundary filter (bwrap's, or the runner's when
+# trusted) and the no-execve filter.
+SECCOMP_FILTERS = 2
 _log = logging.getLogger(__name__)
 
 
@@ -193,7 +197,7 @@ def run_python(code: str, limits: Limits = Limits()) -> SandboxResult:
             report = _first_report(status_r)
         finally:
             os.close(status_r)
-    layers = _confirmed_layers(report, launch.boundary, 2, limits, stopped, err)
+    layers = _confirmed_layers(report, launch.boundary, SECCOMP_FILTERS, limits, stopped, err)
     return _result(stopped, ending, out, err, time.monotonic() - start, limits.cpu_seconds, layers)
 
 
@@ -216,7 +220,9 @@ def _first_report(fd: int) -> dict:
     return report if isinstance(report, dict) else {}
 
 
+@functools.lru_cache(maxsize=1)
 def _own_namespaces() -> dict[str, str]:
+    """The trainer's namespaces (read once: a process does not change its own here)."""
     return {kind: os.readlink(f"/proc/self/ns/{kind}") for kind in ("user", "pid", "net", "ipc", "uts", "mnt",
                                                                       "cgroup")}
 
