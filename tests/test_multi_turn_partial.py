@@ -127,9 +127,9 @@ def test_the_trainer_decodes_each_turn_under_its_segments_weights_and_resumes_bi
     straight = trainer_at(tmp_path / "straight", toy)
     seen, finish = [], straight.rollouts.finish
 
-    def recording_finish(started):
-        rollout = finish(started)
-        seen.append((int(straight.state.step), straight.rollouts.finished))
+    def recording_finish(sampled):
+        rollout = finish(sampled)
+        seen.append((int(straight.state.step), sampled.episodes))
         return rollout
 
     straight.rollouts.finish = recording_finish
@@ -153,7 +153,7 @@ def test_the_trainer_decodes_each_turn_under_its_segments_weights_and_resumes_bi
         trainer_at(tmp_path / "run", toy, **{"rollout.partial_rollouts": False})
     resumed = trainer_at(tmp_path / "run", toy)
     assert resumed.resumed_from == 2
-    assert [(b.version, b.segments_run) for b in resumed.rollouts.in_flight] == [(0, 2), (1, 1)]
+    assert [(b.version, b.future.result().segments_run) for b in resumed.rollouts.in_flight] == [(0, 2), (1, 1)]
     assert_resumes_bit_for_bit(resumed, expected[2:], expected_policy)
 
 

@@ -104,7 +104,7 @@ def test_grpo_groups_of_episodes(tmp_path):
     assert len({row.tobytes() for row in prompts[0::2]}) > 1
     assert (tokens[0::2] != tokens[1::2]).any(axis=1).sum() >= 4  # a prompt's two episodes differ
     assert observations(rollout).any()
-    episode = np.asarray(exp.scores) + np.asarray(rollout.turn_rewards).sum(-1)
+    episode = np.asarray(exp.scores) + np.asarray(rollout.turns.rewards).sum(-1)
     groups = episode.reshape(-1, 2)
     want = ((groups - groups.mean(1, keepdims=True)) / (groups.std(1, ddof=1, keepdims=True) + 1e-4)).reshape(-1)
     actions = np.asarray(rollout.action_mask) == 1
@@ -112,7 +112,7 @@ def test_grpo_groups_of_episodes(tmp_path):
     assert np.abs(advantages[~actions]).max() == 0.0
     for row in range(len(want)):
         np.testing.assert_allclose(advantages[row][actions[row]], want[row], rtol=1e-4, atol=1e-5)
-    assert np.abs(np.asarray(rollout.turn_rewards)).sum() > 0  # the turn rewards are in the check
+    assert np.abs(np.asarray(rollout.turns.rewards)).sum() > 0  # the turn rewards are in the check
     assert history[0]["policy/rollout_logprob_diff_max"] < 1e-5
     assert abs(history[0]["first_minibatch/ratio"] - 1.0) < 1e-6
 
@@ -183,14 +183,15 @@ def test_gae_over_actions_is_gae_of_the_rows_without_their_observations(baseline
     key = jax.random.key(5)
     out = ForwardOutputs(*(np.asarray(jax.random.normal(jax.random.fold_in(key, i), (b, length))) for i in range(4)),
                          scores=np.zeros((b,), np.float32))
-    ends = np.asarray(rollout.turn_ends)
+    ends = np.asarray(rollout.turns.ends)
     cut_ends = np.where(ends >= 0, np.cumsum(actions, axis=1)[np.arange(b)[:, None], np.maximum(ends, 0)] - 1, -1)
     lengths = actions.sum(1)
     cut_mask = (np.arange(length)[None, :] < lengths[:, None]).astype(np.int32)
     cut_rollout = rollout.replace(
-        tokens=_compressed(rollout.tokens, actions), mask=cut_mask, action_mask=cut_mask,
+        tokens=_compressed(rollout.tokens, actions), mask=cut_mask,
+        turns=rollout.turns.replace(action_mask=cut_mask, ends=cut_ends.astype(np.int32)),
         sampler_logprobs=_compressed(rollout.sampler_logprobs, actions),
-        behaviour_logprobs=_compressed(rollout.behaviour_logprobs, actions), turn_ends=cut_ends.astype(np.int32))
+        behaviour_logprobs=_compressed(rollout.behaviour_logprobs, actions))
     cut_out = out.replace(**{f: _compressed(getattr(out, f), actions) for f in ("logprobs", "ref_logprobs", "values",
                                                                                "entropy")})
     coef = jnp.asarray(0.05)
@@ -218,7 +219,7 @@ def test_continuous_schedule_gives_the_same_run(baseline, tmp_path):
     _, expected = baseline
     trainer, history = run(multi_turn_config(**{"rollout.engine": "continuous", "environment.segment_steps": 2}),
                            tmp_path)
-    assert trainer.rollouts.schedule.func.__module__ == "ppo_jax.agentic.continuous_rollout"
+    assert trainer.rollouts.training.runner.schedule.func.__module__ == "ppo_jax.agentic.continuous_rollout"
     for want, got in zip(expected, history, strict=True):
         for key, value in want.items():
             if not key.startswith(("time/", "perf/")):
@@ -234,7 +235,7 @@ def test_fewer_slots_than_episodes_keep_the_invariants(tmp_path):
     trainer, history = run(multi_turn_config(**{
         "rollout.engine": "continuous", "environment.segment_steps": 2, "rollout.slots": 8,
         "rollout.prefill_prompts": 4, "environment.name": "slower_scripted_test_env"}), tmp_path)
-    assert trainer.rollouts.schedule.func.__module__ == "ppo_jax.agentic.slot_rollout"
+    assert trainer.rollouts.training.runner.schedule.func.__module__ == "ppo_jax.agentic.slot_rollout"
     # Whether a slot is given up depends on time (the first iteration also compiles): over the run.
     assert sum(row["rollout/reprefilled_turns"] for row in history) > 0
     for row in history:
@@ -306,8 +307,8 @@ def test_off_policy_episodes_run_beside_the_update(tmp_path):
     running_at_update, update = [], trainer._update
 
     def recording(state, exp):
-        running_at_update.append([not started.pending.done() for started in trainer.rollouts.in_flight
-                                  if started.pending is not None])
+        running_at_update.append([not batch.future.done() for batch in trainer.rollouts.in_flight
+                                  if hasattr(batch, "future")])
         return update(state, exp)
 
     trainer._update = recording

@@ -19,7 +19,7 @@ from ppo_jax import reward_functions as reward_fns
 from ppo_jax import sharding
 from ppo_jax.models.forward import response_logits
 from ppo_jax.plan import role_memory
-from ppo_jax.rl.rollouts import resolve_arrays
+from ppo_jax.rl.rollout_source import resolve_arrays
 from ppo_jax.rl.state import Rollout, policy_variables
 from ppo_jax.rl.trainer import PPOTrainer
 
@@ -121,7 +121,7 @@ def test_disaggregated_sampler_scoring_two_batches_in_flight_resumes_bit_for_bit
     assert len(first.train()) == 1 and first.stopped_by == "SIGTERM"
     first.close()
     resumed = layout_trainer("disaggregated", tmp_path / "run", TOY, **overrides)
-    assert len(resumed.rollouts.in_flight) == 2 and all(r.ref_logprobs is not None for r in resumed.rollouts.in_flight)
+    assert len(resumed.rollouts.in_flight) == 2 and all(r.frozen_outputs is not None for r in resumed.rollouts.in_flight)
     rest = resumed.train()
     assert [comparable(row) for row in rest] == [comparable(row) for row in expected[1:]]  # bitwise
     for a, b in zip(jax.tree.leaves(expected_policy), jax.tree.leaves(jax.device_get(resumed.state.policy))):

@@ -152,7 +152,7 @@ def test_scoring_on_the_sampler_mesh_logs_the_same_metrics_and_frees_the_trainer
     ref, scores = trainer.score_responses(rollout.prompt_tokens, rollout.prompt_mask, rollout.tokens, rollout.mask)
     np.testing.assert_allclose(np.asarray(exp.ref_logprobs), want_ref, atol=1e-4)
     np.testing.assert_allclose(np.asarray(ref), want_ref, atol=1e-4)
-    np.testing.assert_allclose(np.asarray(rollout.model_scores), want_scores, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(rollout.frozen_outputs.model_scores), want_scores, atol=1e-4)
     np.testing.assert_allclose(np.asarray(scores), want_scores * trainer.hp.score_gain + trainer.hp.score_bias,
                                atol=1e-4)
     # Held-out evaluation (the demo's and the verifiable task's) samples on the sampler's mesh and
@@ -194,7 +194,7 @@ def test_scoring_on_the_sampler_mesh_with_lora(one_mesh, tmp_path):
     lora_full_value = PPOTrainer(tiny_config(**{**LORA, "value.lora.rank": 0, "train.iterations": 2}),
                                  str(tmp_path / "one"), mesh=make_test_mesh((1, 1, 1))).train()
     assert_same_metrics(lora_full_value, trainer.train())
-    assert trainer.scorer.policy is trainer.rollouts.sampler_base  # the reference is the sampler's base copy
+    assert trainer.scorer.policy is trainer.rollouts.sync.base  # the reference is the sampler's base copy
     trainer.close()
 
 

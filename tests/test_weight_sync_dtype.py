@@ -73,7 +73,7 @@ def test_a_sampler_of_its_own_gets_a_bf16_copy_and_the_sync_moves_half_the_bytes
     synced = trainer.sampler_weights()
     assert leaf_dtypes(synced.params)["kernel"] == {"bfloat16"}
     assert leaf_dtypes(synced.params)["scale"] == {"float32"}
-    (_, nbytes), = trainer.rollouts.sync_log
+    (_, nbytes), = trainer.rollouts.sync.log
     assert nbytes == roles.tree_bytes(synced.params) < 0.55 * roles.tree_bytes(trainer.state.policy)
     # The tokens the run samples are those of a sampler given the weights cast here, by hand.
     by_hand = jax.device_put(jax.tree.map(lambda x: np.asarray(x, jnp.bfloat16) if x.ndim > 1 else np.asarray(x),

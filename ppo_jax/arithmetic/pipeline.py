@@ -149,12 +149,13 @@ def evaluate(trainer, prompts: list[str], seed: int, factory=None) -> dict[str, 
     exact product) and the share of episodes that call the tool. factory: another environment for
     these episodes (e.g. `without_tool`)."""
     batch_size, group = trainer.settings.rollout.batch_size, trainer.settings.rollout.num_samples
-    own, trainer.rollouts.factory = trainer.rollouts.factory, factory or trainer.rollouts.factory
+    runner = trainer.rollouts.evaluation.runner  # the episodes' environments, decoder and schedule
+    own, runner.factory = runner.factory, factory or runner.factory
     try:
         batches = [_episodes(trainer, prompts[i:i + batch_size], jax.random.key(seed * 1000 + i))
                    for i in range(0, len(prompts), batch_size)]
     finally:
-        trainer.rollouts.factory = own
+        runner.factory = own
     rewards = np.concatenate([np.asarray(e.rewards)[::group] for e in batches])
     tool_calls = np.concatenate([np.asarray(e.tool_calls)[::group] for e in batches])
     correct, n = float(rewards.sum()), len(rewards)
@@ -165,8 +166,7 @@ def evaluate(trainer, prompts: list[str], seed: int, factory=None) -> dict[str, 
 def _episodes(trainer, prompts: list[str], key):
     """One batch of episodes (`MultiTurnOutput`) of the trainer's current policy."""
     batch = trainer.prompts.tokenizer.prompts(prompts, length=trainer.settings.data.prompt_length)
-    trainer.rollout(np.asarray(batch.tokens), np.asarray(batch.mask), key)
-    return trainer.rollouts.finished
+    return trainer.rollouts.whole(trainer.state, np.asarray(batch.tokens), np.asarray(batch.mask), key).episodes
 
 
 def run(workdir: str, p: PipelineSettings = PipelineSettings()) -> dict[str, Any]:

@@ -40,7 +40,7 @@ class SamplerInputs:
 
 
 def sampler_inputs(policy: Any, base: Any, where: roles.SamplerShardings, shared: bool) -> SamplerInputs:
-    """The sampler's policy as a run holds it (`rl/rollouts.Rollouts.sampler_weights`). `policy`: the
+    """The sampler's policy as a run holds it (`rl/weight_sync.WeightSync.weights`). `policy`: the
     trainable tree (full params, or LoRA adapters on `base`). On the trainer's own mesh the sampler
     reads the trainer's trees; on its own mesh it keeps a copy (with LoRA: of the base, synced once,
     and of the adapters, synced each step). roles.lora_sync="merged" decodes a merged copy of the
@@ -71,7 +71,7 @@ class ScorerInputs:
 
 
 def scorer_inputs(frozen: FrozenParams, shardings: FrozenParams) -> ScorerInputs:
-    """The scorer's trees as a run moves them (`rl/rollouts.Rollouts`): `frozen`, the run's
+    """The scorer's trees as a run moves them (`rl/rollout_source.SamplerScorer`): `frozen`, the run's
     frozen trees (on the trainer's shardings), placed on the scorer's `shardings`. With LoRA the
     reference is the sampler's own base copy (already the sampler's policy copy, so not counted
     again); a LoRA value base never goes (the trainer's value forward reads it)."""

@@ -25,7 +25,7 @@ from ppo_jax.rl import build, roles
 from ppo_jax.rl.hyper import DerivedSizes, PPOHyper
 from ppo_jax.rl.settings import Settings, stop_token_ids
 from ppo_jax.rl.sizes import derive_sizes
-from ppo_jax.rl.state import FrozenParams, Modules, Rollout, PPOState
+from ppo_jax.rl.state import FrozenOutputs, FrozenParams, Modules, Rollout, PPOState
 
 
 def abstract_params(boxed: Any, mesh) -> Any:
@@ -182,7 +182,7 @@ def lower_programs(run: PlannedRun) -> LoweredRun:
         # rollout.partial_rollouts: each token's policy version travels too (the run's experience program)
         token_policy_version=(jax.ShapeDtypeStruct(sample.tokens.shape, jnp.int32, sharding=batch_sh)
                               if s.rollout.partial_rollouts else None),
-        **dict(zip(("ref_logprobs", "model_scores"), scores)))
+        frozen_outputs=FrozenOutputs(*scores) if scores else None)
     rollout = rollout if meshes.shared else placed(rollout, batch_sh)
     with sharding.mesh_context(mesh):
         lowered["experience"] = steps.experience_jit.lower(run.state, run.kept, rollout)

@@ -27,7 +27,7 @@ from ppo_jax.rl.hyper import DerivedSizes, PPOHyper
 from ppo_jax.rl.sampler_settings import sampling_config
 from ppo_jax.rl.settings import (DECODE_LOOPS, PolicyLoraSettings, PolicySettings, PPOLossSettings, RewardSettings,
                                  RolloutSettings, Settings, ValueSettings)
-from ppo_jax.rl.state import Experience, FrozenParams, Modules, Rollout, PPOState
+from ppo_jax.rl.state import EpisodeTurns, Experience, FrozenOutputs, FrozenParams, Modules, Rollout, PPOState
 from ppo_jax.rl.update import make_update_fn
 from ppo_jax.sampling.config import gemm_compiler_options
 
@@ -303,6 +303,15 @@ class Steps:
     scorer_shardings: FrozenParams | None = None
 
 
+def rollout_shardings(batch, *, router_replay: bool, episodes: bool, scored_outside: bool) -> Rollout:
+    """The experience step's `Rollout` shardings: every array batch-sharded, each mode's part present
+    only when its mode is on (a None part is no input of the program)."""
+    every = lambda cls: cls(*([batch] * len(dataclasses.fields(cls))))  # noqa: E731
+    return every(Rollout).replace(routed_experts=batch if router_replay else None,
+                                  frozen_outputs=every(FrozenOutputs) if scored_outside else None,
+                                  turns=every(EpisodeTurns) if episodes else None)
+
+
 def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: Modules, policy_tx, value_tx,
                 state_shardings, frozen_shardings, stop_ids: Sequence[int], pad_id: int,
                 unroll_layers: bool | None = None, sampler_mesh=None) -> Steps:
@@ -323,12 +332,12 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
                                     adapter_shardings=where.adapters)
     experience = make_experience_fn(modules, hp, batch)
     update = make_update_fn(modules, policy_tx, value_tx, hp, sizes.rollout_rows, batch)
-    rollout_sh = jax.tree.map(lambda _: batch, Rollout(*([0] * len(dataclasses.fields(Rollout)))))
+    rollout_sh = rollout_shardings(batch, router_replay=s.moe.router_replay, episodes=s.environment.enabled,
+                                   scored_outside=hp.scored_outside)
     exp_sh = jax.tree.map(lambda _: batch, Experience(*([0] * len(dataclasses.fields(Experience)))))
     if not s.moe.router_replay:  # no routing record travels
-        rollout_sh, exp_sh = rollout_sh.replace(routed_experts=None), exp_sh.replace(routed_experts=None)
-    if not s.environment.enabled:  # one-turn rows: no action mask, no turn rewards (the same programs)
-        rollout_sh = rollout_sh.replace(action_mask=None, turn_rewards=None, turn_ends=None)
+        exp_sh = exp_sh.replace(routed_experts=None)
+    if not s.environment.enabled:  # one-turn rows: no action mask (the same programs)
         exp_sh = exp_sh.replace(action_mask=None)
     scoring_jit, scorer_sh = None, None
     if hp.scored_outside:  # roles.scoring="sampler": the frozen models score on the sampler's mesh
@@ -338,8 +347,6 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
         scoring_jit = jax.jit(make_scoring_fn(modules, hp),
                               in_shardings=(scorer_sh,) + (sampler_batch,) * 4, out_shardings=(sampler_batch,) * 2,
                               compiler_options=gemm_compiler_options(s.ppo.gemm, mesh_platform(sampler_mesh)[0]))
-    else:
-        rollout_sh = rollout_sh.replace(ref_logprobs=None, model_scores=None)
     trace_counts = {"experience": 0, "update": 0}
     # ppo.gemm: the GEMM kernels of the trainer's programs on a GPU (the sampler's: rollout.gemm)
     trainer_options = gemm_compiler_options(s.ppo.gemm, mesh_platform(mesh)[0])

@@ -56,14 +56,15 @@ def experience_from_outputs(out: ForwardOutputs, rollout: Rollout, kl_coef: jax.
                                                buffer=hp.overlong_buffer, penalty=hp.overlong_penalty)
     kl = ppo.kl_penalty(out.logprobs, out.ref_logprobs, hp.kl_estimator) * mask
     reward_kl_coef = kl_coef if hp.kl_in_reward else jnp.zeros((), jnp.float32)
-    if rollout.turn_rewards is None:
+    turns = rollout.turns
+    if turns is None:
         rewards = ppo.shape_rewards(scores, kl, mask, reward_kl_coef)
     else:  # each turn's environment reward on its last action token, the score on the last one
-        rewards = action_rewards(scores, kl, mask, reward_kl_coef, rollout.turn_rewards, rollout.turn_ends)
+        rewards = action_rewards(scores, kl, mask, reward_kl_coef, turns.rewards, turns.ends)
     if hp.whiten_rewards:
         rewards = ppo.masked_whiten(rewards, mask, shift_mean=False)
     # GRPO's and RLOO's sequence reward is the episode's: the score plus every turn's environment reward.
-    episode_scores = scores if rollout.turn_rewards is None else scores + rollout.turn_rewards.sum(-1)
+    episode_scores = scores if turns is None else scores + turns.rewards.sum(-1)
     advantages, returns = ppo.estimate_advantages(
         hp.estimator, rewards=rewards, values=out.values, mask=mask, scores=episode_scores, kl=kl,
         kl_coef=reward_kl_coef, group_size=hp.group_size, gamma=hp.gamma, lam=hp.lam,
@@ -97,8 +98,8 @@ def experience_from_outputs(out: ForwardOutputs, rollout: Rollout, kl_coef: jax.
         **correction.metrics,
         **({} if step is None else policy_lag_metrics(step, rollout.policy_version, rollout.token_policy_version, mask)),
     }
-    if rollout.turn_rewards is not None:  # multi-turn: what the environments paid, per episode
-        metrics["objective/environment_rewards"] = rollout.turn_rewards.sum(-1).mean()
+    if turns is not None:  # multi-turn: what the environments paid, per episode
+        metrics["objective/environment_rewards"] = turns.rewards.sum(-1).mean()
     if hp.uses_critic:
         metrics.update({
             "values/mean": ppo.masked_mean(out.values, mask),
@@ -156,7 +157,8 @@ def make_experience_fn(modules: Modules, hp: PPOHyper, batch_sharding: NamedShar
             out = microbatched(lambda r: padded_forwards(modules, params, frozen, r, hp), hp.forward_microbatches, rows)
             efficiency = packing.padded_token_efficiency(rollout.prompt_mask, rollout.mask)
         if hp.scored_outside:
-            out = out.replace(ref_logprobs=rollout.ref_logprobs, scores=rollout.model_scores)
+            out = out.replace(ref_logprobs=rollout.frozen_outputs.ref_logprobs,
+                              scores=rollout.frozen_outputs.model_scores)
         exp, metrics = experience_from_outputs(out, rollout, state.kl.coef, hp, step=state.step)
         return exp, {**metrics, "perf/experience_token_efficiency": efficiency}
 

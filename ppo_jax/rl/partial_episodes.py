@@ -1,6 +1,6 @@
 """Partial multi-turn rollouts (`rollout.partial_rollouts` with `environment.name`, the continuous
-schedule): `PartialEpisodeRollouts` decodes each batch of episodes in flight in segments of turns,
-one per iteration, each under the weights synced that iteration.
+schedule): `SegmentedEpisodes`, the rollout source whose batches of episodes are decoded in segments
+of turns, one per iteration, each under the weights synced that iteration.
 
     sync θ_i;  finish batch i (θ_i);  a segment of batches i+1 .. i+k-1 (θ_i);  begin batch i+k (θ_i)
     -> host rewards of batch i;  experience i;  update i   (meanwhile the episode thread runs the rest)
@@ -29,7 +29,8 @@ process's. The slot schedule (`rollout.slots` below the episodes) is refused whe
 
 from __future__ import annotations
 
-import collections
+import concurrent.futures
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -37,13 +38,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from ppo_jax import sampling, sharding
+from ppo_jax import sharding
 from ppo_jax.agentic import continuous_rollout, rollout as episodes_lib, saved_runs
 from ppo_jax.config import ConfigError
 from ppo_jax.rl import roles
-from ppo_jax.rl.episodes import EpisodeRollouts, StartedEpisodes, not_donated
-from ppo_jax.rl.rollouts import InFlightRecord, resolve_arrays
-from ppo_jax.rl.state import PPOState, Rollout
+from ppo_jax.rl.episodes import EpisodeFuture, EpisodeRunner
+from ppo_jax.rl.rollout_source import InFlightRecord, LargeStateWarning, Sampled, resolve_arrays, restore_sampled
 
 
 def check_one_process() -> None:
@@ -54,116 +54,150 @@ def check_one_process() -> None:
                           "each batch with the weights of its version)")
 
 
-class PartialEpisodeRollouts(EpisodeRollouts):
-    """`EpisodeRollouts` whose batches in flight advance a segment of turns per iteration (see the
-    module docstring)."""
+@dataclasses.dataclass
+class LiveRun:
+    """A batch between two segments of turns: its run (decoder state, KV cache, bookkeeping), the
+    segments run so far and the rows' records (each environment's reset argument)."""
 
-    def __init__(self, *args, **kwargs):
+    run: continuous_rollout.EpisodeRun
+    segments_run: int
+    records: list[dict[str, str]]
+
+    def live(self, source: SegmentedEpisodes, weights: roles.SyncedWeights) -> LiveRun:
+        return self
+
+    def held(self) -> Any:
+        return self.run.state
+
+    def arrays(self, source: SegmentedEpisodes) -> dict[str, np.ndarray]:
+        return source.warn_size(saved_runs.run_arrays(self.run))
+
+
+@dataclasses.dataclass
+class SavedRun:
+    """A batch between two segments just restored from a checkpoint: its run's arrays, until its
+    next segment rebuilds it."""
+
+    run_arrays: dict[str, np.ndarray]
+    segments_run: int
+    records: list[dict[str, str]]
+
+    def live(self, source: SegmentedEpisodes, weights: roles.SyncedWeights) -> LiveRun:
+        return LiveRun(source.rebuilt(self, weights), self.segments_run, self.records)
+
+    def held(self) -> Any:
+        return ()  # nothing on the devices yet
+
+    def arrays(self, source: SegmentedEpisodes) -> dict[str, np.ndarray]:
+        return self.run_arrays
+
+
+class SegmentedEpisodes:
+    """Batches of episodes advanced a segment of turns per iteration on the episode thread (module
+    docstring)."""
+
+    beside_update = True
+
+    def __init__(self, runner: EpisodeRunner, off_policy_steps: int):
         check_one_process()
-        super().__init__(*args, **kwargs)
-        k, turns = self.settings.rollout.off_policy_steps, self.env_settings.max_turns
-        self.turns_per_segment = math.ceil(turns / (k + 1))
+        self.runner = runner
+        self.turns_per_segment = math.ceil(runner.env.max_turns / (off_policy_steps + 1))
+        self.warn_size = LargeStateWarning()
 
-    def _next_partial(self, state: PPOState, last: int) -> tuple[Rollout, sampling.SampleOutput]:
-        """The oldest batch finished under the current weights (queued first: the trainer waits for
-        it), every other one a segment of turns further, then the batches up to `last` begun."""
-        iteration = int(state.step)
-        weights = not_donated(self.sampler_weights(state), state)  # the update donates the state's own
-        if not self.in_flight:  # a run's first iteration: batch `iteration` begins now
-            self.in_flight.append(self._then(self._begin, None, weights, iteration, *self.prompts.next_batch(),
-                                             self.iteration_key(iteration)))
-            self._check_room(more=last - iteration)
-        current = self.in_flight.popleft()
-        if current.sample is None:
-            current = self._then(self._finish, current, weights, iteration)
-        self.in_flight = collections.deque(
-            started if started.sample is not None else self._then(self._advance, started, weights, iteration)
-            for started in self.in_flight)  # a sample restored from a run without partial rollouts is whole
-        while iteration + 1 + len(self.in_flight) <= last:
-            batch = iteration + 1 + len(self.in_flight)
-            self.in_flight.append(self._then(self._begin, None, weights, iteration, *self.prompts.next_batch(),
-                                             self.iteration_key(batch)))
-        return self.finish(current), current.sample
+    def begin(self, weights: roles.SyncedWeights, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key,
+              version: int) -> EpisodeSegments:
+        """A new batch: its environments reset, its prompts prefilled, its first segment of turns (queued)."""
+        return EpisodeSegments(self, version, self.runner.thread.submit(
+            self._begin, weights, version, prompt_tokens, prompt_mask, key))
 
-    def _then(self, job: Callable[..., StartedEpisodes], after: StartedEpisodes | None, weights: roles.SyncedWeights,
-              version: int, *args) -> StartedEpisodes:
-        """`job(batch, weights, version, *args)` queued on the episode thread behind the last job of
-        `after` (batch: `after` as that job left it; None for a new batch); a placeholder now."""
-        previous = None if after is None else after.pending  # taken now: `_resolved` may clear it meanwhile
+    def _begin(self, weights: roles.SyncedWeights, version: int, prompt_tokens: np.ndarray, prompt_mask: np.ndarray,
+               key) -> LiveRun:
+        r = self.runner
+        records = r.records(prompt_tokens, prompt_mask)
+        envs, tokens, mask = r.inputs(records)
+        run = continuous_rollout.begin(r.decoder, weights.params, tokens, mask, envs,
+                                       sharding.replicate(key, r.mesh), tokenizer=r.tokenizer,
+                                       max_turns=r.env.max_turns, version=version, adapters=weights.adapters)
+        return self.advanced(LiveRun(run, 0, records), weights, version)
 
-        def run() -> StartedEpisodes:
-            batch = after if previous is None else previous.result()
-            return job(batch, weights, version, *args)
-
-        return StartedEpisodes(sample=None, version=version if after is None else after.version,
-                               pending=self.episode_thread.submit(run))
-
-    def _begin(self, _, weights: roles.SyncedWeights, version: int, prompt_tokens: np.ndarray,
-               prompt_mask: np.ndarray, key) -> StartedEpisodes:
-        """A new batch: its environments reset, its prompts prefilled, its first segment of turns."""
-        records = self._records(prompt_tokens, prompt_mask)
-        envs, tokens, mask = self._episode_inputs(records)
-        run = continuous_rollout.begin(self.decoder, weights.params, tokens, mask, envs,
-                                       sharding.replicate(key, self.meshes.sampler), tokenizer=self.tokenizer,
-                                       max_turns=self.env_settings.max_turns, version=version,
-                                       adapters=weights.adapters)
-        return self._advance(StartedEpisodes(sample=None, version=version, run=run, records=records), weights, version)
-
-    def _advance(self, batch: StartedEpisodes, weights: roles.SyncedWeights, version: int) -> StartedEpisodes:
+    def advanced(self, batch: LiveRun | SavedRun, weights: roles.SyncedWeights, version: int) -> LiveRun:
         """`batch`'s next segment of turns under `weights` (of train step `version`)."""
-        limit = min(self.env_settings.max_turns, (batch.segments_run + 1) * self.turns_per_segment)
-        batch.run = self._run_turns(batch, weights, version, limit)
-        batch.segments_run += 1
-        return batch
+        limit = min(self.runner.env.max_turns, (batch.segments_run + 1) * self.turns_per_segment)
+        live = batch.live(self, weights)
+        return LiveRun(self._run_turns(live, weights, version, limit), live.segments_run + 1, live.records)
 
-    def _finish(self, batch: StartedEpisodes, weights: roles.SyncedWeights, version: int) -> StartedEpisodes:
-        """`batch`'s remaining turns under `weights`, its episodes scored."""
-        run = self._run_turns(batch, weights, version, None)
-        return self._scored_episodes(continuous_rollout.output(run), batch.version)
+    def finished(self, batch: LiveRun | SavedRun, weights: roles.SyncedWeights, version: int,
+                 begun: int) -> Sampled:
+        """`batch`'s remaining turns under `weights`, its episodes scored (`begun`: its version)."""
+        run = self._run_turns(batch.live(self, weights), weights, version, None)
+        return self.runner.scored(continuous_rollout.output(run), begun)
 
-    def _run_turns(self, batch: StartedEpisodes, weights: roles.SyncedWeights, version: int,
+    def _run_turns(self, batch: LiveRun, weights: roles.SyncedWeights, version: int,
                    limit: int | None) -> continuous_rollout.EpisodeRun:
-        run = self._rebuilt(batch, weights) if isinstance(batch.run, dict) else batch.run
-        return continuous_rollout.run_turns(self.decoder, weights.params, run, tokenizer=self.tokenizer,
-                                            version=version, turn_limit=limit,
-                                            environment_workers=self.env_settings.workers, adapters=weights.adapters,
-                                            segment_steps=self.env_settings.segment_steps)
+        r = self.runner
+        return continuous_rollout.run_turns(r.decoder, weights.params, batch.run, tokenizer=r.tokenizer,
+                                            version=version, turn_limit=limit, environment_workers=r.env.workers,
+                                            adapters=weights.adapters, segment_steps=r.env.segment_steps)
 
-    def _rebuilt(self, batch: StartedEpisodes, weights: roles.SyncedWeights) -> continuous_rollout.EpisodeRun:
+    def rebuilt(self, saved: SavedRun, weights: roles.SyncedWeights) -> continuous_rollout.EpisodeRun:
         """A batch restored from a checkpoint: its decoder state on the sampler's mesh, its environments
         reset and replayed through the turns they were given."""
-        arrays, mesh = batch.run, self.meshes.sampler
-        envs, _ = episodes_lib.reset_episodes(self.factory, batch.records)
-        tokens = sharding.replicate(arrays["prompt_tokens"], mesh)
-        mine, decode_turn = episodes_lib.checked_episodes(self.decoder, tokens, envs, self.tokenizer,
-                                                          self.env_settings.max_turns, None)
-        abstract = self.decoder.abstract_state(weights.params, tokens, tokens, sharding.replicate(self.iteration_key(0),
-                                                                                                 mesh), weights.adapters)
-        return saved_runs.rebuild_run(arrays, abstract, mesh, environments=mine, decode_turn=decode_turn,
-                                      tokenizer=self.tokenizer,
-                                      response_length=self.decoder.config.sampling.max_new_tokens,
-                                      workers=self.env_settings.workers)
+        r, arrays = self.runner, saved.run_arrays
+        envs, _ = episodes_lib.reset_episodes(r.factory, saved.records)
+        tokens = sharding.replicate(arrays["prompt_tokens"], r.mesh)
+        mine, decode_turn = episodes_lib.checked_episodes(r.decoder, tokens, envs, r.tokenizer, r.env.max_turns, None)
+        key = sharding.replicate(jax.random.key(0), r.mesh)  # a shape only
+        abstract = r.decoder.abstract_state(weights.params, tokens, tokens, key, weights.adapters)
+        return saved_runs.rebuild_run(arrays, abstract, r.mesh, environments=mine, decode_turn=decode_turn,
+                                      tokenizer=r.tokenizer, response_length=r.decoder.config.sampling.max_new_tokens,
+                                      workers=r.env.workers)
 
-    @staticmethod
-    def _held_on_sampler(started: StartedEpisodes) -> Any:
-        """A batch between two segments holds its decoder state (KV cache included)."""
-        run = started.run
-        return EpisodeRollouts._held_on_sampler(started), \
-            run.state if isinstance(run, continuous_rollout.EpisodeRun) else None
+    def restore(self, entry: dict, arrays: dict[str, np.ndarray]) -> EpisodeSegments | Sampled:
+        """A batch saved between two segments (rebuilt by its next segment, on the episode thread), or
+        whole (a run without partial rollouts saved it)."""
+        if "episode_run" not in entry:
+            return restore_sampled(entry, arrays, self.runner.mesh, self.runner.scorer)
+        done = concurrent.futures.Future()
+        done.set_result(SavedRun(resolve_arrays(entry["episode_run"], arrays), int(entry["segments_run"]),
+                                 list(entry["records"])))
+        return EpisodeSegments(self, int(entry["version"]), done)
 
-    def _in_flight_entry(self, started: StartedEpisodes, record: InFlightRecord) -> dict:
-        """A batch between two segments: its run's arrays, segments and records (waits for it)."""
-        started = self._resolved(started)
-        if started.sample is not None:
-            return super()._in_flight_entry(started, record)
-        run = started.run
-        arrays = run if isinstance(run, dict) else self._saved_whole(saved_runs.run_arrays(run))
-        return {"episode_run": record.refer(arrays), "segments_run": started.segments_run,
-                "records": started.records}
+    def metrics(self, sampled: Sampled) -> dict[str, float]:
+        return self.runner.metrics(sampled)
 
-    def _restored(self, r: dict, arrays: dict[str, np.ndarray]) -> StartedEpisodes:
-        """A batch saved between two segments, rebuilt by its next segment (on the episode thread)."""
-        if "episode_run" not in r:
-            return super()._restored(r, arrays)
-        return StartedEpisodes(sample=None, version=int(r["version"]), run=resolve_arrays(r["episode_run"], arrays),
-                               segments_run=int(r["segments_run"]), records=list(r["records"]))
+    def close(self) -> None:
+        self.runner.close()
+
+
+@dataclasses.dataclass
+class EpisodeSegments:
+    """A batch of episodes between two segments of turns; `future` (on the episode thread) holds it as
+    its last queued segment leaves it. Each step is queued behind that one."""
+
+    source: SegmentedEpisodes
+    version: int
+    future: concurrent.futures.Future  # -> LiveRun | SavedRun
+    held_what = "its engine state and KV cache"
+    room_hint = ""
+
+    def _then(self, job: Callable[[LiveRun | SavedRun], Any]) -> concurrent.futures.Future:
+        """`job(this batch as its last segment left it)`, queued on the episode thread."""
+        previous = self.future
+        return self.source.runner.thread.submit(lambda: job(previous.result()))
+
+    def advance(self, weights: roles.SyncedWeights, iteration: int) -> EpisodeSegments:
+        return dataclasses.replace(self, future=self._then(
+            lambda batch: self.source.advanced(batch, weights, iteration)))
+
+    def complete(self, weights: roles.SyncedWeights, iteration: int) -> EpisodeFuture:
+        return EpisodeFuture(self.version, self._then(
+            lambda batch: self.source.finished(batch, weights, iteration, self.version)))
+
+    def held(self) -> Any:
+        return self.future.result().held()
+
+    def save(self, record: InFlightRecord) -> dict:
+        """Its run's arrays, segments and records (waits for it)."""
+        batch = self.future.result()
+        return {"episode_run": record.refer(batch.arrays(self.source)), "segments_run": batch.segments_run,
+                "records": batch.records}

@@ -98,8 +98,28 @@ def value_variables(trainable: Params | None, base: Params | None) -> tuple[Para
 
 
 @flax.struct.dataclass
+class FrozenOutputs:
+    """roles.scoring="sampler": the frozen models' outputs, computed on the sampler's mesh."""
+
+    ref_logprobs: Array  # [B, Lr]
+    model_scores: Array  # [B] the reward model's, before gain and bias
+
+
+@flax.struct.dataclass
+class EpisodeTurns:
+    """Multi-turn episodes (environment.name, rl/episodes.py)."""
+
+    # [B, Lr] int32, 1 on the policy's tokens (`Rollout.mask` also covers the observations, which the
+    # forwards read as context)
+    action_mask: Array
+    rewards: Array  # [B, M] float32, each turn's environment reward
+    ends: Array  # [B, M] int32, the column of each turn's last action token (-1: no such turn)
+
+
+@flax.struct.dataclass
 class Rollout:
-    """Sampled responses (from the sampler) plus host-side scores."""
+    """Sampled responses (from the sampler) plus host-side scores; each mode's fields in a part of
+    their own, None when the mode is off."""
 
     prompt_tokens: Array  # [B, Lq]
     prompt_mask: Array  # [B, Lq]
@@ -112,27 +132,24 @@ class Rollout:
     behaviour_logprobs: Array
     stopped: Array  # [B] bool
     host_scores: Array  # [B] float32, weighted Python reward functions (0 when none)
-    # roles.scoring="sampler": the frozen models' outputs, computed on the sampler's mesh (else None:
-    # the experience step computes them).
-    ref_logprobs: Array | None = None  # [B, Lr]
-    model_scores: Array | None = None  # [B] the reward model's, before gain and bias
     # [B] int32 the policy version (train step) of the weights that sampled each row: the policy lag is
     # the step being updated minus it (rollout.off_policy_steps = k: k once the pipeline is full). None:
     # not stamped (rollouts made outside the trainer), no lag metrics.
     policy_version: Array | None = None
-    # [B, Lq + Lr, Lm, k] int8/int16 (moe.router_replay, else None): the experts the sampler routed each
-    # prompt and response token to in each MoE layer, -1 where nothing was recorded (rl/router_replay.py).
-    routed_experts: Array | None = None
-    # Multi-turn episodes (environment.name, rl/episodes.py; else None): action_mask [B, Lr] int32, 1 on
-    # the policy's tokens (`mask` also covers the observations, which the forwards read as context);
-    # turn_rewards [B, M] float32 and turn_ends [B, M] int32, each turn's environment reward and the
-    # column of its last action token (-1: no such turn).
-    action_mask: Array | None = None
-    turn_rewards: Array | None = None
-    turn_ends: Array | None = None
     # [B, Lr] int32 (rollout.partial_rollouts, else None): the policy version of the weights that chose
     # each token (-1 off the mask): a row's tokens may come from several; the policy lag is per token.
     token_policy_version: Array | None = None
+    # [B, Lq + Lr, Lm, k] int8/int16 (moe.router_replay, else None): the experts the sampler routed each
+    # prompt and response token to in each MoE layer, -1 where nothing was recorded (rl/router_replay.py).
+    routed_experts: Array | None = None
+    # roles.scoring="sampler" (else None: the experience step computes them).
+    frozen_outputs: FrozenOutputs | None = None
+    turns: EpisodeTurns | None = None  # multi-turn episodes (else None)
+
+    @property
+    def action_mask(self) -> Array | None:
+        """[B, Lr] the policy's tokens of multi-turn rows (None: every response token is one)."""
+        return None if self.turns is None else self.turns.action_mask
 
 
 @flax.struct.dataclass

@@ -2,7 +2,7 @@
 
 `PPOTrainer(config, workdir)` builds the mesh, the four parameter trees and the jitted steps once,
 validates everything before compiling, then `train()` runs the iterations. It owns its parts, each
-with its own state: `rollouts` (`rl/rollouts.py`: the sampler's side, the weight sync, the sample in
+with its own state: `rollouts` (`rl/rollouts.py`: the sampler's side, the weight sync, the batches in
 flight), `checkpointing` (`rl/checkpointing.py`: the checkpoint manager and the frozen-tree checksums)
 and `health` (`rl/health.py`: the streak of skipped updates).
 """
@@ -25,22 +25,18 @@ from ppo_jax import metrics as metrics_lib
 from ppo_jax import sampling, sharding
 from ppo_jax.checkpoint import CheckpointError, CheckpointManager
 from ppo_jax.checkpoint.step_items import ARRAYS_ITEM
-from ppo_jax.config import ConfigError, to_dict
-from ppo_jax.data import toy
+from ppo_jax.config import to_dict
 from ppo_jax.data.prompt_stream import PromptStream
 from ppo_jax.models import hf
-from ppo_jax.reward_functions import parse as parse_reward_functions
 from ppo_jax.rl import build, initial_weights, roles
 from ppo_jax.rl.checkpointing import Checkpointing
-from ppo_jax.rl.episodes import EpisodeRollouts
-from ppo_jax.rl.partial_episodes import PartialEpisodeRollouts
+from ppo_jax.rl.episodes import EpisodeModel
 from ppo_jax.rl.errors import PREEMPTION_NOTICE, NonFiniteError, RunFailedError
 from ppo_jax.rl.experience import make_scoring_fn
 from ppo_jax.rl.health import NONFINITE_SAMPLES_FILE, NonFiniteGuard
-from ppo_jax.rl.rollouts import IN_FLIGHT_ITEM, Rollouts, Texts
-from ppo_jax.rl.hyper import PPOHyper
-from ppo_jax.rl.settings import Settings, stop_token_ids
-from ppo_jax.rl.sizes import derive_sizes
+from ppo_jax.rl.rollouts import IN_FLIGHT_ITEM, Texts, make_rollouts
+from ppo_jax.rl.run_inputs import checked_inputs
+from ppo_jax.rl.settings import Settings
 from ppo_jax.rl.state import FrozenParams, Rollout
 
 Array = jax.Array
@@ -67,7 +63,11 @@ class PPOTrainer:
         s.compute.enable_compilation_cache()
         self.keys = build.run_keys(s.seed)
         # -- Everything that can be checked is checked before any weights load or anything compiles.
-        self._check_inputs(tokenizer, reward_functions)
+        inputs = checked_inputs(s, self.meshes, tokenizer, reward_functions)
+        self.policy_config, self.reward_config, self.tokenizer = inputs.policy_config, inputs.reward_config, \
+            inputs.tokenizer
+        self.reward_functions, self.sizes, self.hp = inputs.reward_functions, inputs.sizes, inputs.hp
+        self.stop_ids, self.turn_stops = inputs.stop_ids, inputs.turn_stops
         stream = dict(batch_size=s.rollout.batch_size, seed=s.seed, vocab_size=self.policy_config.vocab_size)
         self.prompts = PromptStream(s.data, self.tokenizer, prompts=prompts, **stream)
         self.eval_prompts = (PromptStream(s.data, self.tokenizer, split="eval", **stream)
@@ -95,15 +95,13 @@ class PPOTrainer:
         self.steps = build.build_steps(s, self.mesh, self.sizes, self.hp, self.modules, self.policy_tx,
                                        self.value_tx, self.state_shardings, frozen_shardings, self.stop_ids,
                                        int(self.tokenizer.pad_token_id), sampler_mesh=self.meshes.sampler)
-        rollouts = dict(lora=self.policy_config.lora, texts=Texts(self.tokenizer, tuple(self.stop_ids)),
-                        reward_functions=self.reward_functions, prompts=self.prompts, sample_key=self.keys.sample)
-        if s.environment.enabled:  # multi-turn episodes (rl/episodes.py)
-            rollouts.update(model=self.modules.policy, tokenizer=self.tokenizer, turn_stops=self.turn_stops,
-                            prompt_length=s.data.prompt_length)
-        kind = Rollouts if not s.environment.enabled else \
-            PartialEpisodeRollouts if s.rollout.partial_rollouts else EpisodeRollouts
-        self.rollouts = kind(s, self.meshes, self.steps, frozen, **rollouts)
-        # roles.scoring="sampler": the reference and reward model now live with the rollouts' scorer.
+        episode_model = (EpisodeModel(self.modules.policy, self.tokenizer, self.turn_stops, s.data.prompt_length)
+                         if s.environment.enabled else None)  # multi-turn episodes (rl/episodes.py)
+        self.rollouts = make_rollouts(s, self.meshes, self.steps, frozen, lora=self.policy_config.lora,
+                                      texts=Texts(self.tokenizer, tuple(self.stop_ids)),
+                                      reward_functions=self.reward_functions, prompts=self.prompts,
+                                      sample_key=self.keys.sample, episode_model=episode_model)
+        # roles.scoring="sampler": the reference and reward model live with the rollouts' scorer only.
         self.frozen, self.frozen_shardings = ((roles.trainer_frozen(frozen), roles.trainer_frozen(frozen_shardings))
                                               if self.hp.scored_outside else (frozen, frozen_shardings))
         if extra is not None:
@@ -117,54 +115,6 @@ class PPOTrainer:
         self._score_jit = None
 
     # ------------------------------------------------------------------ setup
-
-    def _check_inputs(self, tokenizer, reward_functions) -> None:
-        """The model configs, tokenizer, reward functions, batch sizes and stop tokens, each checked."""
-        s = self.settings
-        self.policy_config = build.policy_model_config(s, self.mesh)
-        self.reward_config = build.reward_model_config(s.reward, s.compute, self.policy_config, self.mesh)
-        if warning := build.fp32_compute_warning(self.policy_config, build.mesh_platform(self.mesh)[0]):
-            metrics_lib.warn(warning)
-        self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
-        self.reward_functions = (list(reward_functions) if reward_functions is not None else
-                                 parse_reward_functions(s.reward.functions, s.reward.function_weights))
-        self.sizes = derive_sizes(s, batch_divisor=sharding.batch_divisor(self.mesh),
-                                  max_positions=self.policy_config.max_position_embeddings,
-                                  vocab_size=self.policy_config.vocab_size,
-                                  platform=build.mesh_platform(self.mesh)[0],
-                                  sampler_divisor=sharding.batch_divisor(self.meshes.sampler))
-        self._check_tokenizers()
-        self.hp = PPOHyper.from_settings(s, self.sizes)
-        self.stop_ids = stop_token_ids(s.rollout, self._eos_id())
-        if not self.stop_ids:
-            raise ConfigError("rollout.stop_token_ids is empty and the tokenizer has no EOS token; "
-                              "set rollout.stop_token_ids")
-        # Multi-turn: the turn-stop markers as ids, refused now if the tokenizer cannot encode them.
-        self.turn_stops = s.environment.turn_stops(self.tokenizer) if s.environment.enabled else ()
-
-    def _load_tokenizer(self):
-        if self.settings.policy.path:
-            return hf.load_tokenizer(self.settings.policy.path)
-        return toy.tokenizer(self.policy_config.vocab_size)
-
-    def _eos_id(self):
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        return eos if eos is not None else self.policy_config.eos_token_id
-
-    def _check_tokenizers(self):
-        tok = self.tokenizer
-        if tok.pad_token_id is None:
-            raise ConfigError("the policy tokenizer has no pad token; set tokenizer.pad_token "
-                                         "(a token distinct from EOS) before training")
-        if len(tok) > self.policy_config.vocab_size:
-            raise ConfigError(f"the tokenizer has {len(tok)} tokens but the policy's vocabulary has "
-                                         f"{self.policy_config.vocab_size}")
-        if self.settings.reward.path:
-            reward_tok = hf.load_tokenizer(self.settings.reward.path)
-            if reward_tok.get_vocab() != tok.get_vocab():
-                raise ConfigError(
-                    "the policy and reward-model tokenizers differ (reward.path vs policy.path): the reward "
-                    "model would read different token ids; use a reward model trained with the policy's tokenizer")
 
     def _start_weights(self, reward_params) -> tuple[initial_weights.StartWeights, dict | None]:
         """The newest checkpoint's weights and extra items, or a fresh run's weights (and None)."""
