@@ -9,6 +9,8 @@ settings (`make_rollouts`):
   off-policy queue, version stamps, the memory admission check, the checkpoint record);
 - the evaluation source: a whole rollout of the current weights, of the training source's kind,
   whatever the training source is;
+- with dynamic_sampling.enabled, `DynamicSampling` (`rl/dynamic_sampling.py`): DAPO's refill of the
+  groups whose rewards are all equal;
 - the hand-over (`finish`): the Python reward functions on the host and the move to the trainer's mesh.
 
 `Rollouts` reads the trainer's state only as the argument of each call.
@@ -28,6 +30,7 @@ from ppo_jax.data.prompt_stream import PromptStream
 from ppo_jax.models import LoraConfig
 from ppo_jax.rl import roles
 from ppo_jax.rl.build import Steps
+from ppo_jax.rl.dynamic_sampling import DynamicSampling
 from ppo_jax.rl.episodes import EpisodeModel, EpisodeRunner, WholeEpisodes
 from ppo_jax.rl.in_flight import InFlightPipeline
 from ppo_jax.rl.partial_episodes import SegmentedEpisodes
@@ -64,9 +67,10 @@ class Rollouts:
 
     def __init__(self, *, meshes: roles.RoleMeshes, sampler: sampling.Sampler, sync: WeightSync,
                  scorer: SamplerScorer | None, training: RolloutSource, evaluation: RolloutSource,
-                 pipeline: InFlightPipeline, texts: Texts, reward_functions: Sequence[tuple[Callable, float]]):
+                 pipeline: InFlightPipeline, texts: Texts, reward_functions: Sequence[tuple[Callable, float]],
+                 dynamic: DynamicSampling | None = None):
         self.meshes, self.sampler, self.sync, self.sampler_scorer = meshes, sampler, sync, scorer
-        self.training, self.evaluation, self.pipeline = training, evaluation, pipeline
+        self.training, self.evaluation, self.pipeline, self.dynamic = training, evaluation, pipeline, dynamic
         self.texts, self.reward_functions = texts, reward_functions
         self.iteration_metrics: dict[str, float] = {}  # the training batch's (episodes), until popped
 
@@ -111,19 +115,30 @@ class Rollouts:
             weights = not_donated(weights, state)
         sampled = self.pipeline.next(weights, int(state.step))
         self.iteration_metrics = self.training.metrics(sampled)
-        return self.finish(sampled), sampled.sample
+        if self.dynamic is None:
+            return self.finish(sampled), sampled.sample
+        sampled, host_scores, metrics = self.dynamic.refill(sampled, self.host_scores(sampled), weights,
+                                                            int(state.step), self.host_scores)
+        self.iteration_metrics.update(metrics)
+        return self.finish(sampled, host_scores), sampled.sample
 
-    def finish(self, sampled: Sampled) -> Rollout:
-        """A sample scored by the Python reward functions (on the host; this waits for it) and moved to
+    def host_scores(self, sampled: Sampled) -> np.ndarray:
+        """[R] the Python reward functions' weighted sum over a sample's texts (on the host; this
+        waits for it); 0 without any."""
+        out = sampled.sample
+        if not self.reward_functions:
+            return np.zeros(out.tokens.shape[0], np.float32)
+        host = sharding.to_host({"pt": out.prompt_tokens, "pm": out.prompt_mask, "t": out.tokens, "m": out.mask})
+        prompts_text, responses_text = self.texts.decode(host["pt"], host["pm"], host["t"], host["m"])
+        host_scores = reward_functions.combined_scores(self.reward_functions, prompts_text, responses_text)
+        reward_functions.warn_once_if_meaningless(host_scores, run=self)
+        return host_scores
+
+    def finish(self, sampled: Sampled, host_scores: np.ndarray | None = None) -> Rollout:
+        """A sample scored by the Python reward functions (`host_scores`, unless given) and moved to
         the trainer's mesh."""
         out = sampled.sample
-        if self.reward_functions:
-            host = sharding.to_host({"pt": out.prompt_tokens, "pm": out.prompt_mask, "t": out.tokens, "m": out.mask})
-            prompts_text, responses_text = self.texts.decode(host["pt"], host["pm"], host["t"], host["m"])
-            host_scores = reward_functions.combined_scores(self.reward_functions, prompts_text, responses_text)
-            reward_functions.warn_once_if_meaningless(host_scores, run=self)
-        else:
-            host_scores = np.zeros(out.tokens.shape[0], np.float32)
+        host_scores = self.host_scores(sampled) if host_scores is None else host_scores
         fields = dict(prompt_tokens=out.prompt_tokens, prompt_mask=out.prompt_mask, tokens=out.tokens,
                       mask=out.mask, sampler_logprobs=out.logprobs, behaviour_logprobs=out.sampling_logprobs,
                       stopped=out.stopped, routed_experts=out.routed_experts,
@@ -135,7 +150,8 @@ class Rollouts:
         turns = None if episodes is None else EpisodeTurns(**sharding.put_batch(
             {"action_mask": episodes.action_mask.astype(np.int32), "rewards": episodes.turn_rewards.astype(np.float32),
              "ends": episodes.turn_ends.astype(np.int32)}, trainer_mesh))
-        # The version that began the batch (partial rollouts: its oldest tokens'; each token's is above).
+        # The version that began each row's batch (partial rollouts: its oldest tokens'; each token's is
+        # above; dynamic sampling's extra rows: the iteration's).
         version = np.full(host_scores.shape, sampled.version, np.int32)
         return Rollout(**fields, turns=turns, host_scores=sharding.put_batch(host_scores, trainer_mesh),
                        policy_version=sharding.put_batch(version, trainer_mesh))
@@ -186,5 +202,10 @@ def make_rollouts(settings: Settings, meshes: roles.RoleMeshes, steps: Steps, fr
             training = SegmentedSamples(steps.sampler, scorer, budget)
     pipeline = InFlightPipeline(training, prompts, sample_key, r.off_policy_steps, settings.train.iterations,
                                 list(meshes.sampler.devices.flat))
+    dynamic = None
+    if settings.dynamic_sampling.enabled:  # DAPO: the extra batches are whole samples of the current weights
+        dynamic = DynamicSampling(settings.dynamic_sampling, r.num_samples, evaluation, prompts, sample_key,
+                                  meshes.sampler, settings.reward.model_weight)
     return Rollouts(meshes=meshes, sampler=steps.sampler, sync=sync, scorer=scorer, training=training,
-                    evaluation=evaluation, pipeline=pipeline, texts=texts, reward_functions=reward_functions)
+                    evaluation=evaluation, pipeline=pipeline, texts=texts, reward_functions=reward_functions,
+                    dynamic=dynamic)

@@ -23,6 +23,7 @@ from ppo_jax.ppo.aggregation import AGGREGATIONS
 from ppo_jax.ppo.policy_objectives import OBJECTIVES
 from ppo_jax.rl.corrections import OFF_POLICY_RATIOS, off_policy_ratio
 from ppo_jax.rl.environment_settings import EnvironmentSettings
+from ppo_jax.rl.dynamic_sampling_settings import DynamicSamplingSettings
 from ppo_jax.rl.roles import RolesSettings
 from ppo_jax.rl.router_replay import MoeSettings
 from ppo_jax.sampling.config import ENGINES, GEMM_OPTIONS
@@ -226,6 +227,7 @@ class Settings(RunSettings):
     ppo: PPOLossSettings = PPOLossSettings()
     moe: MoeSettings = MoeSettings()  # mixture-of-experts policies (rl/router_replay.py)
     environment: EnvironmentSettings = EnvironmentSettings()  # multi-turn episodes (rl/environment_settings.py)
+    dynamic_sampling: DynamicSamplingSettings = DynamicSamplingSettings()  # DAPO's (rl/dynamic_sampling.py)
     optim: PPOOptimSettings = PPOOptimSettings()
     train: PPOTrainSettings = PPOTrainSettings()
     plan: PlanSettings = PlanSettings()
@@ -258,6 +260,8 @@ class Settings(RunSettings):
         self.environment.validate(engine=r.engine, slots=r.slots, prefill_prompts=r.prefill_prompts,
                                   router_replay=self.moe.router_replay,
                                   chat_template=self.data.chat_template)
+        self.dynamic_sampling.validate(num_samples=r.num_samples, multi_turn=self.environment.enabled,
+                                       reward_model=bool(self.reward.path), scoring=self.roles.scoring)
         self.optim.validate("optim", {"policy_lr": self.optim.policy_lr, "value_lr": self.optim.value_lr})
         check(self.reward.missing_stop in ("none", "replace", "penalty"),
               f"reward.missing_stop={self.reward.missing_stop!r}: use none, replace or penalty")
