@@ -44,8 +44,8 @@ from ppo_jax.checkpoint.errors import (
     CheckpointNotFoundError,
     CheckpointSaveError,
 )
-from ppo_jax.checkpoint.manager import CheckpointManager
+from ppo_jax.checkpoint.manager import CheckpointManager, committed_steps
 from ppo_jax.checkpoint.step_items import RestoredStep
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointManager", "RestoredStep", "CheckpointMismatchError", "CheckpointNotFoundError",
-           "CheckpointSaveError"]
+           "CheckpointSaveError", "committed_steps"]

@@ -54,6 +54,11 @@ def _lacks(step_dir: epath.Path, state_item: str) -> str | None:
     return f"no {ORBAX_METADATA} file, no {state_item}/ directory; {held}"
 
 
+def holds_checkpoint(step_dir: epath.Path, state_item: str) -> bool:
+    """Whether Orbax wrote `step_dir` (whole or damaged), not a person or another tool."""
+    return _lacks(step_dir, state_item) is None
+
+
 def set_aside_steps_without_checkpoint(directory: epath.Path, steps, state_item: str) -> list[int]:
     """Sets aside each of `steps` whose directory holds no checkpoint, one `warning:` line each
     (process 0); returns those steps. Every process looks before any renames, so all agree."""

@@ -9,6 +9,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
@@ -30,6 +31,34 @@ def _as_path(directory) -> epath.Path:
     if "://" not in text:  # local path: Orbax wants it absolute
         text = os.path.abspath(text)
     return epath.Path(text)
+
+
+def _advice(cause: BaseException) -> str:
+    """What to check after a save failed with `cause`: the disk, unless the JAX runtime failed (a
+    collective between the run's processes, e.g. because one of them stopped, or a device)."""
+    chain: list[BaseException] = []
+    while cause is not None and cause not in chain and len(chain) < 8:  # what Orbax raised, and why
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    if any(isinstance(e, jax.errors.JaxRuntimeError) for e in chain):
+        return ("The JAX runtime failed, not the disk: a device, or a collective between the run's processes "
+                "(one of them may have stopped; a multi-process run names it)")
+    return "Check that the directory is writable and the disk has free space"
+
+
+def committed_steps(directory) -> list[int]:
+    """The steps in `directory` whose save completed, ascending, read from the files alone: no
+    manager and no collective, so any thread may ask, e.g. while a process of the run is lost. A save
+    cut short left a tmp directory, never one of these (a resume ignores and removes it)."""
+    path = _as_path(directory)
+    try:
+        if "://" in os.fspath(path):  # no atomic rename there: Orbax marks the steps it finished
+            steps = ocp.path.step.checkpoint_steps(path)
+        else:  # a step is renamed from its tmp directory once complete
+            steps = [int(p.name) for p in path.iterdir() if p.name.isdigit() and p.is_dir()]
+        return sorted(s for s in steps if aside.holds_checkpoint(path / str(s), STATE_ITEM))
+    except OSError:
+        return []
 
 
 class CheckpointManager:
@@ -196,8 +225,7 @@ class CheckpointManager:
                      if kept else "no earlier checkpoint exists")
         return CheckpointSaveError(
             f"saving {which} to {self._directory} failed: "
-            f"{type(cause).__name__}: {cause}. Check that the directory is writable and the disk "
-            f"has free space; {kept_text}")
+            f"{type(cause).__name__}: {cause}. {_advice(cause)}; {kept_text}")
 
     def _raise_if_previous_save_failed(self) -> None:
         """Blocks on the save in flight; turns its failure into a CheckpointSaveError."""
@@ -344,8 +372,7 @@ class CheckpointManager:
             self._frozen_checkpointer.save(path, args=ocp.args.StandardSave(tree))
         except Exception as e:
             raise CheckpointSaveError(
-                f"saving frozen tree {name!r} to {path} failed: {type(e).__name__}: {e}. Check "
-                "that the directory is writable and the disk has free space") from e
+                f"saving frozen tree {name!r} to {path} failed: {type(e).__name__}: {e}. {_advice(e)}") from e
         if not self._async:
             self._wait_frozen()
         return record
@@ -358,8 +385,7 @@ class CheckpointManager:
         except Exception as e:
             raise CheckpointSaveError(
                 f"saving a frozen tree under {self._directory / FROZEN_SUBDIR} failed: "
-                f"{type(e).__name__}: {e}. Check that the directory is writable and the disk has "
-                "free space") from e
+                f"{type(e).__name__}: {e}. {_advice(e)}") from e
 
     def restore_frozen(self, name: str, abstract, *, checksums: dict | None = None):
         """The frozen tree `name`, read onto the shardings in `abstract` (as in `restore`).
