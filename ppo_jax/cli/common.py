@@ -14,6 +14,7 @@ from typing import Any
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from ppo_jax import distributed
 from ppo_jax.cli.config_help import help_text
 from ppo_jax.config import ConfigError, config_dict
 from ppo_jax.config_file import check_overrides, load_config
@@ -29,7 +30,9 @@ VERBOSE = flags.DEFINE_bool("verbose", False, "library INFO logs and full traceb
 
 def fail(message: str, *, code: int = 2, cause: BaseException | None = None) -> None:
     """One `error:` line and exit `code` (2: bad input; 1: a failure while running). With --verbose
-    the traceback of `cause` is printed first."""
+    the traceback of `cause` is printed first. In a multi-process run a lost process is the line to
+    print instead, and exit 1 (`distributed.settle`): this failure would be a consequence of it."""
+    distributed.settle()
     if cause is not None and VERBOSE.value:
         traceback.print_exception(cause)
     print(f"error: {message}", file=sys.stderr)
@@ -144,6 +147,9 @@ def config_command(run: Callable[[Any, str | None], str | None], *, what: str, s
             fail(str(e))
         except RunStopped as stopped:  # saved and said so: exit 130 (SIGINT) or 143 (SIGTERM, preemption)
             sys.exit(stopped.exit_status)
+        except Exception:  # a traceback and exit 1, unless a lost process explains it (see `fail`)
+            distributed.settle()
+            raise
         if message:
             print(message)
 

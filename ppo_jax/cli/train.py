@@ -3,8 +3,12 @@ console script `ppo-jax-train`): a PPO run; the same command on the same workdir
 
 from __future__ import annotations
 
+import functools
+import os
+
 from ppo_jax import distributed
 from ppo_jax.arithmetic import task as _arithmetic_task  # noqa: F401 (registers environment.name="arithmetic")
+from ppo_jax.checkpoint import committed_steps
 from ppo_jax.cli.common import config_command, fail
 from ppo_jax.rl.settings import Settings
 from ppo_jax.rl.errors import NonFiniteError, RunFailedError, RunStopped
@@ -14,6 +18,7 @@ from ppo_jax.rl.trainer import PPOTrainer
 def train(config, workdir: str) -> str:
     settings = Settings.from_config(config, reward_in_code=False)
     distributed.initialize(settings.distributed)  # before anything touches a device
+    distributed.set_resume_hint(functools.partial(resume_hint, workdir))
     trainer = PPOTrainer(settings, workdir)
     try:
         history = trainer.train()
@@ -30,6 +35,17 @@ def train(config, workdir: str) -> str:
     first, last = history[0], history[-1]
     return (f"done: {len(history)} iterations, score {first['objective/scores']:.4f} -> "
             f"{last['objective/scores']:.4f}, KL {last['objective/kl']:.4f}; metrics in {trainer.writer.path}")
+
+
+def resume_hint(workdir: str) -> str:
+    """What a lost process's error line ends with: the newest complete checkpoint, and how to resume."""
+    directory = os.path.join(workdir, "checkpoints")  # the trainer's (rl/checkpointing.py)
+    steps = committed_steps(directory)
+    if not steps:
+        return (f"No checkpoint was saved yet in {directory}; run the same command again on every process "
+                "to start the run over.")
+    return (f"The last complete checkpoint is step {steps[-1]} in {directory}; run the same command again on "
+            "every process to resume from it.")
 
 
 def main(argv=None) -> None:
