@@ -245,6 +245,7 @@ def tree_bytes(run: PlannedRun) -> TreeBytes:
     params = {"policy": sharding.device_bytes(state.policy) + base,
               "reference": sharding.device_bytes(kept.reference) if kept.reference is not None else 0,
               "reward": sharding.device_bytes(kept.reward),
+              "teacher": sharding.device_bytes(kept.teacher),  # on-policy distillation (0: none)
               # With value LoRA: its adapters + head (the trainable tree), no base of its own.
               "value": sharding.device_bytes(state.value) if state.value is not None else 0}
     optimizer = {"policy": sharding.device_bytes(state.policy_opt),

@@ -105,7 +105,9 @@ def planned_run(s: Settings, mesh=None, devices=None) -> PlannedRun:
                          max_positions=policy_cfg.max_position_embeddings, vocab_size=policy_cfg.vocab_size,
                          platform=platform, sampler_divisor=sharding.batch_divisor(meshes.sampler))
     hp = PPOHyper.from_settings(s, sizes)
-    modules = build.make_modules(s.ppo, s.value, policy_cfg, reward_cfg)
+    # On-policy distillation: the teacher's config.json (no weights read), held as a run holds it.
+    teacher_cfg = build.teacher_model_config(s.distill, s.compute, policy_cfg, mesh)
+    modules = build.make_modules(s.ppo, s.value, policy_cfg, reward_cfg, teacher_cfg)
     policy_tx, value_tx = build.make_optimizers(s)
     state, state_shardings = build.abstract_train_state(s.ppo, modules, policy_tx, value_tx, mesh)
     reward = abstract_params(boxed_params(modules.reward), mesh)
@@ -115,7 +117,8 @@ def planned_run(s: Settings, mesh=None, devices=None) -> PlannedRun:
     base = abstract_params(boxed_params(modules.policy), mesh) if policy_cfg.lora is not None else None
     reference = (build.as_reference(s.policy, state.policy) if base is None
                  else state.policy if s.policy.lora.init_from else None)
-    frozen = build.frozen_params(s.value, modules, reference, reward, base)
+    teacher = abstract_params(boxed_params(modules.teacher), mesh) if modules.teacher is not None else None
+    frozen = build.frozen_params(s.value, modules, reference, reward, base, teacher)
     # roles.scoring="sampler": the reference and reward model live on the sampler's mesh; the trainer
     # keeps the rest (a LoRA base, a LoRA value base).
     kept = roles.trainer_frozen(frozen) if hp.scored_outside else frozen

@@ -96,7 +96,7 @@ def format_plan(plan: MemoryPlan, device_memory_bytes: float | None = None) -> s
         "",
         "Per device (GiB)                       bytes are exact shape arithmetic on the shardings",
     ]
-    for name in ("policy", "reference", "reward", "value"):
+    for name in ("policy", "reference", "reward", "value") + (("teacher",) if plan.params.get("teacher") else ()):
         elsewhere = plan.scored_by_sampler and name in ("reference", "reward")
         lines.append(f"  params     {name:<12}{_gib(plan.params[name])}"
                      + ("   on the sampler's devices (roles.scoring=sampler): see Roles" if elsewhere else ""))

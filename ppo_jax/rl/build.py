@@ -25,6 +25,7 @@ from ppo_jax.rl import remat_choice, roles
 from ppo_jax.rl.experience import make_experience_fn, make_scoring_fn
 from ppo_jax.rl.hyper import DerivedSizes, PPOHyper
 from ppo_jax.rl.sampler_settings import sampling_config
+from ppo_jax.rl.distill_settings import DistillSettings
 from ppo_jax.rl.settings import (DECODE_LOOPS, PolicyLoraSettings, PolicySettings, PPOLossSettings, RewardSettings,
                                  RolloutSettings, Settings, ValueSettings)
 from ppo_jax.rl.state import EpisodeTurns, Experience, FrozenOutputs, FrozenParams, Modules, Rollout, PPOState
@@ -169,14 +170,37 @@ def value_model_config(value: ValueSettings, policy_cfg: ModelConfig, reward_cfg
     return cfg.replace(dtype=policy_cfg.dtype)
 
 
+def teacher_model_config(distill: DistillSettings, compute: ComputeSettings, policy_cfg: ModelConfig,
+                         mesh=None) -> ModelConfig | None:
+    """On-policy distillation's teacher architecture (its config.json, no weights read), held and run in
+    distill.param_dtype / distill.dtype, each "" meaning the policy's; None without a teacher."""
+    if not distill.enabled:
+        return None
+    cfg, kind = hf.load_config(distill.teacher_path)
+    if kind != "causal_lm":
+        raise ConfigError(f"distill.teacher_path={distill.teacher_path!r} holds a {kind} checkpoint; the teacher "
+                          "must be a causal language model (ForCausalLM)")
+    sharding.check_experts_split(cfg.num_experts, mesh, "teacher", ConfigError)
+    cfg = cfg.replace(lora=None, param_dtype=distill.param_dtype or policy_cfg.param_dtype,
+                      dtype=distill.dtype or policy_cfg.dtype)
+    return compute.apply(cfg, *mesh_platform(mesh))
+
+
+def load_teacher_params(distill: DistillSettings, cfg: ModelConfig, mesh):
+    """The frozen teacher's weights from distill.teacher_path, in the dtypes of `cfg` (teacher_model_config)."""
+    return hf.load_model(distill.teacher_path, mesh, kind="causal_lm", param_dtype=cfg.param_dtype, dtype=cfg.dtype,
+                         execution=cfg.execution()).params
+
+
 def make_modules(ppo_settings: PPOLossSettings, value_settings: ValueSettings, policy_cfg: ModelConfig,
-                 reward_cfg: ModelConfig | None) -> Modules:
+                 reward_cfg: ModelConfig | None, teacher_cfg: ModelConfig | None = None) -> Modules:
     value = None
     if ppo_settings.uses_critic:  # value.lora's adapters (a full model when off, whatever the policy is)
         value = ScalarModel(value_model_config(value_settings, policy_cfg, reward_cfg),
                             head_init="reward" if value_settings.init == "reward" else "zero")
     reward = ScalarModel(reward_cfg, head_init="reward") if reward_cfg is not None else None
-    return Modules(policy=CausalLM(policy_cfg), value=value, reward=reward)
+    return Modules(policy=CausalLM(policy_cfg), value=value, reward=reward,
+                   teacher=CausalLM(teacher_cfg) if teacher_cfg is not None else None)
 
 
 def make_optimizers(s: Settings):
@@ -378,20 +402,21 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
     return Steps(sampler_settings, sampler, experience_jit, update_jit, trace_counts, where, scoring_jit, scorer_sh)
 
 
-def frozen_params(value: ValueSettings, modules: Modules, reference, reward, base) -> FrozenParams:
+def frozen_params(value: ValueSettings, modules: Modules, reference, reward, base, teacher=None) -> FrozenParams:
     """The frozen trees of a run (arrays, shardings or abstract), the LoRA value base filled in as a
     subtree of the others (`shared_value_base`)."""
-    frozen = FrozenParams(reference=reference, reward=reward, policy=base)
+    frozen = FrozenParams(reference=reference, reward=reward, policy=base, teacher=teacher)
     return frozen.replace(value=shared_value_base(value, modules, frozen))
 
 
 def frozen_shardings(policy: PolicySettings, value: ValueSettings, modules: Modules, state_shardings: PPOState,
-                     reward_params, lora_base_shardings=None) -> FrozenParams:
+                     reward_params, lora_base_shardings=None, teacher_params=None) -> FrozenParams:
     """The reference lives on the policy's shardings (with LoRA there is none: the base, on
     `lora_base_shardings`, is the reference; with imported adapters it is their copy, on the
-    adapters' shardings); the reward model keeps its own; a LoRA value base those of its tree."""
+    adapters' shardings); the reward model and the teacher keep their own; a LoRA value base those of
+    its tree."""
     imported = bool(policy.lora.init_from)
+    own = lambda tree: jax.tree.map(lambda x: x.sharding, tree) if tree is not None else None  # noqa: E731
     return frozen_params(
         value, modules, reference=state_shardings.policy if lora_base_shardings is None or imported else None,
-        reward=jax.tree.map(lambda x: x.sharding, reward_params) if reward_params is not None else None,
-        base=lora_base_shardings)
+        reward=own(reward_params), base=lora_base_shardings, teacher=own(teacher_params))

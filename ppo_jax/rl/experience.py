@@ -61,10 +61,15 @@ def experience_from_outputs(out: ForwardOutputs, rollout: Rollout, kl_coef: jax.
         rewards = ppo.shape_rewards(scores, kl, mask, reward_kl_coef)
     else:  # each turn's environment reward on its last action token, the score on the last one
         rewards = action_rewards(scores, kl, mask, reward_kl_coef, turns.rewards, turns.ends)
-    if hp.whiten_rewards:
-        rewards = ppo.masked_whiten(rewards, mask, shift_mean=False)
     # GRPO's and RLOO's sequence reward is the episode's: the score plus every turn's environment reward.
     episode_scores = scores if turns is None else scores + turns.rewards.sum(-1)
+    teacher_kl = None
+    if out.teacher_logprobs is not None:  # on-policy distillation: minus the reverse KL to the teacher, per token
+        teacher_kl = distillation_kl(out.logprobs, out.teacher_logprobs, mask)
+        rewards = rewards - hp.teacher_coef * teacher_kl
+        episode_scores = episode_scores - hp.teacher_coef * teacher_kl.sum(-1)
+    if hp.whiten_rewards:
+        rewards = ppo.masked_whiten(rewards, mask, shift_mean=False)
     advantages, returns = ppo.estimate_advantages(
         hp.estimator, rewards=rewards, values=out.values, mask=mask, scores=episode_scores, kl=kl,
         kl_coef=reward_kl_coef, group_size=hp.group_size, gamma=hp.gamma, lam=hp.lam,
@@ -98,6 +103,9 @@ def experience_from_outputs(out: ForwardOutputs, rollout: Rollout, kl_coef: jax.
         **correction.metrics,
         **({} if step is None else policy_lag_metrics(step, rollout.policy_version, rollout.token_policy_version, mask)),
     }
+    if teacher_kl is not None:  # the student's reverse KL to the teacher per response, and per token
+        metrics["objective/teacher_kl"] = teacher_kl.sum(-1).mean()
+        metrics["objective/teacher_kl_per_token"] = ppo.masked_mean(teacher_kl, mask)
     if turns is not None:  # multi-turn: what the environments paid, per episode
         metrics["objective/environment_rewards"] = turns.rewards.sum(-1).mean()
     if hp.uses_critic:
@@ -107,6 +115,13 @@ def experience_from_outputs(out: ForwardOutputs, rollout: Rollout, kl_coef: jax.
             "val/explained_variance": explained_variance(out.values, returns, mask),
         })
     return exp, metrics
+
+
+def distillation_kl(logprobs: jax.Array, teacher_logprobs: jax.Array, mask: jax.Array) -> jax.Array:
+    """[B, Lr] the per-token estimate of the student's reverse KL to the teacher on the student's own
+    samples, log pi(y_t) - log pi_teacher(y_t) (GKD, Agarwal et al. 2024, eq. 4 with the
+    reverse-KL divergence; the on-policy distillation recipe's per-token reward is its negative), 0 off `mask`."""
+    return (logprobs - teacher_logprobs) * mask
 
 
 def rollout_metrics(out: ForwardOutputs, rollout: Rollout, mask: jax.Array) -> dict[str, jax.Array]:

@@ -52,6 +52,7 @@ class ForwardOutputs:
     values: Array  # the value model's; 0 without a critic
     scores: Array  # the reward model's raw scores (before gain and bias); 0 without one or when the sampler scored
     routing_flips: Array | None = None  # routing replay: 1 where the token's own top k differs from the recorded one
+    teacher_logprobs: Array | None = None  # on-policy distillation: the teacher's, temperature applied (None: off)
 
 
 def padded_forwards(modules: Modules, params: Trainable, frozen: FrozenParams, rows: ResponseRows,
@@ -69,8 +70,12 @@ def padded_forwards(modules: Modules, params: Trainable, frozen: FrozenParams, r
     value_params, value_adapters = value_variables(params.value, frozen.value)
     values = (response_values(modules.value, value_params, pt, pm, tokens, mask, adapters=value_adapters)
               if params.value is not None else zeros)
+    teacher_logp = None
+    if frozen.teacher is not None:  # the teacher routes by its own router: replay is the policy's
+        teacher_logp = token_logprobs(response_logits(modules.teacher, frozen.teacher, pt, pm, tokens, mask,
+                                                      hp.temperature), tokens, mask)
     return ForwardOutputs(token_logprobs(logits, tokens, mask), ref_logp, ppo.entropy_from_logits(logits, mask),
-                          values, scores, policy.flips)
+                          values, scores, policy.flips, teacher_logp)
 
 
 def packed_forwards(modules: Modules, params: Trainable, frozen: FrozenParams, rows: packing.PackedRows,
@@ -87,8 +92,13 @@ def packed_forwards(modules: Modules, params: Trainable, frozen: FrozenParams, r
     value_params, value_adapters = value_variables(params.value, frozen.value)
     values = (packing.scalar_outputs(modules.value, value_params, rows, value_adapters)
               if params.value is not None else zeros)
+    teacher_logp = None
+    if frozen.teacher is not None:
+        teacher_logits = packing.next_token_logits(modules.teacher, frozen.teacher, rows.replace(experts=None),
+                                                   hp.temperature)
+        teacher_logp = packing.next_token_logprobs(teacher_logits, rows.tokens)
     return ForwardOutputs(packing.next_token_logprobs(logits, rows.tokens), ref_logp,
-                          ppo.entropy_from_logits(logits), values, scores, policy.flips)
+                          ppo.entropy_from_logits(logits), values, scores, policy.flips, teacher_logp)
 
 
 def score_responses(modules: Modules, frozen: FrozenParams, rows: ResponseRows, hp: PPOHyper) -> tuple[Array, Array]:

@@ -67,6 +67,7 @@ class PPOHyper:
     router_z_coef: float = 0.0
     packed_rows: int = 0  # packed rows per microbatch (M); 0 = padded rows
     packed_length: int = 0  # slots per packed row (T)
+    teacher_coef: float = 0.0  # on-policy distillation: the per-token reverse-KL reward's weight (distill.coef)
     off_policy_ratio: str = ""  # "" = no correction; else one of rl/corrections.CORRECTIONS (ppo.off_policy_ratio)
     is_cap: float = 2.0
     scored_outside: bool = False  # roles.scoring="sampler": reference log-probs and model scores come with the rollout
@@ -109,7 +110,7 @@ class PPOHyper:
             scored_outside=s.roles.scoring == "sampler", policy_objective=p.policy_objective,
             loss_aggregation=loss_aggregation(p.loss_aggregation, p.policy_objective),
             grpo_divide_by_std=p.grpo_divide_by_std, kl_cov_fraction=p.kl_cov_fraction, kl_cov_coef=p.kl_cov_coef,
-            entropy_target=p.entropy_target)
+            entropy_target=p.entropy_target, teacher_coef=s.distill.coef if s.distill.enabled else 0.0)
 
     @property
     def uses_critic(self) -> bool:

@@ -27,6 +27,7 @@ class RunInputs:
 
     policy_config: ModelConfig
     reward_config: ModelConfig | None
+    teacher_config: ModelConfig | None  # on-policy distillation's teacher (None: off)
     tokenizer: Any
     reward_functions: list[tuple[Callable, float]]
     sizes: DerivedSizes
@@ -43,6 +44,7 @@ def checked_inputs(s: Settings, meshes: roles.RoleMeshes, tokenizer=None,
     platform = build.mesh_platform(mesh)[0]
     policy_config = build.policy_model_config(s, mesh)
     reward_config = build.reward_model_config(s.reward, s.compute, policy_config, mesh)
+    teacher_config = build.teacher_model_config(s.distill, s.compute, policy_config, mesh)
     if warning := build.fp32_compute_warning(policy_config, platform):
         metrics_lib.warn(warning)
     if tokenizer is None:
@@ -53,6 +55,7 @@ def checked_inputs(s: Settings, meshes: roles.RoleMeshes, tokenizer=None,
                          max_positions=policy_config.max_position_embeddings, vocab_size=policy_config.vocab_size,
                          platform=platform, sampler_divisor=sharding.batch_divisor(meshes.sampler))
     check_tokenizers(tokenizer, policy_config.vocab_size, s.reward.path)
+    check_teacher(tokenizer, teacher_config, s.distill.teacher_path)
     hp = PPOHyper.from_settings(s, sizes)
     eos = getattr(tokenizer, "eos_token_id", None)
     stop_ids = stop_token_ids(s.rollout, eos if eos is not None else policy_config.eos_token_id)
@@ -61,7 +64,20 @@ def checked_inputs(s: Settings, meshes: roles.RoleMeshes, tokenizer=None,
                           "set rollout.stop_token_ids")
     # Multi-turn: the turn-stop markers as ids, refused now if the tokenizer cannot encode them.
     turn_stops = s.environment.turn_stops(tokenizer) if s.environment.enabled else ()
-    return RunInputs(policy_config, reward_config, tokenizer, reward_functions, sizes, hp, stop_ids, turn_stops)
+    return RunInputs(policy_config, reward_config, teacher_config, tokenizer, reward_functions, sizes, hp, stop_ids, turn_stops)
+
+
+def check_teacher(tokenizer, teacher_config: ModelConfig | None, teacher_path: str) -> None:
+    """The teacher reads the student's token ids: its tokenizer is the policy's, its vocabulary holds them."""
+    if teacher_config is None:
+        return
+    where = f"distill.teacher_path={teacher_path!r}"
+    if hf.load_tokenizer(teacher_path).get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(f"{where}: the teacher's tokenizer differs from the policy's; the teacher would read "
+                          "different token ids (distill from a teacher with the student's tokenizer)")
+    if len(tokenizer) > teacher_config.vocab_size:
+        raise ConfigError(f"{where}: the teacher's vocabulary has {teacher_config.vocab_size} tokens, the "
+                          f"tokenizer {len(tokenizer)}")
 
 
 def check_tokenizers(tokenizer, vocab_size: int, reward_path: str) -> None:

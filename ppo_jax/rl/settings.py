@@ -23,6 +23,7 @@ from ppo_jax.ppo.aggregation import AGGREGATIONS
 from ppo_jax.ppo.policy_objectives import OBJECTIVES
 from ppo_jax.rl.corrections import OFF_POLICY_RATIOS, off_policy_ratio
 from ppo_jax.rl.environment_settings import EnvironmentSettings
+from ppo_jax.rl.distill_settings import DistillSettings
 from ppo_jax.rl.dynamic_sampling_settings import DynamicSamplingSettings
 from ppo_jax.rl.roles import RolesSettings
 from ppo_jax.rl.router_replay import MoeSettings
@@ -228,6 +229,7 @@ class Settings(RunSettings):
     moe: MoeSettings = MoeSettings()  # mixture-of-experts policies (rl/router_replay.py)
     environment: EnvironmentSettings = EnvironmentSettings()  # multi-turn episodes (rl/environment_settings.py)
     dynamic_sampling: DynamicSamplingSettings = DynamicSamplingSettings()  # DAPO's (rl/dynamic_sampling.py)
+    distill: DistillSettings = DistillSettings()  # on-policy distillation from a frozen teacher (rl/distill_settings.py)
     optim: PPOOptimSettings = PPOOptimSettings()
     train: PPOTrainSettings = PPOTrainSettings()
     plan: PlanSettings = PlanSettings()
@@ -243,7 +245,8 @@ class Settings(RunSettings):
     def path_fields(self) -> tuple[tuple[str, str, str], ...]:
         return ((self.policy.path, "policy.path", HF_MODEL_DIR),
                 (self.policy.lora.init_from, "policy.lora.init_from", PEFT_ADAPTER_DIR),
-                (self.reward.path, "reward.path", HF_REWARD_DIR))
+                (self.reward.path, "reward.path", HF_REWARD_DIR),
+                (self.distill.teacher_path, "distill.teacher_path", HF_MODEL_DIR))
 
     def validate(self, *, reward_in_code: bool = False) -> None:
         """Every value that needs no mesh, model or tokenizer; the rest is in `derive_sizes`.
@@ -268,7 +271,9 @@ class Settings(RunSettings):
         check(0 <= self.reward.overlong_buffer <= self.rollout.response_length and self.reward.overlong_penalty >= 0,
               f"reward.overlong_buffer={self.reward.overlong_buffer}, reward.overlong_penalty="
               f"{self.reward.overlong_penalty}: the buffer is 0 (off) to rollout.response_length tokens, the penalty >= 0")
-        check(reward_in_code or bool(self.reward.path) or bool(self.reward.functions) or self.environment.enabled,
+        self.distill.validate(scoring=self.roles.scoring, dtypes=REFERENCE_DTYPES)
+        check(reward_in_code or bool(self.reward.path) or bool(self.reward.functions) or self.environment.enabled
+              or self.distill.enabled,
               "no reward: set reward.path (a reward model) and/or reward.functions (Python reward functions)")
         check(self.data.truncation in ("left", "error"), f"data.truncation={self.data.truncation!r}: use left or error")
         check(t.iterations >= 1, f"train.iterations must be >= 1, got {t.iterations}")

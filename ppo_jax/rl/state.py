@@ -38,6 +38,7 @@ class Modules:
     policy: CausalLM
     value: ScalarModel | None  # None for critic-free estimators
     reward: ScalarModel | None  # None when only Python reward functions score
+    teacher: CausalLM | None = None  # on-policy distillation's frozen teacher (distill.teacher_path); None: off
 
 @flax.struct.dataclass
 class PPOState:
@@ -73,6 +74,7 @@ class FrozenParams:
     # A LoRA value model's frozen transformer: the same arrays as policy["transformer"],
     # reference["transformer"] or reward["transformer"] (held once); None for a full value model.
     value: Params | None = None
+    teacher: Params | None = None  # on-policy distillation's teacher (distill.teacher_path); None: off
 
 
 def policy_variables(trainable: Params, base: Params | None) -> tuple[Params, Params | None]:

@@ -66,6 +66,7 @@ class PPOTrainer:
         inputs = checked_inputs(s, self.meshes, tokenizer, reward_functions)
         self.policy_config, self.reward_config, self.tokenizer = inputs.policy_config, inputs.reward_config, \
             inputs.tokenizer
+        self.teacher_config = inputs.teacher_config
         self.reward_functions, self.sizes, self.hp = inputs.reward_functions, inputs.sizes, inputs.hp
         self.stop_ids, self.turn_stops = inputs.stop_ids, inputs.turn_stops
         stream = dict(batch_size=s.rollout.batch_size, seed=s.seed, vocab_size=self.policy_config.vocab_size)
@@ -73,7 +74,7 @@ class PPOTrainer:
         self.eval_prompts = (PromptStream(s.data, self.tokenizer, split="eval", **stream)
                              if s.train.eval_every else None)
         # -- Modules, optimizers and the shardings of everything, from abstract shapes.
-        self.modules = build.make_modules(s.ppo, s.value, self.policy_config, self.reward_config)
+        self.modules = build.make_modules(s.ppo, s.value, self.policy_config, self.reward_config, self.teacher_config)
         self.policy_tx, self.value_tx = build.make_optimizers(s)
         self.abstract_state, self.state_shardings = build.abstract_train_state(
             s.ppo, self.modules, self.policy_tx, self.value_tx, self.mesh)
@@ -81,17 +82,21 @@ class PPOTrainer:
         reward_params = None
         if self.modules.reward is not None:
             reward_params = build.load_reward_params(s.reward, self.reward_config, self.mesh)
+        teacher_params = None
+        if self.modules.teacher is not None:  # on-policy distillation's frozen teacher
+            teacher_params = build.load_teacher_params(s.distill, self.teacher_config, self.mesh)
         self.checkpointing = Checkpointing(s, self.workdir, self.modules, self.mesh, self.abstract_state,
                                            self.state_shardings, self.keys.init)
         weights, extra = self._start_weights(reward_params)
         self.state = weights.state
         # A LoRA value base is a subtree of these trees (the same arrays): nothing is copied for it.
-        frozen = build.frozen_params(s.value, self.modules, weights.reference, reward_params, weights.base)
+        frozen = build.frozen_params(s.value, self.modules, weights.reference, reward_params, weights.base,
+                                     teacher_params)
         if build.value_lora(self.modules):
             self.checkpointing.record_value_base(frozen.value)
         base_shardings = roles.policy_shardings(self.modules, self.mesh) if weights.base is not None else None
         frozen_shardings = build.frozen_shardings(s.policy, s.value, self.modules, self.state_shardings, reward_params,
-                                                  base_shardings)
+                                                  base_shardings, teacher_params)
         self.steps = build.build_steps(s, self.mesh, self.sizes, self.hp, self.modules, self.policy_tx,
                                        self.value_tx, self.state_shardings, frozen_shardings, self.stop_ids,
                                        int(self.tokenizer.pad_token_id), sampler_mesh=self.meshes.sampler)
