@@ -7,15 +7,12 @@ import json
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 from etils import epath
-
-if TYPE_CHECKING:
-    from ppo_jax.config import WandbSettings
 
 
 def _is_local(path: str) -> bool:
@@ -45,18 +42,26 @@ def _to_float(v: Any) -> float:
     return float(np.asarray(v))
 
 
+class Mirror(Protocol):
+    """Another home for the same rows, e.g. a W&B run (`wandb_run.WandbRun`)."""
+
+    def log(self, step: int, row: Mapping[str, float]) -> None: ...
+
+    def table(self, step: int, name: str, rows: Sequence[Mapping[str, Any]]) -> None: ...
+
+    def finish(self) -> None: ...
+
+
 class MetricWriter:
     """Appends one JSON object per step to `metrics.jsonl` and mirrors scalars to TensorBoard and, when
-    the run's `wandb` section turns it on, to a W&B run (the same names and steps)."""
+    given one, to a `Mirror` (the same names and steps; `wandb_run.metric_writer` gives a W&B run)."""
 
     def __init__(self, workdir: str, *, filename: str = "metrics.jsonl", tensorboard: bool = True,
-                 resume_step: int = 0, wandb: WandbSettings | None = None,
-                 run_config: Mapping[str, Any] | None = None, job_type: str = ""):
+                 resume_step: int = 0, mirror: Callable[[], Mirror] | None = None):
         """resume_step: the step a run restarts after (0 for a run starting from scratch); rows
         logged beyond it by an interrupted run (after its last checkpoint, or before its first one)
-        are dropped so that every step appears once. wandb: the run's W&B section (None or mode
-        "disabled": no W&B); run_config: the run's settings as a dict, the W&B run's config; job_type:
-        what the run is ("ppo", "sft", ...)."""
+        are dropped so that every step appears once. mirror: opens the mirror (on process 0, once the
+        workdir exists); None: none."""
         self.active = jax.process_index() == 0
         self.workdir = workdir
         self.path = os.path.join(workdir, filename)
@@ -70,10 +75,8 @@ class MetricWriter:
 
                 self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
                                          purge_step=resume_step + 1)
-            if wandb is not None and wandb.enabled:
-                from ppo_jax.wandb_run import WandbRun  # lazy: wandb is an optional extra
-
-                self._wandb = WandbRun.open(wandb, workdir, config=run_config, job_type=job_type)
+            if mirror is not None:
+                self._wandb = mirror()
 
     def write(self, step: int, scalars: Mapping[str, Any]) -> dict[str, float]:
         row = {k: _to_float(v) for k, v in scalars.items()}

@@ -19,6 +19,7 @@ import numpy as np
 from etils import epath
 
 from ppo_jax.config import WANDB_INSTALL, ConfigError, WandbSettings
+from ppo_jax.metrics import MetricWriter
 
 RUN_ID_FILE = "wandb_run_id"
 
@@ -103,3 +104,15 @@ class WandbRun:
         if self.run is not None:
             self.run.finish()
             self.run = None
+
+
+def metric_writer(workdir: str, *, resume_step: int = 0, wandb: WandbSettings | None = None,
+                  run_config: Mapping[str, Any] | None = None, job_type: str = "",
+                  tensorboard: bool = True) -> MetricWriter:
+    """A run's `MetricWriter`, mirrored to W&B when its `wandb` section turns it on (None or mode
+    "disabled": no W&B). run_config: the run's settings as a dict, the W&B run's config; job_type:
+    what the run is ("ppo", "sft", ...)."""
+    mirror = None
+    if wandb is not None and wandb.enabled:
+        mirror = lambda: WandbRun.open(wandb, workdir, config=run_config, job_type=job_type)  # noqa: E731
+    return MetricWriter(workdir, resume_step=resume_step, mirror=mirror, tensorboard=tensorboard)

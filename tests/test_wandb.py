@@ -22,7 +22,7 @@ from ppo_jax.demo import pipeline
 from ppo_jax.demo.settings import DemoSettings, get_config
 from ppo_jax.rl.settings import Settings
 from ppo_jax.rl.trainer import PPOTrainer
-from ppo_jax.wandb_run import RUN_ID_FILE
+from ppo_jax.wandb_run import RUN_ID_FILE, metric_writer
 
 
 @pytest.fixture
@@ -171,8 +171,8 @@ def test_the_writer_mirrors_rows_samples_and_resumes_the_same_run(monkeypatch, t
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.delenv("WANDB_DIR", raising=False)
     settings = WandbSettings(mode="offline", project="p", group="g")
-    writer = metrics_lib.MetricWriter(str(tmp_path), tensorboard=False, wandb=settings, run_config={"seed": 3},
-                                      job_type="sft")
+    writer = metric_writer(str(tmp_path), tensorboard=False, wandb=settings, run_config={"seed": 3},
+                           job_type="sft")
     writer.write(1, {"train/loss": 2.0})
     writer.write_samples(1, [{"prompt": "a", "score": 1.0}, {"prompt": "b", "kl": 0.5}])
     writer.close()
@@ -186,10 +186,10 @@ def test_the_writer_mirrors_rows_samples_and_resumes_the_same_run(monkeypatch, t
     assert run.logged == [(1, {"train/loss": 2.0}),
                           (1, {"samples": ("Table", ["prompt", "score", "kl"], [["a", 1.0, None], ["b", None, 0.5]])})]
     assert run.finished
-    again = metrics_lib.MetricWriter(str(tmp_path), tensorboard=False, wandb=settings, resume_step=1)
+    again = metric_writer(str(tmp_path), tensorboard=False, wandb=settings, resume_step=1)
     assert fake.runs[1].init["id"] == init["id"]  # the workdir's run, continued
     again.close()
-    metrics_lib.MetricWriter(str(tmp_path / "off"), tensorboard=False, wandb=WandbSettings()).close()
+    metric_writer(str(tmp_path / "off"), tensorboard=False, wandb=WandbSettings()).close()
     assert len(fake.runs) == 2  # mode "disabled": no run
 
 

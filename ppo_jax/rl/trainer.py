@@ -38,6 +38,7 @@ from ppo_jax.rl.rollouts import IN_FLIGHT_ITEM, Texts, make_rollouts
 from ppo_jax.rl.run_inputs import checked_inputs
 from ppo_jax.rl.settings import Settings
 from ppo_jax.rl.state import FrozenParams, Rollout
+from ppo_jax.wandb_run import metric_writer
 
 Array = jax.Array
 SAMPLES_FILE = "samples.jsonl"
@@ -141,8 +142,8 @@ class PPOTrainer:
         """The metrics writer; on process 0 the sample logs cut back to the step resumed from (they
         restart with the steps too) and the tokenizer saved beside them."""
         step = self.resumed_from or 0
-        writer = metrics_lib.MetricWriter(self.workdir, resume_step=step, wandb=self.settings.wandb,
-                                          run_config=to_dict(self.settings), job_type="ppo")
+        writer = metric_writer(self.workdir, resume_step=step, wandb=self.settings.wandb,
+                               run_config=to_dict(self.settings), job_type="ppo")
         if jax.process_index() == 0:
             for name in (SAMPLES_FILE, NONFINITE_SAMPLES_FILE):
                 metrics_lib.truncate_after(os.path.join(self.workdir, name), step)

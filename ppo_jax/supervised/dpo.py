@@ -31,7 +31,6 @@ import jax.numpy as jnp
 import optax
 
 from ppo_jax import data as data_lib
-from ppo_jax import metrics as metrics_lib
 from ppo_jax import sharding
 from ppo_jax.checkpoint import verify
 from ppo_jax.config import ConfigError, to_dict
@@ -43,6 +42,7 @@ from ppo_jax.supervised import base as supervised
 from ppo_jax.supervised.dpo_loss import Pair, dpo_loss
 from ppo_jax.supervised.settings import DPOLossSettings, DPOSettings, dpo_config  # noqa: F401  (dpo_config: the defaults)
 from ppo_jax.supervised.sft import response_token_nll, router_metrics
+from ppo_jax.wandb_run import metric_writer
 
 Array = jax.Array
 
@@ -206,8 +206,8 @@ class DPOTrainer(supervised.SupervisedTrainer):
             in_shardings=(self.state_shardings.params, self.base_shardings, batch_sh, data_sh),
             out_shardings=replicated), self.mesh)
         # drops rows past the checkpoint; mirrors them to W&B when settings.wandb asks
-        self.writer = metrics_lib.MetricWriter(workdir, resume_step=self.step, wandb=s.wandb,
-                                               run_config=to_dict(s), job_type="dpo")
+        self.writer = metric_writer(workdir, resume_step=self.step, wandb=s.wandb,
+                                    run_config=to_dict(s), job_type="dpo")
 
     # -- the reference
 

@@ -36,7 +36,6 @@ import optax
 from etils import epath
 
 from ppo_jax import data as data_lib
-from ppo_jax import metrics as metrics_lib
 from ppo_jax import sampling, sharding
 from ppo_jax.config import ConfigError, to_dict
 from ppo_jax.models import CausalLM, ScalarModel, boxed_params, hf, init_params
@@ -44,6 +43,7 @@ from ppo_jax.models.forward import response_scores, sequence_scores
 from ppo_jax.models.lora import trained_variables
 from ppo_jax.supervised import base as supervised
 from ppo_jax.supervised.settings import RewardModelSettings, reward_model_config  # noqa: F401  (the defaults)
+from ppo_jax.wandb_run import metric_writer
 
 Array = jax.Array
 
@@ -184,8 +184,8 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
         self._score = sharding.on_mesh(jax.jit(scores, in_shardings=(*trained_sh, data_sh, data_sh),
                                                out_shardings=data_sh), self.mesh)
         # drops rows past the checkpoint; mirrors them to W&B when settings.wandb asks
-        self.writer = metrics_lib.MetricWriter(workdir, resume_step=self.step, wandb=s.wandb,
-                                               run_config=to_dict(s), job_type="reward_model")
+        self.writer = metric_writer(workdir, resume_step=self.step, wandb=s.wandb,
+                                    run_config=to_dict(s), job_type="reward_model")
         self.normalization: dict[str, float] | None = None
 
     def _initial_params(self, start_kind: str | None, head_key):

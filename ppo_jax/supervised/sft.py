@@ -23,7 +23,6 @@ import numpy as np
 import optax
 
 from ppo_jax import data as data_lib
-from ppo_jax import metrics as metrics_lib
 from ppo_jax import sharding
 from ppo_jax.config import ConfigError, to_dict
 from ppo_jax.models import CausalLM, positions_from_mask
@@ -32,6 +31,7 @@ from ppo_jax.models.moe import RouterCoefs, RouterLosses
 from ppo_jax.models.lora import trained_variables
 from ppo_jax.supervised import base as supervised
 from ppo_jax.supervised.settings import SFTSettings, sft_config  # noqa: F401  (sft_config: the defaults)
+from ppo_jax.wandb_run import metric_writer
 
 Array = jax.Array
 
@@ -155,8 +155,8 @@ class SFTTrainer(supervised.SupervisedTrainer):
             make_eval_step(self.module), in_shardings=(self.state_shardings.params, self.base_shardings, batch_sh),
             out_shardings=replicated), self.mesh)
         # drops rows past the checkpoint; mirrors them to W&B when settings.wandb asks
-        self.writer = metrics_lib.MetricWriter(workdir, resume_step=self.step, wandb=s.wandb,
-                                               run_config=to_dict(s), job_type="sft")
+        self.writer = metric_writer(workdir, resume_step=self.step, wandb=s.wandb,
+                                    run_config=to_dict(s), job_type="sft")
 
     # -- steps
 
