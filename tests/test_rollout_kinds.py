@@ -32,7 +32,7 @@ KINDS = {
 }
 # LoRA adapters on the policy and packed rows in every kind.
 COMMON = {"policy.lora.rank": 4, "policy.lora.alpha": 8.0, "policy.lora.targets": "o,fc,proj",
-          "ppo.packing": "on", "rollout.batch_size": 16, "train.iterations": 3}
+          "ppo.packing": "on", "rollout.batch_size": 16, "train.iterations": 2}
 TOY = [(reward_fns.toy_target_count, 1.0)]
 
 
@@ -55,14 +55,14 @@ def test_evaluation_and_samples_take_nothing_from_the_training_rollouts_and_resu
     straight.close()
 
     side = {"train.eval_every": 1, "train.eval_batches": 1, "train.sample_every": 1}
-    # The reward's 3rd call scores iteration 2's batch (the 2nd, its first evaluation): the run stops
-    # after iteration 2, batches in flight.
-    first = trainer(tmp_path / "run", kind, [(_toy_reward_then_sigterm_at(3), 1.0)], **side)
+    # The reward's first call scores iteration 1's batch: the run stops after iteration 1 (and its
+    # evaluation) with the next batch in flight.
+    first = trainer(tmp_path / "run", kind, [(_toy_reward_then_sigterm_at(1), 1.0)], **side)
     done = first.train()
     first.close()
-    assert first.stopped_by == "SIGTERM" and len(done) == 2
+    assert first.stopped_by == "SIGTERM" and len(done) == 1
     resumed = trainer(tmp_path / "run", kind, TOY, **side)
-    assert resumed.resumed_from == 2 and len(resumed.rollouts.in_flight) >= 1
+    assert resumed.resumed_from == 1 and len(resumed.rollouts.in_flight) == 1
     rest = resumed.train()
     resumed.close()
 
@@ -73,4 +73,4 @@ def test_evaluation_and_samples_take_nothing_from_the_training_rollouts_and_resu
     assert all(np.isfinite(r["eval/scores"]) and r["eval/length_mean"] > 0 for r in history)
     with open(os.path.join(tmp_path / "run", "samples.jsonl")) as f:
         steps = [json.loads(line)["step"] for line in f]
-    assert sorted(set(steps)) == [1, 2, 3]
+    assert sorted(set(steps)) == [1, 2]
