@@ -58,7 +58,8 @@ setup(
         # Accelerators: the jax build with the platform's plugin (CUDA 12 wheels / libtpu).
         "cuda12": ["jax[cuda12]"],
         "tpu": ["jax[tpu]"],
-        "bench": ["torch", "trl==0.29.1"],
+        # requests: trl 0.29.1's GRPO trainer imports it without declaring it (bench/bench_peer.py)
+        "bench": ["torch", "trl==0.29.1", "requests"],
     },
     entry_points={"console_scripts": [
         "ppo-jax-train=ppo_jax.cli.train:main",
