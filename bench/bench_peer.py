@@ -20,7 +20,8 @@ and gold reward, KL (k1) to the SFT policy. gap_closed = (gold - SFT gold) / (be
 SFT gold measured by the same judge. max_kl: the largest mean KL to the SFT policy of one
 iteration's training rollouts (nats per response, summed k1, as the demo's max_rollout_kl; none for
 DPO). seconds: the training run's wall time, from building the trainer (models loaded, programs
-compiled) to its exported policy, without the judge.
+compiled) to its exported policy, without the judge, less any time the process was stopped
+(`PauseClock`; paused_seconds, wall_seconds and cpu_seconds beside it).
 
 Resumable: every finished (library, method, seed) goes into the JSON at once and is never run again;
 a seed with all six is skipped, stages included; a stage whose outputs exist in the workdir is
@@ -623,12 +624,12 @@ class Judge:
     trained; each policy to judge takes its policy's place, and `PolicyEvaluator` samples the
     demo's held-out prompts with fixed keys and scores them with the gold reward (train_dpo's way)."""
 
-    def __init__(self, assets: SeedAssets):
+    def __init__(self, assets: SeedAssets, tag: str = ""):
         from ppo_jax.demo.evaluator import PolicyEvaluator
         from ppo_jax.rl.trainer import PPOTrainer
 
         demo = assets.demo
-        out = os.path.join(assets.dir, "judge")
+        out = os.path.join(assets.dir, "judge" + tag)
         shutil.rmtree(out, ignore_errors=True)
         s = ppo_jax_settings("ppo", demo, assets.sft_dir, assets.rm_dir)
         self.trainer = PPOTrainer(s, out, prompts=demo.world.all_prompts("train"))
@@ -901,6 +902,35 @@ def run_cell(lib: str, method: str, assets: SeedAssets, out: str):
 # --------------------------------------------------------------------------------------------
 
 
+class PauseClock:
+    """Wall time the process spent stopped (SIGSTOP: on a shared machine another job may pause this
+    one): a thread wakes every `tick` seconds and counts any gap longer than `gap` as a pause. A
+    training run's `seconds` are its wall time minus its pauses."""
+
+    def __init__(self, tick: float = 0.5, gap: float = 10.0):
+        import threading
+
+        self.tick, self.gap, self.paused = tick, gap, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self):
+        last = time.monotonic()
+        while not self._stop.wait(self.tick):
+            now = time.monotonic()
+            if now - last > self.gap:
+                self.paused += now - last - self.tick
+            last = now
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
 def versions() -> dict:
     import importlib.metadata as md
 
@@ -921,6 +951,14 @@ def git_commit() -> str:
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return ""
+
+
+def run_tag(overrides: Sequence[str]) -> str:
+    """A suffix for the run and judge directories of runs with `--override`s: they share the seed's
+    stages with the plain runs, not their directories."""
+    import hashlib
+
+    return "+" + hashlib.sha256("\n".join(overrides).encode()).hexdigest()[:8] if overrides else ""
 
 
 def default_json(quick: bool) -> str:
@@ -980,7 +1018,8 @@ def main(argv=None) -> dict:
     for seed, cells in by_seed.items():
         record = results["stages"].setdefault(str(seed), {})
         assets = seed_assets(demo_settings(seed, args.quick, args.override), workdir, record, log)
-        judge = Judge(assets)
+        tag = run_tag(args.override)
+        judge = Judge(assets, tag)
         try:
             if "sft_gold" not in record:
                 sft = judge(assets.sft_dir)
@@ -989,17 +1028,20 @@ def main(argv=None) -> dict:
                 save_results(results, path)
             sft_gold, best = record["sft_gold"], record["best_gold"]
             for lib, method in cells:
-                out = os.path.join(assets.dir, f"{lib}_{method}")
+                out = os.path.join(assets.dir, f"{lib}_{method}{tag}")
                 shutil.rmtree(out, ignore_errors=True)  # a run cut short starts over
                 log(f"seed {seed}: {lib} {method}")
                 load = os.getloadavg()
-                t0 = time.perf_counter()
-                hf_dir, max_kl = run_cell(lib, method, assets, out)
-                seconds = time.perf_counter() - t0
+                t0, cpu0 = time.perf_counter(), time.process_time()
+                with PauseClock() as pauses:
+                    hf_dir, max_kl = run_cell(lib, method, assets, out)
+                wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+                seconds = wall - pauses.paused
                 point = judge(hf_dir)
                 entry = {"seed": seed, "gap_closed": (point.gold - sft_gold) / (best - sft_gold), "kl": point.kl,
                          "max_kl": max_kl, "seconds": seconds, "gold": point.gold, "rm_score": point.rm_score,
-                         "eos_rate": point.eos_rate, "length": point.length,
+                         "eos_rate": point.eos_rate, "length": point.length, "wall_seconds": wall,
+                         "paused_seconds": pauses.paused, "cpu_seconds": cpu,
                          "load_average": [round(load[0], 2), round(os.getloadavg()[0], 2)]}
                 add_entry(results, lib, method, entry)
                 save_results(results, path)

@@ -176,3 +176,22 @@ def test_resume_skips_what_the_json_holds(tmp_path):
     assert not os.path.exists(workdir)
     assert [len(out[lib][m]) for lib in bp.LIBRARIES for m in bp.METHODS] == [2] * 6
     assert len(out["commands"]) == 1 and out["versions"]["jax"]
+
+
+def test_a_stopped_process_counts_its_pause_and_not_as_training_time():
+    """Another job on a shared machine may SIGSTOP this one: the pause is measured, not timed."""
+    import signal
+    import subprocess
+    import time
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); import bench_peer as bp\n"
+         "with bp.PauseClock(tick=0.05, gap=0.5) as p:\n    print('ready', flush=True)\n    time.sleep(3)\n"
+         "print(p.paused)", os.path.dirname(bp.__file__)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    child.send_signal(signal.SIGSTOP)
+    time.sleep(2.0)
+    child.send_signal(signal.SIGCONT)
+    paused = float(child.communicate(timeout=30)[0])
+    assert 1.5 < paused < 2.6
