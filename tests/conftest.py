@@ -9,10 +9,16 @@ import tempfile
 # CPU kernels is a quarter of a cold suite's time, so tests skip it (the HLO passes -- fusion, layout,
 # sharding -- still run, so the programs are the same; values agree with an optimised build to
 # rounding). The whole suite from a cold cache on 2 cores: 13:48 instead of 18:09 (2026-11-25).
-# A run that sets its own level in XLA_FLAGS keeps it.
+# XLA's CPU fusion emitters (MLIR) are the other half of a compile: the older elemental emitters
+# compile the same fused HLO in half the time (one 2x2x2-mesh trainer iteration from a cold cache:
+# 63 s -> 29 s of compiling, 2026-11-28). A run that sets its own level or emitters keeps them;
+# subprocesses that compile take TEST_XLA_FLAGS (below) too.
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
+if "xla_cpu_use_fusion_emitters" not in _flags:
+    _flags += " --xla_cpu_use_fusion_emitters=false"
+TEST_XLA_FLAGS = _flags.strip()  # without a device count: a subprocess names its own
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,6 +36,38 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# pytest-xdist (`-n 2`) hands each worker whole files, the slowest first. Its default ("load") sends
+# runs of consecutive tests, so a file landed on both workers: a module fixture (the demo's pipeline,
+# a trainer the tests read) ran twice, and both compiled the same programs at once. Whole files,
+# longest first, leave no worker alone with a long file at the end. The order: cold-cache seconds on
+# 2 cores (docs/benchmarks.md, "The test suite's time"); files not named run after, those
+# with more tests first.
+SLOWEST_FILES = (
+    "test_roles.py", "test_reliability.py", "test_trainer.py", "test_demo.py", "test_moe.py",
+)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "load":  # another --dist chosen on the command line: xdist's own
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SlowestFilesFirst(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return nodeid.split("::", 1)[0]
+
+        def _assign_work_unit(self, node):
+            def rank(path):
+                name = os.path.basename(path)
+                return SLOWEST_FILES.index(name) if name in SLOWEST_FILES else len(SLOWEST_FILES)
+
+            first = min(self.workqueue, key=rank)  # ties: the queue's (collection) order
+            self.workqueue.move_to_end(first, last=False)
+            super()._assign_work_unit(node)
+
+    return SlowestFilesFirst(config, log)
 
 MESH_SHAPES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import TEST_XLA_FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GUIDE = os.path.join(REPO, "docs", "hf_models.md")
@@ -33,7 +34,7 @@ def test_the_train_then_export_section_runs_as_written(tmp_path):
     (tmp_path / "make_tiny.py").write_text(make_tiny)
     os.symlink(os.path.join(REPO, "configs"), tmp_path / "configs")
     env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
-           "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"}
+           "XLA_FLAGS": TEST_XLA_FLAGS, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]

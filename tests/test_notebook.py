@@ -4,6 +4,7 @@ shows its plots and tables inline."""
 import os
 
 import nbformat
+from conftest import TEST_XLA_FLAGS
 from nbclient import NotebookClient
 
 NOTEBOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks",
@@ -15,7 +16,7 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     # The kernel inherits this environment: the notebook's smaller test size, one CPU device (not the
     # 8 fake devices of the test process), no network.
     monkeypatch.setenv("PPO_JAX_NOTEBOOK_TEST", "1")
-    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")  # as conftest.py, and why
+    monkeypatch.setenv("XLA_FLAGS", TEST_XLA_FLAGS)  # conftest.py's compile flags, and why
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     client = NotebookClient(nb, timeout=600, kernel_name="python3",

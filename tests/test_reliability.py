@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import make_test_mesh
+from conftest import TEST_XLA_FLAGS, make_test_mesh
 from test_trainer import REPO
 from tiny_configs import tiny_config
 
@@ -269,7 +269,7 @@ def test_cli_reports_a_failing_reward_function_in_one_line(tmp_path):
            f"--workdir={workdir}", "--config.train.iterations=3", "--config.train.progress=False",
            "--config.reward.functions=flaky_reward:score", "--config.rollout.batch_size=8",
            "--config.rollout.response_length=4", "--config.data.prompt_length=8", "--config.ppo.epochs=1"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+    env = {**os.environ, "XLA_FLAGS": f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count=1",
            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -375,7 +375,7 @@ def test_cli_ctrl_c_saves_says_how_to_resume_and_exits_130(tmp_path):
            f"--workdir={workdir}", "--config.train.iterations=1000", "--config.train.progress=True",
            "--config.rollout.batch_size=8", "--config.rollout.response_length=4",
            "--config.data.prompt_length=8", "--config.ppo.epochs=1"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "XLA_FLAGS": f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count=1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     metrics = workdir / "metrics.jsonl"
     deadline = time.time() + 300

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import make_test_mesh, train_and_check_nothing_moved
+from conftest import TEST_XLA_FLAGS, make_test_mesh, train_and_check_nothing_moved
 
 from ppo_jax.config import ConfigError
 from tiny_configs import tiny_config  # noqa: F401 (re-exported for other tests)
@@ -55,7 +55,7 @@ def test_no_recompilation_after_first_iteration(baseline):
 
 
 def test_learning_rate_zero_changes_nothing(tmp_path):
-    config = tiny_config(**{"optim.policy_lr": 0.0, "optim.value_lr": 0.0})
+    config = tiny_config(**{"optim.policy_lr": 0.0, "optim.value_lr": 0.0, "train.iterations": 3})
     train_and_check_nothing_moved(PPOTrainer(config, str(tmp_path), mesh=make_test_mesh((1, 1, 1))))
 
 
@@ -179,7 +179,7 @@ def test_cli_writes_metrics_tensorboard_and_samples(tmp_path):
            "--config.train.eval_every=2", "--config.train.progress=False",
            "--config.rollout.batch_size=8", "--config.rollout.response_length=4",
            "--config.data.prompt_length=8", "--config.ppo.epochs=1"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "XLA_FLAGS": f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count=1"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
