@@ -758,6 +758,8 @@ def run_trl_ppo(assets: SeedAssets, out: str):
     hf_dir = os.path.join(out, "hf")
     trainer.accelerator.unwrap_model(trainer.model).policy.save_pretrained(hf_dir)
     tok.save_pretrained(hf_dir)
+    with open(os.path.join(out, "logs.json"), "w") as f:
+        json.dump(logs, f)
     kls = [row["objective/kl"] for row in logs if "objective/kl" in row]
     if len(kls) != s.train.iterations:
         raise RuntimeError(f"TRL's PPO logged {len(kls)} iterations, expected {s.train.iterations}")
