@@ -992,6 +992,8 @@ def main(argv=None) -> dict:
         return {}
     path = args.json or default_json(args.quick)
     if args.table:
+        if not os.path.exists(path):
+            raise SystemExit(f"error: no results at {path} (--json names them)")
         results = load_results(path, args.quick, args.override)
         print(table_markdown(results))
         return results
