@@ -66,8 +66,12 @@ def plain_k_step_loop(trainer: PPOTrainer, iterations: int, k: int) -> list[dict
 def straight(tmp_path_factory):
     """The uninterrupted k = 2 run: (its history, its final policy on the host)."""
     trainer = trainer_at(tmp_path_factory.mktemp("straight"))
+    sync, synced_steps = trainer.rollouts.sync, []
+    weights = sync.weights
+    sync.weights = lambda state: synced_steps.append(int(state.step)) or weights(state)
     history = trainer.train()
     assert not trainer.rollouts.in_flight  # the last k iterations started none
+    assert synced_steps == [0, 1]  # ... nor copied the weights to the sampler: they only collect
     assert trainer.trace_counts == {"experience": 1, "update": 1} and trainer.sampler.trace_count == 1
     policy = jax.device_get(trainer.state.policy)
     trainer.close()

@@ -101,16 +101,18 @@ class DynamicSampling:
         model = np.asarray(sharding.to_host(sampled.frozen_outputs.model_scores))
         return host_scores + self.model_weight * model
 
-    def refill(self, sampled: Sampled, host_scores: np.ndarray, weights: roles.SyncedWeights, iteration: int,
-               score: Callable[[Sampled], np.ndarray]) -> tuple[Sampled, np.ndarray, dict[str, float]]:
-        """(the batch to train on, its host scores [R], metrics). score: a batch's host scores."""
+    def refill(self, sampled: Sampled, host_scores: np.ndarray, weights: Callable[[], roles.SyncedWeights],
+               iteration: int, score: Callable[[Sampled], np.ndarray]) -> tuple[Sampled, np.ndarray, dict[str, float]]:
+        """(the batch to train on, its host scores [R], metrics). weights: the current weights on the
+        sampler's mesh, asked for only when more is sampled; score: a batch's host scores."""
         parts, scores = [sampled], [host_scores]
         varying = [varying_groups(self.rewards(sampled, host_scores), self.group)]
         batch_groups = len(varying[0])
         while sum(int(v.sum()) for v in varying) < batch_groups and len(parts) - 1 < self.max_extra:
             key = jax.random.fold_in(jax.random.fold_in(self.sample_key, EXTRA_KEYS + iteration), len(parts) - 1)
-            more = self.source.begin(weights, *self.prompts.next_batch(), key, iteration).complete(
-                weights, iteration).result()
+            current = weights()
+            more = self.source.begin(current, *self.prompts.next_batch(), key, iteration).complete(
+                current, iteration).result()
             parts.append(more)
             scores.append(score(more))
             varying.append(varying_groups(self.rewards(more, scores[-1]), self.group))

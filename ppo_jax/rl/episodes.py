@@ -179,6 +179,7 @@ class EpisodeFuture:
     future: concurrent.futures.Future
     held_what = Sampled.held_what
     room_hint = Sampled.room_hint
+    decodes_more = False  # its episodes run to the end on the episode thread
 
     def advance(self, weights: roles.SyncedWeights, iteration: int) -> EpisodeFuture:
         return self

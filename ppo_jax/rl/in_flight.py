@@ -56,9 +56,20 @@ class InFlightPipeline:
     def key(self, batch: int) -> jax.Array:
         return jax.random.fold_in(self.sample_key, batch)
 
-    def next(self, weights: roles.SyncedWeights, iteration: int) -> Sampled:
-        """The batch of `iteration` (waited for), the pipeline moved on as the module docstring says."""
-        last = min(iteration + self.steps_ahead, self.iterations - 1)
+    def decodes(self, iteration: int) -> bool:
+        """Whether `next(..., iteration)` decodes anything, so needs the weights: a batch begins, or one
+        in flight decodes more. (The last iterations of a whole-sample run only collect.)"""
+        begins = not self.queue or iteration + len(self.queue) <= self._last(iteration)
+        return begins or any(batch.decodes_more for batch in self.queue)
+
+    def _last(self, iteration: int) -> int:
+        """The newest batch in flight once `next(..., iteration)` returns."""
+        return min(iteration + self.steps_ahead, self.iterations - 1)
+
+    def next(self, weights: roles.SyncedWeights | None, iteration: int) -> Sampled:
+        """The batch of `iteration` (waited for), the pipeline moved on as the module docstring says.
+        weights: None only where `decodes(iteration)` is False."""
+        last = self._last(iteration)
         if not self.queue:  # a run's first iteration (or on-policy): batch `iteration` begins now
             self._begin(weights, iteration, iteration)
             self._check_room(more=last - iteration)

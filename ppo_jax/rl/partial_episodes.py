@@ -179,6 +179,7 @@ class EpisodeSegments:
     future: concurrent.futures.Future  # -> LiveRun | SavedRun
     held_what = "its engine state and KV cache"
     room_hint = ""
+    decodes_more = True
 
     def _then(self, job: Callable[[LiveRun | SavedRun], Any]) -> concurrent.futures.Future:
         """`job(this batch as its last segment left it)`, queued on the episode thread."""

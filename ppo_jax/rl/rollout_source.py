@@ -93,6 +93,7 @@ class Sampled:
     episodes: MultiTurnOutput | None = None
     held_what = "its sample and scores"
     room_hint = ""
+    decodes_more = False
 
     def advance(self, weights: roles.SyncedWeights, iteration: int) -> Sampled:
         return self
@@ -144,6 +145,7 @@ class Batch(Protocol):
     version: int  # the train step of the weights that began it
     held_what: str  # what it holds on the sampler's devices, in words (for the memory admission check)
     room_hint: str  # what else lowers that, for the same message ("" or " or fewer ...")
+    decodes_more: bool  # advance/complete decode under the weights they get (else they ignore them)
 
     def advance(self, weights: roles.SyncedWeights, iteration: int) -> Batch: ...
 

@@ -110,17 +110,25 @@ class Rollouts:
 
     def next(self, state: PPOState) -> tuple[Rollout, sampling.SampleOutput]:
         """The rollout of iteration `state.step` from the training source's pipeline (`rl/in_flight.py`)."""
-        weights = self.sync.weights(state)
-        if self.training.beside_update:  # the update donates the state's own arrays while this decodes
-            weights = not_donated(weights, state)
-        sampled = self.pipeline.next(weights, int(state.step))
+        step = int(state.step)
+        # Synced only when something decodes with them: a run's last whole-sample iterations copy nothing.
+        weights = self._sampling_weights(state) if self.pipeline.decodes(step) else None
+        sampled = self.pipeline.next(weights, step)
         self.iteration_metrics = self.training.metrics(sampled)
         if self.dynamic is None:
             return self.finish(sampled), sampled.sample
-        sampled, host_scores, metrics = self.dynamic.refill(sampled, self.host_scores(sampled), weights,
-                                                            int(state.step), self.host_scores)
+        sampled, host_scores, metrics = self.dynamic.refill(
+            sampled, self.host_scores(sampled), lambda: weights or self._sampling_weights(state), step,
+            self.host_scores)
         self.iteration_metrics.update(metrics)
         return self.finish(sampled, host_scores), sampled.sample
+
+    def _sampling_weights(self, state: PPOState) -> roles.SyncedWeights:
+        """`state`'s policy on the sampler's mesh, for the training source."""
+        weights = self.sync.weights(state)
+        if self.training.beside_update:  # the update donates the state's own arrays while this decodes
+            weights = not_donated(weights, state)
+        return weights
 
     def host_scores(self, sampled: Sampled) -> np.ndarray:
         """[R] the Python reward functions' weighted sum over a sample's texts (on the host; this

@@ -112,6 +112,7 @@ class SegmentBatch:
     segment: segments.Segment
     held_what = "its engine state and KV cache"
     room_hint = " or fewer rollout.slots"
+    decodes_more = True
 
     def advance(self, weights: roles.SyncedWeights, iteration: int) -> SegmentBatch:
         segment = self.source.segmented.advance(weights.params, self.segment, iteration, self.source.budget,
@@ -140,6 +141,7 @@ class SavedSegment:
     arrays: dict[str, np.ndarray]
     held_what = SegmentBatch.held_what
     room_hint = SegmentBatch.room_hint
+    decodes_more = True
 
     def advance(self, weights: roles.SyncedWeights, iteration: int) -> SegmentBatch:
         return self.source.rebuilt(self, weights).advance(weights, iteration)
