@@ -67,6 +67,18 @@ def pytest_xdist_make_scheduler(config, log):
             self.workqueue.move_to_end(first, last=False)
             super()._assign_work_unit(node)
 
+        def remove_node(self, node):
+            # A crashed worker's files go back to the queue. xdist (3.8) also re-queues the test it
+            # crashed in, already reported as failed: the replacement worker then hung (2026-11-28).
+            # As `--dist load` does, the crashed test is not run again.
+            crashitem = super().remove_node(node)
+            for scope, unit in list(self.workqueue.items()):
+                if crashitem in unit:
+                    unit[crashitem] = True
+                if all(unit.values()):
+                    del self.workqueue[scope]
+            return crashitem
+
     return SlowestFilesFirst(config, log)
 
 MESH_SHAPES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
