@@ -19,6 +19,7 @@ settings (`make_rollouts`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -118,8 +119,8 @@ class Rollouts:
         if self.dynamic is None:
             return self.finish(sampled), sampled.sample
         sampled, host_scores, metrics = self.dynamic.refill(
-            sampled, self.host_scores(sampled), lambda: weights or self._sampling_weights(state), step,
-            self.host_scores)
+            sampled, self.host_scores(sampled), functools.cache(lambda: weights or self._sampling_weights(state)),
+            step, self.host_scores)
         self.iteration_metrics.update(metrics)
         return self.finish(sampled, host_scores), sampled.sample
 
