@@ -40,11 +40,19 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # pytest-xdist (`-n 2`) hands each worker whole files, the slowest first. Its default ("load") sends
 # runs of consecutive tests, so a file landed on both workers: a module fixture (the demo's pipeline,
 # a trainer the tests read) ran twice, and both compiled the same programs at once. Whole files,
-# longest first, leave no worker alone with a long file at the end. The order: cold-cache seconds on
-# 2 cores (docs/benchmarks.md, "The test suite's time"); files not named run after, those
-# with more tests first.
+# longest first, leave no worker alone with a long file at the end. The order: each file's seconds
+# in a cold-cache run on 2 cores (docs/benchmarks.md, "The test suite's time"; 2026-11-28), those
+# over a minute; the others run after them in collection order. Before, the multi-process and
+# notebook files (the two longest) were unnamed, so they ran last, together, on a loaded machine.
 SLOWEST_FILES = (
-    "test_roles.py", "test_reliability.py", "test_trainer.py", "test_demo.py", "test_moe.py",
+    "test_multihost.py", "test_notebook.py", "test_roles.py", "test_trainer.py", "test_rollout_kinds.py",
+    "test_demo.py", "test_moe.py", "test_reliability.py", "test_multi_turn_trainer.py", "test_accelerators.py",
+    "test_partial_rollouts.py", "test_hf.py", "test_router_replay.py", "test_packing.py", "test_lora_ppo.py",
+    "test_lora_value.py", "test_off_policy_pipeline.py", "test_guide_hf_models.py", "test_checkpoint_layout.py",
+    "test_lost_peer.py", "test_checkpoint.py", "test_sampling.py", "test_lora.py", "test_plan.py",
+    "test_continuous.py", "test_sweep.py", "test_compute.py", "test_context_axis.py", "test_dynamic_sampling.py",
+    "test_multi_turn_partial.py", "test_reference_dtype.py", "test_cli.py", "test_distillation.py",
+    "test_multi_turn_slots.py", "test_multi_turn.py", "test_dpo.py",
 )
 
 
