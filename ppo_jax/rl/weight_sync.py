@@ -40,7 +40,8 @@ class WeightSync:
                                  f"{seconds:.2f} s); each iteration syncs only the adapters")
 
     def weights(self, state: PPOState) -> roles.SyncedWeights:
-        """`state`'s policy on the sampler's mesh: synced once per train step."""
+        """`state`'s policy on the sampler's mesh: synced at most once per train step (none where the
+        step decodes nothing, `InFlightPipeline.decodes`)."""
         step = int(state.step)
         if self.synced is not None and self.synced.step == step:
             return self.synced
