@@ -43,9 +43,10 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # longest first, leave no worker alone with a long file at the end. The order: each file's seconds
 # in a cold-cache run on 2 cores (docs/benchmarks.md, "The test suite's time"; 2026-11-28), those
 # over a minute; the others run after them in collection order. Before, the multi-process and
-# notebook files (the two longest) were unnamed, so they ran last, together, on a loaded machine.
+# notebook files (the two longest) were unnamed, so they ran last, together, on a loaded machine;
+# the notebook now comes 4th, so that it starts after the multi-process file rather than beside it.
 SLOWEST_FILES = (
-    "test_multihost.py", "test_notebook.py", "test_roles.py", "test_trainer.py", "test_rollout_kinds.py",
+    "test_multihost.py", "test_roles.py", "test_trainer.py", "test_notebook.py", "test_rollout_kinds.py",
     "test_demo.py", "test_moe.py", "test_reliability.py", "test_multi_turn_trainer.py", "test_accelerators.py",
     "test_partial_rollouts.py", "test_hf.py", "test_router_replay.py", "test_packing.py", "test_lora_ppo.py",
     "test_lora_value.py", "test_off_policy_pipeline.py", "test_guide_hf_models.py", "test_checkpoint_layout.py",
