@@ -112,15 +112,14 @@ class Rollouts:
     def next(self, state: PPOState) -> tuple[Rollout, sampling.SampleOutput]:
         """The rollout of iteration `state.step` from the training source's pipeline (`rl/in_flight.py`)."""
         step = int(state.step)
-        # Synced only when something decodes with them: a run's last whole-sample iterations copy nothing.
-        weights = self._sampling_weights(state) if self.pipeline.decodes(step) else None
-        sampled = self.pipeline.next(weights, step)
+        # Synced on first use only: a run's last whole-sample iterations decode nothing, so copy nothing.
+        weights = functools.cache(lambda: self._sampling_weights(state))
+        sampled = self.pipeline.next(weights() if self.pipeline.decodes(step) else None, step)
         self.iteration_metrics = self.training.metrics(sampled)
         if self.dynamic is None:
             return self.finish(sampled), sampled.sample
-        sampled, host_scores, metrics = self.dynamic.refill(
-            sampled, self.host_scores(sampled), functools.cache(lambda: weights or self._sampling_weights(state)),
-            step, self.host_scores)
+        sampled, host_scores, metrics = self.dynamic.refill(sampled, self.host_scores(sampled), weights, step,
+                                                            self.host_scores)
         self.iteration_metrics.update(metrics)
         return self.finish(sampled, host_scores), sampled.sample
 
