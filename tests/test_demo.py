@@ -1,6 +1,6 @@
-"""The offline demo end to end at reduced size (configs/demo_small.py, with the DPO stage): the reward
-model beats chance on gold labels, PPO raises the hidden gold reward with a bounded KL, DPO is judged
-beside it, every promised output is written, preference sampling is reproducible, and the command line
+"""The offline demo end to end at reduced size (configs/demo_small.py, with the DPO and distillation
+stages): the reward model beats chance on gold labels, PPO raises the hidden gold reward with a bounded
+KL, DPO and distillation are judged beside it, every promised output is written, preference sampling is reproducible, and the command line
 refuses a workdir it did not make."""
 
 import json
@@ -24,6 +24,7 @@ def result(tmp_path_factory):
     config = small_config()
     config.progress = False
     config.run_dpo = True
+    config.run_distill = True
     workdir = str(tmp_path_factory.mktemp("demo"))
     return config, pipeline.run(config, workdir, mesh=make_test_mesh((1, 1, 1)), verbose=False)
 
@@ -80,6 +81,29 @@ def test_dpo_is_judged_beside_ppo(result):
     summary = json.load(open(os.path.join(r.workdir, "summary.json")))
     assert summary["dpo"]["gold"] == d.gold
     assert "gold reward, DPO policy" in r.table() and "final KL to SFT, DPO" in r.table()
+
+
+def test_distillation_is_judged_beside_ppo(result):
+    """The teacher learned the gold-best answers; distillation's reward pulls the student toward it (its
+    reverse KL to the teacher falls); its final policy is judged on PPO's prompts and keys."""
+    config, r = result
+    d, w = r.distill, r.workdir
+    assert d.teacher_gap_closed > 0.5  # the teacher is worth distilling
+    rows = [json.loads(line) for line in open(os.path.join(w, "distill", "metrics.jsonl"))]
+    teacher_kl = [row["objective/teacher_kl"] for row in rows if "objective/teacher_kl" in row]
+    assert len(teacher_kl) == config.ppo.train.iterations
+    assert np.mean(teacher_kl[-5:]) < 0.85 * np.mean(teacher_kl[:5])  # 84 -> 58 nats when written
+    assert d.teacher_kl == teacher_kl[-1] and not any("objective/scores" in row and row["objective/scores"] != 0
+                                                     for row in rows)  # no reward model: the teacher is the reward
+    points = [json.loads(line) for line in open(os.path.join(w, "distill", "eval.jsonl"))]
+    assert points[0]["gold"] == pytest.approx(r.sft_gold)  # PPO's held-out prompts and sampling keys
+    assert points[-1]["gold"] == pytest.approx(d.gold) and d.kl > 1.0
+    assert d.gap_closed == pytest.approx((d.gold - r.sft_gold) / (r.best_gold - r.sft_gold))
+    assert os.path.isfile(os.path.join(w, "teacher", "hf", "config.json"))
+    assert os.path.isfile(os.path.join(w, "distill", "hf", "config.json"))
+    summary = json.load(open(os.path.join(w, "summary.json")))
+    assert summary["distill"]["gap_closed"] == d.gap_closed and {"teacher", "distill"} <= set(summary["seconds"])
+    assert "share of the gap closed by distillation" in r.table()
 
 
 def test_preference_sampling_is_reproducible(result, tmp_path):

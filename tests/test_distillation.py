@@ -122,10 +122,11 @@ def test_the_memory_plan_counts_the_teacher(teacher_dir):
     assert plan.params["teacher"] == 4 * cfg.num_params()
 
 
-def test_rewards_are_minus_the_reverse_kl_per_token_numpy():
+@pytest.mark.parametrize("gamma", [0.9, 0.0])  # 0.0: the recipe's (each token's return is its own reward)
+def test_rewards_are_minus_the_reverse_kl_per_token_numpy(gamma):
     """experience_from_outputs with a teacher against a NumPy transcription: REINFORCE++ returns of the
-    token rewards -beta*KL_ref - coef*(log pi - log pi_teacher) + score on the last token, gamma = 0.9."""
-    s = Settings.from_config(tiny_config(**{"ppo.advantage_estimator": "reinforce_pp", "ppo.gamma": 0.9,
+    token rewards -beta*KL_ref - coef*(log pi - log pi_teacher) + score on the last token."""
+    s = Settings.from_config(tiny_config(**{"ppo.advantage_estimator": "reinforce_pp", "ppo.gamma": gamma,
                                             "distill.coef": 0.5, "rollout.batch_size": 4,
                                             "rollout.forward_microbatch": 0}))
     s = s.replace(distill=dataclasses.replace(s.distill, teacher_path="/a/teacher"))
@@ -149,7 +150,7 @@ def test_rewards_are_minus_the_reverse_kl_per_token_numpy():
         rewards[n - 1] += scores[i]
         running = 0.0
         for t in reversed(range(n)):
-            running = rewards[t] + 0.9 * running
+            running = rewards[t] + gamma * running
             want[i, t] = running
     np.testing.assert_allclose(np.asarray(exp.returns), want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(metrics["objective/teacher_kl"], ((logp - teacher) * mask).sum(-1).mean(), rtol=1e-5)

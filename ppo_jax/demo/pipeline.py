@@ -12,6 +12,9 @@
    answers held-out prompts and the gold reward - which PPO never sees - judges the answers.
 5. With --config.run_dpo=True: DPO from the SFT policy on the same preference pairs (no reward model),
    its final policy judged like PPO's (same prompts, sampling keys, gold reward, KL to the SFT policy).
+6. With --config.run_distill=True: a wider teacher SFT'd on gold-best answers, and on-policy
+   distillation of the SFT policy toward it with PPO's budget, judged like PPO's
+   (`ppo_jax.demo.distill_stages`).
 
 Everything lands in the workdir: per-stage metrics (JSONL + TensorBoard), Orbax checkpoints, Hugging
 Face exports, the preference data, PPO samples, before/after samples, PNG plots and summary.json.
@@ -33,14 +36,15 @@ import jax
 from ppo_jax.cli.common import config_command
 from ppo_jax.config import to_dict
 from ppo_jax.demo import default_config
+from ppo_jax.demo.distill_stages import train_distill, train_teacher
 from ppo_jax.demo.evaluator import EvalPoint
 from ppo_jax.demo.plots import plot_ppo, plot_supervised
 from ppo_jax.demo.settings import DemoSettings
-from ppo_jax.demo.stages import DPOResult, sample_preferences, train_dpo, train_ppo, train_reward_model, train_sft
+from ppo_jax.demo.stages import DPOResult, PPOResult, sample_preferences, train_dpo, train_ppo, train_reward_model, train_sft
 
 DEFAULT_WORKDIR = os.path.join("runs", "demo")
 MARKER = ".ppo_jax_demo"  # marks a directory the demo may clear and rewrite
-STAGE_DIRS = ("sft", "preferences", "reward_model", "ppo", "dpo", "plots")
+STAGE_DIRS = ("sft", "preferences", "reward_model", "ppo", "dpo", "teacher", "distill", "plots")
 STAGE_FILES = ("samples_before_after.jsonl", "summary.json", "wandb_run_id")  # (the W&B files under wandb/ stay: an
 # offline run not yet synced is the user's)
 
@@ -63,6 +67,28 @@ def dpo_summary(dpo: DPOResult, sft_gold: float, best_gold: float) -> DPOSummary
 
 
 @dataclasses.dataclass
+class DistillSummary:
+    """The distillation stages beside PPO: the teacher, and the student on PPO's prompts and sampling keys."""
+
+    teacher_gold: float  # mean gold reward of the teacher's own answers
+    teacher_gap_closed: float  # (teacher_gold - sft_gold) / (best_gold - sft_gold)
+    gold: float  # mean gold reward of the final distilled policy
+    gap_closed: float  # (gold - sft_gold) / (best_gold - sft_gold)
+    kl: float  # KL(distilled policy || SFT), nats per response
+    teacher_kl: float  # the last iteration's reverse KL to the teacher (objective/teacher_kl), nats per response
+    max_rollout_kl: float  # the largest training-rollout KL to the SFT policy
+
+
+def distill_summary(teacher_gold: float, distill: PPOResult, sft_gold: float, best_gold: float) -> DistillSummary:
+    gap, final = best_gold - sft_gold, distill.evals[-1]
+    teacher_kl = [r["objective/teacher_kl"] for r in distill.history if "objective/teacher_kl" in r]
+    max_kl = max((r["objective/kl"] for r in distill.history if "objective/kl" in r), default=0.0)
+    return DistillSummary(teacher_gold=teacher_gold, teacher_gap_closed=(teacher_gold - sft_gold) / gap,
+                          gold=final.gold, gap_closed=(final.gold - sft_gold) / gap, kl=final.kl, teacher_kl=float(teacher_kl[-1]) if teacher_kl else 0.0,
+                          max_rollout_kl=float(max_kl))
+
+
+@dataclasses.dataclass
 class DemoResult:
     """The summary table's numbers (also written to summary.json)."""
 
@@ -80,6 +106,7 @@ class DemoResult:
     workdir: str
     targets_met: dict[str, bool]  # rm_accuracy, gap_closed, kl
     dpo: DPOSummary | None = None  # the DPO stage's row (with run_dpo)
+    distill: DistillSummary | None = None  # the distillation stages' rows (with run_distill)
     # The largest KL to the SFT policy of any iteration's training rollouts (objective/kl, nats per
     # response) and its iteration: a collapse the final evaluation no longer shows (docs/demo.md).
     max_rollout_kl: float = 0.0
@@ -112,6 +139,15 @@ class DemoResult:
                 kl_row: ("final KL to SFT, DPO", f"{d.kl:.2f} nats"),
             }
             rows = [r for row in rows for r in ([row, (*under[row[0]], None)] if row[0] in under else [row])]
+        if self.distill is not None:
+            d = self.distill
+            rows[-1:-1] = [
+                ("gold reward, distillation teacher", f"{d.teacher_gold:+.3f} ({d.teacher_gap_closed:.1%} of the gap)",
+                 None),
+                ("gold reward, distilled policy", f"{d.gold:+.3f}", None),
+                ("share of the gap closed by distillation", f"{d.gap_closed:.1%}", None),
+                ("final KL to SFT, distilled", f"{d.kl:.2f} nats (to the teacher {d.teacher_kl:.2f})", None),
+            ]
         width = max(len(r[0]) for r in rows)
         lines = []
         for name, value, ok in rows:
@@ -161,7 +197,7 @@ def run(config, workdir: str = DEFAULT_WORKDIR, *, mesh=None, verbose: bool = Tr
         + (f", load average {load[0]:.1f}" if load else "") + ")")
     seconds: dict[str, float] = {}
 
-    n = 5 if settings.run_dpo else 4
+    n = 4 + settings.run_dpo + 2 * settings.run_distill
     log(f"[1/{n}] SFT: a tiny GPT-2 learns the world's language")
     sft = train_sft(settings, workdir, mesh)
     seconds["sft"] = sft.seconds
@@ -185,6 +221,16 @@ def run(config, workdir: str = DEFAULT_WORKDIR, *, mesh=None, verbose: bool = Tr
         log(f"[5/{n}] DPO from the SFT policy on the same {len(train_pairs)} pairs (no reward model)")
         dpo = train_dpo(settings, sft.hf_dir, rm.hf_dir, train_pairs, val_pairs, workdir, mesh)
         seconds["dpo"] = dpo.seconds
+
+    distill = teacher = None
+    if settings.run_distill:
+        k = 5 + settings.run_dpo
+        log(f"[{k}/{n}] teacher: a wider GPT-2 SFT'd on the gold-best answers")
+        teacher = train_teacher(settings, workdir, mesh)
+        seconds["teacher"] = teacher.stage.seconds
+        log(f"[{k + 1}/{n}] on-policy distillation toward the teacher, with PPO's budget (no reward model)")
+        distill = train_distill(settings, sft.hf_dir, teacher.stage.hf_dir, workdir, mesh)
+        seconds["distill"] = distill.seconds
 
     t = settings.targets
     if jax.process_index() == 0:
@@ -215,6 +261,7 @@ def run(config, workdir: str = DEFAULT_WORKDIR, *, mesh=None, verbose: bool = Tr
         targets_met={"rm_accuracy": rm_accuracy >= t.rm_accuracy, "gap_closed": gap_closed >= t.gap_closed,
                      "kl": last.kl < t.kl_bound},
         dpo=None if dpo is None else dpo_summary(dpo, first.gold, best),
+        distill=None if distill is None else distill_summary(teacher.gold, distill, first.gold, best),
         max_rollout_kl=float(max_kl), max_rollout_kl_step=int(max_kl_step))
     if jax.process_index() == 0:
         summary = {k: v for k, v in dataclasses.asdict(result).items() if k != "evals"}

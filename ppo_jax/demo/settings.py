@@ -26,7 +26,7 @@ PROMPT_LENGTH = 10  # the longest world prompt has 10 words
 RESPONSE_TOKENS = World().max_response_tokens  # the world's response budget (16)
 
 # What stage 2 and 4 fill in; validation checks the stages' settings with these in place.
-_SFT_DIR, _RM_DIR = "<sft>/hf", "<reward_model>/hf"
+_SFT_DIR, _RM_DIR, _TEACHER_DIR = "<sft>/hf", "<reward_model>/hf", "<teacher>/hf"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +48,20 @@ class PreferenceSettings:
 class EvalSettings:
     num_prompts: int = 256  # held-out prompts the gold reward judges (a multiple of ppo.rollout.batch_size)
     every: int = 5  # evaluate every N PPO iterations (and before the first, and after the last)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillStageSettings:
+    """The optional distillation stages (run_distill): a larger teacher SFT'd on the world's gold-best
+    answers, then on-policy distillation of the SFT policy toward it, run as PPO's stage is (same rollout,
+    epochs, minibatches, iterations, KL leash to the SFT policy and gold evaluation) with the reverse KL
+    to the teacher as the only reward."""
+
+    num_teacher_examples: int = 8000  # {train prompt, gold-best answer} pairs the teacher is SFT'd on
+    coef: float = 1.0  # weight of the per-token reverse-KL reward (`ppo.distill.coef`)
+    # The recipe's per-token advantage (Lu & Thinking Machines 2025): each token's own reward, no critic
+    advantage_estimator: str = "reinforce_pp"
+    gamma: float = 0.0  # discount of the per-token rewards (0: each token's advantage is its own term)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +104,14 @@ def _sft_defaults() -> SFTSettings:
             warmup_steps=30,  # linear warmup, then cosine decay
         ),
     )
+
+
+def _teacher_defaults() -> SFTSettings:
+    """The distillation teacher (run_distill): the SFT recipe on a wider GPT-2 (d = 256, 4 blocks; the
+    student's d = 128) and the gold-best answers instead of the mixed corpus."""
+    s = _sft_defaults()
+    return replace(s, model=replace(s.model, config=replace(s.model.config, hidden_size=256)),
+                   train=replace(s.train, steps=300, eval_every=0))
 
 
 def _reward_model_defaults() -> RewardModelSettings:
@@ -203,6 +225,11 @@ class DemoSettings(RunSettings):
     ppo: Settings = _ppo_defaults()  # `ppo_jax.rl.settings.Settings`
     run_dpo: bool = False  # also train DPO from the SFT policy on the reward model's pairs; judged like PPO
     dpo: DPOSettings = _dpo_defaults()  # `ppo_jax.supervised.settings.DPOSettings` (used with run_dpo)
+    # also SFT a larger teacher on gold-best answers and distill the SFT policy toward it on-policy, with the
+    # ppo section's budget; judged like PPO (docs/ablations.md, "Distillation against PPO")
+    run_distill: bool = False
+    teacher: SFTSettings = _teacher_defaults()  # `ppo_jax.supervised.settings.SFTSettings` (used with run_distill)
+    distill: DistillStageSettings = DistillStageSettings()
     eval: EvalSettings = EvalSettings()
     targets: TargetSettings = TargetSettings()
     progress: bool = True  # tqdm bars per stage
@@ -231,8 +258,18 @@ class DemoSettings(RunSettings):
                          # the demo stops at the first non-finite iteration
                          train=replace(p.train, progress=self.progress, max_consecutive_nonfinite=1))
 
+    def teacher_stage(self) -> SFTSettings:
+        return replace(self.teacher, train=replace(self.teacher.train, progress=self.progress))
+
+    def distill_stage(self, sft_dir: str, teacher_dir: str) -> Settings:
+        """PPO's stage with the teacher's reverse KL as the only reward: no reward model, no critic."""
+        p, d = self.ppo_stage(sft_dir, ""), self.distill
+        return p.replace(distill=replace(p.distill, teacher_path=teacher_dir, coef=d.coef),
+                         ppo=replace(p.ppo, advantage_estimator=d.advantage_estimator, gamma=d.gamma),
+                         value=replace(p.value, init="policy"))
+
     def stage_wandb(self, stage: str, workdir: str) -> WandbSettings:
-        """The W&B section of one stage's run (`stage`: sft, reward_model, ppo, dpo, summary) of the demo in
+        """The W&B section of one stage's run (`stage`: sft, reward_model, ppo, dpo, teacher, distill, summary) of the demo in
         `workdir`: the demo's section, the run named <demo name>-<stage>, grouped with the demo's other runs
         (or with the sweep's, whose name $WANDB_RUN_GROUP holds)."""
         w = self.wandb
@@ -254,7 +291,7 @@ class DemoSettings(RunSettings):
         check(p.label_temperature > 0, "demo: preferences.label_temperature must be > 0")
         check(p.batch_size >= 1, f"demo: preferences.batch_size must be >= 1, got {p.batch_size}")
         self.wandb.validate("demo: wandb")
-        for stage in ("sft", "reward_model", "ppo", "dpo"):
+        for stage in ("sft", "reward_model", "ppo", "dpo", "teacher"):
             check(getattr(self, stage).wandb == WandbSettings(),
                   f"demo: {stage}.wandb is set, but the demo's own wandb section applies to every stage (its runs "
                   f"<name>-sft, -reward_model, -ppo, ... in one group): set wandb.* and leave {stage}.wandb as it is")
@@ -266,6 +303,13 @@ class DemoSettings(RunSettings):
         self.ppo_stage(_SFT_DIR, _RM_DIR).validate()
         if self.run_dpo:
             self.dpo_stage(_SFT_DIR).validate()
+        if self.run_distill:
+            check(self.distill.num_teacher_examples >= 1, "demo: distill.num_teacher_examples must be >= 1")
+            check(self.teacher.model.config.vocab_size >= self.world.vocab_size,
+                  f"demo: teacher.model.config.vocab_size={self.teacher.model.config.vocab_size} is smaller than "
+                  f"the world's vocabulary ({self.world.vocab_size})")
+            self.teacher_stage().validate()
+            self.distill_stage(_SFT_DIR, _TEACHER_DIR).validate()
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -277,8 +321,9 @@ def get_config() -> ml_collections.ConfigDict:
     c = config_dict(DemoSettings())
     seed, prompt_length = c.get_ref("seed"), c.get_ref("prompt_length")
     response_tokens = c.world.get_ref("max_response_tokens")
-    c.sft.seed = c.reward_model.seed = c.ppo.seed = c.dpo.seed = seed
+    c.sft.seed = c.reward_model.seed = c.ppo.seed = c.dpo.seed = c.teacher.seed = seed
     c.sft.data.max_prompt_length = prompt_length
+    c.teacher.data.max_prompt_length = prompt_length
     c.reward_model.data.max_prompt_length = prompt_length
     c.dpo.data.max_prompt_length = prompt_length
     c.ppo.data.prompt_length = prompt_length
@@ -306,6 +351,10 @@ def small_config() -> ml_collections.ConfigDict:
     c.reward_model.train.eval_every = 0  # evaluate once, at the end
     c.dpo.train.steps = 50  # DPO optimizer steps (with run_dpo)
     c.dpo.train.eval_every = 0  # evaluate once, at the end
+    c.teacher.model.config.hidden_size = 128  # the teacher twice the student's width (with run_distill)
+    c.teacher.model.config.num_layers = 2
+    c.teacher.train.steps = 150  # teacher SFT steps
+    c.distill.num_teacher_examples = 2000  # the teacher's gold-best pairs (with run_distill)
     c.ppo.rollout.batch_size = 32  # prompts per PPO iteration
     c.ppo.train.iterations = 20  # PPO iterations
     c.eval.num_prompts = 64  # held-out prompts judged by the gold reward

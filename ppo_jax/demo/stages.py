@@ -119,16 +119,22 @@ def train_reward_model(settings: DemoSettings, sft_dir: str, train_pairs, val_pa
 
 def train_ppo(settings: DemoSettings, sft_dir: str, rm_dir: str, workdir: str, mesh=None) -> PPOResult:
     """Stage 4: PPO from the SFT policy against the reward model, evaluated by the gold reward.
+    Checkpoints go to <workdir>/ppo/checkpoints; the final policy is exported to <workdir>/ppo/hf."""
+    return train_policy(settings, settings.ppo_stage(sft_dir, rm_dir), "ppo", workdir, mesh)
 
-    The loop is PPOTrainer.train (metrics, samples, checkpoints, progress, SIGTERM) with a gold
-    evaluation every eval.every iterations as its on_iteration hook. Checkpoints go to
-    <workdir>/ppo/checkpoints; the final policy is exported to <workdir>/ppo/hf.
+
+def train_policy(settings: DemoSettings, stage_settings, stage: str, workdir: str, mesh=None) -> PPOResult:
+    """A PPO-trainer stage (`stage_settings`: PPO's, or the distillation stage's) in <workdir>/<stage>,
+    judged by the gold reward on the held-out prompts every eval.every iterations.
+
+    The loop is PPOTrainer.train (metrics, samples, checkpoints, progress, SIGTERM) with the gold
+    evaluation as its on_iteration hook; the final policy is exported to <workdir>/<stage>/hf.
     """
     t0 = time.perf_counter()
     world = settings.world
-    ppo_settings = settings.ppo_stage(sft_dir, rm_dir).replace(wandb=settings.stage_wandb("ppo", workdir))
-    out = os.path.join(workdir, "ppo")
-    trainer = PPOTrainer(ppo_settings, out, prompts=world.all_prompts("train"), mesh=mesh)
+    stage_settings = stage_settings.replace(wandb=settings.stage_wandb(stage, workdir))
+    out = os.path.join(workdir, stage)
+    trainer = PPOTrainer(stage_settings, out, prompts=world.all_prompts("train"), mesh=mesh)
     eval_prompts = world.prompts(settings.eval.num_prompts, "eval", seed=settings.seed + 29)
     evaluator = PolicyEvaluator(trainer, world, eval_prompts, seed=settings.seed)
     evals: list[EvalPoint] = []
@@ -143,7 +149,7 @@ def train_ppo(settings: DemoSettings, sft_dir: str, rm_dir: str, workdir: str, m
         trainer.writer.write(step, {f"gold/{k}": v for k, v in dataclasses.asdict(point).items() if k != "step"})
         return rows
 
-    iterations = ppo_settings.train.iterations
+    iterations = stage_settings.train.iterations
     before = evaluate(0)
     after = before
 

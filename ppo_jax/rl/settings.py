@@ -378,7 +378,7 @@ class Settings(RunSettings):
         self._validate_objective()
         check(p.router_aux_coef >= 0 and p.router_z_coef >= 0,
               f"ppo.router_aux_coef and ppo.router_z_coef must be >= 0, got {p.router_aux_coef} and {p.router_z_coef}")
-        check(0 < p.gamma <= 1, f"ppo.gamma must be in (0, 1], got {p.gamma}")
+        check(0 <= p.gamma <= 1, f"ppo.gamma must be in [0, 1], got {p.gamma}")  # 0: each token its own reward (the distillation recipe)
         check(0 <= p.lam <= 1, f"ppo.lam must be in [0, 1], got {p.lam}")
         check(p.kl_estimator in ("k1", "k2", "k3"), f"ppo.kl_estimator={p.kl_estimator!r}: use k1, k2 or k3")
         check(p.kl_controller in ("fixed", "adaptive"), f"ppo.kl_controller={p.kl_controller!r}: use fixed or adaptive")
