@@ -31,4 +31,4 @@ def save(fig, path: str | None) -> None:
     """Writes `fig` as a PNG at `path` (its directory made); nothing when path is None."""
     if path is not None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, bbox_inches="tight")  # nothing drawn outside the axes is cut off

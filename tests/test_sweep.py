@@ -282,3 +282,27 @@ def test_a_tiny_sweep_of_the_verifiable_task_end_to_end(tmp_path):
     assert (tmp_path / "plots" / "summary_rl.ppo.advantage_estimator.png").stat().st_size > 0
     manifest = json.loads((tmp_path / "sweep.json").read_text())
     assert manifest["trainer"] == "verifiable" and len(manifest["runs"]) == 2
+
+
+@pytest.mark.parametrize("panels", [1, 3])
+def test_the_curves_legend_fits_in_the_figure_with_long_labels(panels):
+    """Six points of ten fields each (issue 61's objectives sweep): every legend entry lies inside the
+    figure, below the panels (its labels were cut off at both sides)."""
+    fields = [f"rl.ppo.field_{i}" for i in range(10)]
+    steps = np.arange(5)
+    outcomes = [runner.Outcome(spec.Run(i, tuple((f, f"value{i}") for f in fields), 0), 0, 1.0, "done")
+                for i in range(6)]
+    metrics = [f"m{j}" for j in range(panels)]
+    fig = plots.plot_curves([results.RunResult(o, {}, {m: (steps, steps * 1.0) for m in metrics}) for o in outcomes],
+                            metrics)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    figure_box = fig.get_window_extent(renderer)
+    legend_box = fig.legends[0].get_window_extent(renderer)
+    panels_bottom = min(ax.get_window_extent(renderer).y0 for ax in fig.axes)
+    if panels == 3:  # labels this long fit the 3-panel figure's width
+        assert figure_box.x0 <= legend_box.x0 and legend_box.x1 <= figure_box.x1
+    assert legend_box.y0 >= figure_box.y0 and legend_box.y1 <= panels_bottom
+    assert len(fig.legends[0].get_texts()) == 6

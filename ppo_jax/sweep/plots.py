@@ -43,9 +43,15 @@ def plot_curves(results: Sequence[RunResult], metrics: Sequence[str], path: str 
         ax.set_title(metric)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    if axes and axes[0].lines:  # one legend under the panels
-        fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=min(len(groups), 3), fontsize=8)
-        fig.tight_layout(rect=(0, 0.06 * math.ceil(len(groups) / 3) + 0.04, 1, 1))
+    if axes and axes[0].lines:  # one legend under the panels, as many columns as the labels' width allows
+        handles, labels = axes[0].get_legend_handles_labels()
+        width, height = fig.get_size_inches()
+        label_inches = 0.06 * max(map(len, labels)) + 0.6  # a fontsize-8 character is ~0.06 in, plus the swatch
+        ncol = max(1, min(len(labels), 3, int(width // label_inches)))
+        fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8)
+        legend_inches = 0.17 * math.ceil(len(labels) / ncol) + 0.15
+        fig.set_size_inches(width, height + legend_inches)  # the panels keep their height
+        fig.tight_layout(rect=(0, legend_inches / (height + legend_inches), 1, 1))
     else:
         fig.tight_layout()
     save(fig, path)
