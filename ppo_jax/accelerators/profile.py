@@ -56,7 +56,10 @@ class DeviceModel:
     bf16_flops: float  # dense tensor-core peak, FLOP/s (bf16 / fp16 operands)
     f32_flops: float  # fp32 operands (XLA:GPU's default precision multiplies them as TF32)
     hbm_bytes_per_s: float
-    launch_seconds: float = 4e-6
+    # 1.9 us, fitted on the traced bf16 H200 decode loop (2026-11-27, docs/benchmarks.md "Recalibrated"):
+    # its ~49,500 kernels took 0.257-0.272 s where their rooflines sum to 0.173 s, 1.7-2.0 us a kernel
+    # (was 4 us, which put the launch-bound decode loop's estimate 1.3-1.4x above the device)
+    launch_seconds: float = 1.9e-6
     host_sync_seconds: float = 20e-6
     matmul_efficiency: float = 0.7
     memory_efficiency: float = 0.8

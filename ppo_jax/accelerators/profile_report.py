@@ -51,7 +51,7 @@ def format_profiles(profiles: dict[str, ProgramProfile], device: DeviceModel, de
     sampler run stands for (its per-step line); None: no such line."""
     lines = [f"Static profile for {device.name} (compile-only XLA:GPU; estimate per kernel = max(FLOPs / "
              f"{device.matmul_efficiency:.0%} of peak, bytes / {device.memory_efficiency:.0%} of "
-             f"{device.hbm_bytes_per_s / 1e12:.2f} TB/s) + {device.launch_seconds * 1e6:.0f} us; "
+             f"{device.hbm_bytes_per_s / 1e12:.2f} TB/s) + {device.launch_seconds * 1e6:.1f} us; "
              f"{device.host_sync_seconds * 1e6:.0f} us per host round trip)",
              f"{'phase':<12}{'launches':>10}{'host syncs':>12}{'TFLOP':>9}{'GB':>9}{'est. ms':>10}   by kind (est. ms)"]
     for name, p in profiles.items():
