@@ -21,7 +21,7 @@ import numpy as np
 from ppo_jax import sharding
 from ppo_jax.demo.responses import ResponseSampler
 from ppo_jax.demo.settings import DemoSettings
-from ppo_jax.demo.stages import PPOResult, StageResult, train_policy
+from ppo_jax.demo.stages import PPOResult, StageResult, eval_prompts, train_policy
 from ppo_jax.supervised.sft import SFTTrainer
 
 
@@ -60,7 +60,7 @@ def teacher_gold(settings: DemoSettings, teacher_dir: str, mesh=None) -> float:
     mesh = mesh or sharding.make_mesh(tuple(settings.teacher.mesh.shape))
     sampler = ResponseSampler(world, teacher_dir, num_samples=rollout.num_samples, temperature=1.0,
                               batch_size=rollout.batch_size, prompt_length=settings.prompt_length, mesh=mesh)
-    prompts = world.prompts(settings.eval.num_prompts, "eval", seed=settings.seed + 29)
+    prompts = eval_prompts(settings)
     answers = sampler(prompts, jax.random.key(settings.seed + 47))
     return float(np.mean([world.gold(p, text, stopped) for p, rows in zip(prompts, answers) for text, stopped in rows]))
 

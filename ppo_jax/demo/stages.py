@@ -59,6 +59,11 @@ class PPOResult:
     hf_dir: str
 
 
+def eval_prompts(settings: DemoSettings) -> list[str]:
+    """The held-out prompts every policy of the demo is judged on (PPO, DPO, distillation, the teacher)."""
+    return settings.world.prompts(settings.eval.num_prompts, "eval", seed=settings.seed + 29)
+
+
 def train_sft(settings: DemoSettings, workdir: str, mesh=None) -> StageResult:
     """Stage 1: SFT on the world's corpus; exports <workdir>/sft/hf."""
     t0 = time.perf_counter()
@@ -135,8 +140,7 @@ def train_policy(settings: DemoSettings, stage_settings, stage: str, workdir: st
     stage_settings = stage_settings.replace(wandb=settings.stage_wandb(stage, workdir))
     out = os.path.join(workdir, stage)
     trainer = PPOTrainer(stage_settings, out, prompts=world.all_prompts("train"), mesh=mesh)
-    eval_prompts = world.prompts(settings.eval.num_prompts, "eval", seed=settings.seed + 29)
-    evaluator = PolicyEvaluator(trainer, world, eval_prompts, seed=settings.seed)
+    evaluator = PolicyEvaluator(trainer, world, eval_prompts(settings), seed=settings.seed)
     evals: list[EvalPoint] = []
     eval_log = os.path.join(out, "eval.jsonl")
 
@@ -192,9 +196,8 @@ def train_dpo(settings: DemoSettings, sft_dir: str, rm_dir: str, train_pairs, va
     judge = PPOTrainer(settings.ppo_stage(sft_dir, rm_dir), os.path.join(out, "gold_eval"),
                        prompts=world.all_prompts("train"), mesh=mesh)
     judge.state = judge.state.replace(policy=jax.device_put(trainer.params, judge.state_shardings.policy))
-    eval_prompts = world.prompts(settings.eval.num_prompts, "eval", seed=settings.seed + 29)
     try:
-        final, after = PolicyEvaluator(judge, world, eval_prompts, seed=settings.seed)(trainer.step)
+        final, after = PolicyEvaluator(judge, world, eval_prompts(settings), seed=settings.seed)(trainer.step)
     finally:
         judge.close()
     if jax.process_index() == 0:
