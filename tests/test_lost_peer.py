@@ -209,10 +209,11 @@ def test_a_silent_peer_is_named_once_with_the_resume_hint():
     t = time.time()
     b._stop.set()  # process 1 stops beating without saying it ends (a SIGKILL)
     assert _until(lambda: lines_a)
-    assert 0.2 < time.time() - t < 2.0  # the timeout after the last beat read (0.2 s apart)
-    assert lines_a == ["process 1 of 2 was lost (no heartbeat for 1 s): it was killed, crashed, or its host or "
-                       "network went down; this is process 0. The last complete checkpoint is step 3 in /w; run "
-                       "the same command again."]
+    assert 0.2 < time.time() - t < 4.0  # the timeout after the last beat read (0.2 s apart), not JAX's
+    # the seconds are as the judge measured them: 1 s, more on a loaded machine (CI)
+    assert re.fullmatch(r"process 1 of 2 was lost \(no heartbeat for \d+ s\): it was killed, crashed, or its host "
+                        r"or network went down; this is process 0\. The last complete checkpoint is step 3 in /w; "
+                        r"run the same command again\.", lines_a[0]), lines_a
     assert store.items["ppo_jax/peer_watch/lost/1"].startswith("process 1 of 2 was lost")
     time.sleep(0.5)
     assert len(lines_a) == 1
@@ -239,8 +240,8 @@ def test_the_coordinator_gone_is_process_0_and_a_lost_key_names_the_same_process
     a._stop.set()
     store.down = True
     assert _until(lambda: lines_b)
-    assert lines_b[0].startswith("process 0 (the coordinator) of 2 was lost (the coordinator at 10.0.0.1:1234 "
-                                 "has not answered for 1 s)")
+    assert re.match(r"process 0 \(the coordinator\) of 2 was lost \(the coordinator at 10\.0\.0\.1:1234 has not "
+                    r"answered for \d+ s\)", lines_b[0]), lines_b
     b._stop.set()
 
 
@@ -250,14 +251,53 @@ def test_a_peer_ending_on_purpose_is_not_lost_and_settle_waits_for_a_sign_of_lif
     for w in (a, b):
         w.start(at_exit=False)
     t = time.time()
-    a.settle()  # process 1 beats: returns within a beat or two, not after the timeout
-    assert time.time() - t < 1.5
+    a.settle()  # process 1 beats: returns within a beat or two, not at its deadline (2.6 s)
+    assert time.time() - t < 2.2
     b.stop()  # says it ends, sees process 0 alive after that, stops beating
     time.sleep(0.5)
     assert lines_a == [] == lines_b
     a.stop()  # ending too: a peer that ended is no news
     time.sleep(0.5)
     assert lines_a == []
+
+
+def test_settle_waits_for_a_slow_verdict_so_the_main_threads_error_never_comes_first():
+    # The judge finds the silent peer but takes long to say it (its key-value write and the
+    # checkpoint listing, under load): settle must not return before the line is out.
+    store = FakeStore()
+    (a, lines_a), (b, _) = _watch(store, 0), _watch(store, 1)
+    hint = a.resume_hint
+    a.resume_hint = lambda: (time.sleep(2.0), hint())[1]
+    a.start(at_exit=False), b.start(at_exit=False)
+    time.sleep(0.5)
+    b._stop.set()  # process 1 stops beating (a SIGKILL)
+    time.sleep(0.3)  # its last beat read (0.2 s apart): no sign of life comes after this
+    t = time.time()
+    a.settle()  # the main thread, about to print an error of its own
+    assert lines_a, f"settle returned after {time.time() - t:.1f} s with the peer's loss still unsaid"
+    assert lines_a[0].startswith("process 1 of 2 was lost")
+    a._stop.set()
+
+
+def test_a_beat_written_before_settle_but_read_after_it_is_no_sign_of_life():
+    # A peer killed mid-collective fails this process's collective at once; its last beat, written
+    # just before, reaches this process only after the main thread asked (CI, 2026-11-29). That
+    # beat must not let settle return with the loss unsaid.
+    store = FakeStore()
+    a, lines_a = _watch(store, 0)
+    set_beat = store.client(1).key_value_set
+    a.start(at_exit=False)
+    for counter in range(1, 4):  # process 1 alive, then killed after its beat 4
+        set_beat(f"{peer_watch.KEYS}beat/1", str(counter))
+        time.sleep(0.25)
+    store.lock.acquire()  # process 0's next read waits (a slow key-value call)...
+    store.items[f"{peer_watch.KEYS}beat/1"] = "4"
+    threading.Timer(0.3, store.lock.release).start()  # ...and sees beat 4 after settle began
+    t = time.time()
+    a.settle()
+    assert lines_a, f"settle returned after {time.time() - t:.1f} s on a beat written before it was called"
+    assert lines_a[0].startswith("process 1 of 2 was lost")
+    a._stop.set()
 
 
 def test_a_peer_that_ended_while_this_one_runs_is_named_after_the_timeout():
@@ -267,8 +307,8 @@ def test_a_peer_that_ended_while_this_one_runs_is_named_after_the_timeout():
         w.start(at_exit=False)
     b.stop()
     assert _until(lambda: lines_a)
-    assert lines_a[0].startswith("process 1 of 2 ended 1 s ago while the others still needed it (its own output "
-                                 "says why); this is process 0.")
+    assert re.match(r"process 1 of 2 ended \d+ s ago while the others still needed it \(its own output says "
+                    r"why\); this is process 0\.", lines_a[0]), lines_a
     a._stop.set()
 
 
