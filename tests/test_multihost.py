@@ -9,7 +9,7 @@ import sys
 
 import jax
 import numpy as np
-from conftest import make_test_mesh
+from conftest import TEST_XLA_FLAGS, make_test_mesh
 from tiny_configs import tiny_config
 
 from ppo_jax.rl.trainer import PPOTrainer
@@ -26,7 +26,8 @@ def _free_port() -> int:
 def run_two_processes(workdir, out, overrides=None) -> dict:
     """Runs multihost_worker.py as 2 processes x 4 devices; its JSON output."""
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # conftest's compile flags (the workers had compiled with XLA's slower defaults), 4 devices each.
+    env = {**os.environ, "XLA_FLAGS": f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count=4"}
     extra = [json.dumps(overrides)] if overrides else []
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_worker.py"), str(i), "2",
                                str(port), str(workdir), str(out), *extra],
