@@ -6,6 +6,7 @@ The config is locked, so a misspelled override fails instead of being silently i
 
 from __future__ import annotations
 
+import gc
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -37,6 +38,17 @@ def fail(message: str, *, code: int = 2, cause: BaseException | None = None) -> 
         traceback.print_exception(cause)
     print(f"error: {message}", file=sys.stderr)
     sys.exit(code)
+
+
+def fewer_gc_passes() -> None:
+    """Python's cyclic GC tuned for a process that traces and lowers programs: tracing makes millions
+    of short-lived objects, and each young collection also scans what the imports left (jax, flax,
+    orbax: long-lived) and calls jax's XLA garbage-collection hook. The imports' objects are frozen
+    out of collections and young collections come every 50,000 allocations, not 700: a tiny PPO run
+    (configs/ppo_toy.py, 2 iterations, warm compilation cache) 16.5 -> 14.2 s, 2026-11-29."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
 
 
 def quiet_logging() -> None:
@@ -141,6 +153,7 @@ def config_command(run: Callable[[Any, str | None], str | None], *, what: str, s
         if len(args) > 1:
             raise app.UsageError(f"unexpected arguments {args[1:]}")
         quiet_logging()
+        fewer_gc_passes()
         try:
             message = run(config_flag.value, workdir_flag.value if workdir_flag is not None else None)
         except USER_ERRORS as e:
