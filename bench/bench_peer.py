@@ -317,7 +317,9 @@ DIFFERENCES: dict[str, list[Difference]] = {
                    "the reward function recomputes both log-probs (policy and SFT copy) in PyTorch on the same ids",
                    "the same estimator on the same tokens, another forward"),
         Difference("ppo.epochs, ppo.num_minibatches", "the 64 rows reshuffled into 2 minibatches every epoch",
-                   "shuffled once per generation, the same 2 halves in each of the 4 passes", "TRL's buffered inputs"),
+                   "shuffled once per generation, the same 2 halves in each of the 4 passes",
+                   "TRL's buffered inputs; ppo_jax's ppo.minibatch_order=fixed is TRL's (docs/demo.md: no "
+                   "measurable effect on five seeds)"),
         Difference("", "positions from the attention mask in every forward",
                    "TRL's training forward passes no position_ids (GPT-2 would count left padding); the harness adds "
                    "them from the mask, as TRL's generation and its PPO trainer do",

@@ -79,6 +79,7 @@ class PPOHyper:
     grpo_divide_by_std: bool = True
     kl_cov_fraction: float = 0.002
     kl_cov_coef: float = 1.0
+    fixed_minibatches: bool = False  # ppo.minibatch_order="fixed": every epoch visits one split of the rows
     entropy_target: float = 0.0  # > 0: the adaptive entropy coefficient (PPOState.entropy) replaces ent_coef
 
     @property
@@ -100,6 +101,7 @@ class PPOHyper:
             overlong_buffer=r.overlong_buffer, overlong_penalty=r.overlong_penalty, score_gain=r.gain,
             score_bias=r.bias, score_clip=r.clip, group_size=s.rollout.num_samples, epochs=p.epochs,
             num_minibatches=p.num_minibatches, num_microbatches=p.num_microbatches,
+            fixed_minibatches=p.minibatch_order == "fixed",
             forward_microbatches=sizes.rollout_rows // sizes.forward_rows, clip_eps=p.clip_eps,
             clip_eps_high=p.clip_eps_high or None, dual_clip=p.dual_clip or None, value_clip=p.value_clip,
             vf_coef=p.vf_coef, ent_coef=p.ent_coef, dense_kl_coef=p.dense_kl_coef, router_aux_coef=p.router_aux_coef,

@@ -34,6 +34,7 @@ ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
 DECODE_LOOPS = {"auto": None, "scan": False, "unrolled": True}
 REFERENCE_DTYPES = ("", "bfloat16", "float16", "float32")
 PACKING = ("auto", "on", "off")
+MINIBATCH_ORDERS = ("reshuffle", "fixed")
 MAX_OFF_POLICY_STEPS = 4  # rollout.off_policy_steps: batches the sampler may run ahead of the trainer
 
 
@@ -139,6 +140,7 @@ class PPOLossSettings:
     advantage_estimator: str = "gae"  # "gae", "grpo", "rloo" or "reinforce_pp"
     epochs: int = 4  # PPO epochs over each rollout batch
     num_minibatches: int = 1  # optimizer steps per epoch
+    minibatch_order: str = "reshuffle"  # "reshuffle": a new random split into minibatches every epoch (PPO as Schulman et al. 2017, OpenAI baselines, TRL's PPOTrainer); "fixed": one random split, the same minibatches in the same order every epoch (TRL's GRPOTrainer with num_iterations > 1)
     num_microbatches: int = 1  # gradient-accumulation slices per minibatch (padded rows; packed: see max_tokens_per_microbatch)
     packing: str = "auto"  # "on": experience forwards and update on packed rows, only the real tokens computed (models/packing.py); "off": padded rows; "auto": on a CPU only (measured faster there whenever the rows hold padding; on an H200 the default granularity made a no-padding iteration 1.5x slower, long-tailed lengths unmeasured: docs/benchmarks.md). rollout.forward_microbatch applies to padded rows only
     gemm: str = "auto"  # GPU only, the experience and update programs (and roles.scoring=sampler's scoring), never the sampler's (rollout.gemm): "auto" (XLA's choice: autotuned Triton GEMMs), "cublas" (xla_gpu_enable_triton_gemm off: no Triton GEMM autotuning, a shorter compile), "triton_exhaustive" (every Triton tiling autotuned; compiles slower); bench_accel.py --train-gemm measures it (docs/benchmarks.md)
@@ -365,6 +367,8 @@ class Settings(RunSettings):
             check(self.rollout.num_samples >= 2, f"ppo.advantage_estimator={p.advantage_estimator!r} compares "
                   f"samples of the same prompt: set rollout.num_samples >= 2 (got {self.rollout.num_samples})")
         check(p.epochs >= 1, f"ppo.epochs must be >= 1, got {p.epochs}")
+        check(p.minibatch_order in MINIBATCH_ORDERS,
+              f"ppo.minibatch_order must be one of {', '.join(MINIBATCH_ORDERS)}, got {p.minibatch_order!r}")
         check(p.num_minibatches >= 1, f"ppo.num_minibatches must be >= 1, got {p.num_minibatches}")
         check(p.num_microbatches >= 1, f"ppo.num_microbatches must be >= 1, got {p.num_microbatches}")
         check(p.packing in PACKING, f"ppo.packing={p.packing!r}: use one of {', '.join(PACKING)}")

@@ -161,6 +161,16 @@ def minibatch_batch(exp: Experience, picked: Array, hp: PPOHyper, kl_coef: Array
     return LossBatch(None, num_tokens, kl_coef, ppo.minibatch_normaliser(hp.loss_aggregation, mask), ent_coef, kl_cov)
 
 
+def minibatch_order(key: Array, hp: PPOHyper, rows: int) -> Array:
+    """[epochs, num_minibatches, num_microbatches, micro_rows] int: the rollout rows each epoch's
+    minibatches (and their microbatches) take, a random split of 0..rows-1 per epoch; with
+    `hp.fixed_minibatches` the first epoch's split every epoch (TRL's GRPOTrainer)."""
+    epoch_keys = jax.random.split(key, 1 if hp.fixed_minibatches else hp.epochs)
+    splits = jax.vmap(lambda k: jax.random.permutation(k, rows))(epoch_keys)
+    splits = jnp.broadcast_to(splits, (hp.epochs, rows))
+    return splits.reshape(hp.epochs, hp.num_minibatches, hp.num_microbatches, -1)
+
+
 def make_update_fn(modules: Modules, policy_tx: optax.GradientTransformation,
                    value_tx: optax.GradientTransformation | None, hp: PPOHyper, rows: int,
                    batch_sharding: NamedSharding) -> Callable:
@@ -177,7 +187,6 @@ def make_update_fn(modules: Modules, policy_tx: optax.GradientTransformation,
     (`objective.packed_loss`): the same token sums over the same tokens, so gradients and metrics equal
     the padded path's to fp32 round-off.
     """
-    micro_rows = rows // hp.num_minibatches // hp.num_microbatches
     loss = functools.partial(packed_loss if hp.packed else padded_loss, modules)
     grad_fn = jax.value_and_grad(loss, has_aux=True)  # by the Trainable trees
     packed_sharding = (None if batch_sharding is None else
@@ -218,19 +227,17 @@ def make_update_fn(modules: Modules, policy_tx: optax.GradientTransformation,
     def update(state: PPOState, frozen: FrozenParams, exp: Experience):
         frozen = FrozenParams(reference=frozen.reference if hp.dense_kl_coef else None, reward=None,
                               policy=frozen.policy, value=frozen.value)
-        epoch_keys = jax.random.split(jax.random.fold_in(jax.random.fold_in(state.key, state.step), 1), hp.epochs)
+        order = minibatch_order(jax.random.fold_in(jax.random.fold_in(state.key, state.step), 1), hp, rows)
         exp_finite = all_finite(exp)
         ent_coef, entropy = None, None
         if state.entropy is not None:  # this update's coefficient, from the rollout's entropy
             entropy = rollout_entropy(exp)
             ent_coef = ppo.entropy_coef(state.entropy, entropy)
 
-        def epoch_step(state, epoch_key):
-            perm = jax.random.permutation(epoch_key, rows)
-            idx = perm.reshape(hp.num_minibatches, hp.num_microbatches, micro_rows)
+        def epoch_step(state, idx):
             return jax.lax.scan(lambda s, i: minibatch_step(s, frozen, exp, exp_finite, ent_coef, i), state, idx)
 
-        state, metrics = jax.lax.scan(epoch_step, state, epoch_keys)
+        state, metrics = jax.lax.scan(epoch_step, state, order)
         state = step_entropy_controller(step_kl_controller(state, exp, exp_finite, rows), entropy, exp_finite)
         out = update_metrics(metrics, state)
         if ent_coef is not None:
