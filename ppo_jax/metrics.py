@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -13,6 +15,30 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 from etils import epath
+
+
+_IMPORT_LOCK = threading.Lock()
+
+
+def summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without torch where torch is not loaded yet.
+
+    tensorboardX imports torch at import time whenever it is installed, only for a type hint
+    (`writer.numpy_compatible`); it recognises torch tensors by their type's name (`x2num.make_np`),
+    so a torch tensor logged later by anyone in the process still works. With torch
+    installed that import cost each run 2.5 s and 195 MB more (2.8 s / 228 MB against 0.3 s / 32 MB
+    to import the writer, this machine, 2026-11-29). `sys.modules["torch"] = None` is Python's way to
+    make `import torch` raise ImportError, tensorboardX's own fallback; the entry is removed after."""
+    with _IMPORT_LOCK:
+        blocked = "torch" not in sys.modules and "tensorboardX" not in sys.modules
+        if blocked:
+            sys.modules["torch"] = None  # type: ignore[assignment]
+        try:
+            from tensorboardX import SummaryWriter
+        finally:
+            if blocked and sys.modules.get("torch", ...) is None:
+                del sys.modules["torch"]
+    return SummaryWriter
 
 
 def _is_local(path: str) -> bool:
@@ -71,10 +97,8 @@ class MetricWriter:
             epath.Path(workdir).mkdir(parents=True, exist_ok=True)
             truncate_after(self.path, resume_step)
             if tensorboard:
-                from tensorboardX import SummaryWriter  # lazy: only the writer needs it
-
-                self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
-                                         purge_step=resume_step + 1)
+                writer = summary_writer_class()
+                self._tb = writer(os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1)
             if mirror is not None:
                 self._wandb = mirror()
 
