@@ -79,23 +79,21 @@ class DistillSummary:
     max_rollout_kl: float  # the largest training-rollout KL to the SFT policy
 
 
-def largest_rollout_kl(stage: PPOResult, iterations: int) -> tuple[float, int]:
-    """The largest objective/kl of a PPO-trainer stage's training rollouts and its iteration. The history
-    holds the iterations this process ran (a resumed run: the last ones), in order."""
-    offset = iterations - len(stage.history)
-    rollout_kl = [(row["objective/kl"], offset + i + 1) for i, row in enumerate(stage.history) if "objective/kl" in row]
-    kl, step = max(rollout_kl, default=(0.0, 0))
-    return float(kl), int(step)
+def largest_rollout_kl(history: list[dict]) -> tuple[float, int]:
+    """The largest objective/kl of a PPO-trainer stage's training rollouts and its row of `history`
+    (from 1; (0.0, 0) without any)."""
+    kl, row = max(((r["objective/kl"], i + 1) for i, r in enumerate(history) if "objective/kl" in r),
+                  default=(0.0, 0))
+    return float(kl), int(row)
 
 
-def distill_summary(teacher_gold: float, distill: PPOResult, iterations: int, sft_gold: float,
-                    best_gold: float) -> DistillSummary:
+def distill_summary(teacher_gold: float, distill: PPOResult, sft_gold: float, best_gold: float) -> DistillSummary:
     gap, final = best_gold - sft_gold, distill.evals[-1]
     teacher_kl = [r["objective/teacher_kl"] for r in distill.history if "objective/teacher_kl" in r]
     return DistillSummary(teacher_gold=teacher_gold, teacher_gap_closed=(teacher_gold - sft_gold) / gap,
                           gold=final.gold, gap_closed=(final.gold - sft_gold) / gap, kl=final.kl,
                           teacher_kl=float(teacher_kl[-1]) if teacher_kl else 0.0,
-                          max_rollout_kl=largest_rollout_kl(distill, iterations)[0])
+                          max_rollout_kl=largest_rollout_kl(distill.history)[0])
 
 
 @dataclasses.dataclass
@@ -258,7 +256,9 @@ def run(config, workdir: str = DEFAULT_WORKDIR, *, mesh=None, verbose: bool = Tr
     seconds["total"] = time.perf_counter() - t_start
 
     first, last = ppo.evals[0], ppo.evals[-1]
-    max_kl, max_kl_step = largest_rollout_kl(ppo, settings.ppo.train.iterations)
+    max_kl, row = largest_rollout_kl(ppo.history)
+    # The history holds the iterations this process ran (a resumed run: the last ones), in order.
+    max_kl_step = row + settings.ppo.train.iterations - len(ppo.history) if row else 0
     best = world.best_gold
     gap_closed = (last.gold - first.gold) / (best - first.gold)
     result = DemoResult(
@@ -268,7 +268,7 @@ def run(config, workdir: str = DEFAULT_WORKDIR, *, mesh=None, verbose: bool = Tr
         targets_met={"rm_accuracy": rm_accuracy >= t.rm_accuracy, "gap_closed": gap_closed >= t.gap_closed,
                      "kl": last.kl < t.kl_bound},
         dpo=None if dpo is None else dpo_summary(dpo, first.gold, best),
-        distill=None if distill is None else distill_summary(teacher.gold, distill, settings.ppo.train.iterations, first.gold, best),
+        distill=None if distill is None else distill_summary(teacher.gold, distill, first.gold, best),
         max_rollout_kl=float(max_kl), max_rollout_kl_step=int(max_kl_step))
     if jax.process_index() == 0:
         summary = {k: v for k, v in dataclasses.asdict(result).items() if k != "evals"}
