@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ppo_jax import sharding
+from ppo_jax.program_cache import PROGRAMS, value_key
 from ppo_jax.checkpoint import layout
 from ppo_jax.models import lora
 from ppo_jax.models.transformer import positions_from_mask
@@ -23,9 +24,13 @@ def _dummy_inputs(seq_len: int):
 
 def boxed_params(module, seq_len: int = 2, collection: str = "params") -> Any:
     """Abstract params of `module` (ShapeDtypeStructs) still boxed with their logical axis names;
-    collection "lora": the abstract LoRA adapters of a model whose config has `lora`."""
-    inputs = _dummy_inputs(seq_len)
-    return jax.eval_shape(lambda: module.init(jax.random.key(0), *inputs)[collection])
+    collection "lora": the abstract LoRA adapters of a model whose config has `lora`. Traced once per
+    equal module in a process (`program_cache`): callers must not change the tree they get."""
+    def trace():
+        inputs = _dummy_inputs(seq_len)
+        return jax.eval_shape(lambda: module.init(jax.random.key(0), *inputs)[collection])
+
+    return PROGRAMS.get(value_key("boxed_params", module, seq_len, collection), trace)
 
 
 def init_params(model, key, mesh, rules=None, seq_len: int = 8):
@@ -50,15 +55,24 @@ def init_adapters(model, key, mesh, rules=None, seq_len: int = 8):
 
 
 def _sharded_collection(model, key, mesh, rules, seq_len: int, collection: str):
-    inputs = _dummy_inputs(seq_len)
     rules = rules or sharding.DEFAULT_RULES
+    init, shardings = PROGRAMS.get(value_key("init", model, mesh, rules, seq_len, collection),
+                                   lambda: _init_program(model, mesh, rules, seq_len, collection))
+    return init(key), shardings
+
+
+def _init_program(model, mesh, rules, seq_len: int, collection: str):
+    """(jitted init: random key -> the collection's plain params on `shardings`, shardings). The key
+    is an argument, so one program serves every seed (`program_cache`)."""
+    inputs = _dummy_inputs(seq_len)
+    boxed = lambda k: model.init(k, *inputs)[collection]  # noqa: E731
+    shardings = sharding.tree_shardings(jax.eval_shape(boxed, jax.random.key(0)), mesh, rules)
     if model.config.scan_layers or model.config.moe_layers is not None:  # (mixed layers have no scanned form)
-        return sharding.sharded_init(lambda: model.init(key, *inputs)[collection], mesh, rules)
+        return jax.jit(lambda k: nn.unbox(boxed(k)), out_shardings=shardings), shardings
     # The same random values whichever layer loop runs: `nn.scan` splits the init key per layer
     # differently from L separate blocks, so per-layer params are drawn as the scanned model draws
     # them and sliced (inside the one init program). A run trained with one loop then resumes with
     # the other on a random init (a LoRA base rebuilt from the seed, a reference) that verifies.
     scanned = model.clone(config=model.config.replace(scan_layers=True))
-    shardings = sharding.tree_shardings(jax.eval_shape(lambda: model.init(key, *inputs)[collection]), mesh, rules)
-    init = lambda: layout.to_layout(nn.unbox(scanned.init(key, *inputs)[collection]), layout.PER_LAYER)  # noqa: E731
-    return jax.jit(init, out_shardings=shardings)(), shardings
+    init = lambda k: layout.to_layout(nn.unbox(scanned.init(k, *inputs)[collection]), layout.PER_LAYER)  # noqa: E731
+    return jax.jit(init, out_shardings=shardings), shardings

@@ -392,14 +392,19 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
                        compiler_options=trainer_options)
 
     update_jit = jit_update(update)
-    if remat_choice.applies(s.compute.remat, mesh_platform(mesh)[0],
-                            model_sets_remat=bool(not s.policy.path and s.policy.model.remat)):
+    if chooses_remat(s, mesh):
         # compute.remat="auto" on a GPU: the update without remat where it fits (rl/remat_choice.py)
         lean = make_update_fn(remat_choice.without_remat(modules), policy_tx, value_tx, hp, sizes.rollout_rows, batch)
         update_jit = remat_choice.MemoryChosenUpdate(
             (("none", jit_update(lean)), ("full", update_jit)),
             free_bytes=functools.partial(sharding.free_device_bytes, list(mesh.devices.flat)))
     return Steps(sampler_settings, sampler, experience_jit, update_jit, trace_counts, where, scoring_jit, scorer_sh)
+
+
+def chooses_remat(s: Settings, mesh) -> bool:
+    """Whether the update chooses its remat by the memory free at its first call (rl/remat_choice.py)."""
+    return remat_choice.applies(s.compute.remat, mesh_platform(mesh)[0],
+                                model_sets_remat=bool(not s.policy.path and s.policy.model.remat))
 
 
 def frozen_params(value: ValueSettings, modules: Modules, reference, reward, base, teacher=None) -> FrozenParams:

@@ -28,7 +28,7 @@ from ppo_jax.checkpoint.step_items import ARRAYS_ITEM
 from ppo_jax.config import to_dict
 from ppo_jax.data.prompt_stream import PromptStream
 from ppo_jax.models import hf
-from ppo_jax.rl import build, initial_weights, roles
+from ppo_jax.rl import build, initial_weights, roles, shared_programs
 from ppo_jax.rl.checkpointing import Checkpointing
 from ppo_jax.rl.episodes import EpisodeModel
 from ppo_jax.rl.errors import PREEMPTION_NOTICE, NonFiniteError, RunFailedError
@@ -76,7 +76,7 @@ class PPOTrainer:
                              if s.train.eval_every else None)
         # -- Modules, optimizers and the shardings of everything, from abstract shapes.
         self.modules = build.make_modules(s.ppo, s.value, self.policy_config, self.reward_config, self.teacher_config)
-        self.policy_tx, self.value_tx = build.make_optimizers(s)
+        self.policy_tx, self.value_tx = shared_programs.shared_optimizers(s)
         self.abstract_state, self.state_shardings = build.abstract_train_state(
             s.ppo, self.modules, self.policy_tx, self.value_tx, self.mesh)
         # -- Weights: the frozen reward model, then a checkpoint to resume or fresh trainable state.
@@ -98,9 +98,9 @@ class PPOTrainer:
         base_shardings = roles.policy_shardings(self.modules, self.mesh) if weights.base is not None else None
         frozen_shardings = build.frozen_shardings(s.policy, s.value, self.modules, self.state_shardings, reward_params,
                                                   base_shardings, teacher_params)
-        self.steps = build.build_steps(s, self.mesh, self.sizes, self.hp, self.modules, self.policy_tx,
-                                       self.value_tx, self.state_shardings, frozen_shardings, self.stop_ids,
-                                       int(self.tokenizer.pad_token_id), sampler_mesh=self.meshes.sampler)
+        self.steps = shared_programs.shared_steps(s, self.mesh, self.sizes, self.hp, self.modules, self.policy_tx,
+                                        self.value_tx, self.state_shardings, frozen_shardings, self.stop_ids,
+                                        int(self.tokenizer.pad_token_id), sampler_mesh=self.meshes.sampler)
         episode_model = (EpisodeModel(self.modules.policy, self.tokenizer, self.turn_stops, s.data.prompt_length)
                          if s.environment.enabled else None)  # multi-turn episodes (rl/episodes.py)
         self.rollouts = make_rollouts(s, self.meshes, self.steps, frozen, lora=self.policy_config.lora,
