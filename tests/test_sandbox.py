@@ -65,8 +65,11 @@ def test_one_file_is_size_capped():
 
 
 def test_allocating_without_end_is_a_memory_status():
-    """Bounded at 1 GiB (4 x the limit) so that a broken limit cannot take the machine's memory."""
-    result = run_python("x = []\nfor _ in range(100):\n    x.append(b'x' * 10 ** 7)", TIGHT)
+    """Bounded at 1 GiB (4 x the limit) so that a broken limit cannot take the machine's memory. 10 CPU
+    seconds, not 1: the 26 allocations take ~0.25 s, but page faults on a loaded machine took past 1 s
+    (a full suite, 2026-11-29: status "timeout")."""
+    result = run_python("x = []\nfor _ in range(100):\n    x.append(b'x' * 10 ** 7)",
+                        Limits(**{**TIGHT.__dict__, "cpu_seconds": 10}))
     assert result.status == "memory", result
     assert "memory limit" in result.observation()
 
