@@ -157,23 +157,6 @@ def tree_shardings(boxed_tree: Any, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
     return jax.tree.map(one, boxed_tree, is_leaf=_is_boxed)
 
 
-def abstract_params(init_fn: Callable[[], Any]) -> Any:
-    """Boxed abstract parameter tree (shapes, dtypes, logical names) without allocating."""
-    return jax.eval_shape(init_fn)
-
-
-def sharded_init(init_fn: Callable[[], Any], mesh: Mesh, rules=DEFAULT_RULES) -> tuple[Any, Any]:
-    """Runs `init_fn` (-> boxed params) jitted straight onto its shardings.
-
-    Returns (params, shardings), both plain (unboxed) trees: no parameter is ever materialised
-    whole on one device.
-    """
-    abstract = abstract_params(init_fn)
-    shardings = tree_shardings(abstract, mesh, rules)
-    params = jax.jit(lambda: nn.unbox(init_fn()), out_shardings=shardings)()
-    return params, shardings
-
-
 def data_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Batch-major arrays: leading axis over (data, fsdp), the rest replicated."""
     del ndim

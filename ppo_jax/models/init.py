@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 
 from ppo_jax import sharding
-from ppo_jax.program_cache import PROGRAMS, value_key
 from ppo_jax.checkpoint import layout
 from ppo_jax.models import lora
 from ppo_jax.models.transformer import positions_from_mask
+from ppo_jax.program_cache import PROGRAMS, value_key
 
 
 def _dummy_inputs(seq_len: int):

@@ -1,7 +1,7 @@
 """The PPO trainer's programs shared between the trainers of one process with equal inputs
 (`ppo_jax/program_cache.py`): a resumed run, a sweep's repeat, or the straight run a test compares a
 resumed one with trace and compile nothing again. The optimizers are closures with no value equality,
-so they come from the cache too, one pair per equal optimizer settings."""
+so they come from the cache too, one pair per equal settings."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from ppo_jax.rl.state import Modules
 
 
 def shared_optimizers(s: Settings):
-    """`build.make_optimizers(s)`, the same pair for equal optimizer settings."""
-    opt_steps = s.train.iterations * s.ppo.epochs * s.ppo.num_minibatches
-    return PROGRAMS.get(value_key("optimizers", s.optim, opt_steps, s.uses_critic), lambda: build.make_optimizers(s))
+    """`build.make_optimizers(s)`, the same pair for equal settings (the steps' key holds the settings
+    whole, so a finer key would share nothing more)."""
+    return PROGRAMS.get(value_key("optimizers", s), lambda: build.make_optimizers(s))
 
 
 def shared_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: Modules, policy_tx, value_tx,

@@ -98,9 +98,9 @@ class PPOTrainer:
         base_shardings = roles.policy_shardings(self.modules, self.mesh) if weights.base is not None else None
         frozen_shardings = build.frozen_shardings(s.policy, s.value, self.modules, self.state_shardings, reward_params,
                                                   base_shardings, teacher_params)
-        self.steps = shared_programs.shared_steps(s, self.mesh, self.sizes, self.hp, self.modules, self.policy_tx,
-                                        self.value_tx, self.state_shardings, frozen_shardings, self.stop_ids,
-                                        int(self.tokenizer.pad_token_id), sampler_mesh=self.meshes.sampler)
+        self.steps = shared_programs.shared_steps(
+            s, self.mesh, self.sizes, self.hp, self.modules, self.policy_tx, self.value_tx, self.state_shardings,
+            frozen_shardings, self.stop_ids, int(self.tokenizer.pad_token_id), sampler_mesh=self.meshes.sampler)
         episode_model = (EpisodeModel(self.modules.policy, self.tokenizer, self.turn_stops, s.data.prompt_length)
                          if s.environment.enabled else None)  # multi-turn episodes (rl/episodes.py)
         self.rollouts = make_rollouts(s, self.meshes, self.steps, frozen, lora=self.policy_config.lora,
