@@ -48,7 +48,6 @@ class ProgramCache:
         self.capacity = capacity
         self._built: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self.hits = 0
 
     def get(self, key: Hashable | None, build: Callable[[], Any]) -> Any:
         if key is None:
@@ -56,18 +55,13 @@ class ProgramCache:
         with self._lock:
             if key in self._built:
                 self._built.move_to_end(key)
-                self.hits += 1
                 return self._built[key]
-        value = build()  # outside the lock: building traces nothing, but may take a while
+        value = build()  # outside the lock: a build may trace (eval_shape) while other threads look up
         with self._lock:
             self._built[key] = value
             while len(self._built) > self.capacity:
                 self._built.popitem(last=False)
         return value
-
-    def clear(self) -> None:
-        with self._lock:
-            self._built.clear()
 
 
 PROGRAMS = ProgramCache()

@@ -65,10 +65,10 @@ def _init_program(model, mesh, rules, seq_len: int, collection: str):
     """(jitted init: random key -> the collection's plain params on `shardings`, shardings). The key
     is an argument, so one program serves every seed (`program_cache`)."""
     inputs = _dummy_inputs(seq_len)
-    boxed = lambda k: model.init(k, *inputs)[collection]  # noqa: E731
-    shardings = sharding.tree_shardings(jax.eval_shape(boxed, jax.random.key(0)), mesh, rules)
+    shardings = sharding.tree_shardings(boxed_params(model, seq_len, collection), mesh, rules)
     if model.config.scan_layers or model.config.moe_layers is not None:  # (mixed layers have no scanned form)
-        return jax.jit(lambda k: nn.unbox(boxed(k)), out_shardings=shardings), shardings
+        init = lambda k: nn.unbox(model.init(k, *inputs)[collection])  # noqa: E731
+        return jax.jit(init, out_shardings=shardings), shardings
     # The same random values whichever layer loop runs: `nn.scan` splits the init key per layer
     # differently from L separate blocks, so per-layer params are drawn as the scanned model draws
     # them and sliced (inside the one init program). A run trained with one loop then resumes with
