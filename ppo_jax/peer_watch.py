@@ -17,9 +17,9 @@ watch always speaks first:
              the others still run `timeout` seconds later)
   lost/<k>   process k was found lost (by whom and why): the others name the same process
 
-A process is lost when its counter has not moved for `timeout` seconds; the coordinator (process 0)
-is lost to the others when none of their key-value calls has succeeded for that long; and a
-process that ended on purpose while this one still runs is named after `timeout` seconds (the run's
+A process is lost when its counter has not moved for `timeout` seconds of reads that succeeded; the
+coordinator (process 0) is lost to the others when none of their key-value calls has succeeded for
+that long; and a process that ended on purpose while this one still runs is named after `timeout` seconds (the run's
 collectives need every process). The process that finds one prints one `error:` line and leaves
 with `os._exit(1)`: its main thread may be blocked in a collective that will never return, and
 JAX's exit handlers would wait for the lost process. A save in flight is cut short; it never
@@ -250,8 +250,12 @@ class PeerWatch:
             if self.me != 0 and 0 not in self._ended and now - self._last_ok > self.timeout:
                 where = f" at {self.coordinator}" if self.coordinator else ""
                 return 0, self._lost(0, f"the coordinator{where} has not answered for {now - self._last_ok:.0f} s")
+            # A beat is judged stale only over reads that succeeded: while the store does not answer,
+            # nobody's counter can be seen to move, and the coordinator's silence is the news (its
+            # own timeout above). Judged up to `now`, a peer whose last beat was read one interval
+            # before the store went down was named in the coordinator's place (CI, 2026-11-29).
             for p in self.peers:
-                if p not in self._ended and now - self._seen[p] > self.timeout:
+                if p not in self._ended and self._last_ok - self._seen[p] > self.timeout:
                     return p, self._lost(p, f"no heartbeat for {now - self._seen[p]:.0f} s")
             if not self._exiting:
                 for p, when in sorted(self._ended.items()):

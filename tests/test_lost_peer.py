@@ -245,6 +245,24 @@ def test_the_coordinator_gone_is_process_0_and_a_lost_key_names_the_same_process
     b._stop.set()
 
 
+def test_with_the_store_down_the_coordinator_is_named_not_a_peer_whose_last_beat_came_a_read_earlier():
+    # Process 1's reads at t0 and t0 + 0.2 s both succeed; process 0's counter moved only in the first
+    # (its last beat fell between them), then the store goes down. Staleness over reads that never
+    # came is no evidence about process 0's beat: the coordinator's silence is what is said.
+    watch, lines = _watch(FakeStore(), 1)
+    t0 = time.monotonic()
+    watch._read([("ppo_jax/peer_watch/beat/0", "7")], t0)
+    watch._read([("ppo_jax/peer_watch/beat/0", "7")], t0 + 0.2)
+    assert watch.verdict(t0 + 0.7) is None  # 0.7 s since the beat moved, 0.5 s since the store answered
+    who, line = watch.verdict(t0 + 0.9)
+    assert who == 0 and line.startswith("process 0 (the coordinator) of 2 was lost (the coordinator at "
+                                        "10.0.0.1:1234 has not answered for 1 s)"), line
+    # with the store answering, the same silence is a lost heartbeat
+    watch._read([("ppo_jax/peer_watch/beat/0", "7")], t0 + 0.8)
+    assert watch.verdict(t0 + 0.85)[1].startswith("process 0 (the coordinator) of 2 was lost (no heartbeat for 1 s)")
+    assert lines == []
+
+
 def test_a_peer_ending_on_purpose_is_not_lost_and_settle_waits_for_a_sign_of_life():
     store = FakeStore()
     (a, lines_a), (b, lines_b) = _watch(store, 0, timeout=2.0), _watch(store, 1, timeout=2.0)
