@@ -19,11 +19,11 @@ watch always speaks first:
 
 A process is lost when its counter has not moved for `timeout` seconds of reads that succeeded; the
 coordinator (process 0) is lost to the others when none of their key-value calls has succeeded for
-that long; and a process that ended on purpose while this one still runs is named after `timeout` seconds (the run's
-collectives need every process). The process that finds one prints one `error:` line and leaves
-with `os._exit(1)`: its main thread may be blocked in a collective that will never return, and
-JAX's exit handlers would wait for the lost process. A save in flight is cut short; it never
-committed, and a resume ignores (and removes) what it left.
+that long; and a process that ended on purpose while this one still runs is named after `timeout`
+seconds (the run's collectives need every process). The process that finds one prints one `error:`
+line and leaves with `os._exit(1)`: its main thread may be blocked in a collective that will never
+return, and JAX's exit handlers would wait for the lost process. A save in flight is cut short; it
+never committed, and a resume ignores (and removes) what it left.
 
 One loss JAX reacts to at once: when the coordinator's process ends, the other processes' clients
 abort within a second (their error-polling call to it fails). So the watch also catches SIGABRT
