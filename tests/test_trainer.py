@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -203,3 +204,17 @@ def test_cli_rejects_a_misspelled_field(tmp_path):
     assert out.stderr.strip() == ("error: unknown config field --config.ppo.clip_epz: ppo has no field 'clip_epz'; "
                                   "did you mean --config.ppo.clip_eps?")
     assert not any(tmp_path.iterdir())
+
+
+def test_close_ends_the_metric_writers_thread(tmp_path):
+    """A trainer stepped by hand (`run_iteration`, then `close`, as in a notebook) leaves no TensorBoard
+    writer thread or open event file behind; `train` closing it too is harmless."""
+    def writer_threads():
+        return {t for t in threading.enumerate() if type(t).__name__ == "_EventLoggerThread" and t.is_alive()}
+
+    before = writer_threads()
+    trainer = PPOTrainer(tiny_config(), str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
+    assert writer_threads() - before  # the trainer's TensorBoard writer runs one
+    trainer.close()
+    assert not writer_threads() - before
+    trainer.close()  # twice: nothing left to end, no error

@@ -392,5 +392,8 @@ class PPOTrainer:
         return self.history
 
     def close(self):
+        """Ends what the trainer opened: its rollout workers, checkpoint manager and metric writer (a
+        trainer stepped with `run_iteration` and closed kept TensorBoard's writer thread and event file)."""
         self.rollouts.close()
         self.checkpoints.close()
+        self.writer.close()
