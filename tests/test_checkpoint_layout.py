@@ -16,6 +16,7 @@ import pytest
 from conftest import make_test_mesh
 from flax import struct
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ppo_jax import checkpoint as ckpt
 from ppo_jax.checkpoint import layout, verify
@@ -142,6 +143,25 @@ def test_checksum_values_are_unchanged():
     assert {k: old[k] for k in ("b", "bf16", "f32", "i32", "key", "u8")} == {
         "b": 1788458064, "bf16": 747601458, "f32": 1638943399, "i32": 4225124878, "key": 3668339987,
         "u8": 339015968}
+
+
+def test_checksums_on_the_host_are_those_of_the_devices_program():
+    """NumPy (CPU trees: no program to trace) and the jitted program (accelerators, several
+    processes) give the same numbers, whichever the dtype, the layout asked for or the sharding."""
+    mesh = make_test_mesh((1, 8, 1))
+    split = NamedSharding(mesh, P("fsdp"))
+    tree = {"f32": jax.device_put(jnp.arange(48, dtype=jnp.float32).reshape(8, 6) / 7, split),
+            "bf16": (jnp.arange(10, dtype=jnp.float32) / 3).astype(jnp.bfloat16), "i32": jnp.arange(-5, 6),
+            "b": jnp.arange(7) % 2 == 0, "u8": jnp.arange(9, dtype=jnp.uint8), "key": jax.random.key(3),
+            "empty": jnp.zeros((0, 3)), "numpy": np.arange(5, dtype=np.float16)}
+    assert verify.checksums(tree, on_host=True) == verify.checksums(tree, on_host=False)
+    assert len(set(verify.checksums(tree, on_host=True).values())) == len(tree)
+
+
+@pytest.mark.parametrize("to", [STACKED, PER_LAYER])
+def test_checksums_in_another_layout_are_the_same_on_the_host(states, to):
+    for state in states.values():
+        assert verify.checksums(state, to, on_host=True) == verify.checksums(state, to, on_host=False)
 
 
 def test_checksums_verify_across_layouts(states):

@@ -24,6 +24,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -50,39 +51,58 @@ def _as_words(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16}[size]).astype(jnp.uint32)
 
 
-def _position_sums(words: jax.Array, offset: int = 0) -> jax.Array:
+def _host_words(x) -> np.ndarray:
+    """`_as_words` of a leaf in host memory, flat [n] (the words in the same order)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    x = np.ascontiguousarray(x).reshape(-1)
+    if x.dtype == np.bool_:
+        return x.astype(np.uint32)
+    if x.dtype.itemsize >= 4:  # an 8-byte value's two words in memory order, as XLA's bitcast gives them
+        return x.view(np.uint32)
+    return x.view({1: np.uint8, 2: np.uint16}[x.dtype.itemsize]).astype(np.uint32)
+
+
+def _position_sums(words, offset: int = 0, host: bool = False):
     """words [R, n] -> [R] uint32: sum_j words[r, j] * w[offset + j] per row (mod 2^32)."""
-    position = lax.iota(jnp.uint32, words.shape[-1]) + jnp.uint32(offset % 2**32)  # positions wrap as uint32
-    weight = (position * jnp.uint32(_GOLDEN)) | jnp.uint32(1)
-    return jnp.sum(words * weight, axis=-1, dtype=jnp.uint32)
+    xp = np if host else jnp
+    position = xp.arange(words.shape[-1], dtype=xp.uint32) + xp.uint32(offset % 2**32)  # wraps as uint32
+    weight = (position * xp.uint32(_GOLDEN)) | xp.uint32(1)
+    return xp.sum(words * weight, axis=-1, dtype=xp.uint32)
 
 
-def _leaf_checksum(x: jax.Array, offset: int = 0) -> jax.Array:
+def _words(x, host: bool):
+    return _host_words(x) if host else _as_words(x)
+
+
+def _leaf_checksum(x, offset: int = 0, host: bool = False):
     """[] uint32 checksum of `x`, its words counted from position `offset` (0: the leaf's own)."""
-    words = _as_words(x)
-    return _position_sums(words.reshape(1, words.size), offset)[0]
+    words = _words(x, host)
+    return _position_sums(words.reshape(1, words.size), offset, host)[0]
 
 
-def _stacked_checksum(parts) -> jax.Array:
+def _stacked_checksum(parts, host: bool = False):
     """The checksum the stack of the L leaves `parts` would have, without stacking them."""
-    total = jnp.zeros((), jnp.uint32)
-    for i, x in enumerate(parts):
-        total = total + _leaf_checksum(x, offset=i * _as_words(x).size)  # uint32: wraps mod 2^32
-    return total
+    sums = [_leaf_checksum(x, offset=i * _words(x, host).size, host=host) for i, x in enumerate(parts)]
+    if host:  # Python ints: numpy warns on a uint32 scalar's wrap-around
+        return np.uint32(sum(int(s) for s in sums) % 2**32)
+    return functools.reduce(jnp.add, sums, jnp.zeros((), jnp.uint32))  # uint32: wraps mod 2^32
 
 
-def _layer_checksums(x: jax.Array, count: int) -> list[jax.Array]:
+def _layer_checksums(x, count: int, host: bool = False) -> list:
     """The checksums of x[0] ... x[L-1] of a stacked leaf x [L, ...], without slicing it."""
-    words = _as_words(x)
-    rows = _position_sums(words.reshape(count, words.size // count))
+    words = _words(x, host)
+    rows = _position_sums(words.reshape(count, words.size // count), host=host)
     return [rows[i] for i in range(count)]
 
 
-def _checksum_tree(tree, to: str | None):
+def _checksum_tree(tree, to: str | None, host: bool = False):
     """Tree of [] uint32 checksums of `tree`'s leaves, named in layer layout `to` (None: as is)."""
+    leaf = functools.partial(_leaf_checksum, host=host)
     if to is None:
-        return jax.tree.map(_leaf_checksum, tree)
-    return layout.relayout(tree, to, stack=_stacked_checksum, unstack=_layer_checksums, leaf=_leaf_checksum)
+        return jax.tree.map(leaf, tree)
+    return layout.relayout(tree, to, stack=functools.partial(_stacked_checksum, host=host),
+                           unstack=functools.partial(_layer_checksums, host=host), leaf=leaf)
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,20 +110,36 @@ def _checksum_fn(out_sharding, to):
     return jax.jit(lambda tree: _checksum_tree(tree, to), out_shardings=out_sharding)
 
 
-def checksums(tree, layer_layout: str | None = None) -> dict[str, int]:
+def _in_host_memory(leaf) -> bool:
+    """Whether this process holds all of `leaf` in host memory (a NumPy array, or a jax.Array on CPU
+    devices, all of them its own)."""
+    if isinstance(leaf, np.ndarray):
+        return True
+    return (isinstance(leaf, jax.Array) and leaf.is_fully_addressable
+            and all(device.platform == "cpu" for device in leaf.devices()))
+
+
+def checksums(tree, layer_layout: str | None = None, *, on_host: bool | None = None) -> dict[str, int]:
     """{leaf path (as Orbax names it on disk): checksum} of a tree of jax.Arrays.
 
     layer_layout: name (and sum) the checksums as the tree would have them in this layer layout
     (`layout.STACKED` / `layout.PER_LAYER`); None: the tree's own. The values are those of the
-    converted tree, computed without converting it."""
+    converted tree, computed without converting it. on_host: compute them with NumPy (None: where
+    every leaf is in this process's host memory, as on a CPU), else with one program on the devices
+    that hold the tree. The two give the same numbers; the host needs no tracing or compiling, which
+    a new tree structure otherwise costs at each save (0.1-0.2 s a save on a CPU, 5% of the trainer
+    tests' time with a cold compilation cache)."""
     leaves = jax.tree.leaves(tree)
     if not leaves:
         return {}
-    # Replicated scalars out, so every process can read them (arrays of other processes are not
-    # addressable here).
-    first = leaves[0].sharding
-    out = NamedSharding(first.mesh, PartitionSpec()) if isinstance(first, NamedSharding) else None
-    sums = jax.device_get(_checksum_fn(out, layer_layout)(tree))
+    if on_host if on_host is not None else all(map(_in_host_memory, leaves)):
+        sums = _checksum_tree(tree, layer_layout, host=True)
+    else:
+        # Replicated scalars out, so every process can read them (arrays of other processes are not
+        # addressable here).
+        first = leaves[0].sharding
+        out = NamedSharding(first.mesh, PartitionSpec()) if isinstance(first, NamedSharding) else None
+        sums = jax.device_get(_checksum_fn(out, layer_layout)(tree))
     return {trees.path_name(path): int(value) for path, value in trees.flatten_with_names(sums)}
 
 
