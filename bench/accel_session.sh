@@ -45,6 +45,10 @@
 #   gemm2_full_default           the full shape at the defaults
 #   The slice runs and the full default need a call of their own, e.g. DEADLINE=200 ONLY="gemm2_slice_train_cublas
 #   gemm2_slice_default gemm2_slice_sampler_exhaustive" (about 3 minutes).
+# PART "merge" (issue 63 item 2, about 1 minute): bench_merged_gemm.py, decode-shaped projections (M = 64,
+#   bf16) as two GEMMs or one: Llama-3-8B's gate/up, which XLA's dot merger leaves apart (117 MB each,
+#   past its 32 MiB limit; compile-only for an H200: 2 GEMMs, merged by hand 1), and 8B q/k/v and
+#   TinyLlama's, which it merges already (the control). Merging by hand is built only if it pays.
 #
 # Each run has its own time limit, so one slow run cannot eat the others. Everything lands in
 # OUT_DIR/session-PART.tgz (each run's .json and .log, the trace, the HLO) plus OUT_DIR/summary-PART.txt,
@@ -56,7 +60,7 @@
 # the wheels it lacks (ml-collections, tensorboardX) in .whl/ and install them first, e.g.
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 set -uo pipefail
-out=${1:?usage: accel_session.sh OUT_DIR [main|ab|next|all|compiled|gemm2] [SECONDS_PER_RUN]}
+out=${1:?usage: accel_session.sh OUT_DIR [main|ab|next|all|compiled|gemm2|merge] [SECONDS_PER_RUN]}
 part=${2:-main}
 limit=${3:-300}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -153,6 +157,15 @@ gemm2_part() {
   RUN_LIMIT=175 RUN_MIN=170 run gemm2_full_default -- "${full[@]}"
 }
 
+merge_part() {
+  # Issue 63 item 2: whether one wide GEMM at decode's M streams weights faster than two.
+  local start=$SECONDS
+  timeout "${RUN_LIMIT:-120}" python3 "$here/bench_merged_gemm.py" --json "$work/merged_gemm.json" >"$work/merged_gemm.log" 2>&1
+  echo "== merged_gemm: exit $? after $((SECONDS - start)) s" | tee -a "$summary"
+  cp "$work/merged_gemm.json" "$out/" 2>/dev/null
+  tail -n 10 "$work/merged_gemm.log" | tee -a "$summary"
+}
+
 case "$part" in
   main) main_part ;;
   ab) ab_part ;;
@@ -160,7 +173,8 @@ case "$part" in
   all) main_part; ab_part ;;
   compiled) compiled_part ;;
   gemm2) gemm2_part ;;
-  *) echo "PART must be main, ab, next, all, compiled or gemm2, got $part" >&2; exit 2 ;;
+  merge) merge_part ;;
+  *) echo "PART must be main, ab, next, all, compiled, gemm2 or merge, got $part" >&2; exit 2 ;;
 esac
 tar -czf "$out/session-$part.tgz" -C "$work" . && rm -rf "$work"
 ls -la "$out"
