@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import TEST_XLA_FLAGS, make_test_mesh
+from conftest import OPTIMISED_TEST_XLA_FLAGS, make_test_mesh
 
 from ppo_jax.demo import kl_sweep, stages
 from ppo_jax.demo.evaluator import EvalPoint
@@ -43,8 +43,8 @@ def result(tmp_path_factory):
     workdir, io = str(tmp_path_factory.mktemp("demo")), tmp_path_factory.mktemp("demo_io")
     with open(io / "in.pkl", "wb") as f:
         pickle.dump((config, workdir), f)
-    flags = TEST_XLA_FLAGS.replace("--xla_backend_optimization_level=0", "")
-    env = {**os.environ, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": f"{OPTIMISED_TEST_XLA_FLAGS} --xla_force_host_platform_device_count=1",
+           "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", DEMO, str(io / "in.pkl"), str(io / "out.pkl")], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
