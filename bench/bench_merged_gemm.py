@@ -10,7 +10,7 @@ decode's small M streams the weights measurably faster than two. This times, on 
 - `merged`: x @ [W1 | W2 ..], the weights concatenated once beforehand,
 
 for bf16 decode rows x [M, D] and each shape below, reporting milliseconds per call (median of
---repeats timings of --calls calls each), the bytes of weights streamed per call over that time, and
+--repeats timings of --calls calls each, `probe_gpu_layers.bench`), the bytes of weights streamed per call over that time, and
 how many dot kernels the optimised HLO holds (whether XLA merged `apart` itself).
 
     python bench/bench_merged_gemm.py --json merged.json            # on the GPU
@@ -25,11 +25,10 @@ import argparse
 import itertools
 import json
 import re
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
+from probe_gpu_layers import bench  # median seconds of a call after warm-ups (bench/ is on the path)
 
 # name: (D, the output widths of the projections sharing x)
 SHAPES = {
@@ -48,19 +47,6 @@ def dot_kernels(compiled_text: str) -> int:
                for line in entry.splitlines())
 
 
-def time_calls(fn, args, calls: int, repeats: int) -> float:
-    """Median seconds of one call over `repeats` timings of `calls` back-to-back calls."""
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
-
-
 def measure(name: str, d: int, widths: tuple[int, ...], rows: int, calls: int, repeats: int) -> dict:
     keys = jax.random.split(jax.random.key(0), len(widths) + 1)
     x = jax.random.normal(keys[0], (rows, d), jnp.bfloat16)
@@ -73,7 +59,7 @@ def measure(name: str, d: int, widths: tuple[int, ...], rows: int, calls: int, r
     weight_bytes = sum(w.size for w in weights) * 2
     out = {"d": d, "widths": list(widths), "rows": rows, "weight_bytes": weight_bytes}
     for kind, fn, args in (("apart", apart, (x, weights)), ("merged", merged, (x, merged_weight))):
-        seconds = time_calls(fn, args, calls, repeats)
+        seconds = bench(fn, *args, reps=repeats, inner=calls)[0]
         out[kind] = {"ms": round(seconds * 1e3, 4), "gb_per_s": round(weight_bytes / seconds / 1e9, 1),
                      "dot_kernels": dot_kernels(fn.lower(*args).compile().as_text())}
     out["merged_speedup"] = round(out["apart"]["ms"] / out["merged"]["ms"], 3)

@@ -12,7 +12,6 @@ compile differs (docs/benchmarks.md).
 """
 
 import concurrent.futures
-import importlib.util
 import os
 import sys
 import time
@@ -20,6 +19,7 @@ import time
 os.environ["JAX_PLATFORMS"] = "cpu"  # the CUDA plugin's compile-only devices (../shared/compile_only.md)
 
 from ppo_jax.accelerators import planning_devices  # noqa: E402
+from ppo_jax.config_file import load_config  # noqa: E402
 from ppo_jax.plan.memory import planned_settings  # noqa: E402
 from ppo_jax.plan.programs import lower_programs, planned_run  # noqa: E402
 
@@ -28,10 +28,7 @@ PROGRAMS = ("sampler", "experience", "update")
 
 def main():
     layers, mode = int(sys.argv[1]), sys.argv[2]
-    spec = importlib.util.spec_from_file_location("plan_config", "configs/plan_tinyllama.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
+    config = load_config("configs/plan_tinyllama.py")
     config.policy.model.num_layers = layers
     config.rollout.min_new_tokens = 128
     lowered = lower_programs(planned_run(planned_settings(config), None, planning_devices("gpu", 1, gpu="h200"))).lowered

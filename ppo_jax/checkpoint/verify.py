@@ -75,15 +75,24 @@ def _words(x, host: bool):
     return _host_words(x) if host else _as_words(x)
 
 
-def _leaf_checksum(x, offset: int = 0, host: bool = False):
-    """[] uint32 checksum of `x`, its words counted from position `offset` (0: the leaf's own)."""
-    words = _words(x, host)
+def _words_checksum(words, offset: int, host: bool):
+    """[] uint32 checksum of a leaf's words (any shape), counted from position `offset`."""
     return _position_sums(words.reshape(1, words.size), offset, host)[0]
 
 
+def _leaf_checksum(x, host: bool = False):
+    """[] uint32 checksum of `x`."""
+    return _words_checksum(_words(x, host), 0, host)
+
+
 def _stacked_checksum(parts, host: bool = False):
-    """The checksum the stack of the L leaves `parts` would have, without stacking them."""
-    sums = [_leaf_checksum(x, offset=i * _words(x, host).size, host=host) for i, x in enumerate(parts)]
+    """The checksum the stack of the L leaves `parts` would have, without stacking them: each part's
+    words counted from where they would sit in the stack."""
+    sums, offset = [], 0
+    for x in parts:
+        words = _words(x, host)
+        sums.append(_words_checksum(words, offset, host))
+        offset += words.size
     if host:  # Python ints: numpy warns on a uint32 scalar's wrap-around
         return np.uint32(sum(int(s) for s in sums) % 2**32)
     return functools.reduce(jnp.add, sums, jnp.zeros((), jnp.uint32))  # uint32: wraps mod 2^32

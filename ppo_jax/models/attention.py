@@ -375,7 +375,7 @@ def _write_slabs(cache_kv: Array, new: Array, layer, write):
     out and written back."""
     if layer is None:
         cache_kv = write(cache_kv, new)
-        return cache_kv, (cache_kv[0], cache_kv[1])
+        return cache_kv, _layer_kv(cache_kv, None)
     slab = write(jax.lax.dynamic_index_in_dim(cache_kv, layer, axis=0, keepdims=False), new)
     cache_kv = jax.lax.dynamic_update_index_in_dim(cache_kv, slab, layer, axis=0)
     return cache_kv, (slab[0], slab[1])

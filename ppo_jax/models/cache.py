@@ -25,6 +25,12 @@ KV_CACHE_AXES = ("layers", None, "batch", "kv_heads", "length", "head_dim")
 SPLIT_KV_CACHE_AXES = ("layers", None, "batch", "kv_heads", "cache_length", "head_dim")
 
 
+def rows_axis(kv: Array) -> int:
+    """The axis of a `KVCache.kv`-shaped array ([(L,) 2, B, K, S, Dh], a cache or a prefill's new
+    slots) that holds the B rows: 1 for one layer's, 2 stacked."""
+    return kv.ndim - 4
+
+
 def kv_axes(axes: tuple, ndim: int) -> tuple:
     """The logical names of a `KVCache.kv` of `ndim` axes from the stacked cache's `axes` (one layer's
     [2, B, K, S, Dh] has no layers axis)."""
@@ -65,8 +71,8 @@ class KVCache(flax.struct.PyTreeNode):
 
     @property
     def rows_axis(self) -> int:
-        """The axis of `kv` that holds the B rows (1 for one layer's cache, 2 stacked)."""
-        return self.kv.ndim - 4
+        """The axis of `kv` that holds the B rows (`rows_axis`)."""
+        return rows_axis(self.kv)
 
 
 def init_cache(config: ModelConfig, batch: int, length: int, dtype: Any = None) -> KVCache:
@@ -87,9 +93,9 @@ def with_joined_kv(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     `<path>.v`, [.., B, K, S, Dh] each, until 2026-11-29) joined into the `<path>.kv` this version
     reads, so a checkpoint taken mid-rollout by an older version resumes. Other names pass as they are."""
     joined = dict(arrays)
-    for name in arrays:
-        stem = name[:-len(".k")]
-        if name.endswith(".k") and stem + ".v" in arrays and stem + ".kv" not in arrays:
-            k, v = joined.pop(name), joined.pop(stem + ".v")
-            joined[stem + ".kv"] = np.stack([k, v], axis=k.ndim - 4)  # [(L,) 2, B, K, S, Dh]
+    stems = [name[:-2] for name in arrays if name.endswith(".k")]
+    for stem in stems:
+        if stem + ".v" in arrays and stem + ".kv" not in arrays:
+            k, v = joined.pop(stem + ".k"), joined.pop(stem + ".v")
+            joined[stem + ".kv"] = np.stack([k, v], axis=k.ndim - 4)  # [(L,) 2, B, K, S, Dh]: in front of the rows
     return joined

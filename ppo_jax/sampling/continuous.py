@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from ppo_jax import sharding
 from ppo_jax.models import forward
-from ppo_jax.models.cache import SPLIT_KV_CACHE_AXES, KVCache, init_cache, kv_axes, split_cache
+from ppo_jax.models.cache import SPLIT_KV_CACHE_AXES, KVCache, init_cache, kv_axes, rows_axis, split_cache
 from ppo_jax.models.transformer import CausalLM, positions_from_mask
 from ppo_jax.ppo.stats import last_token_index
 from ppo_jax.sampling.config import SampleOutput, SamplingConfig, validate_inputs
@@ -201,18 +201,18 @@ def _insert(e: Engine, slots: Slots) -> Slots:
         return buffer.at[targets].set(values.astype(buffer.dtype), mode="drop")
 
     def copy_prompt(buffer, source):  # a [(L,) 2, P, K, Lq, Dh] prefill cache into slots [(L,) 2, S, K, C, Dh]
-        rows_axis = buffer.ndim - 4
-        source = jnp.take(source, ready // n, axis=rows_axis).astype(buffer.dtype)
+        rows = rows_axis(buffer)
+        source = jnp.take(source, ready // n, axis=rows).astype(buffer.dtype)
         if sharding.context_axis_size() > 1:
             # whole rows of C slots (zeros past the prompt: masked), each device gathering its own
             # slots, so the scatter indexes rows only: a prompt-wide scatter into the slots split
             # over the context axis had XLA all-gather them
             slots = jnp.arange(buffer.shape[-2])
             source = jnp.take(source, jnp.minimum(slots, prompt_len - 1), axis=-2)
-            source = constrain(jnp.where((slots < prompt_len)[:, None], source, 0), kv_axes(SPLIT_KV_CACHE_AXES, source.ndim))
-            return buffer.at[(slice(None),) * rows_axis + (targets,)].set(source, mode="drop")
-        return buffer.at[(slice(None),) * rows_axis + (targets, slice(None), slice(0, prompt_len))].set(
-            source, mode="drop")
+            source = constrain(jnp.where((slots < prompt_len)[:, None], source, 0),
+                               kv_axes(SPLIT_KV_CACHE_AXES, source.ndim))
+            return buffer.at[(slice(None),) * rows + (targets,)].set(source, mode="drop")
+        return buffer.at[(slice(None),) * rows + (targets, slice(None), slice(0, prompt_len))].set(source, mode="drop")
 
     if e.layers.unroll:
         cache = tuple(c.replace(kv=copy_prompt(c.kv, w.kv[i])) for i, c in enumerate(slots.cache))

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppo_jax.models import forward
-from ppo_jax.models.cache import init_cache, split_cache
+from ppo_jax.models.cache import init_cache, rows_axis, split_cache
 from ppo_jax.models.transformer import CausalLM, positions_from_mask
 from ppo_jax.sampling.loop import constrain_cache, decode_layers, forward_last
 from ppo_jax.sampling.token_choice import response_uniforms
@@ -160,7 +160,7 @@ def insert(params: Any, state: TurnState, episodes: EpisodeStore, slot_ids: Arra
         return buffer.at[slot_ids].set(values.astype(buffer.dtype), mode="drop")
 
     def put_cache(buffer, values):  # [(L,) 2, S, K, C, Dh] <- [(L,) 2, P, K, written, Dh]
-        at_slots = (slice(None),) * (buffer.ndim - 4) + (slot_ids, slice(None), slice(0, written))
+        at_slots = (slice(None),) * rows_axis(buffer) + (slot_ids, slice(None), slice(0, written))
         return buffer.at[at_slots].set(values.astype(buffer.dtype), mode="drop")
 
     if isinstance(state.cache, tuple):
