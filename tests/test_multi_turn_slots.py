@@ -5,6 +5,8 @@ slots up and came back through a re-prefill of their whole row, and the decode r
 The tiny GPT-2, word tokenizer and scripted environments of test_multi_turn.py.
 """
 
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -19,10 +21,43 @@ from ppo_jax.sampling.turn_slots import SlotDecoder
 lm = mt.lm
 
 
-def slow_environments():
-    """Scripted, 0.2, 0.4 or 0.6 s a step by row: every one far slower than a decode segment, so once
-    every slot waits for one, slots are given up (deterministically, whatever the machine's load)."""
-    return [mt.Scripted(row, sleep=0.2 * (1 + row % 3)) for row in range(mt.ROWS)]
+class SlowerThanASegment(mt.Scripted):
+    """Scripted, stepping 0.2, 0.4 or 0.6 s by row and never less than 5 decode segments as the
+    rollout measures them (`clocks`: its SegmentClock): far slower than a segment whatever the machine's
+    load, so once every slot waits for one, slots are given up."""
+
+    def __init__(self, row, clocks):
+        super().__init__(row)
+        self.floor, self.clocks = 0.2 * (1 + row % 3), clocks
+
+    def step(self, turn_text, turn_token_ids):
+        self.sleep = max(self.floor, 5 * self.clocks[-1].patience)
+        return super().step(turn_text, turn_token_ids)
+
+
+class AnswerTimed(mt.Scripted):
+    """Scripted, recording when it first answered (perf_counter)."""
+
+    answered_at = float("inf")
+
+    def step(self, turn_text, turn_token_ids):
+        result = super().step(turn_text, turn_token_ids)
+        self.answered_at = min(self.answered_at, time.perf_counter())
+        return result
+
+
+@pytest.fixture
+def clocks(monkeypatch):
+    """The segment clocks the slot rollouts make, in order (a SegmentClock that files itself here)."""
+    made = []
+
+    class Filed(slot_rollout.SegmentClock):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr(slot_rollout, "SegmentClock", Filed)
+    return made
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +73,15 @@ class CountingDecoder:
     def __init__(self, decoder):
         self.decoder = decoder
         self.inserted = []
+        self.first_inserted_at = {}  # episode: perf_counter
 
     def __getattr__(self, name):
         return getattr(self.decoder, name)
 
     def insert(self, params, state, store, slots, episodes, observations=None, lengths=None, adapters=None):
         self.inserted += [(e, None if lengths is None else int(n)) for e, n in zip(episodes, lengths or episodes)]
+        for e in episodes:
+            self.first_inserted_at.setdefault(e, time.perf_counter())
         return self.decoder.insert(params, state, store, slots, episodes, observations, lengths, adapters)
 
 
@@ -84,13 +122,13 @@ def assert_same_episodes(out, expected, envs, expected_envs):
 
 
 @pytest.mark.parametrize("slots,insert_rows", [(4, 2), (2, 1)])
-def test_fewer_slots_give_the_rounds_episodes(lm, reference, slots, insert_rows):
-    """8 episodes on 4 (or 2) slots, environments of 0.2-0.6 s: episodes that wait give their slot up,
+def test_fewer_slots_give_the_rounds_episodes(lm, reference, clocks, slots, insert_rows):
+    """8 episodes on 4 (or 2) slots, environments slower than 5 segments: episodes that wait give their slot up,
     new ones start in it, and the waiting ones come back re-prefilled with their observation; every
     token, mask, turn end, reward and cut is the rounds schedule's, and what each environment saw;
     log-probs to round-off (a re-prefill's arithmetic is not the decode's; `assert_same_episodes`)."""
     expected, expected_envs = reference
-    envs = slow_environments()
+    envs = [SlowerThanASegment(row, clocks) for row in range(mt.ROWS)]
     out, decoder = _slot_run(lm, slots, insert_rows, envs)
     assert_same_episodes(out, expected, envs, expected_envs)
     # Not one row per episode in disguise: the slots were shared, and re-prefills resumed turns.
@@ -101,6 +139,19 @@ def test_fewer_slots_give_the_rounds_episodes(lm, reference, slots, insert_rows)
     metrics = rollout_metrics(out)
     assert metrics["rollout/reprefilled_turns"] == len(resumed)
     assert 0 < metrics["perf/decode_row_occupancy"] <= 1
+
+
+def test_slots_that_all_wait_are_given_up_before_the_environments_answer(lm, reference):
+    """Both slots' environments step for a second while six episodes wait for a slot: the slots go
+    to new episodes once the environments have stepped longer than a segment, not once they answer.
+    A segment decodes whole turns (segment_steps = the response length), so both turns end at the
+    same look and neither environment has stepped at all when the schedule first looks for a slot."""
+    expected, expected_envs = reference
+    envs = [AnswerTimed(row, sleep=1.0 if row < 2 else 0.0) for row in range(mt.ROWS)]
+    out, decoder = _slot_run(lm, 2, 2, envs, segment_steps=mt.NEW)
+    assert_same_episodes(out, expected, envs, expected_envs)
+    assert decoder.first_inserted_at[2] < min(env.answered_at for env in envs[:2])
+    assert int(out.reprefilled_turns) >= 1
 
 
 def test_instant_environments_keep_their_slots(lm, reference):
@@ -114,11 +165,11 @@ def test_instant_environments_keep_their_slots(lm, reference):
     assert int(out.reprefilled_turns) == 0
 
 
-def test_eight_devices_give_the_same_episodes(lm, reference):
+def test_eight_devices_give_the_same_episodes(lm, reference, clocks):
     """On a (2, 2, 2) mesh of the 8 fake CPU devices (slots split 4 ways, tensor-parallel layers),
     episodes giving their slots up and coming back: the one-device rollout's episodes."""
     expected, expected_envs = reference
-    envs = slow_environments()
+    envs = [SlowerThanASegment(row, clocks) for row in range(mt.ROWS)]
     out, _ = _slot_run(lm, 4, 2, envs, segment_steps=1, mesh=make_test_mesh((2, 2, 2)))
     assert_same_episodes(out, expected, envs, expected_envs)
     assert int(out.reprefilled_turns) > 0
@@ -139,4 +190,4 @@ def test_several_processes_are_refused_in_one_line(lm, monkeypatch):
     tokens, mask = mt._prompts(tokenizer)
     with pytest.raises(ConfigError, match="rollout.slots=4 with an environment runs on one process"):
         slot_rollout.rollout(SlotDecoder(model, mt._turn_config(tokenizer), slots=4, insert_rows=1), params, tokens,
-                             mask, slow_environments(), jax.random.key(3), tokenizer=tokenizer, max_turns=3)
+                             mask, [mt.Scripted(row) for row in range(mt.ROWS)], jax.random.key(3), tokenizer=tokenizer, max_turns=3)

@@ -52,11 +52,11 @@ from ppo_jax.config import check
 from ppo_jax.sampling.turns import FINAL_STOP, RUNNING, TURN_STOP, TurnDecoder, TurnState
 
 
-def wait_for_one(waiting: dict[int, concurrent.futures.Future], ep: Episodes) -> None:
-    """Blocks until one of this process's environments answers; files the seconds under the lowest
-    turn index waiting."""
+def wait_for_one(waiting: dict[int, concurrent.futures.Future], ep: Episodes, timeout: float | None = None) -> None:
+    """Blocks until one of this process's environments answers (or `timeout` seconds pass); files the
+    seconds under the lowest turn index waiting."""
     start = time.perf_counter()
-    concurrent.futures.wait(waiting.values(), return_when=concurrent.futures.FIRST_COMPLETED)
+    concurrent.futures.wait(waiting.values(), timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
     ep.wall[min(ep.turns[row] - 1 for row in waiting)] += time.perf_counter() - start
 
 

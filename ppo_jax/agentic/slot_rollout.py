@@ -21,7 +21,8 @@ slots decode the E episodes (`sampling/turn_slots.py`). The host loops over deco
    most recently submitted first (under a steady environment latency, the longest left to wait). A
    re-prefill costs a forward over the whole row, so a slot is taken only from an environment slower
    than a segment, and only while the decode batch is less than half full.
-4. blocks on the environments only when no slot has a row to decode.
+4. blocks on the environments only when no slot has a row to decode, and then only until the first
+   of them has stepped longer than a segment, if episodes wait for a slot (step 3 gives it up).
 
 Same episodes as the other schedules for the same key and deterministic environments: episode e
 draws the uniform (e, t) at response column t in whichever slot, and a re-prefilled row holds the
@@ -117,6 +118,16 @@ def _slots_to_give_up(waiting: dict[int, concurrent.futures.Future], table: Slot
     return sorted(stale, key=lambda e: -submitted_at[e])[:count]
 
 
+def _until_stale(waiting: dict[int, concurrent.futures.Future], table: SlotTable, submitted_at: np.ndarray,
+                 patience: float) -> float | None:
+    """Seconds until the first episode holding a slot has waited on its environment longer than
+    `patience` (0 if one has); None if none holds a slot."""
+    holding = [submitted_at[e] for e in waiting if table.slot[e] >= 0]
+    if not holding or not np.isfinite(patience):
+        return None
+    return max(0.0, min(holding) + patience - time.perf_counter())
+
+
 def rollout(decoder: SlotDecoder, params: Any, prompt_tokens: Any, prompt_mask: Any,
             environments: Sequence[Environment], key: jax.Array, *, tokenizer: Any, max_turns: int,
             environment_workers: int = 16, adapters: Any = None,
@@ -129,6 +140,10 @@ def rollout(decoder: SlotDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
     episodes = int(np.shape(prompt_tokens)[0])
     mine, decode_turn = checked_episodes(decoder, prompt_tokens, environments, tokenizer, max_turns, decode_turn)
     state, store = decoder.empty(params, prompt_tokens, prompt_mask, key, adapters)
+    # Compiles the decode program before the clock times a segment (no row is active yet: the call
+    # returns at once). A first segment that compiled would set the patience to the compile time, and
+    # no environment faster than a compile would give its slot up for the rest of the rollout.
+    state = decoder.decode(params, state, adapters, max_steps=0)
     ep, table = Episodes(episodes, max_turns), SlotTable(decoder.slots, episodes)
     decoding = np.zeros(episodes, bool)  # episodes in a turn on the device
     submitted_at = np.zeros(episodes)  # when each episode's environment step began (perf_counter)
@@ -183,8 +198,9 @@ def rollout(decoder: SlotDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
             if decoding.any():
                 clock.started()
                 state = decoder.decode(params, state, adapters, max_steps=segment_steps)
-            elif waiting:
-                wait_for_one(waiting, ep)
+            elif waiting:  # every slot waits: wake when one of them may be given up to a waiting episode
+                wait_for_one(waiting, ep, _until_stale(waiting, table, submitted_at, clock.patience)
+                             if queued or fresh else None)
             elif not (queued or fresh):
                 break
     held = np.flatnonzero(table.slot >= 0)
