@@ -154,11 +154,12 @@ def test_slots_that_all_wait_are_given_up_before_the_environments_answer(lm, ref
     assert int(out.reprefilled_turns) >= 1
 
 
-def test_instant_environments_keep_their_slots(lm, reference):
-    """An environment that answers before the next look never costs a re-prefill: with instant
-    environments every episode is inserted once, at its start, and resumes by `append`."""
+def test_environments_within_the_patience_floor_keep_their_slots(lm, reference):
+    """Environments of 10 ms, longer than a segment of this toy model (a few ms) but within
+    slot_rollout.MIN_PATIENCE_S (what a thread may wait to run at all on a loaded machine): every
+    episode is inserted once, at its start, and resumes by `append`, never by a re-prefill."""
     expected, expected_envs = reference
-    envs = [mt.Scripted(row) for row in range(mt.ROWS)]
+    envs = [mt.Scripted(row, sleep=0.01) for row in range(mt.ROWS)]
     out, decoder = _slot_run(lm, 4, 2, envs)
     assert_same_episodes(out, expected, envs, expected_envs)
     assert sorted(e for e, _ in decoder.inserted) == list(range(mt.ROWS))
@@ -188,6 +189,7 @@ def test_several_processes_are_refused_in_one_line(lm, monkeypatch):
     tokenizer, model, params = lm
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     tokens, mask = mt._prompts(tokenizer)
+    envs = [mt.Scripted(row) for row in range(mt.ROWS)]
     with pytest.raises(ConfigError, match="rollout.slots=4 with an environment runs on one process"):
         slot_rollout.rollout(SlotDecoder(model, mt._turn_config(tokenizer), slots=4, insert_rows=1), params, tokens,
-                             mask, [mt.Scripted(row) for row in range(mt.ROWS)], jax.random.key(3), tokenizer=tokenizer, max_turns=3)
+                             mask, envs, jax.random.key(3), tokenizer=tokenizer, max_turns=3)

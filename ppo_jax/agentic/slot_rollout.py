@@ -87,9 +87,15 @@ class SlotTable:
         return out
 
 
+# Ten GIL switch intervals (50 ms): with the cores busy (XLA's threads, other processes) a thread
+# handed an instant environment step can wait several scheduler slices before it runs. At the former
+# two intervals, instant environments beside 3 busy processes on 2 cores lost a slot in 1 run of 7.
+MIN_PATIENCE_S = 10 * sys.getswitchinterval()
+
+
 class SegmentClock:
     """How long a decode segment takes: the fastest measured, from its dispatch to the next look (the
-    first call's includes compiling)."""
+    rollout compiles the program before it times the first)."""
 
     def __init__(self):
         self.fastest, self._started = float("inf"), None
@@ -104,17 +110,19 @@ class SegmentClock:
     @property
     def patience(self) -> float:
         """How long an environment may step before its episode gives its slot up: a segment, and not
-        less than two GIL switch intervals (an instant environment's thread may wait that long to
-        run at all, and taking its slot would cost a re-prefill for nothing)."""
-        return max(self.fastest, 2 * sys.getswitchinterval())
+        less than MIN_PATIENCE_S (an instant environment's thread may wait that long to run at all on
+        a loaded machine, and taking its slot would cost a re-prefill for nothing)."""
+        return max(self.fastest, MIN_PATIENCE_S)
 
 
 def _slots_to_give_up(waiting: dict[int, concurrent.futures.Future], table: SlotTable, submitted_at: np.ndarray,
                       patience: float, count: int) -> list[int]:
     """Up to `count` episodes holding a slot whose environment has stepped longer than `patience`
-    seconds, the most recently submitted first (under a steady latency, the longest left to wait)."""
+    seconds and is stepping still, the most recently submitted first (under a steady latency, the
+    longest left to wait). One that answered since this look collected the answers keeps its slot: the
+    look may have spent longer than `patience` compiling an `append` or `insert`."""
     now = time.perf_counter()
-    stale = [e for e in waiting if table.slot[e] >= 0 and now - submitted_at[e] > patience]
+    stale = [e for e in waiting if table.slot[e] >= 0 and now - submitted_at[e] > patience and not waiting[e].done()]
     return sorted(stale, key=lambda e: -submitted_at[e])[:count]
 
 
@@ -140,10 +148,6 @@ def rollout(decoder: SlotDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
     episodes = int(np.shape(prompt_tokens)[0])
     mine, decode_turn = checked_episodes(decoder, prompt_tokens, environments, tokenizer, max_turns, decode_turn)
     state, store = decoder.empty(params, prompt_tokens, prompt_mask, key, adapters)
-    # Compiles the decode program before the clock times a segment (no row is active yet: the call
-    # returns at once). A first segment that compiled would set the patience to the compile time, and
-    # no environment faster than a compile would give its slot up for the rest of the rollout.
-    state = decoder.decode(params, state, adapters, max_steps=0)
     ep, table = Episodes(episodes, max_turns), SlotTable(decoder.slots, episodes)
     decoding = np.zeros(episodes, bool)  # episodes in a turn on the device
     submitted_at = np.zeros(episodes)  # when each episode's environment step began (perf_counter)
@@ -196,6 +200,11 @@ def rollout(decoder: SlotDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
             decoding[started] = True
             reprefilled += sum(int(ep.turns[e] > 0) for e in started)
             if decoding.any():
+                if clock.fastest == float("inf"):
+                    # Compile (or fetch) the decode program for this state before the clock times a
+                    # segment: zero steps change nothing. A first segment that compiled would set
+                    # the patience to the compile time until a second one is timed.
+                    state = decoder.decode(params, state, adapters, max_steps=0)
                 clock.started()
                 state = decoder.decode(params, state, adapters, max_steps=segment_steps)
             elif waiting:  # every slot waits: wake when one of them may be given up to a waiting episode
