@@ -1,52 +1,43 @@
-"""The KV cache's saved form: an in-flight rollout's engine state is saved by tree path with its cache
-(`checkpoint.trees.host_arrays_by_path`); one saved before keys and values shared one array
-(`KVCache.k` and `KVCache.v`, until 2026-11-29) still resumes."""
+"""The KV cache's per-row write (`models.attention._write_cache` with a start per row: the multi-turn
+and continuous decodes, where every row is at its own slot), against a NumPy loop."""
 
 import jax
 import numpy as np
 import pytest
+from conftest import make_test_mesh
 
-from ppo_jax.checkpoint import trees
-from ppo_jax.checkpoint.errors import CheckpointMismatchError
-from ppo_jax.models import KVCache, ModelConfig, init_cache
-from ppo_jax.models.cache import split_cache, with_joined_kv
-
-CONFIG = ModelConfig(arch="llama", vocab_size=64, hidden_size=16, num_layers=3, num_heads=4, num_kv_heads=2,
-                     max_position_embeddings=32)
-ROWS, SLOTS = 2, 5
+from ppo_jax import sharding
+from ppo_jax.models.attention import _write_cache
 
 
-def _abstract_state():
-    """An engine state's caches: the stacked one (the prefill's, the scanned decode's) and one per
-    layer (the unrolled decode's)."""
-    cache = init_cache(CONFIG, ROWS, SLOTS)
-    return jax.eval_shape(lambda: {"stacked": cache, "layers": split_cache(cache)})
+def _rows_written_by_numpy(cache, new, starts):
+    """Row b's T new slots at starts[b].. (a start past S - T clamped to it, as dynamic_update_slice
+    clamps), one row at a time."""
+    out, length = cache.copy(), new.shape[2]
+    for b, start in enumerate(starts):
+        start = min(max(int(start), 0), cache.shape[2] - length)
+        out[b, :, start:start + length] = new[b]
+    return out
 
 
-def test_a_cache_saved_as_separate_keys_and_values_is_read_back_whole():
-    rng = np.random.default_rng(0)
-    layers, heads, dh = CONFIG.num_layers, CONFIG.kv_heads, CONFIG.dim_per_head
-    old = {"['stacked'].k": rng.normal(size=(layers, ROWS, heads, SLOTS, dh)).astype(np.float32),
-           "['stacked'].v": rng.normal(size=(layers, ROWS, heads, SLOTS, dh)).astype(np.float32),
-           "['stacked'].index": np.int32(3)}
-    for i in range(layers):
-        old[f"['layers'][{i}].k"] = rng.normal(size=(ROWS, heads, SLOTS, dh)).astype(np.float32)
-        old[f"['layers'][{i}].v"] = rng.normal(size=(ROWS, heads, SLOTS, dh)).astype(np.float32)
-        old[f"['layers'][{i}].index"] = np.int32(3)
-    state = trees.tree_from_host_arrays(with_joined_kv(old), _abstract_state(), np.asarray, what="a saved run")
-    assert isinstance(state["stacked"], KVCache)
-    np.testing.assert_array_equal(state["stacked"].k, old["['stacked'].k"])
-    np.testing.assert_array_equal(state["stacked"].v, old["['stacked'].v"])
-    for i, layer in enumerate(state["layers"]):
-        np.testing.assert_array_equal(layer.k, old[f"['layers'][{i}].k"])
-        np.testing.assert_array_equal(layer.v, old[f"['layers'][{i}].v"])
+@pytest.mark.parametrize("length", [1, 3])
+@pytest.mark.parametrize("mesh_shape", [None, (4, 2, 1)], ids=["one device", "8 devices"])
+def test_each_rows_keys_and_values_are_written_at_its_own_slot(length, mesh_shape):
+    """Keys and values [B, K, T, Dh] written at each row's own slot: what a NumPy loop writes, on one
+    device and with the rows and heads split over 8."""
+    rows, heads, slots, dh = 8, 2, 12, 4
+    rng = np.random.default_rng(length)
+    cache = tuple(rng.normal(size=(rows, heads, slots, dh)).astype(np.float32) for _ in range(2))
+    k, v = (rng.normal(size=(rows, heads, length, dh)).astype(np.float32) for _ in range(2))
+    starts = np.array([0, 5, 11, 9, 3, slots - length, 7, 2], np.int32)  # 11 and 9: past S - T when T = 3
 
+    def write(cache, k, v, starts):
+        return _write_cache(cache, k, v, None, starts)[0]
 
-def test_a_cache_saved_whole_passes_unchanged_and_a_missing_half_is_refused():
-    cache = init_cache(CONFIG, ROWS, SLOTS)
-    saved = trees.host_arrays_by_path({"stacked": cache, "layers": split_cache(cache)})
-    assert with_joined_kv(saved).keys() == saved.keys()
-    half = {name: a for name, a in saved.items() if name != "['stacked'].kv"}
-    half["['stacked'].k"] = np.zeros((CONFIG.num_layers, ROWS, CONFIG.kv_heads, SLOTS, CONFIG.dim_per_head), np.float32)
-    with pytest.raises(CheckpointMismatchError, match=r"\['stacked'\]\.kv saved as None"):
-        trees.tree_from_host_arrays(with_joined_kv(half), _abstract_state(), np.asarray, what="a saved run")
+    if mesh_shape is None:
+        written = jax.jit(write)(cache, k, v, starts)
+    else:
+        with sharding.mesh_context(make_test_mesh(mesh_shape)):
+            written = jax.jit(write)(cache, k, v, starts)
+    np.testing.assert_array_equal(np.asarray(written[0]), _rows_written_by_numpy(cache[0], k, starts))
+    np.testing.assert_array_equal(np.asarray(written[1]), _rows_written_by_numpy(cache[1], v, starts))

@@ -113,33 +113,3 @@ def test_instructions_parse_with_tuple_types_comments_and_called_computations():
     module = Module.from_text(text)
     assert module.entry == "main" and set(module.computations) == {"add", "main"}
     assert module.reachable(["main"]) == ["add", "main"]
-
-
-@pytest.mark.parametrize("unrolled", [True, False], ids=["per-layer caches", "stacked cache"])
-def test_a_decode_step_writes_each_layers_keys_and_values_with_one_kernel(replicated, unrolled):
-    """The KV cache holds keys and values in one array (`KVCache.kv`), so a decode step updates each
-    layer's cache once: two arrays cost XLA:GPU two kernels a layer a step (docs/benchmarks.md)."""
-    from ppo_jax.models import CausalLM, ModelConfig, init_cache
-    from ppo_jax.models.cache import split_cache
-    from ppo_jax.models.transformer import split_layer_params
-    from ppo_jax.sampling.loop import forward_last
-
-    layers, rows, slots = 3, 8, 32
-    config = ModelConfig(arch="llama", vocab_size=512, hidden_size=128, num_layers=layers, num_heads=4,
-                         num_kv_heads=2, max_position_embeddings=64, param_dtype="bfloat16", dtype="bfloat16")
-    model = CausalLM(config)
-    tokens, positions = jnp.zeros((rows, 1), jnp.int32), jnp.zeros((rows, 1), jnp.int32)
-    kv_mask = jnp.ones((rows, slots), jnp.int32)
-    params = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, positions, kv_mask[:, :1]))["params"]
-
-    def step(params, cache):
-        layer_params = split_layer_params(params) if unrolled else None
-        cache = split_cache(cache) if unrolled else cache
-        return model.apply({"params": params}, tokens, positions, kv_mask, cache, jnp.zeros((rows,), jnp.int32),
-                           layer_params, method=forward_last)
-
-    cache = jax.eval_shape(lambda: init_cache(config, rows, slots).replace(index=jnp.int32(5)))
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), (params, cache))
-    text = jax.jit(step).lower(*abstract).compile().as_text()
-    writes = [k for k in profile_program("decode", text).kernels if k.op_name.endswith("attn/dynamic_update_slice")]
-    assert sum(k.executions for k in writes) == layers, [k.name for k in writes]

@@ -29,7 +29,6 @@ from ppo_jax.checkpoint import trees
 from ppo_jax.agentic.bookkeeping import Answers, Episodes
 from ppo_jax.agentic.continuous_rollout import EpisodeRun
 from ppo_jax.agentic.environment import Environment, StepResult, Turn, timed_step
-from ppo_jax.models.cache import with_joined_kv
 from ppo_jax.sampling.turns import LENGTH, TurnState
 
 class ReplayMismatch(RuntimeError):
@@ -55,7 +54,7 @@ def rebuild_run(arrays: Mapping[str, np.ndarray], abstract_state: TurnState, mes
     reset) stepped again through the turns they were given (`replay`). `abstract_state`: the
     decoder's state shapes for these prompts, to check the saved arrays against."""
     place = (lambda a: sharding.replicate(a, mesh)) if mesh is not None else jnp.asarray
-    state = trees.tree_from_host_arrays(with_joined_kv(arrays), abstract_state, place, prefix="state",
+    state = trees.tree_from_host_arrays(arrays, abstract_state, place, prefix="state",
                                         what="the checkpoint's multi-turn rollout in flight")
     rows, max_turns = arrays["ep.turn_ends"].shape
     ep = Episodes(rows, max_turns)

@@ -262,8 +262,8 @@ class Attention(nn.Module):
                  lengths=None):
         """x [B, T, D] -> ([B, T, D], cache_kv with this layer's new slots written, or None).
 
-        cache_kv: None, the whole cache's `KVCache.kv` [L, 2, B, K, S, Dh] with `layer` ([] int32) this
-        layer's index into it, or (layer None) this layer's own [2, B, K, S, Dh]; cache_index: [] int32,
+        cache_kv: None, the whole cache's (k, v) [L, B, K, S, Dh] with `layer` ([] int32) this layer's
+        index into it, or (layer None) this layer's own (k, v) [B, K, S, Dh]; cache_index: [] int32,
         the slot of the first of the T new tokens, or [B] int32, each row's own (a slot-based
         decode); sliding: whether this is a sliding-window layer (a bool, or a [] bool array in a
         scanned body; only splash reads it, the mask already says so);
@@ -343,69 +343,63 @@ def _sliding_window(cfg: ModelConfig, sliding) -> int | None:
     return cfg.sliding_window if sliding else None
 
 
-def _write_cache(cache_kv: Array, k: Array, v: Array, layer, cache_index):
-    """Writes only the T new slots of this layer (k, v [B, K, T, Dh]) into the cache (`KVCache.kv`:
-    [L, 2, B, K, S, Dh] with `layer` this layer's index, or the layer's own [2, B, K, S, Dh] with
-    `layer` None), then reads the layer's keys and values: (the updated cache, (k, v) [B, K, S, Dh]
-    of all S slots). cache_index [B]: each row from its own slot on (one scatter)."""
-    new = jnp.stack([k, v]).astype(cache_kv.dtype)  # [2, B, K, T, Dh]: one update (one GPU kernel, not two)
+def _write_cache(cache_kv, k: Array, v: Array, layer, cache_index):
+    """Writes only the T new slots of this layer (k, v [B, K, T, Dh]) into the cache, then reads the
+    layer's [B, K, S, Dh] slab: (the updated cache_kv, (k, v) of all S slots). cache_index [B]: each
+    row from its own slot on (one scatter)."""
     if jnp.ndim(cache_index) == 1:
-        return _write_cache_rows(cache_kv, new, layer, cache_index)
+        return _write_cache_rows(cache_kv, k, v, layer, cache_index)
     if k.shape[2] > 1 and sharding.context_axis_size() > 1:
-        return _write_cache_split(cache_kv, new, layer, cache_index)
-    lead = () if layer is None else (layer,)
-    cache_kv = jax.lax.dynamic_update_slice(cache_kv, new.reshape((1,) * len(lead) + new.shape),
-                                            (*lead, 0, 0, 0, cache_index, 0))
-    return cache_kv, _layer_kv(cache_kv, layer)
-
-
-def _layer_kv(cache_kv: Array, layer) -> tuple[Array, Array]:
-    """(k, v) [B, K, S, Dh] of `layer` (None: `cache_kv` is the layer's own [2, B, K, S, Dh]). Each
-    half is sliced on its own: one [2, B, K, S, Dh] slab, split after, had XLA:CPU convert both halves
-    of a bf16 cache to float32 at once for the dots (one layer's f32 keys more in the decode's temps)."""
+        return _write_cache_split(cache_kv, k, v, layer, cache_index)
     if layer is None:
-        return cache_kv[0], cache_kv[1]
-    size = (1, 1, *cache_kv.shape[2:])
-    return tuple(jax.lax.dynamic_slice(cache_kv, (layer, half, 0, 0, 0, 0), size)[0, 0] for half in (0, 1))
+        cache_kv = tuple(jax.lax.dynamic_update_slice(c, new.astype(c.dtype), (0, 0, cache_index, 0))
+                         for c, new in zip(cache_kv, (k, v)))
+        return cache_kv, cache_kv
+    start = (layer, 0, 0, cache_index, 0)
+    cache_kv = tuple(jax.lax.dynamic_update_slice(c, new[None].astype(c.dtype), start)
+                     for c, new in zip(cache_kv, (k, v)))
+    slabs = tuple(jax.lax.dynamic_index_in_dim(c, layer, axis=0, keepdims=False) for c in cache_kv)
+    return cache_kv, slabs
 
 
-def _write_slabs(cache_kv: Array, new: Array, layer, write):
-    """(the cache, the layer's (k, v)) with `write(slab [2, B, K, S, Dh], new [2, B, K, T, Dh])`
-    applied: to a per-layer cache directly; on a stacked [L, 2, ...] cache to the layer's slab, read
-    out and written back."""
+def _write_slabs(cache_kv, k: Array, v: Array, layer, write):
+    """(cache_kv, the layer's (k, v) slabs) with `write(slab [B, K, S, Dh], new [B, K, T, Dh])` applied
+    to each of k and v: on per-layer caches directly; on a stacked [L, ...] cache to the layer's slab,
+    read out and written back."""
     if layer is None:
-        cache_kv = write(cache_kv, new)
-        return cache_kv, _layer_kv(cache_kv, None)
-    slab = write(jax.lax.dynamic_index_in_dim(cache_kv, layer, axis=0, keepdims=False), new)
-    cache_kv = jax.lax.dynamic_update_index_in_dim(cache_kv, slab, layer, axis=0)
-    return cache_kv, (slab[0], slab[1])
+        cache_kv = tuple(write(c, new) for c, new in zip(cache_kv, (k, v)))
+        return cache_kv, cache_kv
+    slabs = tuple(write(jax.lax.dynamic_index_in_dim(c, layer, axis=0, keepdims=False), new)
+                  for c, new in zip(cache_kv, (k, v)))
+    cache_kv = tuple(jax.lax.dynamic_update_index_in_dim(c, slab, layer, axis=0) for c, slab in zip(cache_kv, slabs))
+    return cache_kv, slabs
 
 
-def _write_cache_split(cache_kv: Array, new: Array, layer, start: Array):
+def _write_cache_split(cache_kv, k: Array, v: Array, layer, start: Array):
     """`_write_cache` of T > 1 slots (a prefill) into a cache whose S slots may be split over the
     context axis (`loop.sample`): each slot s takes new slot s - start where that is in [0, T), by a
     gather from the (whole) new slots and a select, so every device writes only its own slots. A
     dynamic_update_slice of T slots along the split axis had XLA all-gather the whole stacked cache
-    [L, 2, B, K, S, Dh] (a one-slot decode write it partitions in place)."""
-    slots = jnp.arange(cache_kv.shape[-2])
+    [L, B, K, S, Dh] (a one-slot decode write it partitions in place)."""
+    slots = jnp.arange(cache_kv[0].shape[-2])
     offset = slots - start
-    inside = ((offset >= 0) & (offset < new.shape[-2]))[:, None]  # [S, 1]
-    source = jnp.clip(offset, 0, new.shape[-2] - 1)
+    inside = ((offset >= 0) & (offset < k.shape[2]))[:, None]  # [S, 1]
+    source = jnp.clip(offset, 0, k.shape[2] - 1)
 
-    def write(slab, new):  # [2, B, K, S, Dh] <- [2, B, K, T, Dh]
-        return jnp.where(inside, jnp.take(new, source, axis=-2), slab)
+    def write(slab, new):  # [B, K, S, Dh] <- [B, K, T, Dh]
+        return jnp.where(inside, jnp.take(new.astype(slab.dtype), source, axis=2), slab)
 
-    return _write_slabs(cache_kv, new, layer, write)
+    return _write_slabs(cache_kv, k, v, layer, write)
 
 
-def _write_cache_rows(cache_kv: Array, new: Array, layer, starts: Array):
+def _write_cache_rows(cache_kv, k: Array, v: Array, layer, starts: Array):
     """`_write_cache` where row b's T new slots start at its own `starts[b]` ([B] int32): one
     dynamic_update_slice per row, vmapped over the batch axis (one scatter), into the layer's slab.
     A stacked cache has the slab read out and written back: a scatter straight into the whole
-    [L, 2, B, K, S, Dh] cache made XLA:TPU hold two copies of it (compile-only Llama-3-8B on v5p-8,
+    [L, B, K, S, Dh] cache made XLA:TPU hold two copies of it (compile-only Llama-3-8B on v5p-8,
     sampler temps 20.4 against 10.4 GiB, docs/benchmarks.md)."""
-    def write_layer(slab, new):  # [2, B, K, S, Dh] <- [2, B, K, T, Dh], the rows on axis 1
-        return jax.vmap(lambda c, n, start: jax.lax.dynamic_update_slice(c, n, (0, 0, start, 0)),
-                        in_axes=(1, 1, 0), out_axes=1)(slab, new, starts)
+    def write_layer(cache, new):  # [B, K, S, Dh] <- [B, K, T, Dh]
+        return jax.vmap(lambda c, n, start: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (0, start, 0)))(
+            cache, new, starts)
 
-    return _write_slabs(cache_kv, new, layer, write_layer)
+    return _write_slabs(cache_kv, k, v, layer, write_layer)

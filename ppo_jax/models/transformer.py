@@ -255,7 +255,7 @@ class Transformer(nn.Module):
         cache_index = cache.index if cache is not None else jnp.zeros((), jnp.int32)
         x, ropes, masks = self._block_inputs(tokens, positions, kv_mask, cache_index, segment_ids,
                                              cached=cache is not None)
-        cache_kv = cache.kv if cache is not None else None
+        cache_kv = (cache.k, cache.v) if cache is not None else None
         cfg = self.config
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         if cfg.scan_layers:
@@ -269,7 +269,7 @@ class Transformer(nn.Module):
                 (x, cache_kv), _ = block((x, cache_kv), layer, local, ropes, masks, cache_index, segment_ids,
                                          lengths, replay)
         if cache is not None:
-            cache = KVCache(kv=cache_kv, index=cache.index + tokens.shape[1])
+            cache = KVCache(k=cache_kv[0], v=cache_kv[1], index=cache.index + tokens.shape[1])
         x = self.ln_f(x)
         return (roll_rows(x, -shift) if aligned else x), cache
 
@@ -289,7 +289,7 @@ class Transformer(nn.Module):
                  ) -> tuple[Array, tuple[KVCache, ...]]:
         """`__call__` with a cache, one layer at a time on per-layer parameters and caches.
 
-        caches: one KVCache per layer, kv [2, B, K, S, Dh] (`split_cache`); layer_params: one
+        caches: one KVCache per layer with k, v [B, K, S, Dh] (`split_cache`); layer_params: one
         Block parameter tree per layer (`split_layer_params`); layer_adapters: likewise one Block
         adapter tree per layer (`split_layer_params` of the "lora" collection), None for adapters
         off. Used by the sampler's decode loop: a scan
@@ -309,12 +309,12 @@ class Transformer(nn.Module):
             block = Block(self.config, moe, parent=None)  # unbound: applied to this layer's own parameters
             variables = {"params": params} if lora_params is None else {"params": params,
                                                                         lora.COLLECTION: lora_params}
-            out = block.apply(variables, (x, cache.kv), None, local, ropes, masks, cache_index,
+            out = block.apply(variables, (x, (cache.k, cache.v)), None, local, ropes, masks, cache_index,
                               mutable=record)
-            ((x, kv), _), sown = out if record else (out, None)
+            ((x, (k, v)), _), sown = out if record else (out, None)
             if sown and CHOSEN in sown:
                 self.sow(CHOSEN, f"decode_{i}", sown[CHOSEN]["mlp"]["experts"][0])
-            new_caches.append(KVCache(kv=kv, index=cache.index + tokens.shape[1]))
+            new_caches.append(KVCache(k=k, v=v, index=cache.index + tokens.shape[1]))
         return self.ln_f(x), tuple(new_caches)
 
     def _block_inputs(self, tokens, positions, kv_mask, cache_index, segment_ids=None, cached=True):

@@ -195,13 +195,13 @@ def lower_programs(run: PlannedRun) -> LoweredRun:
 
 
 def kv_cache_bytes(run: PlannedRun, steps: build.Steps, rows: int) -> int:
-    """Per-device bytes of the sampler's KV cache [L, 2, rows, K, Lq + Lr - 1, Dh]: the static engine
-    caches every row, the continuous one its decode slots only."""
+    """Per-device bytes of the sampler's k and v caches [L, rows, K, Lq + Lr - 1, Dh]: the static
+    engine caches every row, the continuous one its decode slots only."""
     s, sampler_mesh = run.settings, run.meshes.sampler
     cache_rows = run.sizes.decode_slots or rows
     width = s.data.prompt_length + s.rollout.response_length - 1
     width += -width % sharding.context_axis_size(sampler_mesh)  # split over the context axis (sampling/loop.py)
     cache = jax.eval_shape(lambda: init_cache(run.policy_config, cache_rows, width, steps.sampling_config.cache_dtype))
-    cache_sh = jax.sharding.NamedSharding(sampler_mesh, sharding.logical_to_spec(SPLIT_KV_CACHE_AXES, cache.kv.shape,
+    cache_sh = jax.sharding.NamedSharding(sampler_mesh, sharding.logical_to_spec(SPLIT_KV_CACHE_AXES, cache.k.shape,
                                                                                  sampler_mesh))
-    return sharding.device_bytes(jax.ShapeDtypeStruct(cache.kv.shape, cache.kv.dtype, sharding=cache_sh))
+    return 2 * sharding.device_bytes(jax.ShapeDtypeStruct(cache.k.shape, cache.k.dtype, sharding=cache_sh))

@@ -20,7 +20,6 @@ import numpy as np
 from ppo_jax import sampling, sharding
 from ppo_jax.checkpoint import trees
 from ppo_jax.config import ConfigError
-from ppo_jax.models.cache import with_joined_kv
 from ppo_jax.rl import roles
 from ppo_jax.rl.rollout_source import (InFlightRecord, LargeStateWarning, Sampled, SamplerScorer, resolve_arrays,
                                        restore_sampled, scored)
@@ -92,8 +91,7 @@ class SegmentedSamples:
         tokens = jax.ShapeDtypeStruct(saved.arrays[".prompt_tokens"].shape, np.int32)
         key = sharding.replicate(jax.random.key(0), self.mesh)  # a shape only
         abstract = self.segmented.abstract_segment(weights.params, tokens, tokens, key, adapters=weights.adapters)
-        segment = trees.tree_from_host_arrays(with_joined_kv(saved.arrays), abstract,
-                                              lambda a: sharding.replicate(a, self.mesh),
+        segment = trees.tree_from_host_arrays(saved.arrays, abstract, lambda a: sharding.replicate(a, self.mesh),
                                               what="the checkpoint's partial rollout in flight")
         return SegmentBatch(self, saved.version, segment)
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from ppo_jax import sharding
 from ppo_jax.models import forward
-from ppo_jax.models.cache import SPLIT_KV_CACHE_AXES, KVCache, init_cache, kv_axes, rows_axis, split_cache
+from ppo_jax.models.cache import SPLIT_KV_CACHE_AXES, KVCache, init_cache, split_cache
 from ppo_jax.models.transformer import CausalLM, positions_from_mask
 from ppo_jax.ppo.stats import last_token_index
 from ppo_jax.sampling.config import SampleOutput, SamplingConfig, validate_inputs
@@ -52,15 +52,16 @@ class Prefilled:
     """Rows prefilled and waiting for a slot (W = P * n of them, a prompt's n samples consecutive).
 
     row [W] int32: the output row, -1 once it took a slot (or finished on its first token); last [W]:
-    its first token; prompt_length [W]; mask [W, Lq]; kv [L, 2, P, K, Lq, Dh]: the prefill's cache
-    (`KVCache.kv`), one per prompt (its samples share it until each is copied into its slot).
+    its first token; prompt_length [W]; mask [W, Lq]; k, v [L, P, K, Lq, Dh]: the prefill's cache,
+    one per prompt (its samples share it until each is copied into its slot).
     """
 
     row: Array
     last: Array
     prompt_length: Array
     mask: Array
-    kv: Array
+    k: Array
+    v: Array
 
 
 @flax.struct.dataclass
@@ -106,13 +107,14 @@ def _compact(slots: Slots, size: int) -> Slots:
         x = jnp.take(x, keep, axis=axis)
         return constrain(x, (None,) * axis + ("batch",) + (None,) * (x.ndim - axis - 1))
 
-    def kv(c):  # the cache stays split along its slots over the context axis
-        return c.replace(kv=take_cache_rows(c.kv, keep, c.rows_axis), index=rows(c.index))
+    def kv(c, axis=0):  # k and v stay split along their slots over the context axis
+        return c.replace(k=take_cache_rows(c.k, keep, axis), v=take_cache_rows(c.v, keep, axis),
+                         index=rows(c.index))
 
     if isinstance(slots.cache, tuple):
         cache = tuple(constrain_cache(kv(c), SPLIT_KV_CACHE_AXES) for c in slots.cache)
     else:
-        cache = constrain_cache(kv(slots.cache), SPLIT_KV_CACHE_AXES)
+        cache = constrain_cache(kv(slots.cache, 1), SPLIT_KV_CACHE_AXES)
     return slots.replace(row=rows(slots.row), step=rows(slots.step), last=rows(slots.last),
                          prompt_length=rows(slots.prompt_length), cache=cache, kv_mask=rows(slots.kv_mask))
 
@@ -181,7 +183,7 @@ def _prefill(e: Engine, next_prompt: Array, out: Responses, clock: Array) -> tup
     out, finished = record_choices(out, clock, new_rows, first_steps, choice, e.limits, e.config, e.version)
     waiting = Prefilled(row=jnp.where(finished, -1, new_rows), last=choice.tokens,
                         prompt_length=jnp.repeat(mask.sum(-1), n), mask=jnp.repeat(mask, n, axis=0),
-                        kv=cache.kv)
+                        k=cache.k, v=cache.v)
     return waiting, out
 
 
@@ -200,24 +202,25 @@ def _insert(e: Engine, slots: Slots) -> Slots:
     def put(buffer, values):  # values [pairs, ...] into the target slots
         return buffer.at[targets].set(values.astype(buffer.dtype), mode="drop")
 
-    def copy_prompt(buffer, source):  # a [(L,) 2, P, K, Lq, Dh] prefill cache into slots [(L,) 2, S, K, C, Dh]
-        rows = rows_axis(buffer)
-        source = jnp.take(source, ready // n, axis=rows).astype(buffer.dtype)
+    def copy_prompt(buffer, source, layer_axis):  # a [.., P, K, Lq, Dh] prefill cache into slots
+        source = jnp.take(source, ready // n, axis=layer_axis).astype(buffer.dtype)
         if sharding.context_axis_size() > 1:
             # whole rows of C slots (zeros past the prompt: masked), each device gathering its own
             # slots, so the scatter indexes rows only: a prompt-wide scatter into the slots split
             # over the context axis had XLA all-gather them
             slots = jnp.arange(buffer.shape[-2])
             source = jnp.take(source, jnp.minimum(slots, prompt_len - 1), axis=-2)
-            source = constrain(jnp.where((slots < prompt_len)[:, None], source, 0),
-                               kv_axes(SPLIT_KV_CACHE_AXES, source.ndim))
-            return buffer.at[(slice(None),) * rows + (targets,)].set(source, mode="drop")
-        return buffer.at[(slice(None),) * rows + (targets, slice(None), slice(0, prompt_len))].set(source, mode="drop")
+            source = constrain(jnp.where((slots < prompt_len)[:, None], source, 0), SPLIT_KV_CACHE_AXES[-source.ndim:])
+            return buffer.at[(slice(None),) * layer_axis + (targets,)].set(source, mode="drop")
+        if layer_axis:
+            return buffer.at[:, targets, :, :prompt_len].set(source, mode="drop")
+        return buffer.at[targets, :, :prompt_len].set(source, mode="drop")
 
     if e.layers.unroll:
-        cache = tuple(c.replace(kv=copy_prompt(c.kv, w.kv[i])) for i, c in enumerate(slots.cache))
+        cache = tuple(c.replace(k=copy_prompt(c.k, w.k[i], 0), v=copy_prompt(c.v, w.v[i], 0))
+                      for i, c in enumerate(slots.cache))
     else:
-        cache = slots.cache.replace(kv=copy_prompt(slots.cache.kv, w.kv))
+        cache = slots.cache.replace(k=copy_prompt(slots.cache.k, w.k, 1), v=copy_prompt(slots.cache.v, w.v, 1))
     kv_mask = jnp.concatenate([w.mask[ready], jnp.zeros((pairs, e.width - prompt_len), jnp.int32)], axis=1)
     consumed = w.row.at[jnp.where(moving, ready, width_waiting)].set(-1, mode="drop")
     return slots.replace(
@@ -292,7 +295,7 @@ def initial_slots(e: Engine, versions: bool = False) -> Slots:
     waiting_cache = init_cache(mc, chunk, e.prompt_len, config.cache_dtype)
     waiting = Prefilled(row=jnp.full((chunk * n,), -1, jnp.int32), last=jnp.zeros((chunk * n,), jnp.int32),
                         prompt_length=jnp.zeros((chunk * n,), jnp.int32),
-                        mask=jnp.zeros((chunk * n, e.prompt_len), jnp.int32), kv=waiting_cache.kv)
+                        mask=jnp.zeros((chunk * n, e.prompt_len), jnp.int32), k=waiting_cache.k, v=waiting_cache.v)
     return Slots(
         row=slot_array(jnp.int32, -1), step=slot_array(jnp.int32), last=slot_array(jnp.int32),
         prompt_length=slot_array(jnp.int32), cache=cache, waiting=waiting,

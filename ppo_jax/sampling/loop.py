@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from ppo_jax import sharding
 from ppo_jax.models import forward, moe
-from ppo_jax.models.cache import KV_CACHE_AXES, SPLIT_KV_CACHE_AXES, KVCache, init_cache, kv_axes, split_cache
+from ppo_jax.models.cache import KV_CACHE_AXES, SPLIT_KV_CACHE_AXES, KVCache, init_cache, split_cache
 from ppo_jax.models.transformer import CausalLM, chosen_experts, positions_from_mask, split_layer_params
 from ppo_jax.ppo.stats import last_token_index
 from ppo_jax.sampling.config import SampleOutput, SamplingConfig, validate_inputs
@@ -74,13 +74,14 @@ def constrain(x: Array, logical_names: tuple[str | None, ...]) -> Array:
 
 
 def constrain_cache(cache: KVCache, axes: tuple[str, ...] = KV_CACHE_AXES) -> KVCache:
-    """`constrain` for a KV cache, stacked [L, 2, B, K, S, Dh] or one layer's [2, B, K, S, Dh]; axes: its
+    """`constrain` for a KV cache, stacked [L, B, K, S, Dh] or one layer's [B, K, S, Dh]; axes: its
     logical names (`SPLIT_KV_CACHE_AXES`: the slots split over the context axis)."""
-    return cache.replace(kv=constrain(cache.kv, kv_axes(axes, cache.kv.ndim)))
+    names = axes[-cache.k.ndim:]  # a per-layer cache has no layers axis
+    return cache.replace(k=constrain(cache.k, names), v=constrain(cache.v, names))
 
 
 def take_cache_rows(x: Array, rows: Array, axis: int) -> Array:
-    """jnp.take(x, rows, axis) of a cache's kv ([.., B, K, S, Dh], the rows on `axis`) split along
+    """jnp.take(x, rows, axis) of a cache's k or v ([.., B, K, S, Dh], the rows on `axis`) split along
     its slots over the context axis: per device of that axis on its own slots (XLA's gather
     partitioner all-gathered the slots to move rows between the batch axes' devices)."""
     if sharding.context_axis_size() == 1:
@@ -181,7 +182,7 @@ def repeat_samples(n: int, arrays: tuple, cache: KVCache) -> tuple[tuple, KVCach
     def repeat(x, axis=0):
         return None if x is None else jnp.repeat(x, n, axis=axis)
 
-    cache = constrain_cache(cache.replace(kv=repeat(cache.kv, cache.rows_axis)), SPLIT_KV_CACHE_AXES)
+    cache = constrain_cache(cache.replace(k=repeat(cache.k, 1), v=repeat(cache.v, 1)), SPLIT_KV_CACHE_AXES)
     return tuple(map(repeat, arrays)), cache
 
 

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppo_jax.models import forward
-from ppo_jax.models.cache import init_cache, rows_axis, split_cache
+from ppo_jax.models.cache import init_cache, split_cache
 from ppo_jax.models.transformer import CausalLM, positions_from_mask
 from ppo_jax.sampling.loop import constrain_cache, decode_layers, forward_last
 from ppo_jax.sampling.token_choice import response_uniforms
@@ -159,14 +159,15 @@ def insert(params: Any, state: TurnState, episodes: EpisodeStore, slot_ids: Arra
     def put(buffer, values):
         return buffer.at[slot_ids].set(values.astype(buffer.dtype), mode="drop")
 
-    def put_cache(buffer, values):  # [(L,) 2, S, K, C, Dh] <- [(L,) 2, P, K, written, Dh]
-        at_slots = (slice(None),) * rows_axis(buffer) + (slot_ids, slice(None), slice(0, written))
+    def put_cache(buffer, values, stacked):  # [(L,) S, K, C, Dh] <- [(L,) P, K, written, Dh]
+        at_slots = (slice(None),) * stacked + (slot_ids, slice(None), slice(0, written))
         return buffer.at[at_slots].set(values.astype(buffer.dtype), mode="drop")
 
     if isinstance(state.cache, tuple):
-        slots_cache = tuple(c.replace(kv=put_cache(c.kv, cache.kv[i])) for i, c in enumerate(state.cache))
+        slots_cache = tuple(c.replace(k=put_cache(c.k, cache.k[i], 0), v=put_cache(c.v, cache.v[i], 0))
+                            for i, c in enumerate(state.cache))
     else:
-        slots_cache = state.cache.replace(kv=put_cache(state.cache.kv, cache.kv))
+        slots_cache = state.cache.replace(k=put_cache(state.cache.k, cache.k, 1), v=put_cache(state.cache.v, cache.v, 1))
     inserted = jnp.zeros((num_slots,), bool).at[slot_ids].set(True, mode="drop")
     decoding = state.active
     state = state.replace(
