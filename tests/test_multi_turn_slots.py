@@ -22,16 +22,17 @@ lm = mt.lm
 
 
 class SlowerThanASegment(mt.Scripted):
-    """Scripted, stepping 0.2, 0.4 or 0.6 s by row and never less than 5 decode segments as the
-    rollout measures them (`clocks`: its SegmentClock): far slower than a segment whatever the machine's
-    load, so once every slot waits for one, slots are given up."""
+    """Scripted, stepping 1, 3 or 5 times (by row) the larger of 0.2 s and 5 decode segments as the
+    rollout measures them (`clocks`: its SegmentClock): far slower than a segment and far apart
+    whatever the machine's load, so once every slot waits, the first answer finds the others stepping
+    still and their slots are given up."""
 
     def __init__(self, row, clocks):
         super().__init__(row)
-        self.floor, self.clocks = 0.2 * (1 + row % 3), clocks
+        self.factor, self.clocks = 1 + 2 * (row % 3), clocks
 
     def step(self, turn_text, turn_token_ids):
-        self.sleep = max(self.floor, 5 * self.clocks[-1].patience)
+        self.sleep = self.factor * max(0.2, 5 * self.clocks[-1].patience)
         return super().step(turn_text, turn_token_ids)
 
 
@@ -123,8 +124,8 @@ def assert_same_episodes(out, expected, envs, expected_envs):
 
 @pytest.mark.parametrize("slots,insert_rows", [(4, 2), (2, 1)])
 def test_fewer_slots_give_the_rounds_episodes(lm, reference, clocks, slots, insert_rows):
-    """8 episodes on 4 (or 2) slots, environments slower than 5 segments: episodes that wait give their slot up,
-    new ones start in it, and the waiting ones come back re-prefilled with their observation; every
+    """8 episodes on 4 (or 2) slots, environments of 0.2-1 s or more (`SlowerThanASegment`): episodes
+    that wait give their slot up, new ones start in it, and the waiting ones come back re-prefilled with their observation; every
     token, mask, turn end, reward and cut is the rounds schedule's, and what each environment saw;
     log-probs to round-off (a re-prefill's arithmetic is not the decode's; `assert_same_episodes`)."""
     expected, expected_envs = reference
