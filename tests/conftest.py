@@ -132,6 +132,27 @@ def train_and_check_nothing_moved(trainer) -> None:
         assert row["policy/approxkl_avg"] < 1e-12
 
 
+@pytest.fixture
+def segment_clocks(monkeypatch):
+    """The segment clocks the slot rollouts of this test make, in order (`slot_rollout.SegmentClock`
+    filing itself here), for environments that step a multiple of what the rollout measures: slower
+    than a segment at any machine load. `scripted_envs.SlowerScripted` reads them too."""
+    import scripted_envs
+
+    from ppo_jax.agentic import slot_rollout
+
+    made = []
+
+    class Filed(slot_rollout.SegmentClock):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr(slot_rollout, "SegmentClock", Filed)
+    monkeypatch.setattr(scripted_envs, "SEGMENT_CLOCKS", made)
+    return made
+
+
 @pytest.fixture(params=MESH_SHAPES, ids=lambda s: "mesh" + "x".join(map(str, s)))
 def mesh(request):
     """Each mesh shape in turn (data, fsdp, tensor)."""

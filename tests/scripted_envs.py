@@ -37,13 +37,19 @@ class SlowScripted(Scripted):
         return super().step(turn_text, turn_token_ids)
 
 
+SEGMENT_CLOCKS = []  # the slot rollouts' clocks, filed by conftest's `segment_clocks` fixture
+
+
 @environment.register("slower_scripted_test_env")
 class SlowerScripted(Scripted):
-    """Scripted, 0.6 s a step: far slower than any decode segment or compile of the tiny runs, so an
-    episode waiting for it is still waiting at the next look (a slot schedule gives its slot up)."""
+    """Scripted, stepping 1, 3 or 5 times (by the turn's length) the larger of 0.2 s and 5 decode
+    segments as the slot rollout measures them (SEGMENT_CLOCKS; 0.2 s without one): far slower than a
+    segment and far apart at any machine load, so episodes whose turns ended together do not answer
+    together, and a slot schedule finds some still waiting and gives their slots up."""
 
     def step(self, turn_text, turn_token_ids):
-        time.sleep(0.6)
+        segment = SEGMENT_CLOCKS[-1].patience if SEGMENT_CLOCKS else 0.0
+        time.sleep((1 + 2 * (len(turn_token_ids) % 3)) * max(0.2, 5 * segment))
         return super().step(turn_text, turn_token_ids)
 
 

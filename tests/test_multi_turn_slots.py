@@ -23,9 +23,9 @@ lm = mt.lm
 
 class SlowerThanASegment(mt.Scripted):
     """Scripted, stepping 1, 3 or 5 times (by row) the larger of 0.2 s and 5 decode segments as the
-    rollout measures them (`clocks`: its SegmentClock): far slower than a segment and far apart
-    whatever the machine's load, so once every slot waits, the first answer finds the others stepping
-    still and their slots are given up."""
+    rollout measures them (`clocks`: conftest's `segment_clocks`): far slower than a segment and far
+    apart whatever the machine's load, so once every slot waits, the first answer finds the others
+    stepping still and their slots are given up."""
 
     def __init__(self, row, clocks):
         super().__init__(row)
@@ -45,20 +45,6 @@ class AnswerTimed(mt.Scripted):
         result = super().step(turn_text, turn_token_ids)
         self.answered_at = min(self.answered_at, time.perf_counter())
         return result
-
-
-@pytest.fixture
-def clocks(monkeypatch):
-    """The segment clocks the slot rollouts make, in order (a SegmentClock that files itself here)."""
-    made = []
-
-    class Filed(slot_rollout.SegmentClock):
-        def __init__(self):
-            super().__init__()
-            made.append(self)
-
-    monkeypatch.setattr(slot_rollout, "SegmentClock", Filed)
-    return made
 
 
 @pytest.fixture(scope="module")
@@ -123,13 +109,14 @@ def assert_same_episodes(out, expected, envs, expected_envs):
 
 
 @pytest.mark.parametrize("slots,insert_rows", [(4, 2), (2, 1)])
-def test_fewer_slots_give_the_rounds_episodes(lm, reference, clocks, slots, insert_rows):
+def test_fewer_slots_give_the_rounds_episodes(lm, reference, segment_clocks, slots, insert_rows):
     """8 episodes on 4 (or 2) slots, environments of 0.2-1 s or more (`SlowerThanASegment`): episodes
-    that wait give their slot up, new ones start in it, and the waiting ones come back re-prefilled with their observation; every
-    token, mask, turn end, reward and cut is the rounds schedule's, and what each environment saw;
-    log-probs to round-off (a re-prefill's arithmetic is not the decode's; `assert_same_episodes`)."""
+    that wait give their slot up, new ones start in it, and the waiting ones come back re-prefilled
+    with their observation; every token, mask, turn end, reward and cut is the rounds schedule's, and
+    what each environment saw; log-probs to round-off (a re-prefill's arithmetic is not the decode's;
+    `assert_same_episodes`)."""
     expected, expected_envs = reference
-    envs = [SlowerThanASegment(row, clocks) for row in range(mt.ROWS)]
+    envs = [SlowerThanASegment(row, segment_clocks) for row in range(mt.ROWS)]
     out, decoder = _slot_run(lm, slots, insert_rows, envs)
     assert_same_episodes(out, expected, envs, expected_envs)
     # Not one row per episode in disguise: the slots were shared, and re-prefills resumed turns.
@@ -167,11 +154,11 @@ def test_environments_within_the_patience_floor_keep_their_slots(lm, reference):
     assert int(out.reprefilled_turns) == 0
 
 
-def test_eight_devices_give_the_same_episodes(lm, reference, clocks):
+def test_eight_devices_give_the_same_episodes(lm, reference, segment_clocks):
     """On a (2, 2, 2) mesh of the 8 fake CPU devices (slots split 4 ways, tensor-parallel layers),
     episodes giving their slots up and coming back: the one-device rollout's episodes."""
     expected, expected_envs = reference
-    envs = [SlowerThanASegment(row, clocks) for row in range(mt.ROWS)]
+    envs = [SlowerThanASegment(row, segment_clocks) for row in range(mt.ROWS)]
     out, _ = _slot_run(lm, 4, 2, envs, segment_steps=1, mesh=make_test_mesh((2, 2, 2)))
     assert_same_episodes(out, expected, envs, expected_envs)
     assert int(out.reprefilled_turns) > 0

@@ -226,9 +226,9 @@ def test_continuous_schedule_gives_the_same_run(baseline, tmp_path):
                 np.testing.assert_allclose(got[key], value, rtol=1e-6, atol=1e-7, err_msg=key)
 
 
-def test_fewer_slots_than_episodes_keep_the_invariants(tmp_path):
-    """rollout.slots=8 for 16 episodes with 0.6 s environments (agentic/slot_rollout.py): waiting
-    episodes give their slot up and come back re-prefilled, and every iteration the rollout
+def test_fewer_slots_than_episodes_keep_the_invariants(tmp_path, segment_clocks):
+    """rollout.slots=8 for 16 episodes (agentic/slot_rollout.py) with environments of 0.2-1 s or more
+    (`scripted_envs.SlowerScripted`): waiting episodes give their slot up and come back re-prefilled, and every iteration the rollout
     log-probs still equal the training forward's and the first minibatch's ratio is 1. (That the
     episodes are the rounds schedule's is test_multi_turn_slots.py's, where a round-off draw may
     part one row; here one would change every metric.)"""

@@ -108,6 +108,11 @@ class SegmentClock:
             self.fastest, self._started = min(self.fastest, time.perf_counter() - self._started), None
 
     @property
+    def timed(self) -> bool:
+        """Whether a segment has been timed yet."""
+        return self.fastest < float("inf")
+
+    @property
     def patience(self) -> float:
         """How long an environment may step before its episode gives its slot up: a segment, and not
         less than MIN_PATIENCE_S (an instant environment's thread may wait that long to run at all on
@@ -200,7 +205,7 @@ def rollout(decoder: SlotDecoder, params: Any, prompt_tokens: Any, prompt_mask: 
             decoding[started] = True
             reprefilled += sum(int(ep.turns[e] > 0) for e in started)
             if decoding.any():
-                if clock.fastest == float("inf"):
+                if not clock.timed:
                     # Compile (or fetch) the decode program for this state before the clock times a
                     # segment: zero steps change nothing. A first segment that compiled would set
                     # the patience to the compile time until a second one is timed.
