@@ -170,7 +170,7 @@ def _ppo_defaults() -> Settings:
             # Padded rows. The world's rows (prompt <= 10 + response <= 16 of 26 slots) run past half a
             # packed row, so packing fits one per row and removes no padding (token efficiency 0.66
             # either way), while "auto"'s packed microbatches of 4 rows (104 tokens) ran the CPU's GEMMs
-            # at half their rate: update 1.85 -> 1.25 s an iteration (docs/benchmarks.md, "The demo").
+            # at half their rate: update 1.85 -> 1.25 s an iteration (docs/benchmarks.md, "The demo's wall time").
             packing="off",
         ),
         value=replace(s.value, init="reward"),  # value model starts from the reward model (N+ style)
