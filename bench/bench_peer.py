@@ -291,6 +291,7 @@ OURS_HARNESS = {"train.progress", "train.sample_every", "train.max_consecutive_n
 
 DIFFERENCES: dict[str, list[Difference]] = {
     "ppo": [
+        Difference("ppo.packing", "off: padded rows", "padded rows", "the same layout on both sides"),
         Difference("ppo.dense_kl_coef", "0.1: the exact KL over the vocabulary at every visited position, a loss term "
                    "(the demo's default since the spike, docs/demo.md)", "no such term",
                    "ppo_jax's extra leash; both keep the sampled k1 (0.1) in the reward"),
@@ -312,6 +313,7 @@ DIFFERENCES: dict[str, list[Difference]] = {
                    "from the seed (torch, NumPy)", "random streams of their own: paired by seed, not by sample"),
     ],
     "grpo": [
+        Difference("ppo.packing", "off: padded rows", "padded rows", "the same layout on both sides"),
         Difference("ppo.dense_kl_coef", "0.1 (as PPO)", "no such term", "ppo_jax's extra leash"),
         Difference("ppo.kl_coef", "k1 of the sampler's log-probs, in the sequence reward",
                    "the reward function recomputes both log-probs (policy and SFT copy) in PyTorch on the same ids",
