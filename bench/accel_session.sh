@@ -45,6 +45,8 @@
 #   gemm2_full_default           the full shape at the defaults
 #   The slice runs and the full default need a call of their own, e.g. DEADLINE=200 ONLY="gemm2_slice_train_cublas
 #   gemm2_slice_default gemm2_slice_sampler_exhaustive" (about 3 minutes).
+# PART "gemm3" (issue 63, DEADLINE default 520 s, one call of 9 minutes): gemm2's four runs before its full
+#   default (the full shape under ppo.gemm=cublas with 190 s; each slice with 85 s), then part merge.
 # PART "merge" (issue 63 item 2, about 1 minute): bench_merged_gemm.py, decode-shaped projections (M = 64,
 #   bf16) as two GEMMs or one: Llama-3-8B's gate/up, which XLA's dot merger leaves apart (117 MB each,
 #   past its 32 MiB limit; compile-only for an H200: 2 GEMMs, merged by hand 1), and 8B q/k/v and
@@ -76,6 +78,7 @@ python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__versi
 default_deadline=1000000
 [ "$part" = compiled ] && default_deadline=500  # one 9-minute device call: the tar must still run
 [ "$part" = gemm2 ] && default_deadline=185  # one device call of about 200 s
+[ "$part" = gemm3 ] && default_deadline=520  # one device call of 9 minutes, the tar included
 deadline=$((SECONDS + ${DEADLINE:-$default_deadline}))  # every run ends by then
 
 run() {  # [RUN_LIMIT=S] [RUN_MIN=S] run NAME [VAR=VALUE ...] -- BENCH_ARGS...: one bench_accel.py run, its table, its figures in NAME.json
@@ -166,6 +169,18 @@ merge_part() {
   tail -n 10 "$work/merged_gemm.log" | tee -a "$summary"
 }
 
+gemm3_part() {
+  # Issue 63, what the 2026-11-28 gemm2 call left unmeasured, in one call of about 9 minutes: the full
+  # shape under ppo.gemm=cublas with a limit of its own, the slice trio with limits a slice run fits
+  # (48-62 s in part compiled, plus the process start), then part merge. 7 files come back.
+  local full=(--no-peers --iterations 3 --no-decode-split) slice=(--no-peers --layers 4 --iterations 3 --no-decode-split)
+  RUN_LIMIT=190 run gemm2_full_train_cublas -- "${full[@]}" --train-gemm cublas
+  RUN_LIMIT=85 RUN_MIN=70 run gemm2_slice_train_cublas -- "${slice[@]}" --train-gemm cublas
+  RUN_LIMIT=85 RUN_MIN=70 run gemm2_slice_default -- "${slice[@]}"
+  RUN_LIMIT=85 RUN_MIN=70 run gemm2_slice_sampler_exhaustive -- "${slice[@]}" --sampler-gemm triton_exhaustive
+  RUN_LIMIT=75 merge_part
+}
+
 case "$part" in
   main) main_part ;;
   ab) ab_part ;;
@@ -174,7 +189,8 @@ case "$part" in
   compiled) compiled_part ;;
   gemm2) gemm2_part ;;
   merge) merge_part ;;
-  *) echo "PART must be main, ab, next, all, compiled, gemm2 or merge, got $part" >&2; exit 2 ;;
+  gemm3) gemm3_part ;;
+  *) echo "PART must be main, ab, next, all, compiled, gemm2, gemm3 or merge, got $part" >&2; exit 2 ;;
 esac
 tar -czf "$out/session-$part.tgz" -C "$work" . && rm -rf "$work"
 ls -la "$out"
