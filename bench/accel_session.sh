@@ -36,17 +36,21 @@
 #   gemm2_full_train_cublas      the full shape, no peers, ppo.gemm=cublas (--train-gemm): the experience
 #                                and update programs without Triton GEMMs, the sampler at its default;
 #                                its compile against part compiled's default_compiled (84.1 s). On a fresh
-#                                H200 on 2026-11-28 it had not finished after 135 s: it now has 175 s,
-#                                which is the whole of a 200 s device call
+#                                H200 on 2026-11-28 it had not finished after 135 s; on 2026-11-30 it
+#                                took 149 s (it has 190 s)
 #   gemm2_slice_train_cublas     4 layers, no peers, ppo.gemm=cublas: against part compiled's slice_gemm,
-#                                and against the next run (a slice run takes about 50-60 s)
+#                                and against the next run (a slice run took 58-60 s on 2026-11-30; 85 s each)
 #   gemm2_slice_default          4 layers, no peers, the defaults
-#   gemm2_slice_sampler_exhaustive  4 layers, rollout.gemm=triton_exhaustive in a process of its own
+#   gemm2_slice_sampler_exhaustive  4 layers, rollout.gemm=triton_exhaustive in a process of its own (2026-11-30:
+#                                did not compile in about 110 s)
 #   gemm2_full_default           the full shape at the defaults
-#   The slice runs and the full default need a call of their own, e.g. DEADLINE=200 ONLY="gemm2_slice_train_cublas
-#   gemm2_slice_default gemm2_slice_sampler_exhaustive" (about 3 minutes).
-# PART "gemm3" (issue 63, DEADLINE default 520 s, one call of 9 minutes): gemm2's four runs before its full
-#   default (the full shape under ppo.gemm=cublas with 190 s; each slice with 85 s), then part merge.
+#   The 2026-11-30 call ran DEADLINE=520 ONLY="gemm2_full_train_cublas gemm2_slice_train_cublas
+#   gemm2_slice_default gemm2_slice_sampler_exhaustive", then part merge, in 374 s.
+# PART "next63" (issue 63, DEADLINE default 520 s, one call of about 7 minutes; run it next): a 4-layer
+#   slice of Llama-3-8B's shape with compute.decode_projections apart, then auto (one GEMM for gate/up
+#   past XLA's dot-merger limit: decode_ms_per_step is the figure), then part merge.
+# PART "gemm4" (issue 63, one call of 9 minutes): ppo.gemm=cublas against the default on the full
+#   TinyLlama shape, after a 1-layer warm-up process, the default run twice around cublas.
 # PART "merge" (issue 63 item 2, about 1 minute): bench_merged_gemm.py, decode-shaped projections (M = 64,
 #   bf16) as two GEMMs or one: Llama-3-8B's gate/up, which XLA's dot merger leaves apart (117 MB each,
 #   past its 32 MiB limit; compile-only for an H200: 2 GEMMs, merged by hand 1), and 8B q/k/v and
@@ -62,7 +66,7 @@
 # the wheels it lacks (ml-collections, tensorboardX) in .whl/ and install them first, e.g.
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 set -uo pipefail
-out=${1:?usage: accel_session.sh OUT_DIR [main|ab|next|all|compiled|gemm2|merge] [SECONDS_PER_RUN]}
+out=${1:?usage: accel_session.sh OUT_DIR [main|ab|next|all|compiled|gemm2|next63|gemm4|merge] [SECONDS_PER_RUN]}
 part=${2:-main}
 limit=${3:-300}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -78,7 +82,7 @@ python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__versi
 default_deadline=1000000
 [ "$part" = compiled ] && default_deadline=500  # one 9-minute device call: the tar must still run
 [ "$part" = gemm2 ] && default_deadline=185  # one device call of about 200 s
-[ "$part" = gemm3 ] && default_deadline=520  # one device call of 9 minutes, the tar included
+[[ " next63 gemm4 " == *" $part "* ]] && default_deadline=520  # one device call of 9 minutes, the tar included
 deadline=$((SECONDS + ${DEADLINE:-$default_deadline}))  # every run ends by then
 
 run() {  # [RUN_LIMIT=S] [RUN_MIN=S] run NAME [VAR=VALUE ...] -- BENCH_ARGS...: one bench_accel.py run, its table, its figures in NAME.json
@@ -153,10 +157,10 @@ gemm2_part() {
   # autotuning, out of the experience and update programs. Each run a process of its own, no decode
   # split (its prefill program is compile time of its own), no peers. The most important run first.
   local full=(--no-peers --iterations 3 --no-decode-split) slice=(--no-peers --layers 4 --iterations 3 --no-decode-split)
-  RUN_LIMIT=175 run gemm2_full_train_cublas -- "${full[@]}" --train-gemm cublas
-  RUN_LIMIT=65 RUN_MIN=55 run gemm2_slice_train_cublas -- "${slice[@]}" --train-gemm cublas
-  RUN_LIMIT=65 RUN_MIN=55 run gemm2_slice_default -- "${slice[@]}"
-  RUN_LIMIT=65 RUN_MIN=55 run gemm2_slice_sampler_exhaustive -- "${slice[@]}" --sampler-gemm triton_exhaustive
+  RUN_LIMIT=190 run gemm2_full_train_cublas -- "${full[@]}" --train-gemm cublas
+  RUN_LIMIT=85 RUN_MIN=70 run gemm2_slice_train_cublas -- "${slice[@]}" --train-gemm cublas
+  RUN_LIMIT=85 RUN_MIN=70 run gemm2_slice_default -- "${slice[@]}"
+  RUN_LIMIT=85 RUN_MIN=70 run gemm2_slice_sampler_exhaustive -- "${slice[@]}" --sampler-gemm triton_exhaustive
   RUN_LIMIT=175 RUN_MIN=170 run gemm2_full_default -- "${full[@]}"
 }
 
@@ -169,16 +173,26 @@ merge_part() {
   tail -n 10 "$work/merged_gemm.log" | tee -a "$summary"
 }
 
-gemm3_part() {
-  # Issue 63, what the 2026-11-28 gemm2 call left unmeasured, in one call of about 9 minutes: the full
-  # shape under ppo.gemm=cublas with a limit of its own, the slice trio with limits a slice run fits
-  # (48-62 s in part compiled, plus the process start), then part merge. 7 files come back.
-  local full=(--no-peers --iterations 3 --no-decode-split) slice=(--no-peers --layers 4 --iterations 3 --no-decode-split)
-  RUN_LIMIT=190 run gemm2_full_train_cublas -- "${full[@]}" --train-gemm cublas
-  RUN_LIMIT=85 RUN_MIN=70 run gemm2_slice_train_cublas -- "${slice[@]}" --train-gemm cublas
-  RUN_LIMIT=85 RUN_MIN=70 run gemm2_slice_default -- "${slice[@]}"
-  RUN_LIMIT=85 RUN_MIN=70 run gemm2_slice_sampler_exhaustive -- "${slice[@]}" --sampler-gemm triton_exhaustive
-  RUN_LIMIT=75 merge_part
+next63_part() {
+  # Issue 63 after the 2026-11-30 session: compute.decode_projections on the model it is for, a 4-layer
+  # slice of Llama-3-8B's shape (gate and up 117 MB each, past XLA's 32 MiB dot-merger limit), apart
+  # (what XLA alone runs) against auto (one GEMM, the concatenation fused into its operand reads), each
+  # a process of its own; the figure is decode_ms_per_step. Then part merge again (15 s).
+  local slice8b=(--model llama3-8b --layers 4 --no-peers --iterations 3)
+  RUN_LIMIT=180 RUN_MIN=120 run next63_8b_apart -- "${slice8b[@]}" --decode-projections apart
+  RUN_LIMIT=180 RUN_MIN=120 run next63_8b_auto -- "${slice8b[@]}" --decode-projections auto
+  RUN_LIMIT=60 merge_part
+}
+
+gemm4_part() {
+  # Issue 63, ppo.gemm=cublas against the default on the full TinyLlama shape after a warm-up process
+  # (2026-11-30: a machine's first process compiled the same sampler 48% slower), then both again in
+  # the other order. DEADLINE default 520 s.
+  local full=(--no-peers --iterations 3 --no-decode-split)
+  RUN_LIMIT=60 run gemm4_warmup -- --no-peers --layers 1 --iterations 1 --no-decode-split
+  RUN_LIMIT=140 RUN_MIN=110 run gemm4_full_default -- "${full[@]}"
+  RUN_LIMIT=140 RUN_MIN=110 run gemm4_full_train_cublas -- "${full[@]}" --train-gemm cublas
+  RUN_LIMIT=140 RUN_MIN=110 run gemm4_full_default_2 -- "${full[@]}"
 }
 
 case "$part" in
@@ -189,8 +203,9 @@ case "$part" in
   compiled) compiled_part ;;
   gemm2) gemm2_part ;;
   merge) merge_part ;;
-  gemm3) gemm3_part ;;
-  *) echo "PART must be main, ab, next, all, compiled, gemm2, gemm3 or merge, got $part" >&2; exit 2 ;;
+  next63) next63_part ;;
+  gemm4) gemm4_part ;;
+  *) echo "PART must be main, ab, next, all, compiled, gemm2, next63, gemm4 or merge, got $part" >&2; exit 2 ;;
 esac
 tar -czf "$out/session-$part.tgz" -C "$work" . && rm -rf "$work"
 ls -la "$out"

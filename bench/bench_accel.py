@@ -100,6 +100,10 @@ def progress(message: str) -> None:
 
 TINYLLAMA = Shape(vocab=32000, hidden=2048, layers=22, heads=32, kv_heads=4, mlp=5632)
 TINY = Shape(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, mlp=128)
+# --model: Llama-3-8B's gate and up kernels (117 MB each) are past XLA's 32 MiB dot-merger limit, so its
+# decode step is where compute.decode_projections matters (on one H200 with --layers 4).
+MODELS = {"tinyllama-1.1b": TINYLLAMA,
+          "llama3-8b": Shape(vocab=128256, hidden=4096, layers=32, heads=32, kv_heads=8, mlp=14336)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,6 +203,7 @@ def ppo_jax_settings(args, assets):
     c.ppo.epochs = 1
     c.ppo.num_minibatches = args.rows // args.minibatch_rows
     c.compute.attention, c.compute.layer_loop, c.compute.remat = args.attention, args.layer_loop, args.remat
+    c.compute.decode_projections = args.decode_projections
     if args.packing is not None:
         c.ppo.packing = args.packing
     # Compile time is one of the figures: no cache unless --compilation-cache names one (a second
@@ -756,7 +761,7 @@ def print_table(args, fig: dict, ours: dict) -> None:
           f"attention={args.attention} ({model['attention']}) layer_loop={args.layer_loop} "
           f"(scan {model['scan_layers']}) remat={args.remat} ({model['remat_policy'] if model['remat'] else 'none'}"
           f"{'; update ' + ours['update_remat'] if ours.get('update_remat') else ''}) "
-          f"decode={args.decode} gemm: sampler {args.sampler_gemm}, experience and update {args.train_gemm}")
+          f"decode={args.decode} decode_projections={args.decode_projections} gemm: sampler {args.sampler_gemm}, experience and update {args.train_gemm}")
     g = ppo["generate"]
     print(f"  generate    {g['seconds']:.3f} s  {g['ms_per_step']:.2f} ms/step  {g['tokens_per_s']:.0f} tok/s  "
           f"roofline {_fmt(g['roofline_fraction'], '.0%')}")
@@ -811,11 +816,15 @@ def parse_args(argv=None):
     p.add_argument("--layer-loop", default="auto")
     p.add_argument("--remat", default="keep")
     p.add_argument("--decode", default="auto")
+    p.add_argument("--decode-projections", default="auto", choices=("auto", "merged", "apart"),
+                   help="compute.decode_projections: q/k/v and gate/up as one GEMM in a decode step")
+    p.add_argument("--model", default="tinyllama-1.1b", choices=sorted(MODELS),
+                   help="the model's shape (random weights); llama3-8b with --layers 4 fits the update on one H200")
     p.add_argument("--packing", choices=("on", "off"), default=None, help="ppo.packing (default: the library's)")
     p.add_argument("--steps-per-sync", type=int, default=0,
                    help="rollout.steps_per_sync: decode steps per test for stopped rows (0: the library's auto)")
     p.add_argument("--layers", type=int, default=None,
-                   help="layers of the TinyLlama shape (default 22): a slice of the model for quick A/B runs")
+                   help="layers of the --model shape (default all: TinyLlama 22, Llama-3-8B 32): a slice of the model for quick A/B runs")
     p.add_argument("--compilation-cache", default="", metavar="DIR",
                    help="jax's persistent compilation cache (default: off, compile time being a figure)")
     p.add_argument("--sampler-gemm", default="auto", choices=GEMMS,
@@ -854,7 +863,7 @@ def parse_args(argv=None):
             setattr(args, name, value)
     if args.tiny and args.dtype == "bfloat16" and args.param_dtype == "bfloat16":
         args.param_dtype = args.dtype = "float32"  # CPUs compute bf16 slowly and the torch peer too
-    args.shape = "tiny" if args.tiny else "tinyllama-1.1b" + (f" ({args.layers} layers)" if args.layers else "")
+    args.shape = "tiny" if args.tiny else args.model + (f" ({args.layers} layers)" if args.layers else "")
     if args.rows % args.minibatch_rows:
         p.error(f"--rows={args.rows} must be a multiple of --minibatch-rows={args.minibatch_rows}")
     return args
@@ -864,7 +873,7 @@ def main(argv=None) -> dict | None:
     args = parse_args(argv)
     if args.torch_compile_worker:
         return torch_compile_worker(args.torch_compile_worker)
-    shape = TINY if args.tiny else TINYLLAMA
+    shape = TINY if args.tiny else MODELS[args.model]
     if args.layers:
         shape = dataclasses.replace(shape, layers=args.layers)
     with tempfile.TemporaryDirectory(prefix="bench_accel_") as workdir:

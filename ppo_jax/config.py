@@ -223,6 +223,13 @@ class AdamWSettings:
               f"{prefix}.mu_dtype={self.mu_dtype!r}: use one of {MOMENT_DTYPES} (\"\" = the parameters' dtype)")
 
 
+# compute.decode_projections -> ModelConfig.merge_decode_projections_above by platform (absent: None,
+# never). XLA:GPU's dot merger joins the projections itself while each kernel is at most 32 MiB;
+# past that one GEMM over both of Llama-3-8B's gate and up ran 1.41x faster than two (H200,
+# docs/benchmarks.md). Elsewhere nothing has measured it, so "auto" leaves XLA:CPU and XLA:TPU alone.
+DECODE_PROJECTIONS = {"auto": {"gpu": 32 << 20}, "merged": {"cpu": 0, "gpu": 0, "tpu": 0}, "apart": {}}
+
+
 @dataclasses.dataclass(frozen=True)
 class ComputeSettings:
     """How every model of the run executes (kernels, layer loop, remat): never what it computes.
@@ -240,6 +247,7 @@ class ComputeSettings:
     attention: str = "auto"  # "auto", "einsum" (reference, any platform), "cudnn" (GPU, bf16/fp16), "xla" or "splash" (TPU)
     layer_loop: str = "auto"  # "auto" (unrolled on a GPU whose layers FSDP does not shard, else scan), "scan" (stacked [L, ...] params) or "unrolled" (per-layer params)
     remat: str = "auto"  # "auto" (on a GPU, unless the model sets remat: the update without remat where XLA's buffer assignment says it fits the devices' free memory, else "full", rl/remat_choice.py; elsewhere "keep"), "keep" the model's own setting, "none", "full" (save nothing) or "dots" (keep matmuls)
+    decode_projections: str = "auto"  # a decode step's projections that share their input (q/k/v, gate/up): "auto" (one GEMM on a GPU where a kernel is past XLA's dot-merger limit, 32 MiB), "merged" (one GEMM always), "apart" (each its own dot)
     compilation_cache: str = "auto"  # jax's persistent compilation cache: "auto" (jax's own setting if one is made, else ~/.cache/ppo_jax/xla, at most 4 GiB), a directory, or "" (off)
 
     def validate(self, prefix: str = "compute") -> None:
@@ -247,6 +255,8 @@ class ComputeSettings:
               f"{prefix}.attention={self.attention!r}: use auto, {', '.join(ATTENTION_KINDS)}")
         check(self.layer_loop in ("auto", "scan", "unrolled"),
               f"{prefix}.layer_loop={self.layer_loop!r}: use auto, scan or unrolled")
+        check(self.decode_projections in DECODE_PROJECTIONS,
+              f"{prefix}.decode_projections={self.decode_projections!r}: use {', '.join(DECODE_PROJECTIONS)}")
         check(self.remat in ("auto", "keep", "none") + REMAT_POLICIES,
               f"{prefix}.remat={self.remat!r}: use auto, keep, none, {', '.join(REMAT_POLICIES)}")
 
@@ -271,7 +281,8 @@ class ComputeSettings:
             check(self.layer_loop != "scan", "compute.layer_loop='scan': this model mixes dense and MoE layers "
                   "(moe_layers), which run as per-layer params only; use auto or unrolled")
             loop = "unrolled"
-        out = dict(attention=attention, scan_layers=loop == "scan")
+        out = dict(attention=attention, scan_layers=loop == "scan",
+                   merge_decode_projections_above=DECODE_PROJECTIONS[self.decode_projections].get(platform))
         remat = self.remat
         if remat == "auto":
             # Full remat frees most of the update's activations (the fp32-master TinyLlama update needs

@@ -322,13 +322,19 @@ def on_mesh(fn: Callable, mesh: Mesh) -> Callable:
     return run
 
 
+def axis_size(name: str, mesh=None) -> int:
+    """How many devices axis `name` of `mesh` (concrete or abstract; None: the mesh being traced
+    under) has; 1 outside a mesh or on one without that axis."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if mesh is None or mesh.empty or name not in mesh.axis_names:
+        return 1
+    return int(mesh.shape[name])
+
+
 def context_axis_size(mesh=None) -> int:
     """How many ways `mesh` (concrete or abstract; None: the mesh being traced under) splits a row's
     sequence; 1 outside a mesh or on one without a context axis."""
-    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    if mesh is None or mesh.empty or CONTEXT_AXIS not in mesh.axis_names:
-        return 1
-    return int(mesh.shape[CONTEXT_AXIS])
+    return axis_size(CONTEXT_AXIS, mesh)
 
 
 def check_context_split(length: int, mesh, what: str, error: type[Exception] = ValueError) -> None:

@@ -195,6 +195,40 @@ def test_gpu_trainer_gemm_choice_is_the_experience_and_updates_alone(h100, gpu_a
         planned_settings(config)
 
 
+def computations_holding(text, pattern):
+    """Names of the computations of an optimised HLO text that hold an instruction matching `pattern`."""
+    names, current = [], None
+    for line in text.splitlines():
+        header = re.match(r"(?:ENTRY )?%(\S+) \(", line)
+        if header:
+            current = header.group(1)
+        elif re.search(pattern, line):
+            names.append(current)
+    return names
+
+
+@needs_cuda
+def test_gpu_decode_reads_gate_and_up_past_the_dot_mergers_limit_in_one_gemm(h100):
+    """Llama-3-8B's gate and up kernels (117 MB each) are past XLA's 32 MiB dot-merger limit, so alone
+    XLA:GPU would stream them in two GEMMs a decode step. compute.decode_projections=auto joins them:
+    their concatenation lives only inside Triton GEMM fusions, which read both kernels where they lie,
+    so no merged copy of the weights is made in the decode loop. q/k/v (q at exactly 32 MiB) is left
+    to XLA, and "apart" builds no such concatenation at all."""
+    config = tiny_config()
+    config.policy.model = model_config_dict(
+        arch="llama", vocab_size=512, hidden_size=4096, num_layers=1, num_heads=32, num_kv_heads=8,
+        intermediate_size=14336, max_position_embeddings=64, tie_word_embeddings=False,
+        param_dtype="bfloat16", dtype="bfloat16")
+    gate_up = r"= bf16\[4096,28672\]\S* concatenate\("
+    _, auto = compile_plan(config, h100, phases=("sampler",))
+    homes = computations_holding(auto["sampler"], gate_up)
+    assert homes and all(name.startswith("gemm_fusion") for name in homes), homes
+    config.compute.decode_projections = "apart"
+    _, apart = compile_plan(config, h100, phases=("sampler",))
+    assert computations_holding(apart["sampler"], gate_up) == []
+    assert gemm_kernels(auto["sampler"])[0] < gemm_kernels(apart["sampler"])[0]
+
+
 @needs_cuda
 def test_gpu_static_profile_counts_the_matmuls_of_the_four_forwards(gpu_auto):
     """The static profile's GEMM FLOPs are the models' matmuls (counted from the shapes here): the

@@ -192,7 +192,8 @@ def test_unscanned_params_have_no_layer_axis_and_decode_with_a_cache(scanned):
 def test_auto_resolves_to_the_reference_kernels_off_gpu():
     assert jax.default_backend() == "cpu"
     bf16 = MISTRAL.replace(dtype="bfloat16")
-    assert ComputeSettings().execution(bf16) == {"attention": "einsum", "scan_layers": True}
+    assert ComputeSettings().execution(bf16) == {"attention": "einsum", "scan_layers": True,
+                                                 "merge_decode_projections_above": None}
     chosen = ComputeSettings(attention="xla", layer_loop="unrolled", remat="dots").apply(MISTRAL)
     assert (chosen.attention, chosen.scan_layers, chosen.remat, chosen.remat_policy) == ("xla", False, True, "dots")
     assert not ComputeSettings(remat="none").apply(MISTRAL.replace(remat=True)).remat
@@ -202,7 +203,8 @@ def test_auto_resolves_to_the_reference_kernels_off_gpu():
 def test_auto_on_a_gpu_takes_cudnn_remat_and_the_unrolled_loop_except_for_soft_capped_attention(monkeypatch):
     monkeypatch.setattr("ppo_jax.config.jax.default_backend", lambda: "gpu")
     assert ComputeSettings().execution(MISTRAL.replace(dtype="bfloat16")) == {
-        "attention": "cudnn", "scan_layers": False, "remat": True, "remat_policy": "full"}
+        "attention": "cudnn", "scan_layers": False, "remat": True, "remat_policy": "full",
+        "merge_decode_projections_above": 32 << 20}
     assert "remat" not in ComputeSettings().execution(MISTRAL.replace(remat=True, remat_policy="dots"))  # the model's own
     assert "remat" not in ComputeSettings(remat="keep").execution(MISTRAL)
     # FSDP-sharded layers stay scanned on a GPU: unrolled, XLA:GPU gathers every layer's weights at once.

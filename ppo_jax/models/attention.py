@@ -47,7 +47,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from ppo_jax import sharding
 from ppo_jax.models.config import ModelConfig
 from ppo_jax.models.context import context_attention, over_query_blocks
-from ppo_jax.models.layers import DenseGeneral, norm, softcap
+from ppo_jax.models.layers import DenseGeneral, norm, project_shared_input, softcap
 from ppo_jax.models.rope import apply_rope
 
 Array = jax.Array
@@ -277,12 +277,14 @@ class Attention(nn.Module):
         gpt2 = cfg.family == "gpt2"
         common = dict(dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype)
         qkv_bias = gpt2 or cfg.attention_bias
-        q = DenseGeneral((d,), (h, dh), ("embed", "heads", "head_dim"), qkv_bias, name="q",
-                         lora=cfg.lora_for("q"), **common)(x)
-        k = DenseGeneral((d,), (kh, dh), ("embed", "kv_heads", "head_dim"), qkv_bias, name="k",
-                         lora=cfg.lora_for("k"), **common)(x)
-        v = DenseGeneral((d,), (kh, dh), ("embed", "kv_heads", "head_dim"), qkv_bias, name="v",
-                         lora=cfg.lora_for("v"), **common)(x)
+        q, k, v = project_shared_input(self, x, [
+            DenseGeneral((d,), (h, dh), ("embed", "heads", "head_dim"), qkv_bias, name="q",
+                         lora=cfg.lora_for("q"), **common),
+            DenseGeneral((d,), (kh, dh), ("embed", "kv_heads", "head_dim"), qkv_bias, name="k",
+                         lora=cfg.lora_for("k"), **common),
+            DenseGeneral((d,), (kh, dh), ("embed", "kv_heads", "head_dim"), qkv_bias, name="v",
+                         lora=cfg.lora_for("v"), **common),
+        ], cfg.merge_decode_projections_above)
         if cfg.qk_norm:  # over each head's Dh features, before the rotation
             q, k = norm(cfg, "q_norm")(q), norm(cfg, "k_norm")(k)
         if not gpt2:

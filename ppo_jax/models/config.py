@@ -52,7 +52,7 @@ ROPE_SCALING_KEYS = {
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
 }
 # Fields that choose how the model executes, never what it computes (free to change on load).
-EXECUTION_FIELDS = ("attention", "scan_layers", "remat", "remat_policy")
+EXECUTION_FIELDS = ("attention", "scan_layers", "remat", "remat_policy", "merge_decode_projections_above")
 
 _DTYPES = {
     "float32": jnp.float32,
@@ -213,6 +213,10 @@ class ModelConfig:
     scan_layers: bool = True  # True: one layer body scanned over stacked [L, ...] params; False: per-layer params
     remat: bool = False  # rematerialise each layer in the backward pass
     remat_policy: str = "full"  # with remat: "full" (save nothing) or "dots" (keep matmul outputs without batch dims)
+    # A decode step (one new token a row) runs the projections that share their input (q/k/v,
+    # gate/up) as one GEMM when any of their kernels holds more than this many bytes (layers.py,
+    # `project_shared_input`); 0: always; None: never (each its own dot, which XLA may merge itself).
+    merge_decode_projections_above: int | None = None
     # Token ids the tokenizer uses (carried for export and sampling defaults).
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -272,6 +276,9 @@ class ModelConfig:
                 raise ValueError(f"model.{name} must be positive or None, got {getattr(self, name)}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"model.remat_policy={self.remat_policy!r}: use one of {REMAT_POLICIES}")
+        if self.merge_decode_projections_above is not None and self.merge_decode_projections_above < 0:
+            raise ValueError("model.merge_decode_projections_above must be None or at least 0, got "
+                             f"{self.merge_decode_projections_above}")
         lora = LoraConfig(**self.lora) if isinstance(self.lora, Mapping) else self.lora
         # Rank 0 is "off", spelled None, so configs with and without it compare equal.
         object.__setattr__(self, "lora", lora if lora is not None and lora.rank > 0 else None)

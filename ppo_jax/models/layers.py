@@ -6,12 +6,15 @@ maps onto the mesh. Norm statistics are float32 whatever the compute dtype.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ppo_jax import sharding
 from ppo_jax.models import lora as lora_lib
 from ppo_jax.models.config import LoraConfig, ModelConfig, to_dtype
 
@@ -72,6 +75,48 @@ def _contract(x: Array, w: Array, n_in: int) -> Array:
     """x[..., *in] @ w[*in, *out] over the last `n_in` axes of x -> [..., *out]."""
     contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
     return jax.lax.dot_general(x, w, (contract, ((), ())))
+
+
+def project_shared_input(parent: nn.Module, x: Array, projections: Sequence[DenseGeneral],
+                         merge_above: int | None) -> tuple[Array, ...]:
+    """x [B, T, D] through the projections of `parent` that share it (q/k/v, gate/up) -> their outputs
+    [B, T, *out], in order.
+
+    XLA:GPU's dot merger joins such projections into one GEMM only while each kernel is at most 32 MiB.
+    Past that (Llama-3-8B's gate and up, 117 MB each) a decode step streams each kernel in a GEMM of its
+    own, and one GEMM over both streamed them 1.41x faster on an H200 (docs/benchmarks.md, 2026-11-30).
+    So a decode step (T = 1) whose largest kernel holds more than `merge_above` bytes (0: any; None:
+    never) runs one GEMM over the kernels concatenated inside the program. XLA:GPU fuses that
+    concatenation into the GEMM's operand reads, so no merged copy of the weights is ever made
+    (compile-only, tests/test_merged_projections.py). Each projection stays apart on init, under LoRA
+    adapters (their low-rank terms are each projection's own), and when the mesh's tensor axis splits
+    the outputs (joining shards along a split axis would move weights between devices).
+    """
+    if not _merges(parent, x, projections, merge_above):
+        return tuple(projection(x) for projection in projections)
+    dtype = projections[0].dtype
+    params = [nn.meta.unbox(parent.variables["params"][p.name]) for p in projections]
+    kernels = [q["kernel"].reshape(q["kernel"].shape[0], -1).astype(dtype) for q in params]  # [D, N_i]
+    y = _contract(x.astype(dtype), jnp.concatenate(kernels, axis=1), 1)  # [B, T, sum N_i]
+    cuts = list(itertools.accumulate(k.shape[1] for k in kernels))[:-1]
+    outs = []
+    for p, q, part in zip(projections, params, jnp.split(y, cuts, axis=-1)):
+        part = part.reshape(x.shape[:-1] + tuple(p.out_shape))
+        outs.append(part + q["bias"].astype(dtype) if p.use_bias else part)
+    return tuple(outs)
+
+
+def _merges(parent: nn.Module, x: Array, projections: Sequence[DenseGeneral], merge_above: int | None) -> bool:
+    """Whether `project_shared_input` runs `projections` as one GEMM (see there)."""
+    if merge_above is None or x.shape[-2] != 1 or parent.is_initializing():
+        return False
+    if sharding.axis_size("tensor") > 1 or any(len(p.in_shape) != 1 for p in projections):
+        return False
+    adapters = parent.variables.get(lora_lib.COLLECTION, {})
+    if any(p.name in adapters for p in projections):
+        return False
+    kernels = [parent.variables["params"][p.name]["kernel"] for p in projections]
+    return max(k.size * k.dtype.itemsize for k in map(nn.meta.unbox, kernels)) > merge_above
 
 
 class LayerNorm(nn.Module):
@@ -158,8 +203,9 @@ class MLP(nn.Module):
             return DenseGeneral((f,), (d,), ("mlp", "embed"), True, name="proj", lora=cfg.lora_for("proj"),
                                 **common)(hidden)
         bias = cfg.mlp_bias
-        gate = DenseGeneral((d,), (f,), ("embed", "mlp"), bias, name="gate", lora=cfg.lora_for("gate"),
-                            **common)(x)
-        up = DenseGeneral((d,), (f,), ("embed", "mlp"), bias, name="up", lora=cfg.lora_for("up"), **common)(x)
+        gate, up = project_shared_input(self, x, [
+            DenseGeneral((d,), (f,), ("embed", "mlp"), bias, name="gate", lora=cfg.lora_for("gate"), **common),
+            DenseGeneral((d,), (f,), ("embed", "mlp"), bias, name="up", lora=cfg.lora_for("up"), **common),
+        ], cfg.merge_decode_projections_above)
         return DenseGeneral((f,), (d,), ("mlp", "embed"), bias, name="down", lora=cfg.lora_for("down"),
                             **common)(act(gate) * up)
