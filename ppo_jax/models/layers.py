@@ -88,9 +88,10 @@ def project_shared_input(parent: nn.Module, x: Array, projections: Sequence[Dens
     So a decode step (T = 1) whose largest kernel holds more than `merge_above` bytes (0: any; None:
     never) runs one GEMM over the kernels concatenated inside the program. XLA:GPU fuses that
     concatenation into the GEMM's operand reads, so no merged copy of the weights is ever made
-    (compile-only, tests/test_merged_projections.py). Each projection stays apart on init, under LoRA
-    adapters (their low-rank terms are each projection's own), and when the mesh's tensor axis splits
-    the outputs (joining shards along a split axis would move weights between devices).
+    (compile-only, tests/test_accelerators.py; the CPU checks are tests/test_merged_projections.py).
+    Each projection stays apart on init, under LoRA adapters (their low-rank terms are each
+    projection's own), and when the mesh's tensor axis splits the outputs (joining shards along a
+    split axis would move weights between devices).
     """
     if not _merges(parent, x, projections, merge_above):
         return tuple(projection(x) for projection in projections)
