@@ -1,6 +1,6 @@
 """One SFT optimizer step at the demo's shapes: ppo_jax's jitted step against PyTorch eager, one run.
 
-The demo's stage 1 (`ppo_jax.demo.settings._sft_defaults`: GPT-2, 4 layers, d = 128, 4 heads, the
+The demo's stage 1 (`DemoSettings.sft_stage()`: GPT-2, 4 layers, d = 128, 4 heads, the
 world's 262-token vocabulary; 64 rows of 34 tokens, the response's 24 positions in the loss) is the
 largest share of `python -m ppo_jax.demo`'s wall time after PPO. This asks whether ppo_jax's step is
 where a PyTorch user's would be on the same CPU:
@@ -43,24 +43,32 @@ def batch_arrays(vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return tokens, mask, loss_mask
 
 
+def demo_sft_settings():
+    """The demo's SFT stage settings, as `python -m ppo_jax.demo` runs them."""
+    from ppo_jax.demo.settings import DemoSettings, get_config
+
+    return DemoSettings.from_config(get_config()).sft_stage()
+
+
 def jax_stepper():
     """() -> one ppo_jax SFT step, blocked on its metrics."""
     import jax
     import jax.numpy as jnp
 
     from ppo_jax.data.tokenization import SFTBatch
-    from ppo_jax.demo.settings import _sft_defaults
     from ppo_jax.models import CausalLM, init_params
+    from ppo_jax.models.init import boxed_params
     from ppo_jax.optim import make_optimizer
     from ppo_jax.sharding import make_mesh
     from ppo_jax.supervised import sft
-    from ppo_jax.supervised.train_state import TrainState
+    from ppo_jax.supervised.train_state import init_train_state
 
-    s = _sft_defaults()
+    s = demo_sft_settings()
     model = CausalLM(s.model.config)
-    params, _ = init_params(model, jax.random.key(0), make_mesh((1, 1, 1), jax.devices()[:1]))
+    mesh = make_mesh((1, 1, 1), jax.devices()[:1])
+    params, shardings = init_params(model, jax.random.key(0), mesh)
     tx = make_optimizer(s.optim, s.optim.lr, s.train.steps)
-    holder = {"state": TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))}
+    holder = {"state": init_train_state(params, shardings, boxed_params(model), tx, mesh)[0]}
     batch = SFTBatch(*(jnp.asarray(a) for a in batch_arrays(s.model.config.vocab_size)))
     step = jax.jit(sft.make_train_step(model, tx), donate_argnums=0)
 
@@ -76,9 +84,7 @@ def torch_stepper():
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from ppo_jax.demo.settings import _sft_defaults
-
-    s = _sft_defaults()
+    s = demo_sft_settings()
     c = s.model.config
     model = GPT2LMHeadModel(GPT2Config(vocab_size=c.vocab_size, n_embd=c.hidden_size, n_layer=c.num_layers,
                                        n_head=c.num_heads, n_positions=c.max_position_embeddings,
