@@ -213,9 +213,8 @@ class ModelConfig:
     scan_layers: bool = True  # True: one layer body scanned over stacked [L, ...] params; False: per-layer params
     remat: bool = False  # rematerialise each layer in the backward pass
     remat_policy: str = "full"  # with remat: "full" (save nothing) or "dots" (keep matmul outputs without batch dims)
-    # A decode step (one new token a row) runs the projections that share their input (q/k/v,
-    # gate/up) as one GEMM when any of their kernels holds more than this many bytes (layers.py,
-    # `project_shared_input`); 0: always; None: never (each its own dot, which XLA may merge itself).
+    # A decode step runs the projections sharing its input (q/k/v, gate/up) as one GEMM when a kernel
+    # holds more than this many bytes (layers.project_shared_input); 0: always; None: never.
     merge_decode_projections_above: int | None = None
     # Token ids the tokenizer uses (carried for export and sampling defaults).
     bos_token_id: int | None = None
@@ -276,9 +275,8 @@ class ModelConfig:
                 raise ValueError(f"model.{name} must be positive or None, got {getattr(self, name)}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"model.remat_policy={self.remat_policy!r}: use one of {REMAT_POLICIES}")
-        if self.merge_decode_projections_above is not None and self.merge_decode_projections_above < 0:
-            raise ValueError("model.merge_decode_projections_above must be None or at least 0, got "
-                             f"{self.merge_decode_projections_above}")
+        if (self.merge_decode_projections_above or 0) < 0:
+            raise ValueError(f"model.merge_decode_projections_above: None or >= 0, got {self.merge_decode_projections_above}")
         lora = LoraConfig(**self.lora) if isinstance(self.lora, Mapping) else self.lora
         # Rank 0 is "off", spelled None, so configs with and without it compare equal.
         object.__setattr__(self, "lora", lora if lora is not None and lora.rank > 0 else None)
