@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ppo_jax.models.config import LoraConfig
+from ppo_jax.models.lora_config import LoraConfig
 
 # The collection the adapters live in, beside "params".
 COLLECTION = "lora"

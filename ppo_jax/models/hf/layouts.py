@@ -23,7 +23,8 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from ppo_jax.models.config import TARGETS, ModelConfig
+from ppo_jax.models.config import ModelConfig
+from ppo_jax.models.lora_config import TARGETS
 from ppo_jax.models.hf.config_map import KINDS
 from ppo_jax.models.hf.errors import HFModelError
 from ppo_jax.models.init import boxed_params
