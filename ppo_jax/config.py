@@ -223,11 +223,12 @@ class AdamWSettings:
               f"{prefix}.mu_dtype={self.mu_dtype!r}: use one of {MOMENT_DTYPES} (\"\" = the parameters' dtype)")
 
 
-# compute.decode_projections -> ModelConfig.merge_decode_projections_above by platform (absent: None,
-# never). XLA:GPU's dot merger joins the projections itself while each kernel is at most 32 MiB;
-# past that one GEMM over both of Llama-3-8B's gate and up ran 1.41x faster than two (H200,
-# docs/benchmarks.md). Elsewhere nothing has measured it, so "auto" leaves XLA:CPU and XLA:TPU alone.
-DECODE_PROJECTIONS = {"auto": {"gpu": 32 << 20}, "merged": {"cpu": 0, "gpu": 0, "tpu": 0}, "apart": {}}
+DECODE_PROJECTIONS = ("auto", "merged", "apart")
+# compute.decode_projections="auto": ModelConfig.merge_decode_projections_above on a GPU. XLA:GPU's dot
+# merger joins the projections itself while each kernel is at most 32 MiB; past that one GEMM over both
+# of Llama-3-8B's gate and up ran 1.41x faster than two (H200, docs/benchmarks.md). Elsewhere nothing
+# has measured it, so "auto" leaves XLA:CPU and XLA:TPU alone.
+GPU_DOT_MERGER_LIMIT = 32 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,8 +282,8 @@ class ComputeSettings:
             check(self.layer_loop != "scan", "compute.layer_loop='scan': this model mixes dense and MoE layers "
                   "(moe_layers), which run as per-layer params only; use auto or unrolled")
             loop = "unrolled"
-        out = dict(attention=attention, scan_layers=loop == "scan",
-                   merge_decode_projections_above=DECODE_PROJECTIONS[self.decode_projections].get(platform))
+        merge = {"merged": 0, "apart": None}.get(self.decode_projections, GPU_DOT_MERGER_LIMIT if on_gpu else None)
+        out = dict(attention=attention, scan_layers=loop == "scan", merge_decode_projections_above=merge)
         remat = self.remat
         if remat == "auto":
             # Full remat frees most of the update's activations (the fp32-master TinyLlama update needs

@@ -124,9 +124,9 @@ def test_a_mesh_that_splits_the_projections_keeps_them_apart():
     assert dots == apart_dots
 
 
-def test_auto_merges_on_a_gpu_past_the_dot_mergers_limit_only():
+def test_merged_and_apart_hold_on_every_platform():
+    """("auto" by platform: tests/test_compute.py.)"""
     cfg = CONFIGS["llama"]
-    assert ComputeSettings().execution(cfg, "gpu")["merge_decode_projections_above"] == 32 << 20
-    assert ComputeSettings().execution(cfg, "cpu")["merge_decode_projections_above"] is None
-    assert ComputeSettings(decode_projections="merged").execution(cfg, "cpu")["merge_decode_projections_above"] == 0
-    assert ComputeSettings(decode_projections="apart").execution(cfg, "gpu")["merge_decode_projections_above"] is None
+    for platform in ("cpu", "gpu", "tpu"):
+        assert ComputeSettings(decode_projections="merged").execution(cfg, platform)["merge_decode_projections_above"] == 0
+        assert ComputeSettings(decode_projections="apart").execution(cfg, platform)["merge_decode_projections_above"] is None

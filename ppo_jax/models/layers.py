@@ -96,7 +96,7 @@ def project_shared_input(parent: nn.Module, x: Array, projections: Sequence[Dens
     if not _merges(parent, x, projections, merge_above):
         return tuple(projection(x) for projection in projections)
     dtype = projections[0].dtype
-    params = [nn.meta.unbox(parent.variables["params"][p.name]) for p in projections]
+    params = _params_of(parent, projections)
     kernels = [q["kernel"].reshape(q["kernel"].shape[0], -1).astype(dtype) for q in params]  # [D, N_i]
     y = _contract(x.astype(dtype), jnp.concatenate(kernels, axis=1), 1)  # [B, T, sum N_i]
     cuts = list(itertools.accumulate(k.shape[1] for k in kernels))[:-1]
@@ -105,6 +105,11 @@ def project_shared_input(parent: nn.Module, x: Array, projections: Sequence[Dens
         part = part.reshape(x.shape[:-1] + tuple(p.out_shape))
         outs.append(part + q["bias"].astype(dtype) if p.use_bias else part)
     return tuple(outs)
+
+
+def _params_of(parent: nn.Module, projections: Sequence[DenseGeneral]) -> list[dict[str, Array]]:
+    """Each projection's params ({"kernel", ["bias"]}), read through `parent` without calling it."""
+    return [nn.meta.unbox(parent.variables["params"][p.name]) for p in projections]
 
 
 def _merges(parent: nn.Module, x: Array, projections: Sequence[DenseGeneral], merge_above: int | None) -> bool:
@@ -116,8 +121,7 @@ def _merges(parent: nn.Module, x: Array, projections: Sequence[DenseGeneral], me
     adapters = parent.variables.get(lora_lib.COLLECTION, {})
     if any(p.name in adapters for p in projections):
         return False
-    kernels = [parent.variables["params"][p.name]["kernel"] for p in projections]
-    return max(k.size * k.dtype.itemsize for k in map(nn.meta.unbox, kernels)) > merge_above
+    return max(q["kernel"].size * q["kernel"].dtype.itemsize for q in _params_of(parent, projections)) > merge_above
 
 
 class LayerNorm(nn.Module):
