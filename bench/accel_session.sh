@@ -49,8 +49,11 @@
 # PART "next63" (issue 63, DEADLINE default 520 s, one call of about 7 minutes; run it next): a 4-layer
 #   slice of Llama-3-8B's shape with compute.decode_projections apart, then auto (one GEMM for gate/up
 #   past XLA's dot-merger limit: decode_ms_per_step is the figure), then part merge.
-# PART "gemm4" (issue 63, one call of 9 minutes): ppo.gemm=cublas against the default on the full
-#   TinyLlama shape, after a 1-layer warm-up process, the default run twice around cublas.
+# PART "compile4" (issue 63 item 4, one call of 9 minutes): the cold compile of the full TinyLlama
+#   shape after a 1-layer warm-up process, each run a process of its own: the default (compute.precompile
+#   auto: the three programs compiled side by side before the first iteration; the figure is the first
+#   iteration's wall less a steady one's, and the JSON's precompile.wall_s), then --precompile off (each
+#   at its first call, as before), then ppo.gemm=cublas with precompile.
 # PART "merge" (issue 63 item 2, about 1 minute): bench_merged_gemm.py, decode-shaped projections (M = 64,
 #   bf16) as two GEMMs or one: Llama-3-8B's gate/up, which XLA's dot merger leaves apart (117 MB each,
 #   past its 32 MiB limit; compile-only for an H200: 2 GEMMs, merged by hand 1), and 8B q/k/v and
@@ -66,7 +69,7 @@
 # the wheels it lacks (ml-collections, tensorboardX) in .whl/ and install them first, e.g.
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 set -uo pipefail
-out=${1:?usage: accel_session.sh OUT_DIR [main|ab|next|all|compiled|gemm2|next63|gemm4|merge] [SECONDS_PER_RUN]}
+out=${1:?usage: accel_session.sh OUT_DIR [main|ab|next|all|compiled|gemm2|next63|compile4|merge] [SECONDS_PER_RUN]}
 part=${2:-main}
 limit=${3:-300}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -82,7 +85,7 @@ python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__versi
 default_deadline=1000000
 [ "$part" = compiled ] && default_deadline=500  # one 9-minute device call: the tar must still run
 [ "$part" = gemm2 ] && default_deadline=185  # one device call of about 200 s
-[[ " next63 gemm4 " == *" $part "* ]] && default_deadline=520  # one device call of 9 minutes, the tar included
+[[ " next63 compile4 " == *" $part "* ]] && default_deadline=520  # one device call of 9 minutes, the tar included
 deadline=$((SECONDS + ${DEADLINE:-$default_deadline}))  # every run ends by then
 
 run() {  # [RUN_LIMIT=S] [RUN_MIN=S] run NAME [VAR=VALUE ...] -- BENCH_ARGS...: one bench_accel.py run, its table, its figures in NAME.json
@@ -184,15 +187,15 @@ next63_part() {
   RUN_LIMIT=60 merge_part
 }
 
-gemm4_part() {
-  # Issue 63, ppo.gemm=cublas against the default on the full TinyLlama shape after a warm-up process
-  # (2026-11-30: a machine's first process compiled the same sampler 48% slower), then both again in
-  # the other order. DEADLINE default 520 s.
+compile4_part() {
+  # Issue 63 item 4: the programs compiled side by side (the GPU default now) against one after another,
+  # and ppo.gemm=cublas beside it, on the full TinyLlama shape after a warm-up process (2026-11-30: a
+  # machine's first process compiled the same sampler 48% slower). DEADLINE default 520 s.
   local full=(--no-peers --iterations 3 --no-decode-split)
-  RUN_LIMIT=60 run gemm4_warmup -- --no-peers --layers 1 --iterations 1 --no-decode-split
-  RUN_LIMIT=140 RUN_MIN=110 run gemm4_full_default -- "${full[@]}"
-  RUN_LIMIT=140 RUN_MIN=110 run gemm4_full_train_cublas -- "${full[@]}" --train-gemm cublas
-  RUN_LIMIT=140 RUN_MIN=110 run gemm4_full_default_2 -- "${full[@]}"
+  RUN_LIMIT=60 run compile4_warmup -- --no-peers --layers 1 --iterations 1 --no-decode-split
+  RUN_LIMIT=140 RUN_MIN=110 run compile4_full_default -- "${full[@]}"
+  RUN_LIMIT=140 RUN_MIN=110 run compile4_full_precompile_off -- "${full[@]}" --precompile off
+  RUN_LIMIT=140 RUN_MIN=110 run compile4_full_train_cublas -- "${full[@]}" --train-gemm cublas
 }
 
 case "$part" in
@@ -204,8 +207,8 @@ case "$part" in
   gemm2) gemm2_part ;;
   merge) merge_part ;;
   next63) next63_part ;;
-  gemm4) gemm4_part ;;
-  *) echo "PART must be main, ab, next, all, compiled, gemm2, next63, gemm4 or merge, got $part" >&2; exit 2 ;;
+  compile4) compile4_part ;;
+  *) echo "PART must be main, ab, next, all, compiled, gemm2, next63, compile4 or merge, got $part" >&2; exit 2 ;;
 esac
 tar -czf "$out/session-$part.tgz" -C "$work" . && rm -rf "$work"
 ls -la "$out"

@@ -204,6 +204,7 @@ def ppo_jax_settings(args, assets):
     c.ppo.num_minibatches = args.rows // args.minibatch_rows
     c.compute.attention, c.compute.layer_loop, c.compute.remat = args.attention, args.layer_loop, args.remat
     c.compute.decode_projections = args.decode_projections
+    c.compute.precompile = args.precompile
     if args.packing is not None:
         c.ppo.packing = args.packing
     # Compile time is one of the figures: no cache unless --compilation-cache names one (a second
@@ -244,6 +245,8 @@ def run_ppo_jax(args, assets, workdir: str, on_timed=lambda ours: None) -> dict:
     stats = jax.devices()[0].memory_stats() or {}
     ours = {"trainer_start_s": start_s, "first": first, "median": median,
             "compile_s": {k: first[k] - median[k] for k in first},
+            # compute.precompile: what compiling ahead took (inside the first iteration's wall, not its phases')
+            "precompile": dataclasses.asdict(trainer.compile_report) if trainer.compile_report else None,
             "peak_bytes": stats.get("peak_bytes_in_use"), "trace_counts": dict(trainer.trace_counts),
             "model": dataclasses.asdict(trainer.policy_config), "profile": None,
             # compute.remat=auto on a GPU: the remat the update kept (rl/remat_choice.py), else None
@@ -690,6 +693,7 @@ def figures(args, cfg, ours: dict, peers: dict) -> dict:
         "update": {"seconds": med["time/update"], "mfu": mfu("update", med["time/update"]),
                    "tokens_per_s": rows * T / med["time/update"]},
         "iteration_seconds": med["wall"], "compile_s": ours["compile_s"], "trainer_start_s": ours["trainer_start_s"],
+        "precompile": ours.get("precompile"),
         "peak_gib": ours["peak_bytes"] / 2**30 if ours["peak_bytes"] else None,
     }}
     if "hf_generate" in peers:
@@ -787,6 +791,10 @@ def print_table(args, fig: dict, ours: dict) -> None:
     print(f"  iteration {ppo['iteration_seconds']:.3f} s; compile (first - steady) {c['wall']:.1f} s "
           f"(generate {c['time/generate']:.1f}, experience {c['time/experience']:.1f}, update {c['time/update']:.1f}); "
           f"trainer start {ppo['trainer_start_s']:.1f} s; peak {_fmt(ppo['peak_gib'], '.1f', ' GiB')}")
+    if ppo.get("precompile"):
+        ahead = ppo["precompile"]
+        print(f"  compiled ahead, side by side: {ahead['wall_s']:.1f} s wall ("
+              + ", ".join(f"{k} {v:.1f}" for k, v in ahead["seconds"].items()) + ")")
     if ours["trace_counts"] != {"experience": 1, "update": 1}:
         print(f"  WARNING: recompiled: {ours['trace_counts']}")
 
@@ -818,6 +826,8 @@ def parse_args(argv=None):
     p.add_argument("--decode", default="auto")
     p.add_argument("--decode-projections", default="auto", choices=("auto", "merged", "apart"),
                    help="compute.decode_projections: q/k/v and gate/up as one GEMM in a decode step")
+    p.add_argument("--precompile", default="auto", choices=("auto", "on", "off"),
+                   help="compute.precompile: the three programs compiled side by side before the first iteration")
     p.add_argument("--model", default="tinyllama-1.1b", choices=sorted(MODELS),
                    help="the model's shape (random weights); llama3-8b with --layers 4 fits the update on one H200")
     p.add_argument("--packing", choices=("on", "off"), default=None, help="ppo.packing (default: the library's)")

@@ -224,6 +224,7 @@ class AdamWSettings:
 
 
 DECODE_PROJECTIONS = ("auto", "merged", "apart")
+PRECOMPILE = ("auto", "on", "off")
 # compute.decode_projections="auto": ModelConfig.merge_decode_projections_above on a GPU. XLA:GPU's dot
 # merger joins the projections itself while each kernel is at most 32 MiB; past that one GEMM over both
 # of Llama-3-8B's gate and up ran 1.41x faster than two (H200, docs/benchmarks.md). Elsewhere nothing
@@ -249,6 +250,7 @@ class ComputeSettings:
     layer_loop: str = "auto"  # "auto" (unrolled on a GPU whose layers FSDP does not shard, else scan), "scan" (stacked [L, ...] params) or "unrolled" (per-layer params)
     remat: str = "auto"  # "auto" (on a GPU, unless the model sets remat: the update without remat where XLA's buffer assignment says it fits the devices' free memory, else "full", rl/remat_choice.py; elsewhere "keep"), "keep" the model's own setting, "none", "full" (save nothing) or "dots" (keep matmuls)
     decode_projections: str = "auto"  # a decode step's projections that share their input (q/k/v, gate/up): "auto" (one GEMM on a GPU where a kernel is past XLA's dot-merger limit, 32 MiB), "merged" (one GEMM always), "apart" (each its own dot)
+    precompile: str = "auto"  # a PPO run's sampler, experience and update compiled side by side before its first iteration (rl/precompile.py): "auto" (on a GPU or TPU), "on", "off" (each at its first call)
     compilation_cache: str = "auto"  # jax's persistent compilation cache: "auto" (jax's own setting if one is made, else ~/.cache/ppo_jax/xla, at most 4 GiB), a directory, or "" (off)
 
     def validate(self, prefix: str = "compute") -> None:
@@ -258,6 +260,7 @@ class ComputeSettings:
               f"{prefix}.layer_loop={self.layer_loop!r}: use auto, scan or unrolled")
         check(self.decode_projections in DECODE_PROJECTIONS,
               f"{prefix}.decode_projections={self.decode_projections!r}: use {', '.join(DECODE_PROJECTIONS)}")
+        check(self.precompile in PRECOMPILE, f"{prefix}.precompile={self.precompile!r}: use {', '.join(PRECOMPILE)}")
         check(self.remat in ("auto", "keep", "none") + REMAT_POLICIES,
               f"{prefix}.remat={self.remat!r}: use auto, keep, none, {', '.join(REMAT_POLICIES)}")
 

@@ -174,6 +174,9 @@ def _ppo_defaults() -> Settings:
             packing="off",
         ),
         value=replace(s.value, init="reward"),  # value model starts from the reward model (N+ style)
+        # The experience and update programs compiled side by side before the first iteration, on the
+        # demo's one process: the stage's cold start 40.6 -> 35.6 s on 2 cores (docs/benchmarks.md).
+        compute=replace(s.compute, precompile="on"),
         optim=replace(
             s.optim,
             policy_lr=3e-4,  # policy learning rate

@@ -33,7 +33,7 @@ What the numbers mean:
     (roles.sampler_mesh), the trainer's trees and the sampler's copy share every device; disaggregated
     (roles.sampler_devices), the sampler's devices hold its copy, prompts and samples only.
     `MemoryPlan.roles` reports each role's bytes per device. With roles.scoring=sampler the reference
-    and reward model sit on the sampler's mesh too (`plan/inputs.py`) and score each sample there,
+    and reward model sit on the sampler's mesh too (`rl/phase_inputs.py`) and score each sample there,
     a fourth program, the "scoring" phase, counted with the sampler's role; the trainer's devices keep
     no frozen tree but a LoRA base, and `params` (the trainer's devices) shows the reference and
     reward model at 0.

@@ -14,18 +14,18 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from ppo_jax import sharding
 from ppo_jax.config import from_config
 from ppo_jax.models import ModelConfig, boxed_params, init_cache
 from ppo_jax.models.cache import SPLIT_KV_CACHE_AXES
-from ppo_jax.plan.inputs import SamplerInputs, ScorerInputs, placed, sampler_inputs, scorer_inputs
 from ppo_jax.rl import build, roles
+from ppo_jax.rl.phase_inputs import (SamplerInputs, ScorerInputs, prompts_and_key, sampled_rollout, sampler_inputs,
+                                     scorer_inputs)
 from ppo_jax.rl.hyper import DerivedSizes, PPOHyper
 from ppo_jax.rl.settings import Settings, stop_token_ids
 from ppo_jax.rl.sizes import derive_sizes
-from ppo_jax.rl.state import FrozenOutputs, FrozenParams, Modules, Rollout, PPOState
+from ppo_jax.rl.state import FrozenParams, Modules, Rollout, PPOState
 
 
 def abstract_params(boxed: Any, mesh) -> Any:
@@ -158,10 +158,7 @@ def lower_programs(run: PlannedRun) -> LoweredRun:
 
     # Sampler, on its mesh: prompts [B, Lq] in, SampleOutput with R = B * n rows out. It reads the
     # trainer's own policy when it shares the mesh, else its copy (synced there after every update).
-    prompts = jax.ShapeDtypeStruct((s.rollout.batch_size, s.data.prompt_length),
-                                   jnp.int32, sharding=sharding.data_sharding(sampler_mesh))
-    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
-                               sharding=sharding.replicated(sampler_mesh))
+    prompts, key = prompts_and_key(s, sampler_mesh)
     decoded = sampler_inputs(run.state.policy, run.base, steps.sampler_shardings, meshes.shared)
     lowered = {"sampler": steps.sampler.lower(decoded.params, prompts, prompts, key, adapters=decoded.adapters)}
     sample = lowered["sampler"].out_info
@@ -175,18 +172,7 @@ def lower_programs(run: PlannedRun) -> LoweredRun:
                                                          sample.tokens, sample.mask)
         scores = tuple(lowered["scoring"].out_info)
     # The trainer scores the sample on its own mesh (moved there when the sampler has its own).
-    batch_sh = sharding.data_sharding(mesh)
-    rollout = Rollout(
-        prompt_tokens=sample.prompt_tokens, prompt_mask=sample.prompt_mask, tokens=sample.tokens,
-        mask=sample.mask, sampler_logprobs=sample.logprobs, behaviour_logprobs=sample.sampling_logprobs,
-        stopped=sample.stopped, routed_experts=sample.routed_experts,
-        host_scores=jax.ShapeDtypeStruct((sample.tokens.shape[0],), jnp.float32, sharding=batch_sh),
-        policy_version=jax.ShapeDtypeStruct((sample.tokens.shape[0],), jnp.int32, sharding=batch_sh),
-        # rollout.partial_rollouts: each token's policy version travels too (the run's experience program)
-        token_policy_version=(jax.ShapeDtypeStruct(sample.tokens.shape, jnp.int32, sharding=batch_sh)
-                              if s.rollout.partial_rollouts else None),
-        frozen_outputs=FrozenOutputs(*scores) if scores else None)
-    rollout = rollout if meshes.shared else placed(rollout, batch_sh)
+    rollout = sampled_rollout(s, meshes, sample, scores)
     with sharding.mesh_context(mesh):
         lowered["experience"] = steps.experience_jit.lower(run.state, run.kept, rollout)
         experience = lowered["experience"].out_info[0]

@@ -49,11 +49,11 @@ def allocated_bytes(compiled) -> int:
 
 
 class MemoryChosenUpdate:
-    """Called like the jitted update it replaces. On its first call it compiles `candidates`
-    ((name, jitted update) pairs, least recompute first) on the call's arguments, one after another,
-    and keeps the first whose `allocated_bytes` fits in MARGIN of `free_bytes()` (the last one in any
-    case, and at once when free_bytes() is None; `sharding.free_device_bytes`, the same on every
-    process). `chosen` names it; `report` says why."""
+    """Called like the jitted update it replaces. On its first call (or `choose`, ahead of it) it
+    compiles `candidates` ((name, jitted update) pairs, least recompute first) on the call's
+    arguments, one after another, and keeps the first whose `allocated_bytes` fits in MARGIN of
+    `free_bytes()` (the last one in any case, and at once when free_bytes() is None;
+    `sharding.free_device_bytes`, the same on every process). `chosen` names it; `report` says why."""
 
     def __init__(self, candidates: Sequence[tuple[str, Any]], free_bytes: Callable[[], int | None],
                  log: Callable[[str], None] = print):
@@ -65,15 +65,16 @@ class MemoryChosenUpdate:
 
     def __call__(self, *args):
         if self._compiled is None:
-            self._choose(args)
+            self.choose(args, self.free_bytes())
         return self._compiled(*args)
 
     def lower(self, *args):
         """The last candidate lowered: what a plan compiles, the program that always fits best."""
         return self.candidates[-1][1].lower(*args)
 
-    def _choose(self, args) -> None:
-        free = self.free_bytes()
+    def choose(self, args, free: int | None) -> None:
+        """Compiles the candidates on `args` (the call's arrays, or their ShapeDtypeStructs ahead of
+        it: `rl/precompile.py`) and keeps the first that fits in MARGIN of `free` bytes."""
         tried = []
         for i, (name, jitted) in enumerate(self.candidates):
             last = i == len(self.candidates) - 1

@@ -28,7 +28,7 @@ from ppo_jax.checkpoint.step_items import ARRAYS_ITEM
 from ppo_jax.config import to_dict
 from ppo_jax.data.prompt_stream import PromptStream
 from ppo_jax.models import hf
-from ppo_jax.rl import build, initial_weights, roles, shared_programs
+from ppo_jax.rl import build, initial_weights, precompile, roles, shared_programs
 from ppo_jax.rl.checkpointing import Checkpointing
 from ppo_jax.rl.episodes import EpisodeModel
 from ppo_jax.rl.errors import PREEMPTION_NOTICE, NonFiniteError, RunFailedError
@@ -36,6 +36,7 @@ from ppo_jax.rl.experience import make_scoring_fn
 from ppo_jax.rl.health import NONFINITE_SAMPLES_FILE, NonFiniteGuard
 from ppo_jax.rl.rollouts import IN_FLIGHT_ITEM, Texts, make_rollouts
 from ppo_jax.rl.run_inputs import checked_inputs
+from ppo_jax.rl.sample_sources import WholeSamples
 from ppo_jax.rl.settings import Settings
 from ppo_jax.rl.state import FrozenParams, Rollout
 from ppo_jax.wandb_run import metric_writer
@@ -119,6 +120,9 @@ class PPOTrainer:
         self._stop_signal: str | None = None
         self.stopped_by: str | None = None  # the signal (or preemption notice) that stopped train()
         self._score_jit = None
+        # compute.precompile: the phases compiled side by side before the first iteration (rl/precompile.py)
+        self._precompile_due = precompile.applies(s.compute.precompile, build.mesh_platform(self.mesh)[0])
+        self.compile_report: precompile.CompileReport | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -242,7 +246,24 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ the loop
 
+    def compile_ahead(self) -> precompile.CompileReport | None:
+        """Compiles the programs an iteration runs side by side (`rl/precompile.py`); `run_iteration`
+        calls it first under compute.precompile. Returns what it took; None where nothing was
+        compiled: the programs were already, the iteration decodes nothing (its whole samples were
+        all begun earlier), or the rollouts are partial or multi-turn (programs of their own)."""
+        if (self.compile_report is not None or not isinstance(self.rollouts.training, WholeSamples)
+                or not self.rollouts.pipeline.decodes(int(self.state.step))):
+            return None
+        self.compile_report = precompile.precompile(self.steps, self.settings, self.hp, self.meshes, self.state,
+                                                    self.frozen, self.scorer)
+        if jax.process_index() == 0:
+            print(self.compile_report.text(), flush=True)
+        return self.compile_report
+
     def run_iteration(self) -> dict[str, float]:
+        if self._precompile_due:
+            self._precompile_due = False
+            self.compile_ahead()
         timer = metrics_lib.PhaseTimer()
         with timer.measure("generate"):  # off-policy: only the wait for the sample started k iterations ago
             rollout, sample = self.rollouts.next(self.state)

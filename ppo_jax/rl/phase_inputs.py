@@ -1,9 +1,13 @@
-"""What the memory planner (`ppo_jax.plan`) lowers each role's programs with: abstract trees
-(ShapeDtypeStructs carrying shardings) placed on the mesh the run holds them on, and the per-device
-bytes they add there, by shape arithmetic (exact, whatever the compiler).
+"""The abstract inputs of a run's phases (ShapeDtypeStructs carrying shardings): what the memory
+planner (`ppo_jax.plan`) lowers each role's programs on, and what a run compiles them on ahead of
+its first iteration (`rl/precompile.py`). Each builder follows the call it stands for, so a program
+lowered on its output is the program that call runs.
 
-    sampler_inputs: the sampler's policy (its own copy on its own mesh; with LoRA the base and adapters)
-    scorer_inputs:  roles.scoring="sampler": the reference and reward model on the sampler's mesh
+    abstract:         arrays -> their ShapeDtypeStructs (a run's own trees)
+    sampler_inputs:   the sampler's policy (its own copy on its own mesh; with LoRA the base and adapters)
+    scorer_inputs:    roles.scoring="sampler": the reference and reward model on the sampler's mesh
+    prompts_and_key:  the sampler's prompt batch [B, Lq] and key
+    sampled_rollout:  the experience step's `Rollout` of a sample, as `Rollouts.finish` hands it over
 """
 
 from __future__ import annotations
@@ -13,11 +17,21 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
+from ppo_jax import sharding
 from ppo_jax.rl import roles
-from ppo_jax.rl.state import FrozenParams, policy_variables
+from ppo_jax.rl.settings import Settings
+from ppo_jax.rl.state import FrozenOutputs, FrozenParams, Rollout, policy_variables
 from ppo_jax.sampling import weights
 from ppo_jax.sharding import device_bytes
+
+
+def abstract(tree: Any) -> Any:
+    """Arrays -> ShapeDtypeStructs of the same shape, dtype, weak type and sharding: what a jitted
+    function is lowered on so that a later call with the arrays finds its program compiled."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
+                                                       weak_type=getattr(x, "weak_type", False)), tree)
 
 
 def placed(tree: Any, shardings: Any) -> Any:
@@ -77,3 +91,33 @@ def scorer_inputs(frozen: FrozenParams, shardings: FrozenParams) -> ScorerInputs
     again); a LoRA value base never goes (the trainer's value forward reads it)."""
     scorer = placed(FrozenParams(reference=frozen.reference, reward=frozen.reward, policy=frozen.policy), shardings)
     return ScorerInputs(scorer, device_bytes((scorer.reference, scorer.reward)))
+
+
+def prompts_and_key(s: Settings, sampler_mesh) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """The prompt batch [B, Lq] int32 batch-sharded on the sampler's mesh (tokens and mask alike), and
+    the replicated typed key: the sampler's inputs besides its weights (`WholeSamples.begin`)."""
+    prompts = jax.ShapeDtypeStruct((s.rollout.batch_size, s.data.prompt_length), jnp.int32,
+                                   sharding=sharding.data_sharding(sampler_mesh))
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
+                               sharding=sharding.replicated(sampler_mesh))
+    return prompts, key
+
+
+def sampled_rollout(s: Settings, meshes: roles.RoleMeshes, sample: Any, scores: tuple = ()) -> Rollout:
+    """The experience step's `Rollout` of an abstract sample [R, ...] (the sampler's output) as
+    `Rollouts.finish` hands it over: the host scores and versions [R] beside it, all on the
+    trainer's mesh; `scores`: roles.scoring="sampler"'s reference log-probs [R, Lr] and model
+    scores [R], scored on the sampler's mesh."""
+    batch = sharding.data_sharding(meshes.trainer)
+    rows = sample.tokens.shape[0]
+    rollout = Rollout(
+        prompt_tokens=sample.prompt_tokens, prompt_mask=sample.prompt_mask, tokens=sample.tokens,
+        mask=sample.mask, sampler_logprobs=sample.logprobs, behaviour_logprobs=sample.sampling_logprobs,
+        stopped=sample.stopped, routed_experts=sample.routed_experts,
+        host_scores=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=batch),
+        policy_version=jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=batch),
+        # rollout.partial_rollouts: each token's policy version travels too (the run's experience program)
+        token_policy_version=(jax.ShapeDtypeStruct(sample.tokens.shape, jnp.int32, sharding=batch)
+                              if s.rollout.partial_rollouts else None),
+        frozen_outputs=FrozenOutputs(*scores) if scores else None)
+    return rollout if meshes.shared else placed(rollout, batch)
