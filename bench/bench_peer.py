@@ -285,9 +285,10 @@ UNUSED: dict[str, dict[str, str]] = {
     "grpo": {"value.init": "no value model", "optim.value_lr": "no value model"},
 }
 
-# ppo_jax fields the demo sets that the learning does not see (paths of outputs, logging, safety stops).
+# ppo_jax fields the demo sets that the learning does not see (paths of outputs, logging, safety stops,
+# when the programs compile).
 OURS_HARNESS = {"train.progress", "train.sample_every", "train.max_consecutive_nonfinite", "train.log_every",
-                "train.eval_every"}
+                "train.eval_every", "compute.precompile"}
 
 DIFFERENCES: dict[str, list[Difference]] = {
     "ppo": [

@@ -250,7 +250,7 @@ class ComputeSettings:
     layer_loop: str = "auto"  # "auto" (unrolled on a GPU whose layers FSDP does not shard, else scan), "scan" (stacked [L, ...] params) or "unrolled" (per-layer params)
     remat: str = "auto"  # "auto" (on a GPU, unless the model sets remat: the update without remat where XLA's buffer assignment says it fits the devices' free memory, else "full", rl/remat_choice.py; elsewhere "keep"), "keep" the model's own setting, "none", "full" (save nothing) or "dots" (keep matmuls)
     decode_projections: str = "auto"  # a decode step's projections that share their input (q/k/v, gate/up): "auto" (one GEMM on a GPU where a kernel is past XLA's dot-merger limit, 32 MiB), "merged" (one GEMM always), "apart" (each its own dot)
-    precompile: str = "auto"  # a PPO run's sampler, experience and update compiled side by side before its first iteration (rl/precompile.py): "auto" (on a GPU or TPU), "on", "off" (each at its first call)
+    precompile: str = "auto"  # PPO: the sampler, experience and update programs compiled side by side before the first iteration (rl/precompile.py): "auto" (on a GPU or TPU), "on", "off" (each at its first call)
     compilation_cache: str = "auto"  # jax's persistent compilation cache: "auto" (jax's own setting if one is made, else ~/.cache/ppo_jax/xla, at most 4 GiB), a directory, or "" (off)
 
     def validate(self, prefix: str = "compute") -> None:

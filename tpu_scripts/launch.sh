@@ -77,9 +77,18 @@ done
 ((SAW_SEPARATOR)) ||
   die "no training command: put the program's arguments after '--', e.g. -- --config=configs/ppo_toy.py --workdir=gs://BUCKET/run"
 find_workdir "${TRAIN_ARGS[@]}"
+has_flag() {  # has_flag FLAG ARGS...: one of ARGS is FLAG or FLAG=VALUE (a loop: `printf | grep -q` under
+  # pipefail failed now and then, when grep exited on its match before printf had written everything)
+  local flag=$1 arg
+  shift
+  for arg in "$@"; do
+    [[ $arg == "$flag" || $arg == "$flag="* ]] && return 0
+  done
+  return 1
+}
 if [[ $MODULE == ppo_jax.cli.train ]]; then
   for required in --config --workdir; do
-    printf '%s\n' "${TRAIN_ARGS[@]}" | grep -qE -- "^$required(=|$)" ||
+    has_flag "$required" "${TRAIN_ARGS[@]}" ||
       die "ppo_jax.cli.train needs $required: add it after '--' (e.g. -- --config=configs/ppo_toy.py --workdir=gs://BUCKET/run)"
   done
 fi
