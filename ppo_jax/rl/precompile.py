@@ -25,7 +25,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-
 from ppo_jax import sharding
 from ppo_jax.rl import roles
 from ppo_jax.rl.build import Steps
