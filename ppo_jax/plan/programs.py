@@ -20,8 +20,8 @@ from ppo_jax.config import from_config
 from ppo_jax.models import ModelConfig, boxed_params, init_cache
 from ppo_jax.models.cache import SPLIT_KV_CACHE_AXES
 from ppo_jax.rl import build, roles
-from ppo_jax.rl.phase_inputs import (SamplerInputs, ScorerInputs, prompts_and_key, sampled_rollout, sampler_inputs,
-                                     scorer_inputs)
+from ppo_jax.rl.phase_inputs import (SamplerInputs, ScorerInputs, lowered_phases, prompts_and_key, sampled_rollout,
+                                     sampler_inputs, scorer_inputs)
 from ppo_jax.rl.hyper import DerivedSizes, PPOHyper
 from ppo_jax.rl.settings import Settings, stop_token_ids
 from ppo_jax.rl.sizes import derive_sizes
@@ -158,25 +158,16 @@ def lower_programs(run: PlannedRun) -> LoweredRun:
 
     # Sampler, on its mesh: prompts [B, Lq] in, SampleOutput with R = B * n rows out. It reads the
     # trainer's own policy when it shares the mesh, else its copy (synced there after every update).
-    prompts, key = prompts_and_key(s, sampler_mesh)
-    decoded = sampler_inputs(run.state.policy, run.base, steps.sampler_shardings, meshes.shared)
-    lowered = {"sampler": steps.sampler.lower(decoded.params, prompts, prompts, key, adapters=decoded.adapters)}
-    sample = lowered["sampler"].out_info
     # roles.scoring="sampler": the scorer's trees score the sample on the sampler's mesh, and its
-    # reference log-probs [R, Lr] and model scores [R] travel with the rollout.
-    scorer, scores = None, ()
-    if hp.scored_outside:
-        scorer = scorer_inputs(run.frozen, steps.scorer_shardings)
-        with sharding.mesh_context(sampler_mesh):
-            lowered["scoring"] = steps.scoring_jit.lower(scorer.frozen, sample.prompt_tokens, sample.prompt_mask,
-                                                         sample.tokens, sample.mask)
-        scores = tuple(lowered["scoring"].out_info)
-    # The trainer scores the sample on its own mesh (moved there when the sampler has its own).
+    # reference log-probs [R, Lr] and model scores [R] travel with the rollout to the trainer's mesh.
+    decoded = sampler_inputs(run.state.policy, run.base, steps.sampler_shardings, meshes.shared)
+    scorer = scorer_inputs(run.frozen, steps.scorer_shardings) if hp.scored_outside else None
+    lowered = dict(lowered_phases(steps, s, hp, meshes, run.state, run.kept, decoded, scorer and scorer.frozen))
+    prompts, _ = prompts_and_key(s, sampler_mesh)
+    sample = lowered["sampler"].out_info
+    scores = tuple(lowered["scoring"].out_info) if "scoring" in lowered else ()
     rollout = sampled_rollout(s, meshes, sample, scores)
-    with sharding.mesh_context(mesh):
-        lowered["experience"] = steps.experience_jit.lower(run.state, run.kept, rollout)
-        experience = lowered["experience"].out_info[0]
-        lowered["update"] = steps.update_jit.lower(run.state, run.kept, experience)
+    experience = lowered["experience"].out_info[0]
     return LoweredRun(lowered, steps, prompts, sample, scores, rollout, experience, decoded, scorer)
 
 

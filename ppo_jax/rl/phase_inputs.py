@@ -8,12 +8,14 @@ lowered on its output is the program that call runs.
     scorer_inputs:    roles.scoring="sampler": the reference and reward model on the sampler's mesh
     prompts_and_key:  the sampler's prompt batch [B, Lq] and key
     sampled_rollout:  the experience step's `Rollout` of a sample, as `Rollouts.finish` hands it over
+    lowered_phases:   the phases lowered on these, in order (the planner's and the run's one sequence)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -21,8 +23,10 @@ import jax.numpy as jnp
 
 from ppo_jax import sharding
 from ppo_jax.rl import roles
+from ppo_jax.rl.build import Steps
+from ppo_jax.rl.hyper import PPOHyper
 from ppo_jax.rl.settings import Settings
-from ppo_jax.rl.state import FrozenOutputs, FrozenParams, Rollout, policy_variables
+from ppo_jax.rl.state import FrozenOutputs, FrozenParams, PPOState, Rollout, policy_variables
 from ppo_jax.sampling import weights
 from ppo_jax.sharding import device_bytes
 
@@ -121,3 +125,30 @@ def sampled_rollout(s: Settings, meshes: roles.RoleMeshes, sample: Any, scores: 
                               if s.rollout.partial_rollouts else None),
         frozen_outputs=FrozenOutputs(*scores) if scores else None)
     return rollout if meshes.shared else placed(rollout, batch)
+
+
+def lowered_phases(steps: Steps, s: Settings, hp: PPOHyper, meshes: roles.RoleMeshes, state: PPOState,
+                   kept: FrozenParams, decoded: SamplerInputs, scorer: FrozenParams | None, *,
+                   update: bool = True) -> Iterator[tuple[str, Any]]:
+    """The run's jitted phases lowered on abstract trees, each on the mesh that runs it and yielded as
+    soon as it is lowered (a caller may compile it while the next one lowers): "sampler", "scoring"
+    (roles.scoring="sampler": `scorer` holds its frozen trees), "experience", then "update" unless
+    `update` is False. Each later phase is lowered on the output shapes of the one before. state,
+    kept: the train state and the frozen trees the trainer keeps; decoded: `sampler_inputs`."""
+    prompts, key = prompts_and_key(s, meshes.sampler)
+    lowered = steps.sampler.lower(decoded.params, prompts, prompts, key, adapters=decoded.adapters)
+    yield "sampler", lowered
+    sample, scores = lowered.out_info, ()
+    if hp.scored_outside:  # the sample is scored on the sampler's mesh; its outputs travel with the rollout
+        with sharding.mesh_context(meshes.sampler):
+            lowered = steps.scoring_jit.lower(scorer, sample.prompt_tokens, sample.prompt_mask, sample.tokens,
+                                              sample.mask)
+        yield "scoring", lowered
+        scores = tuple(lowered.out_info)
+    with sharding.mesh_context(meshes.trainer):
+        lowered = steps.experience_jit.lower(state, kept, sampled_rollout(s, meshes, sample, scores))
+    yield "experience", lowered
+    if update:
+        with sharding.mesh_context(meshes.trainer):
+            lowered = steps.update_jit.lower(state, kept, lowered.out_info[0])
+        yield "update", lowered

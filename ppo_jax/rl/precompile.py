@@ -29,7 +29,7 @@ from ppo_jax import sharding
 from ppo_jax.rl import roles
 from ppo_jax.rl.build import Steps
 from ppo_jax.rl.hyper import PPOHyper
-from ppo_jax.rl.phase_inputs import abstract, prompts_and_key, sampled_rollout, sampler_inputs
+from ppo_jax.rl.phase_inputs import abstract, lowered_phases, sampled_rollout, sampler_inputs
 from ppo_jax.rl.remat_choice import MemoryChosenUpdate
 from ppo_jax.rl.settings import Settings
 from ppo_jax.rl.state import FrozenParams, PPOState
@@ -71,33 +71,21 @@ def precompile(steps: Steps, s: Settings, hp: PPOHyper, meshes: roles.RoleMeshes
     weights are those the first sync will make, `phase_inputs.sampler_inputs`)."""
     start = time.perf_counter()
     state, kept = abstract(state), abstract(kept)
+    decoded = sampler_inputs(state.policy, kept.policy, steps.sampler_shardings, meshes.shared)
+    # compute.remat="auto" on a GPU: the update is lowered by its remat choice, in its thread.
+    chooser = steps.update_jit if isinstance(steps.update_jit, MemoryChosenUpdate) else None
     futures: dict[str, Future] = {}
+    outputs: dict[str, Any] = {}
     with ThreadPoolExecutor(max_workers=4, thread_name_prefix="precompile") as pool:
-        def compile_beside(name: str, job: Callable[[], Any]) -> None:
-            futures[name] = pool.submit(_timed, job)
-
-        prompts, key = prompts_and_key(s, meshes.sampler)
-        decoded = sampler_inputs(state.policy, kept.policy, steps.sampler_shardings, meshes.shared)
-        lowered = steps.sampler.lower(decoded.params, prompts, prompts, key, adapters=decoded.adapters)
-        compile_beside("sampler", lowered.compile)
-        sample, scores = lowered.out_info, ()
-        if hp.scored_outside:  # roles.scoring="sampler": the sample is scored on the sampler's mesh
-            with sharding.mesh_context(meshes.sampler):
-                lowered = steps.scoring_jit.lower(abstract(scorer), sample.prompt_tokens, sample.prompt_mask,
-                                                  sample.tokens, sample.mask)
-            compile_beside("scoring", lowered.compile)
-            scores = tuple(lowered.out_info)
-        rollout = sampled_rollout(s, meshes, sample, scores)
-        with sharding.mesh_context(meshes.trainer):
-            lowered = steps.experience_jit.lower(state, kept, rollout)
-            compile_beside("experience", lowered.compile)
-            experience = lowered.out_info[0]
-            update = steps.update_jit
-            if isinstance(update, MemoryChosenUpdate):
-                compile_beside("update", _remat_choice(update, (state, kept, experience), (rollout, experience),
-                                                       meshes.trainer))
-            else:
-                compile_beside("update", update.lower(state, kept, experience).compile)
+        for name, lowered in lowered_phases(steps, s, hp, meshes, state, kept, decoded, abstract(scorer),
+                                            update=chooser is None):
+            futures[name] = pool.submit(_timed, lowered.compile)
+            outputs[name] = lowered.out_info
+        if chooser is not None:
+            rollout = sampled_rollout(s, meshes, outputs["sampler"], tuple(outputs.get("scoring", ())))
+            experience = outputs["experience"][0]
+            futures["update"] = pool.submit(_timed, _remat_choice(chooser, (state, kept, experience),
+                                                                  (rollout, experience), meshes.trainer))
     return CompileReport({name: future.result() for name, future in futures.items()}, time.perf_counter() - start)
 
 
