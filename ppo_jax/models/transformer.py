@@ -24,6 +24,7 @@ slicing out and re-stacking every layer's whole slab.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any
@@ -202,6 +203,19 @@ def _lookup(embed: nn.Embed, ids: Array, rows: str = "vocab") -> Array:
     return jnp.take(table, ids, axis=0).astype(embed.dtype)
 
 
+@functools.lru_cache(maxsize=64)
+def _decode_block(cfg: ModelConfig, moe: bool, sliding: bool, record: bool):
+    """One layer of `Transformer.unrolled`, unbound and applied to that layer's own parameters, under
+    a jit of its own: the alike layers of a decode step then share one trace (XLA inlines the calls),
+    so tracing the sampler costs one layer per kind, not L. record: sow the layer's CHOSEN experts."""
+
+    def decode_layer(variables, carry, ropes, masks, cache_index):
+        return Block(cfg, moe, parent=None).apply(variables, carry, None, sliding, ropes, masks, cache_index,
+                                                  mutable=[CHOSEN] if record else False)
+
+    return jax.jit(decode_layer)
+
+
 class Transformer(nn.Module):
     """Embeddings + scanned blocks + final norm: tokens [B, T] -> hidden [B, T, D]."""
 
@@ -228,6 +242,14 @@ class Transformer(nn.Module):
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )(cfg)
         else:
+            if not self.is_initializing():
+                # Each layer through Flax's lifted jit, which fingerprints a module without its name:
+                # alike layers share one trace (and its JVP and transpose), and XLA inlines the calls
+                # into the same program, so a warm start traces one layer per kind, not L (TinyLlama's
+                # plan with `_decode_block`: 14.5-18.9 -> 5.6-8.2 s of tracing + lowering,
+                # docs/benchmarks.md). Not at init: the lifted RNG would draw other params from the
+                # same seed. `sliding` (argument 3 counting self) is a Python bool here: static.
+                block = nn.jit(block, static_argnums=(3,))
             self.layers = [block(cfg, moe) for moe in cfg.layer_moe]  # params layers_0 ... layers_{L-1}
         self.ln_f = norm(cfg, "ln_f")
 
@@ -306,11 +328,10 @@ class Transformer(nn.Module):
         record = [CHOSEN] if self.is_mutable_collection(CHOSEN) else False
         for i, (params, lora_params, cache, local, moe) in enumerate(zip(
                 layer_params, adapters, caches, self.config.layer_sliding, self.config.layer_moe, strict=True)):
-            block = Block(self.config, moe, parent=None)  # unbound: applied to this layer's own parameters
             variables = {"params": params} if lora_params is None else {"params": params,
                                                                         lora.COLLECTION: lora_params}
-            out = block.apply(variables, (x, (cache.k, cache.v)), None, local, ropes, masks, cache_index,
-                              mutable=record)
+            out = _decode_block(self.config, moe, local, bool(record))(variables, (x, (cache.k, cache.v)), ropes,
+                                                                        masks, cache_index)
             ((x, (k, v)), _), sown = out if record else (out, None)
             if sown and CHOSEN in sown:
                 self.sow(CHOSEN, f"decode_{i}", sown[CHOSEN]["mlp"]["experts"][0])
