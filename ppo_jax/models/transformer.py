@@ -325,13 +325,13 @@ class Transformer(nn.Module):
         new_caches = []
         adapters = layer_adapters if layer_adapters is not None else (None,) * len(layer_params)
         # The blocks are applied unbound: their CHOSEN experts are sown again here, one entry per layer.
-        record = [CHOSEN] if self.is_mutable_collection(CHOSEN) else False
+        record = self.is_mutable_collection(CHOSEN)
         for i, (params, lora_params, cache, local, moe) in enumerate(zip(
                 layer_params, adapters, caches, self.config.layer_sliding, self.config.layer_moe, strict=True)):
             variables = {"params": params} if lora_params is None else {"params": params,
                                                                         lora.COLLECTION: lora_params}
-            out = _decode_block(self.config, moe, local, bool(record))(variables, (x, (cache.k, cache.v)), ropes,
-                                                                        masks, cache_index)
+            out = _decode_block(self.config, moe, local, record)(variables, (x, (cache.k, cache.v)), ropes, masks,
+                                                                 cache_index)
             ((x, (k, v)), _), sown = out if record else (out, None)
             if sown and CHOSEN in sown:
                 self.sow(CHOSEN, f"decode_{i}", sown[CHOSEN]["mlp"]["experts"][0])
