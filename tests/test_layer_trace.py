@@ -8,10 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ppo_jax import sharding
 from ppo_jax.models import CausalLM, ModelConfig, init_cache
 from ppo_jax.models.cache import split_cache
 from ppo_jax.models.transformer import Block, split_layer_params
 from ppo_jax.sampling.loop import forward_last
+
+from conftest import make_test_mesh
 
 BASE = dict(vocab_size=64, hidden_size=32, num_heads=4, max_position_embeddings=64, scan_layers=False)
 # name: (config, how many kinds of layer it has)
@@ -82,3 +85,41 @@ def test_alike_layers_of_an_unrolled_decode_step_share_one_trace(name):
     calls = layer_calls(jax.make_jaxpr(step)(layer_params).jaxpr)
     assert len(calls) == model.config.num_layers
     assert len({id(c) for c in calls}) == MODELS[name][1]
+
+
+def constrains_activations(jaxpr) -> bool:
+    """Whether a sharding constraint sits in `jaxpr` or in any program it calls."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "sharding_constraint":
+            return True
+        inner = [v.jaxpr if hasattr(v, "jaxpr") else v for v in eqn.params.values() if hasattr(v, "eqns")
+                 or hasattr(v, "jaxpr")]
+        if any(constrains_activations(j) for j in inner):
+            return True
+    return False
+
+
+def test_a_layer_traced_without_the_activation_rules_is_traced_again_with_them():
+    """jax keys a trace by the mesh but not by Flax's logical axis rules: a layer trace shared across
+    calls must not carry a call made outside `sharding.mesh_context` (no activation constraints) into
+    one inside it, in the forward or in a decode step."""
+    model, params, inputs = model_and_params("dense")
+    tokens, positions, _ = inputs
+    layer_params = split_layer_params(params)
+    caches = split_cache(init_cache(model.config, 2, 8))
+    kv_mask, last = jnp.ones((2, 8), jnp.int32), jnp.full((2,), 5)
+    # Each trace a new outer function: jax would serve the same one's trace again (the same caveat, for
+    # any function; the layers' trace is shared by functions that differ).
+    programs = {
+        "forward": (lambda: lambda p: model.apply({"params": p}, *inputs), params),
+        "decode": (lambda: lambda lp: model.apply({"params": params}, tokens, positions, kv_mask, caches, last, lp,
+                                                  method=forward_last), layer_params),
+    }
+    mesh = make_test_mesh((2, 1, 1))
+    for name, (program, args) in programs.items():
+        with jax.set_mesh(mesh):
+            bare = layer_calls(jax.make_jaxpr(program())(args).jaxpr)
+        with sharding.mesh_context(mesh):
+            ruled = layer_calls(jax.make_jaxpr(program())(args).jaxpr)
+        assert not any(constrains_activations(j) for j in bare), name
+        assert len(ruled) == model.config.num_layers and all(constrains_activations(j) for j in ruled), name

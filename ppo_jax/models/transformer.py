@@ -203,11 +203,21 @@ def _lookup(embed: nn.Embed, ids: Array, rows: str = "vocab") -> Array:
     return jnp.take(table, ids, axis=0).astype(embed.dtype)
 
 
+def axis_rules_key() -> tuple:
+    """The logical axis rules in effect (`sharding.activation_rules`), hashable: part of the key of
+    `_decode_block`'s traces, which jax keys by the mesh but not by Flax's rules (a trace made outside
+    `sharding.mesh_context` would otherwise serve a call inside it, without the activations'
+    sharding constraints). `nn.jit` needs no such key: its traces live as long as one `apply`."""
+    return tuple((name, tuple(axes) if isinstance(axes, list) else axes)
+                 for name, axes in nn.get_logical_axis_rules())
+
+
 @functools.lru_cache(maxsize=64)
-def _decode_block(cfg: ModelConfig, moe: bool, sliding: bool, record: bool):
+def _decode_block(cfg: ModelConfig, moe: bool, sliding: bool, record: bool, axis_rules: tuple):
     """One layer of `Transformer.unrolled`, unbound and applied to that layer's own parameters, under
     a jit of its own: the alike layers of a decode step then share one trace (XLA inlines the calls),
-    so tracing the sampler costs one layer per kind, not L. record: sow the layer's CHOSEN experts."""
+    so tracing the sampler costs one layer per kind, not L. record: sow the layer's CHOSEN experts;
+    axis_rules: `axis_rules_key()`, a key only."""
 
     def decode_layer(variables, carry, ropes, masks, cache_index):
         return Block(cfg, moe, parent=None).apply(variables, carry, None, sliding, ropes, masks, cache_index,
@@ -325,13 +335,13 @@ class Transformer(nn.Module):
         new_caches = []
         adapters = layer_adapters if layer_adapters is not None else (None,) * len(layer_params)
         # The blocks are applied unbound: their CHOSEN experts are sown again here, one entry per layer.
-        record = self.is_mutable_collection(CHOSEN)
+        record, rules = self.is_mutable_collection(CHOSEN), axis_rules_key()
         for i, (params, lora_params, cache, local, moe) in enumerate(zip(
                 layer_params, adapters, caches, self.config.layer_sliding, self.config.layer_moe, strict=True)):
             variables = {"params": params} if lora_params is None else {"params": params,
                                                                         lora.COLLECTION: lora_params}
-            out = _decode_block(self.config, moe, local, record)(variables, (x, (cache.k, cache.v)), ropes, masks,
-                                                                 cache_index)
+            layer = _decode_block(self.config, moe, local, record, rules)
+            out = layer(variables, (x, (cache.k, cache.v)), ropes, masks, cache_index)
             ((x, (k, v)), _), sown = out if record else (out, None)
             if sown and CHOSEN in sown:
                 self.sow(CHOSEN, f"decode_{i}", sown[CHOSEN]["mlp"]["experts"][0])
