@@ -53,10 +53,9 @@
 #   shape after a 1-layer warm-up process, each run a process of its own: the default (compute.precompile
 #   auto: the three programs compiled side by side before the first iteration; the figure is the first
 #   iteration's wall less a steady one's, and the JSON's precompile.wall_s), the default again on its
-#   persistent cache (the warm start, target 10 s), then --precompile off (each
-#   at its first call, as before), then, if time is left, --layer-loop scan (one traced layer instead of 22: tracing and
-#   lowering the three programs took 7.9 s against 31.0 s compile-only on this project's CPU machine,
-#   and a warm start pays them too; its run time against the default's is the question).
+#   persistent cache (the warm start, target 10 s), then --precompile off (each at its first call, as
+#   before), then, if time is left, --layer-loop scan (per-layer params trace one layer per kind too
+#   since 2026-11-30, so its run time against the default's is the question).
 # PART "merge" (issue 63 item 2, about 1 minute): bench_merged_gemm.py, decode-shaped projections (M = 64,
 #   bf16) as two GEMMs or one: Llama-3-8B's gate/up, which XLA's dot merger leaves apart (117 MB each,
 #   past its 32 MiB limit; compile-only for an H200: 2 GEMMs, merged by hand 1), and 8B q/k/v and

@@ -92,10 +92,10 @@ def constrains_activations(jaxpr) -> bool:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "sharding_constraint":
             return True
-        inner = [v.jaxpr if hasattr(v, "jaxpr") else v for v in eqn.params.values() if hasattr(v, "eqns")
-                 or hasattr(v, "jaxpr")]
-        if any(constrains_activations(j) for j in inner):
-            return True
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)  # a ClosedJaxpr's Jaxpr, or the Jaxpr itself
+            if hasattr(inner, "eqns") and constrains_activations(inner):
+                return True
     return False
 
 
