@@ -234,9 +234,13 @@ def test_fewer_slots_than_episodes_keep_the_invariants(tmp_path, segment_clocks)
     part one row; here one would change every metric.)"""
     trainer, history = run(multi_turn_config(**{
         "rollout.engine": "continuous", "environment.segment_steps": 2, "rollout.slots": 8,
-        "rollout.prefill_prompts": 4, "environment.name": "slower_scripted_test_env"}), tmp_path)
+        "rollout.prefill_prompts": 4, "environment.name": "slower_scripted_test_env", "train.iterations": 3}),
+        tmp_path)
     assert trainer.rollouts.training.runner.schedule.func.__module__ == "ppo_jax.agentic.slot_rollout"
-    # Whether a slot is given up depends on time (the first iteration also compiles): over the run.
+    # Whether a slot is given up depends on time: a look that compiles an insert or a store takes longer
+    # than the environments' steps, which then answer before any is given up. From a cold cache the
+    # first iteration re-prefilled 0 or 1 turns and the second 1 (so a loaded suite run once saw 0 in
+    # both, 2026-11-30); the third, with its programs compiled, 4 in each of 3 runs. Over the run.
     assert sum(row["rollout/reprefilled_turns"] for row in history) > 0
     for row in history:
         assert row["policy/rollout_logprob_diff_max"] < 1e-5
