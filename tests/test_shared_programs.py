@@ -2,6 +2,8 @@
 builds its own."""
 
 import dataclasses
+import json
+import os
 
 import flax.linen as nn
 import jax
@@ -14,7 +16,7 @@ from ppo_jax.rl import build
 from ppo_jax.models import CausalLM, ModelConfig, init_params
 from ppo_jax.models.transformer import positions_from_mask
 from ppo_jax.program_cache import ProgramCache, value_key
-from ppo_jax.rl.shared_programs import shared_steps
+from ppo_jax.rl.shared_programs import shared_optimizers, shared_steps
 from ppo_jax.rl.trainer import PPOTrainer
 
 
@@ -42,6 +44,48 @@ def test_a_second_trainer_of_equal_settings_traces_nothing(first, tmp_path):
     history = second.train()
     assert second.trace_counts == {"experience": 1, "update": 1} and second.sampler.trace_count == sampler_traces
     assert abs(history[0]["first_minibatch/ratio"] - 1.0) < 1e-6  # its own state through the shared programs
+
+
+def test_trainers_that_differ_only_in_the_loop_share_programs(first, tmp_path):
+    """Iterations, logging, samples and checkpoints are no program's input: a longer run with its own
+    loop settings traces nothing, and trains its own state through the shared programs."""
+    loop = {"train.iterations": 2, "train.log_every": 2, "train.sample_every": 1, "train.checkpoint_every": 1}
+    longer = PPOTrainer(tiny_config(**loop), str(tmp_path), mesh=make_test_mesh((1, 1, 1)))
+    assert longer.steps is first.steps and longer.policy_tx is first.policy_tx
+    sampler_traces = longer.sampler.trace_count
+    history = longer.train()
+    assert longer.trace_counts == {"experience": 1, "update": 1} and longer.sampler.trace_count == sampler_traces
+    assert len(history) == 2 and all(abs(row["first_minibatch/ratio"] - 1.0) < 1e-6 for row in history)
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [2]  # log_every=2
+    assert sorted(d for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()) == ["1", "2"]  # checkpoint_every=1
+
+
+def test_a_decaying_schedule_keys_its_length(first):
+    """A constant learning rate never reads the run's length, so its optimizers are shared across
+    lengths; a linear or cosine decay spans the run's optimizer steps, so its optimizers (and the update
+    built on them) are not, and each decays over its own run."""
+    settings = first.settings
+    longer = lambda s: dataclasses.replace(s, train=dataclasses.replace(s.train, iterations=5))  # noqa: E731
+    assert shared_optimizers(longer(settings)) == shared_optimizers(settings)
+    linear = dataclasses.replace(settings, optim=dataclasses.replace(settings.optim, schedule="linear"))
+    short_tx, long_tx = shared_optimizers(linear)[0], shared_optimizers(longer(linear))[0]
+    assert short_tx is not long_tx
+    # The learning rate each applies at the last step of the short run (4 optimizer steps: 1 iteration
+    # of 2 epochs x 2 minibatches), against its first (Adam's step on constant gradients is the rate):
+    # linear to 0 over 4 steps, 1 - 3/4; over the longer run's 20, 1 - 3/20.
+    params = {"w": np.zeros(3, np.float32)}
+
+    def step_sizes(tx, steps):
+        state, sizes = tx.init(params), []
+        for _ in range(steps):
+            update, state = tx.update({"w": np.ones(3, np.float32)}, state, params)
+            sizes.append(float(np.abs(update["w"][0])))
+        return sizes
+
+    short, long = step_sizes(short_tx, 4), step_sizes(long_tx, 4)
+    np.testing.assert_allclose([short[-1] / short[0], long[-1] / long[0]], [0.25, 0.85], rtol=1e-4)
+    assert shared_steps(**steps_args(first, s=linear, policy_tx=short_tx)) is not shared_steps(
+        **steps_args(first, s=longer(linear), policy_tx=long_tx))
 
 
 def test_another_setting_builds_its_own_programs(first, tmp_path):

@@ -203,9 +203,14 @@ def make_modules(ppo_settings: PPOLossSettings, value_settings: ValueSettings, p
                    teacher=CausalLM(teacher_cfg) if teacher_cfg is not None else None)
 
 
+def optimizer_steps(s: Settings) -> int:
+    """The run's optimizer steps: what a decaying learning-rate schedule spans."""
+    return s.train.iterations * s.ppo.epochs * s.ppo.num_minibatches
+
+
 def make_optimizers(s: Settings):
     """(policy optimizer, value optimizer or None); schedules span the run's optimizer steps."""
-    opt_steps = s.train.iterations * s.ppo.epochs * s.ppo.num_minibatches
+    opt_steps = optimizer_steps(s)
     policy_tx = make_optimizer(s.optim, s.optim.policy_lr, opt_steps)
     value_tx = make_optimizer(s.optim, s.optim.value_lr, opt_steps) if s.uses_critic else None
     return policy_tx, value_tx
