@@ -23,8 +23,6 @@ import os
 import re
 from collections.abc import Mapping
 
-from ppo_jax.config import ConfigError
-
 # JAX's default: the share of a GPU's memory one process preallocates (XLA_PYTHON_CLIENT_MEM_FRACTION).
 JAX_DEFAULT_MEM_FRACTION = 0.75
 
@@ -79,6 +77,8 @@ def slot_environments(parallel: int, accelerators: Accelerators, environ: Mappin
                       ) -> tuple[list[dict[str, str]], str]:
     """(one environment per run slot, a line saying what each slot holds). ConfigError on a TPU host
     with parallel > 1."""
+    from ppo_jax.config import ConfigError  # here: `import ppo_jax` reads local_accelerators (host_memory), not jax
+
     base = dict(environ)
     if parallel == 1 or accelerators.platform == "cpu":
         return [dict(base) for _ in range(parallel)], ""
