@@ -50,7 +50,10 @@ def _copy_for_nobody() -> str:
     """A world-readable copy of what the driver imports: this checkout's sandbox files, the bwrap wheel."""
     root = tempfile.mkdtemp(prefix="ppo_jax_sandbox_attack_")
     os.makedirs(os.path.join(root, "ppo_jax", "agentic"))
-    shutil.copy(os.path.join(REPO, "ppo_jax", "__init__.py"), os.path.join(root, "ppo_jax"))
+    os.makedirs(os.path.join(root, "ppo_jax", "sweep"))
+    # `import ppo_jax` itself reads host_memory, which asks sweep.devices what JAX would compute on.
+    for name in ("__init__.py", "host_memory.py", "sweep/__init__.py", "sweep/devices.py"):
+        shutil.copy(os.path.join(REPO, "ppo_jax", name), os.path.join(root, "ppo_jax", name))
     for name in ("__init__.py", "sandbox.py", "sandbox_boundary.py", "seccomp.py", "_sandbox_child.py"):
         shutil.copy(os.path.join(REPO, "ppo_jax", "agentic", name), os.path.join(root, "ppo_jax", "agentic"))
     shutil.copy(DRIVER, root)
