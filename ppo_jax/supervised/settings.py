@@ -117,6 +117,11 @@ class SFTDataSettings:
     max_prompt_length: int = 16  # longest prompt kept, in tokens
     max_response_length: int = 32  # longest response kept, in tokens including its EOS
     truncation: str = "left"  # over-long examples: "left" (cut and count them) or "error"
+    # > 0: each step's examples packed on the host into this many rows of packed_length slots, attention
+    # within each example (data/host_packing.py): the same loss on fewer slots; a batch that does not fit
+    # runs padded (a second compiled step). Rounded up to a multiple of the mesh's batch split; one process only. 0 = off
+    packed_rows: int = 0
+    packed_length: int = 0  # slots per packed row, >= max_prompt_length + max_response_length; 0 = twice that
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +164,21 @@ def _validate_lengths(d, what: str) -> None:
     check(d.truncation in ("left", "error"), f"{what}: data.truncation={d.truncation!r}: use left or error")
 
 
+def _validate_packing(d: SFTDataSettings, what: str) -> None:
+    length = d.max_prompt_length + d.max_response_length
+    check(d.packed_rows >= 0, f"{what}: data.packed_rows must be >= 0 (0 = off), got {d.packed_rows}")
+    check(d.packed_length == 0 or d.packed_length >= length,
+          f"{what}: data.packed_length={d.packed_length} is shorter than one example (max_prompt_length + "
+          f"max_response_length = {length}); use 0 (twice that) or at least {length}")
+
+
+def packed_shape(d: SFTDataSettings) -> tuple[int, int] | None:
+    """(rows, slots per row) of a step's packed examples; None: padded rows (packing off)."""
+    if not d.packed_rows:
+        return None
+    return d.packed_rows, d.packed_length or 2 * (d.max_prompt_length + d.max_response_length)
+
+
 @dataclasses.dataclass(frozen=True)
 class NormalizeSettings:
     # samples to normalise on: "none", "policy" (sample normalize.policy_path) or "preferences" (the chosen
@@ -194,6 +214,7 @@ class SFTSettings(RunSettings):
         _validate_lora_export(self.model, self.train, "sft")
         self.optim.validate("sft: optim", {"lr": self.optim.lr})
         _validate_lengths(self.data, "sft")
+        _validate_packing(self.data, "sft")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,28 +25,32 @@ import optax
 from ppo_jax import data as data_lib
 from ppo_jax import sharding
 from ppo_jax.config import ConfigError, to_dict
+from ppo_jax.data.host_packing import PackedSFTBatch, pack_sft
 from ppo_jax.models import CausalLM, positions_from_mask
 from ppo_jax.models.forward import hidden_states, variables
 from ppo_jax.models.moe import RouterCoefs, RouterLosses
 from ppo_jax.models.lora import trained_variables
 from ppo_jax.supervised import base as supervised
-from ppo_jax.supervised.settings import SFTSettings, sft_config  # noqa: F401  (sft_config: the defaults)
+from ppo_jax.supervised.settings import SFTSettings, packed_shape, sft_config  # noqa: F401  (sft_config: the defaults)
 from ppo_jax.wandb_run import metric_writer
 
 Array = jax.Array
 
 
 def response_token_nll(model: CausalLM, params, tokens: Array, mask: Array, loss_mask: Array, adapters=None,
-                       router: bool = False):
+                       router: bool = False, positions: Array | None = None, segment_ids: Array | None = None):
     """Per-token negative log-likelihood of the targets, and whether the argmax got them right.
 
     tokens, mask, loss_mask [B, L] (left-padded). Position t predicts token t + 1; a target counts
     where loss_mask[t + 1] = 1 (response tokens and their EOS). adapters: LoRA adapters on `params`
-    (None: the model without). Returns nll, correct, weight, each [B, L - 1] float32, zero where
-    weight is 0; with `router` (an MoE model) also the forward's RouterLosses, fourth.
+    (None: the model without). positions, segment_ids [B, L]: packed rows (`PackedSFTBatch`: several
+    examples per row, attention within each); None: one left-padded example per row. Returns nll,
+    correct, weight, each [B, L - 1] float32, zero where weight is 0; with `router` (an MoE model)
+    also the forward's RouterLosses, fourth.
     """
-    hidden, router_losses = hidden_states(model, variables(params, adapters), tokens, positions_from_mask(mask),
-                                          mask, router=router)
+    positions = positions_from_mask(mask) if positions is None else positions
+    hidden, router_losses = hidden_states(model, variables(params, adapters), tokens, positions, mask, segment_ids,
+                                          router=router)
     logits = model.apply(variables(params, adapters), hidden, method=CausalLM.project)[:, :-1]
     targets = tokens[:, 1:]
     weight = loss_mask[:, 1:].astype(jnp.float32)
@@ -63,16 +67,26 @@ def router_metrics(losses: RouterLosses, prefix: str) -> dict[str, Array]:
             f"{prefix}moe/expert_load_max": losses.load_max}
 
 
-def sft_loss(model: CausalLM, params, batch: data_lib.SFTBatch, adapters=None,
+def batch_token_nll(model: CausalLM, params, batch: data_lib.SFTBatch | PackedSFTBatch, adapters=None,
+                    router: bool = False):
+    """`response_token_nll` of a padded or a packed batch."""
+    packed = {}
+    if isinstance(batch, PackedSFTBatch):
+        packed = {"positions": batch.positions, "segment_ids": batch.segment_ids}
+    return response_token_nll(model, params, batch.tokens, batch.mask, batch.loss_mask, adapters, router, **packed)
+
+
+def sft_loss(model: CausalLM, params, batch: data_lib.SFTBatch | PackedSFTBatch, adapters=None,
              router: RouterCoefs | None = None) -> tuple[Array, dict[str, Array]]:
-    """Token-mean NLL over every response token of the batch (each token weighs the same); with
-    `router` (an MoE model) plus the weighted router losses of the forward. The metric train/loss is
-    the NLL alone (comparable with eval/loss)."""
-    out = response_token_nll(model, params, batch.tokens, batch.mask, batch.loss_mask, adapters, router is not None)
+    """Token-mean NLL over every response token of the batch (each token weighs the same), padded or
+    packed alike; with `router` (an MoE model) plus the weighted router losses of the forward. The
+    metric train/loss is the NLL alone (comparable with eval/loss)."""
+    out = batch_token_nll(model, params, batch, adapters, router is not None)
     nll, correct, weight = out[:3]
     count = jnp.maximum(weight.sum(), 1.0)
     loss = nll.sum() / count
-    metrics = {"train/loss": loss, "train/accuracy": correct.sum() / count, "train/tokens": weight.sum()}
+    metrics = {"train/loss": loss, "train/accuracy": correct.sum() / count, "train/tokens": weight.sum(),
+               "train/token_slots": jnp.float32(batch.tokens.size)}  # what the step computed: packed or padded
     if router is not None:
         loss = loss + router.penalty(out[3])
         metrics.update(router_metrics(out[3], "train/"))
@@ -135,6 +149,7 @@ class SFTTrainer(supervised.SupervisedTrainer):
 
         # Model (validated before any compile).
         self.length = d.max_prompt_length + d.max_response_length
+        self.packed_shape = self._check_packing(packed_shape(d))
         cfg, _ = supervised.model_config(s.model, self.tokenizer, what="sft", data=d,
                                          kinds=("causal_lm",), compute=s.compute, lora_export=s.train.lora_export,
                                          mesh=self.mesh)
@@ -145,8 +160,9 @@ class SFTTrainer(supervised.SupervisedTrainer):
         self.eval_source = eval_source
         self._start_training(self._trainable(params, param_shardings), train_source, "sft")
 
-        batch_sh = data_lib.SFTBatch(*([sharding.data_sharding(self.mesh)] * 3))
+        batch_sh = sharding.data_sharding(self.mesh)  # every leaf of a padded or a packed batch
         replicated = sharding.replicated(self.mesh)
+        # One jit for both batch kinds: a packed batch and the padded one it falls back to trace apart.
         self._train_step = sharding.on_mesh(jax.jit(
             make_train_step(self.module, self.tx, supervised.router_coefs(s.model, self.module.config)),
             in_shardings=(self.state_shardings, self.base_shardings, batch_sh),
@@ -158,7 +174,24 @@ class SFTTrainer(supervised.SupervisedTrainer):
         self.writer = metric_writer(workdir, resume_step=self.step, wandb=s.wandb,
                                     run_config=to_dict(s), job_type="sft")
 
+    def _check_packing(self, shape: tuple[int, int] | None) -> tuple[int, int] | None:
+        """data.packed_rows for this mesh, rounded up to a multiple of its batch split (the rows are
+        split like a padded batch's), in one process only (checked before any compile)."""
+        if shape is None:
+            return None
+        if jax.process_count() > 1:
+            # Each process would decide alone whether its rows fit, and the processes must run one program.
+            raise ConfigError(f"sft: data.packed_rows runs in one process; this run has {jax.process_count()} "
+                              "(use data.packed_rows=0)")
+        divisor = sharding.batch_divisor(self.mesh)
+        return -(-shape[0] // divisor) * divisor, shape[1]
+
     # -- steps
+
+    def _device_batch(self, batch: data_lib.SFTBatch):
+        """The step's batch on the mesh: packed when data.packed_rows is set and its examples fit."""
+        packed = pack_sft(batch, *self.packed_shape) if self.packed_shape else None
+        return self._place(batch if packed is None else packed)
 
     def evaluate(self) -> dict[str, float]:
         """Token-mean NLL, perplexity and next-token accuracy on the eval data (all of it, or

@@ -1,0 +1,82 @@
+"""SFT examples packed on the host: a step's left-padded batch [B, L] as fewer, longer rows [R, T].
+
+A padded SFT batch pays its forward and backward for every padding slot; the demo's corpus fills 53%
+of its 34-slot rows. Packing moves each example's real tokens, in order, into R rows of T slots
+(first-fit decreasing, longest first), several examples per row: `segment_ids` name each slot's
+example (0 on padding), `positions` restart at 0 for each, and the model attends only within an
+example (`models/attention.attention_mask`). The loss is the same token mean over the same targets,
+so a packed step computes the padded step's loss and gradient up to float round-off
+(`tests/test_sft_packing.py`).
+
+The packing is done here, per batch, in NumPy, because only the host knows the lengths before the
+step: the rows' shape [R, T] is fixed by the settings (one compiled step), and a batch whose examples
+do not fit in R rows is returned as None, for the caller to run padded (a second compiled step, the
+same arithmetic). Which slots an example takes depends on that batch only, so a resumed run packs
+every batch as the straight run did.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import numpy as np
+
+from ppo_jax.data.tokenization import SFTBatch
+
+
+@flax.struct.dataclass
+class PackedSFTBatch:
+    """Examples packed into rows; every array [R, T] int32.
+
+    tokens: the examples' real tokens, back to back; 0 on padding. mask: 1 on a real token.
+    loss_mask: 1 where the token is a target (a response token or its EOS), as `SFTBatch.loss_mask`;
+    0 on each example's first slot, which has no predecessor of its own. positions: a token's place in
+    its example. segment_ids: 1 + the example's row in the padded batch; 0 on padding.
+    """
+
+    tokens: np.ndarray
+    mask: np.ndarray
+    loss_mask: np.ndarray
+    positions: np.ndarray
+    segment_ids: np.ndarray
+
+
+def first_fit_decreasing(lengths: np.ndarray, num_rows: int, row_length: int) -> np.ndarray | None:
+    """[B] lengths -> [B] (row, offset) pairs as a [B, 2] int array: each length, longest first (ties in
+    order), into the first row with room. None when some length finds no row."""
+    used = np.zeros(num_rows, np.int64)
+    placed = np.zeros((len(lengths), 2), np.int64)
+    for i in np.argsort(-lengths, kind="stable"):
+        rows = np.flatnonzero(used + lengths[i] <= row_length)
+        if rows.size == 0:
+            return None
+        row = rows[0]
+        placed[i] = (row, used[row])
+        used[row] += lengths[i]
+    return placed
+
+
+def pack_sft(batch: SFTBatch, num_rows: int, row_length: int) -> PackedSFTBatch | None:
+    """A left-padded SFT batch [B, L] packed into [num_rows, row_length]; None if it does not fit.
+
+    Every example keeps its real tokens in order and contiguous (row_length >= L, so each fits a row
+    of its own); the slots after a row's last example are padding.
+    """
+    mask = np.asarray(batch.mask).astype(bool)
+    lengths = mask.sum(axis=1)
+    placed = first_fit_decreasing(lengths, num_rows, row_length)
+    if placed is None:
+        return None
+    shape = (num_rows, row_length)
+    out = {name: np.zeros(shape, np.int32) for name in ("tokens", "mask", "loss_mask", "positions", "segment_ids")}
+    for b, (row, offset) in enumerate(placed):
+        n = lengths[b]
+        if n == 0:
+            continue
+        where = (row, slice(offset, offset + n))
+        out["tokens"][where] = np.asarray(batch.tokens)[b][mask[b]]
+        out["loss_mask"][where] = np.asarray(batch.loss_mask)[b][mask[b]]
+        out["loss_mask"][row, offset] = 0  # predicted by nothing of its own example
+        out["mask"][where] = 1
+        out["positions"][where] = np.arange(n)
+        out["segment_ids"][where] = b + 1
+    return PackedSFTBatch(**out)
