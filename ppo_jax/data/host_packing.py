@@ -1,4 +1,5 @@
-"""SFT examples packed on the host: a step's left-padded batch [B, L] as fewer, longer rows [R, T].
+"""Examples packed on the host: a step's left-padded batch [B, L] as fewer, longer rows [R, T] (SFT
+examples; a preference batch's chosen and rejected sequences).
 
 A padded SFT batch pays its forward and backward for every padding slot; the demo's corpus fills 53%
 of its 34-slot rows. Packing moves each example's real tokens, in order, into R rows of T slots
@@ -6,7 +7,8 @@ of its 34-slot rows. Packing moves each example's real tokens, in order, into R 
 example (0 on padding), `positions` restart at 0 for each, and the model attends only within an
 example (`models/attention.attention_mask`). The loss is the same token mean over the same targets,
 so a packed step computes the padded step's loss and gradient up to float round-off
-(`tests/test_sft_packing.py`).
+(`tests/test_host_packing.py`); a reward model reads each sequence's score at its last slot
+(`PackedPairs.last_slots`).
 
 The packing is done here, per batch, in NumPy, because only the host knows the lengths before the
 step: the rows' shape [R, T] is fixed by the settings (one compiled step), and a batch whose examples
@@ -20,7 +22,7 @@ from __future__ import annotations
 import flax.struct
 import numpy as np
 
-from ppo_jax.data.tokenization import SFTBatch
+from ppo_jax.data.tokenization import PreferenceBatch, SFTBatch
 
 
 @flax.struct.dataclass
@@ -55,28 +57,63 @@ def first_fit_decreasing(lengths: np.ndarray, num_rows: int, row_length: int) ->
     return placed
 
 
+def _pack(tokens: np.ndarray, mask: np.ndarray, num_rows: int, row_length: int, **per_token: np.ndarray
+          ) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
+    """Left-padded rows tokens, mask [N, L] (and any other per_token [N, L] arrays, moved alike) into
+    [num_rows, row_length]: (the packed arrays by name, with mask, positions and segment_ids; each
+    row's flat first slot [N]). None if they do not fit."""
+    real = np.asarray(mask).astype(bool)
+    lengths = real.sum(axis=1)
+    placed = first_fit_decreasing(lengths, num_rows, row_length)
+    if placed is None:
+        return None
+    shape = (num_rows, row_length)
+    sources = {"tokens": np.asarray(tokens), **{k: np.asarray(v) for k, v in per_token.items()}}
+    out = {name: np.zeros(shape, np.int32) for name in (*sources, "mask", "positions", "segment_ids")}
+    for b, (row, offset) in enumerate(placed):
+        where = (row, slice(offset, offset + lengths[b]))
+        for name, values in sources.items():
+            out[name][where] = values[b][real[b]]
+        out["mask"][where] = 1
+        out["positions"][where] = np.arange(lengths[b])
+        out["segment_ids"][where] = b + 1
+    return out, placed[:, 0] * row_length + placed[:, 1]
+
+
 def pack_sft(batch: SFTBatch, num_rows: int, row_length: int) -> PackedSFTBatch | None:
     """A left-padded SFT batch [B, L] packed into [num_rows, row_length]; None if it does not fit.
 
     Every example keeps its real tokens in order and contiguous (row_length >= L, so each fits a row
     of its own); the slots after a row's last example are padding.
     """
-    mask = np.asarray(batch.mask).astype(bool)
-    lengths = mask.sum(axis=1)
-    placed = first_fit_decreasing(lengths, num_rows, row_length)
-    if placed is None:
+    packed = _pack(batch.tokens, batch.mask, num_rows, row_length, loss_mask=batch.loss_mask)
+    if packed is None:
         return None
-    shape = (num_rows, row_length)
-    out = {name: np.zeros(shape, np.int32) for name in ("tokens", "mask", "loss_mask", "positions", "segment_ids")}
-    for b, (row, offset) in enumerate(placed):
-        n = lengths[b]
-        if n == 0:
-            continue
-        where = (row, slice(offset, offset + n))
-        out["tokens"][where] = np.asarray(batch.tokens)[b][mask[b]]
-        out["loss_mask"][where] = np.asarray(batch.loss_mask)[b][mask[b]]
-        out["loss_mask"][row, offset] = 0  # predicted by nothing of its own example
-        out["mask"][where] = 1
-        out["positions"][where] = np.arange(n)
-        out["segment_ids"][where] = b + 1
+    out, first = packed
+    out["loss_mask"].reshape(-1)[first[np.asarray(batch.mask).any(axis=1)]] = 0  # predicted by nothing of its own
     return PackedSFTBatch(**out)
+
+
+@flax.struct.dataclass
+class PackedPairs:
+    """A preference batch's B chosen and B rejected sequences packed into rows; arrays [R, T] int32
+    as `PackedSFTBatch`'s (segment_ids: 1 + the sequence's row in [chosen; rejected], [2B]), and
+    last_slots [2B] int32: the flat slot (row * T + offset) of each sequence's last token, where a
+    scalar head's score is read, the chosen first."""
+
+    tokens: np.ndarray
+    mask: np.ndarray
+    positions: np.ndarray
+    segment_ids: np.ndarray
+    last_slots: np.ndarray
+
+
+def pack_pairs(batch: PreferenceBatch, num_rows: int, row_length: int) -> PackedPairs | None:
+    """A preference batch's 2B sequences [2B, L] packed into [num_rows, row_length]; None if they do
+    not fit. Every sequence has a token (its prompt's)."""
+    mask = np.concatenate([batch.chosen_mask, batch.rejected_mask])
+    packed = _pack(np.concatenate([batch.chosen_tokens, batch.rejected_tokens]), mask, num_rows, row_length)
+    if packed is None:
+        return None
+    out, first = packed
+    return PackedPairs(**out, last_slots=(first + mask.sum(axis=1) - 1).astype(np.int32))

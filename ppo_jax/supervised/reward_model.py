@@ -39,20 +39,42 @@ from ppo_jax import data as data_lib
 from ppo_jax import sampling, sharding
 from ppo_jax.config import ConfigError, to_dict
 from ppo_jax.models import CausalLM, ScalarModel, boxed_params, hf, init_params
-from ppo_jax.models.forward import response_scores, sequence_scores
+from ppo_jax.data.host_packing import PackedPairs, pack_pairs
+from ppo_jax.models.forward import response_scores, sequence_scores, variables
 from ppo_jax.models.lora import trained_variables
 from ppo_jax.supervised import base as supervised
-from ppo_jax.supervised.settings import RewardModelSettings, reward_model_config  # noqa: F401  (the defaults)
+from ppo_jax.supervised.settings import RewardModelSettings, packed_shape, reward_model_config  # noqa: F401 (the defaults)
 from ppo_jax.wandb_run import metric_writer
 
 Array = jax.Array
 
-def pair_scores(model: ScalarModel, params, batch: data_lib.PreferenceBatch, adapters=None) -> tuple[Array, Array]:
-    """(chosen [B], rejected [B]) scores from one [2B, L] forward (adapters: LoRA on `params`, or None)."""
+def pair_scores(model: ScalarModel, params, batch: data_lib.PreferenceBatch | PackedPairs, adapters=None
+                ) -> tuple[Array, Array]:
+    """(chosen [B], rejected [B]) scores from one [2B, L] forward, or one forward of the packed rows
+    (adapters: LoRA on `params`, or None)."""
+    if isinstance(batch, PackedPairs):
+        return packed_pair_scores(model, params, batch, adapters)
     b = batch.chosen_tokens.shape[0]
     tokens = jnp.concatenate([batch.chosen_tokens, batch.rejected_tokens], axis=0)
     mask = jnp.concatenate([batch.chosen_mask, batch.rejected_mask], axis=0)
     scores = sequence_scores(model, params, tokens, mask, adapters)
+    return scores[:b], scores[b:]
+
+
+def token_slots(batch: data_lib.PreferenceBatch | PackedPairs) -> int:
+    """The slots a step's forward computes: the packed rows', or both padded halves'."""
+    if isinstance(batch, PackedPairs):
+        return batch.tokens.size
+    return batch.chosen_tokens.size + batch.rejected_tokens.size
+
+
+def packed_pair_scores(model: ScalarModel, params, batch: PackedPairs, adapters=None) -> tuple[Array, Array]:
+    """(chosen [B], rejected [B]) scores of packed rows [R, T]: the head's output at each sequence's
+    last slot."""
+    values, _ = model.apply(variables(params, adapters), batch.tokens, batch.positions, batch.mask, None,
+                            batch.segment_ids)
+    scores = values.reshape(-1)[batch.last_slots]
+    b = scores.shape[0] // 2
     return scores[:b], scores[b:]
 
 
@@ -97,6 +119,7 @@ def make_train_step(model: ScalarModel, tx):
         grads = _zero_score_bias(grads)
         metrics = {f"train/{k}": v for k, v in metrics.items()}
         metrics["train/grad_norm"] = optax.tree.norm(grads)
+        metrics["train/token_slots"] = jnp.float32(token_slots(batch))  # what the step computed: packed or padded
         return supervised.apply_gradients(tx, state, grads), metrics
 
     return train_step
@@ -156,6 +179,7 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
 
         head_key, self._normalize_key = jax.random.split(jax.random.key(s.seed))
         self.length = d.max_prompt_length + d.max_response_length
+        self.packed_shape = self._check_packing(packed_shape(d))
         cfg, start_kind = supervised.model_config(s.model, self.tokenizer, what="reward_model", data=d,
                                                   kinds=("causal_lm", "reward"), compute=s.compute, mesh=self.mesh)
         self.model_config = cfg
@@ -168,7 +192,7 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
         trained_sh = (self.state_shardings.params, self.base_shardings)  # (trainable, base) of every step
 
         data_sh = sharding.data_sharding(self.mesh)
-        batch_sh = data_lib.PreferenceBatch(*([data_sh] * 6))
+        batch_sh = data_sh  # every leaf of a padded or a packed batch (one jit traces each kind)
         replicated = sharding.replicated(self.mesh)
         self._train_step = sharding.on_mesh(jax.jit(
             make_train_step(self.module, self.tx), in_shardings=(self.state_shardings, self.base_shardings, batch_sh),
@@ -212,6 +236,11 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
         return params
 
     # -- steps
+
+    def _device_batch(self, batch: data_lib.PreferenceBatch):
+        """The step's pairs on the mesh: packed when data.packed_rows is set and their sequences fit."""
+        packed = pack_pairs(batch, *self.packed_shape) if self.packed_shape else None
+        return self._place(batch if packed is None else packed)
 
     def evaluate(self, source=None, prefix: str = "eval") -> dict[str, float]:
         """Bradley-Terry loss, accuracy (chosen scored strictly higher) and mean margin on every pair of

@@ -119,7 +119,8 @@ class SFTDataSettings:
     truncation: str = "left"  # over-long examples: "left" (cut and count them) or "error"
     # > 0: each step's examples packed on the host into this many rows of packed_length slots, attention
     # within each example (data/host_packing.py): the same loss on fewer slots; a batch that does not fit
-    # runs padded (a second compiled step). Rounded up to a multiple of the mesh's batch split; one process only. 0 = off
+    # runs padded (a second compiled step). Rounded up to a multiple of the mesh's batch split; one
+    # process only. 0 = off
     packed_rows: int = 0
     packed_length: int = 0  # slots per packed row, >= max_prompt_length + max_response_length; 0 = twice that
 
@@ -136,6 +137,16 @@ class PreferenceDataSettings:
     # without EOS, as an unfinished rollout is)
     max_response_length: int = 32
     truncation: str = "left"  # over-long examples: "left" (cut and count them) or "error"
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardDataSettings(PreferenceDataSettings):
+    # > 0: each step's chosen and rejected sequences packed on the host into this many rows of
+    # packed_length slots, attention within each sequence, its score read at its last slot
+    # (data/host_packing.py): the same loss on fewer slots; a batch that does not fit runs padded (a second
+    # compiled step). Rounded up to a multiple of the mesh's batch split; one process only. 0 = off
+    packed_rows: int = 0
+    packed_length: int = 0  # slots per packed row, >= max_prompt_length + max_response_length; 0 = twice that
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +175,7 @@ def _validate_lengths(d, what: str) -> None:
     check(d.truncation in ("left", "error"), f"{what}: data.truncation={d.truncation!r}: use left or error")
 
 
-def _validate_packing(d: SFTDataSettings, what: str) -> None:
+def _validate_packing(d: SFTDataSettings | RewardDataSettings, what: str) -> None:
     length = d.max_prompt_length + d.max_response_length
     check(d.packed_rows >= 0, f"{what}: data.packed_rows must be >= 0 (0 = off), got {d.packed_rows}")
     check(d.packed_length == 0 or d.packed_length >= length,
@@ -172,8 +183,8 @@ def _validate_packing(d: SFTDataSettings, what: str) -> None:
           f"max_response_length = {length}); use 0 (twice that) or at least {length}")
 
 
-def packed_shape(d: SFTDataSettings) -> tuple[int, int] | None:
-    """(rows, slots per row) of a step's packed examples; None: padded rows (packing off)."""
+def packed_shape(d: SFTDataSettings | RewardDataSettings) -> tuple[int, int] | None:
+    """(rows, slots per row) of a step's packed sequences; None: padded rows (packing off)."""
     if not d.packed_rows:
         return None
     return d.packed_rows, d.packed_length or 2 * (d.max_prompt_length + d.max_response_length)
@@ -225,7 +236,7 @@ class RewardModelSettings(RunSettings):
     # model.path: a causal LM (the SFT model: its transformer, a fresh head) or a reward model; "" = fresh
     model: ModelSettings = ModelSettings()
     tokenizer_path: str = ""  # Hugging Face tokenizer directory; "" = model.path's (a tokenizer passed in code wins)
-    data: PreferenceDataSettings = PreferenceDataSettings()
+    data: RewardDataSettings = RewardDataSettings()
     normalize: NormalizeSettings = NormalizeSettings()
     train: SupervisedTrainSettings = SupervisedTrainSettings(steps=500)
     optim: SupervisedOptimSettings = SupervisedOptimSettings(lr=3e-4)
@@ -249,6 +260,7 @@ class RewardModelSettings(RunSettings):
               "score head is trained from scratch and is not a LoRA adapter)")
         self.optim.validate(f"{what}: optim", {"lr": self.optim.lr})
         _validate_lengths(self.data, what)
+        _validate_packing(self.data, what)
         n = self.normalize
         check(n.source in NORMALIZE_SOURCES, f"{what}: normalize.source={n.source!r}: use one of {NORMALIZE_SOURCES}")
         if n.source != "none":

@@ -174,18 +174,6 @@ class SFTTrainer(supervised.SupervisedTrainer):
         self.writer = metric_writer(workdir, resume_step=self.step, wandb=s.wandb,
                                     run_config=to_dict(s), job_type="sft")
 
-    def _check_packing(self, shape: tuple[int, int] | None) -> tuple[int, int] | None:
-        """data.packed_rows for this mesh, rounded up to a multiple of its batch split (the rows are
-        split like a padded batch's), in one process only (checked before any compile)."""
-        if shape is None:
-            return None
-        if jax.process_count() > 1:
-            # Each process would decide alone whether its rows fit, and the processes must run one program.
-            raise ConfigError(f"sft: data.packed_rows runs in one process; this run has {jax.process_count()} "
-                              "(use data.packed_rows=0)")
-        divisor = sharding.batch_divisor(self.mesh)
-        return -(-shape[0] // divisor) * divisor, shape[1]
-
     # -- steps
 
     def _device_batch(self, batch: data_lib.SFTBatch):

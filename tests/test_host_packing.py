@@ -1,15 +1,17 @@
-"""SFT on packed rows (`data.packed_rows`): the host packing's layout, the packed loss and gradient
-against transformers' GPT-2 on the padded examples, the trainer's packed and fallback steps, and bad
-settings refused before anything compiles."""
+"""SFT and reward-model steps on packed rows (`data.packed_rows`): the host packing's layout, the
+packed loss and gradient (SFT) and scores (reward model) against transformers' GPT-2 on the padded
+examples, the trainers' packed and fallback steps, and bad settings refused before anything compiles."""
 
 import numpy as np
 import pytest
 import torch
+import test_reward_model as rm
 from test_sft import make, records, tiny_config
 
 from ppo_jax.config import ConfigError
-from ppo_jax.data.host_packing import pack_sft
-from ppo_jax.data.tokenization import SFTBatch
+from ppo_jax.data.host_packing import pack_pairs, pack_sft
+from ppo_jax.data.tokenization import PreferenceBatch, SFTBatch
+from ppo_jax.supervised.reward_model import packed_pair_scores
 from ppo_jax.supervised.sft import sft_loss
 
 
@@ -119,3 +121,52 @@ def test_packed_rows_are_split_like_a_padded_batch(tmp_path):
     trainer = make(tiny_config(**{"data.packed_rows": 5}), tmp_path, mesh_shape=(2, 1, 1))
     assert trainer.packed_shape == (6, 2 * (8 + 6))
     assert trainer.train_step()["train/token_slots"] == 6 * 2 * (8 + 6)
+
+
+def test_pair_packing_reads_each_score_at_its_sequences_last_token():
+    chosen, rejected = padded_batch([9, 3, 6]), padded_batch([4, 10, 5], seed=1)
+    batch = PreferenceBatch(chosen.tokens, chosen.mask, chosen.loss_mask, rejected.tokens, rejected.mask,
+                            rejected.loss_mask)
+    packed = pack_pairs(batch, num_rows=3, row_length=14)
+    assert packed is not None
+    flat_tokens, flat_segments = packed.tokens.reshape(-1), packed.segment_ids.reshape(-1)
+    # Left-padded rows end in their last real token: the packed slot it moved to is last_slots.
+    np.testing.assert_array_equal(flat_tokens[packed.last_slots],
+                                  np.concatenate([chosen.tokens[:, -1], rejected.tokens[:, -1]]))
+    np.testing.assert_array_equal(flat_segments[packed.last_slots], np.arange(1, 7))
+    for seq, slot in enumerate(packed.last_slots):  # the sequence ends there: the next slot is another's
+        assert slot + 1 == flat_segments.size or flat_segments[slot + 1] != seq + 1
+    assert pack_pairs(batch, num_rows=2, row_length=14) is None  # 37 tokens > 28 slots
+
+
+def test_packed_reward_scores_match_transformers_on_the_padded_pairs(tmp_path):
+    from transformers import GPT2ForSequenceClassification
+
+    trainer = rm.make(rm.tiny_config(**{"train.export": False}), tmp_path / "run")
+    trainer.train_step()
+    out_dir = trainer.export(str(tmp_path / "hf"))
+    batch = trainer.prompt_tokenizer.preferences(rm.pairs(12, seed=5), length=trainer.length)
+    packed = pack_pairs(batch, num_rows=10, row_length=2 * trainer.length)
+    assert packed is not None and packed.tokens.size < 2 * batch.chosen_tokens.size
+    chosen, rejected = packed_pair_scores(trainer.module, trainer.params, packed)
+
+    model = GPT2ForSequenceClassification.from_pretrained(out_dir).eval()
+    ids = torch.tensor(np.concatenate([batch.chosen_tokens, batch.rejected_tokens]), dtype=torch.long)
+    mask = torch.tensor(np.concatenate([batch.chosen_mask, batch.rejected_mask]), dtype=torch.long)
+    with torch.no_grad():
+        reference = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - mask)).logits[:, 0]
+    np.testing.assert_allclose(np.concatenate([chosen, rejected]), reference.numpy(), atol=2e-4)
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (2, 1, 1)])
+def test_reward_model_steps_run_packed_like_padded(tmp_path, mesh_shape):
+    length = 6 + 8  # tiny_supervised_config's prompt + response lengths
+    packed_run = rm.make(rm.tiny_config(**{"data.packed_rows": 14}), tmp_path / "packed", mesh_shape)
+    padded_run = rm.make(rm.tiny_config(), tmp_path / "padded", mesh_shape)
+    for _ in range(2):
+        packed, padded = packed_run.train_step(), padded_run.train_step()
+        # 16 pairs: 32 sequences of 9-11 tokens in 14 rows of 28 slots (392) instead of 32 x 14 (448).
+        assert packed["train/token_slots"] == 14 * 2 * length and padded["train/token_slots"] == 32 * length
+        assert packed["train/loss"] == pytest.approx(padded["train/loss"], rel=1e-5)
+        assert packed["train/accuracy"] == padded["train/accuracy"]
+        assert packed["train/grad_norm"] == pytest.approx(padded["train/grad_norm"], rel=1e-4)
