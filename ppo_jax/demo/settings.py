@@ -95,6 +95,9 @@ def _sft_defaults() -> SFTSettings:
             # 1,360 slots instead of 2,176, the same loss (docs/benchmarks.md, "Packed SFT and reward-model steps")
             packed_rows=20,
         ),
+        # Per-layer params: the packed step 131 -> 120 ms on 2 cores, the same first-step compile (11.9 s both; a
+        # scanned init, sliced, so the same initial weights: models/init.py) (docs/benchmarks.md, "Packed SFT")
+        compute=replace(s.compute, layer_loop="unrolled"),
         train=replace(
             s.train,
             batch_size=64,  # examples per step
