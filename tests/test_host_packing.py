@@ -170,3 +170,20 @@ def test_reward_model_steps_run_packed_like_padded(tmp_path, mesh_shape):
         assert packed["train/loss"] == pytest.approx(padded["train/loss"], rel=1e-5)
         assert packed["train/accuracy"] == padded["train/accuracy"]
         assert packed["train/grad_norm"] == pytest.approx(padded["train/grad_norm"], rel=1e-4)
+
+
+def test_a_resumed_packed_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path):
+    import jax
+
+    config = tiny_config(**{"train.steps": 6, "train.export": False, "data.packed_rows": 6})
+    uninterrupted = make(config, tmp_path)
+    for step in range(1, 7):
+        assert uninterrupted.train_step()["train/token_slots"] == 6 * 2 * (8 + 6)  # every step packed
+        if step == 3:
+            uninterrupted.save(3)  # the checkpoint an interrupted run would have left
+    uninterrupted.close()
+    resumed = make(config, tmp_path)  # the same workdir: step 3 and the data position
+    assert resumed.step == 3
+    resumed.train()
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 jax.device_get(resumed.params), jax.device_get(uninterrupted.params))
