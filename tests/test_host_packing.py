@@ -1,4 +1,4 @@
-"""SFT and reward-model steps on packed rows (`data.packed_rows`): the host packing's layout, the
+"""SFT and reward-model steps on packed rows (`packing.rows`): the host packing's layout, the
 packed loss and gradient (SFT) and scores (reward model) against transformers' GPT-2 on the padded
 examples, the trainers' packed and fallback steps, and bad settings refused before anything compiles."""
 
@@ -92,7 +92,7 @@ def test_packed_loss_and_gradient_match_transformers_on_the_padded_examples(tmp_
 
 def test_trainer_steps_run_packed_and_fall_back_to_padded_rows(tmp_path):
     length = 8 + 6  # tiny_config's prompt + response lengths
-    packed_run = make(tiny_config(**{"data.packed_rows": 6}), tmp_path / "packed")
+    packed_run = make(tiny_config(**{"packing.rows": 6}), tmp_path / "packed")
     padded_run = make(tiny_config(), tmp_path / "padded")
     for _ in range(3):
         packed, padded = packed_run.train_step(), padded_run.train_step()
@@ -101,13 +101,13 @@ def test_trainer_steps_run_packed_and_fall_back_to_padded_rows(tmp_path):
         assert packed["train/tokens"] == padded["train/tokens"]
         assert packed["train/loss"] == pytest.approx(padded["train/loss"], rel=1e-5)
         assert packed["train/grad_norm"] == pytest.approx(padded["train/grad_norm"], rel=1e-4)
-    tight = make(tiny_config(**{"data.packed_rows": 1}), tmp_path / "tight")  # never fits: padded steps
+    tight = make(tiny_config(**{"packing.rows": 1}), tmp_path / "tight")  # never fits: padded steps
     assert tight.train_step()["train/token_slots"] == 16 * length
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"data.packed_rows": -1}, "data.packed_rows must be >= 0"),
-    ({"data.packed_rows": 4, "data.packed_length": 10}, "data.packed_length=10 is shorter than one example"),
+    ({"packing.rows": -1}, "packing.rows must be >= 0"),
+    ({"packing.rows": 4, "packing.length": 10}, "packing.length=10 is shorter than one example"),
 ])
 def test_bad_packing_settings_fail_before_compiling(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -118,7 +118,7 @@ def test_bad_packing_settings_fail_before_compiling(tmp_path, overrides, message
 
 def test_packed_rows_are_split_like_a_padded_batch(tmp_path):
     # 5 rows cannot be split over 2 devices of the batch axis: 6 are packed (and the step runs on them).
-    trainer = make(tiny_config(**{"data.packed_rows": 5}), tmp_path, mesh_shape=(2, 1, 1))
+    trainer = make(tiny_config(**{"packing.rows": 5}), tmp_path, mesh_shape=(2, 1, 1))
     assert trainer.packed_shape == (6, 2 * (8 + 6))
     assert trainer.train_step()["train/token_slots"] == 6 * 2 * (8 + 6)
 
@@ -161,7 +161,7 @@ def test_packed_reward_scores_match_transformers_on_the_padded_pairs(tmp_path):
 @pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (2, 1, 1)])
 def test_reward_model_steps_run_packed_like_padded(tmp_path, mesh_shape):
     length = 6 + 8  # tiny_supervised_config's prompt + response lengths
-    packed_run = rm.make(rm.tiny_config(**{"data.packed_rows": 14}), tmp_path / "packed", mesh_shape)
+    packed_run = rm.make(rm.tiny_config(**{"packing.rows": 14}), tmp_path / "packed", mesh_shape)
     padded_run = rm.make(rm.tiny_config(), tmp_path / "padded", mesh_shape)
     for _ in range(2):
         packed, padded = packed_run.train_step(), padded_run.train_step()
@@ -175,7 +175,7 @@ def test_reward_model_steps_run_packed_like_padded(tmp_path, mesh_shape):
 def test_a_resumed_packed_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path):
     import jax
 
-    config = tiny_config(**{"train.steps": 6, "train.export": False, "data.packed_rows": 6})
+    config = tiny_config(**{"train.steps": 6, "train.export": False, "packing.rows": 6})
     uninterrupted = make(config, tmp_path)
     for step in range(1, 7):
         assert uninterrupted.train_step()["train/token_slots"] == 6 * 2 * (8 + 6)  # every step packed

@@ -90,11 +90,11 @@ def _sft_defaults() -> SFTSettings:
             s.data,
             max_prompt_length=PROMPT_LENGTH,  # linked to prompt_length (get_config)
             max_response_length=24,  # the corpus's rambling answers run past the 16-token budget
-            # The corpus's examples fill 53% of their 34-slot rows (18.2 tokens): packed on the host into 20
-            # rows of 68 slots (no batch of 1,500 shuffled ones of seed 0's corpus needed more), a step computes
-            # 1,360 slots instead of 2,176, the same loss (docs/benchmarks.md, "Packed SFT and reward-model steps")
-            packed_rows=20,
         ),
+        # The corpus's examples fill 53% of their 34-slot rows (18.2 tokens): packed on the host into 20 rows of
+        # 68 slots (no batch of 1,500 shuffled ones of seed 0's corpus needed more), a step computes 1,360 slots
+        # instead of 2,176, the same loss (docs/benchmarks.md, "Packed SFT and reward-model steps")
+        packing=replace(s.packing, rows=20),
         # Per-layer params: the packed step 131 -> 120 ms on 2 cores, the same first-step compile (11.9 s both; a
         # scanned init, sliced, so the same initial weights: models/init.py) (docs/benchmarks.md, "Packed SFT")
         compute=replace(s.compute, layer_loop="unrolled"),
@@ -131,12 +131,11 @@ def _reward_model_defaults() -> RewardModelSettings:
             max_prompt_length=PROMPT_LENGTH,  # linked to prompt_length (get_config)
             # linked to world.max_response_tokens (get_config): an unfinished answer is stored without EOS
             max_response_length=RESPONSE_TOKENS,
-            # A step's 128 answers (17.4 tokens of 26 slots on average) packed into 50 rows of 52 slots: 2,600
-            # slots a step instead of 3,328, the same loss. 1 of 1,500 shuffled batches of seed 0's pairs needed
-            # more (and runs padded, after a second compile); at 48 rows 19 did (docs/benchmarks.md, "Packed SFT
-            # and reward-model steps")
-            packed_rows=50,
         ),
+        # A step's 128 answers (17.4 tokens of 26 slots on average) packed into 50 rows of 52 slots: 2,600 slots a
+        # step instead of 3,328, the same loss. 1 of 1,500 shuffled batches of seed 0's pairs needed more (and runs
+        # padded, after a second compile); at 48 rows 19 did (docs/benchmarks.md, "Packed SFT and reward-model steps")
+        packing=replace(s.packing, rows=50),
         normalize=replace(
             s.normalize,
             source="preferences",  # the pairs ARE samples of the SFT policy

@@ -313,14 +313,14 @@ class SupervisedTrainer:
         self.state = resume(self.checkpoints, self.state, self.state_shardings, self.loader, check_extra=check)
 
     def _check_packing(self, shape: tuple[int, int] | None) -> tuple[int, int] | None:
-        """data.packed_rows for this mesh, rounded up to a multiple of its batch split (the rows are
+        """packing.rows for this mesh, rounded up to a multiple of its batch split (the rows are
         split like a padded batch's), in one process only (checked before any compile)."""
         if shape is None:
             return None
         if jax.process_count() > 1:
             # Each process would decide alone whether its rows fit, and the processes must run one program.
-            raise ConfigError(f"{self.name}: data.packed_rows runs in one process; this run has {jax.process_count()} "
-                              "(use data.packed_rows=0)")
+            raise ConfigError(f"{self.name}: packing.rows runs in one process; this run has {jax.process_count()} "
+                              "(use packing.rows=0)")
         divisor = sharding.batch_divisor(self.mesh)
         return -(-shape[0] // divisor) * divisor, shape[1]
 

@@ -43,7 +43,7 @@ from ppo_jax.data.host_packing import PackedPairs, pack_pairs
 from ppo_jax.models.forward import response_scores, sequence_scores, variables
 from ppo_jax.models.lora import trained_variables
 from ppo_jax.supervised import base as supervised
-from ppo_jax.supervised.settings import RewardModelSettings, packed_shape, reward_model_config  # noqa: F401 (the defaults)
+from ppo_jax.supervised.settings import RewardModelSettings, reward_model_config  # noqa: F401  (the defaults)
 from ppo_jax.wandb_run import metric_writer
 
 Array = jax.Array
@@ -179,7 +179,7 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
 
         head_key, self._normalize_key = jax.random.split(jax.random.key(s.seed))
         self.length = d.max_prompt_length + d.max_response_length
-        self.packed_shape = self._check_packing(packed_shape(d))
+        self.packed_shape = self._check_packing(s.packing.shape(self.length))
         cfg, start_kind = supervised.model_config(s.model, self.tokenizer, what="reward_model", data=d,
                                                   kinds=("causal_lm", "reward"), compute=s.compute, mesh=self.mesh)
         self.model_config = cfg
@@ -238,7 +238,7 @@ class RewardModelTrainer(supervised.SupervisedTrainer):
     # -- steps
 
     def _device_batch(self, batch: data_lib.PreferenceBatch):
-        """The step's pairs on the mesh: packed when data.packed_rows is set and their sequences fit."""
+        """The step's pairs on the mesh: packed when packing.rows is set and their sequences fit."""
         packed = pack_pairs(batch, *self.packed_shape) if self.packed_shape else None
         return self._place(batch if packed is None else packed)
 

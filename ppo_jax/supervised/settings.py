@@ -117,12 +117,6 @@ class SFTDataSettings:
     max_prompt_length: int = 16  # longest prompt kept, in tokens
     max_response_length: int = 32  # longest response kept, in tokens including its EOS
     truncation: str = "left"  # over-long examples: "left" (cut and count them) or "error"
-    # > 0: each step's examples packed on the host into this many rows of packed_length slots, attention
-    # within each example (data/host_packing.py): the same loss on fewer slots; a batch that does not fit
-    # runs padded (a second compiled step). Rounded up to a multiple of the mesh's batch split; one
-    # process only. 0 = off
-    packed_rows: int = 0
-    packed_length: int = 0  # slots per packed row, >= max_prompt_length + max_response_length; 0 = twice that
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,16 +131,6 @@ class PreferenceDataSettings:
     # without EOS, as an unfinished rollout is)
     max_response_length: int = 32
     truncation: str = "left"  # over-long examples: "left" (cut and count them) or "error"
-
-
-@dataclasses.dataclass(frozen=True)
-class RewardDataSettings(PreferenceDataSettings):
-    # > 0: each step's chosen and rejected sequences packed on the host into this many rows of
-    # packed_length slots, attention within each sequence, its score read at its last slot
-    # (data/host_packing.py): the same loss on fewer slots; a batch that does not fit runs padded (a second
-    # compiled step). Rounded up to a multiple of the mesh's batch split; one process only. 0 = off
-    packed_rows: int = 0
-    packed_length: int = 0  # slots per packed row, >= max_prompt_length + max_response_length; 0 = twice that
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,19 +159,26 @@ def _validate_lengths(d, what: str) -> None:
     check(d.truncation in ("left", "error"), f"{what}: data.truncation={d.truncation!r}: use left or error")
 
 
-def _validate_packing(d: SFTDataSettings | RewardDataSettings, what: str) -> None:
-    length = d.max_prompt_length + d.max_response_length
-    check(d.packed_rows >= 0, f"{what}: data.packed_rows must be >= 0 (0 = off), got {d.packed_rows}")
-    check(d.packed_length == 0 or d.packed_length >= length,
-          f"{what}: data.packed_length={d.packed_length} is shorter than one example (max_prompt_length + "
-          f"max_response_length = {length}); use 0 (twice that) or at least {length}")
+@dataclasses.dataclass(frozen=True)
+class PackingSettings:
+    """Host packing of a supervised step (data/host_packing.py): the SFT examples, or a reward model's
+    chosen and rejected answers, of a step placed into fewer, longer rows, attention within each
+    sequence (a reward model reads each score at its sequence's last slot): the same loss on fewer slots.
+    A batch that does not fit runs padded (a second compiled step). One process only; the rows are
+    rounded up to a multiple of the mesh's batch split."""
 
+    rows: int = 0  # packed rows a step; 0 = off (padded rows)
+    length: int = 0  # slots per packed row, >= data.max_prompt_length + data.max_response_length; 0 = twice that
 
-def packed_shape(d: SFTDataSettings | RewardDataSettings) -> tuple[int, int] | None:
-    """(rows, slots per row) of a step's packed sequences; None: padded rows (packing off)."""
-    if not d.packed_rows:
-        return None
-    return d.packed_rows, d.packed_length or 2 * (d.max_prompt_length + d.max_response_length)
+    def validate(self, what: str, padded_length: int) -> None:
+        check(self.rows >= 0, f"{what}: packing.rows must be >= 0 (0 = off), got {self.rows}")
+        check(self.length == 0 or self.length >= padded_length,
+              f"{what}: packing.length={self.length} is shorter than one example (data.max_prompt_length + "
+              f"data.max_response_length = {padded_length}); use 0 (twice that) or at least {padded_length}")
+
+    def shape(self, padded_length: int) -> tuple[int, int] | None:
+        """(rows, slots per row) of a step's packed sequences; None: padded rows (packing off)."""
+        return (self.rows, self.length or 2 * padded_length) if self.rows else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +199,7 @@ class SFTSettings(RunSettings):
     model: ModelSettings = ModelSettings()
     tokenizer_path: str = ""  # Hugging Face tokenizer directory; "" = model.path's (a tokenizer passed in code wins)
     data: SFTDataSettings = SFTDataSettings()
+    packing: PackingSettings = PackingSettings()  # the examples of a step packed into fewer rows (off by default)
     train: SupervisedTrainSettings = SupervisedTrainSettings(steps=1000)
     optim: SupervisedOptimSettings = SupervisedOptimSettings(lr=1e-3)
     wandb: WandbSettings = WandbSettings()  # Weights & Biases logging (off by default)
@@ -225,7 +217,7 @@ class SFTSettings(RunSettings):
         _validate_lora_export(self.model, self.train, "sft")
         self.optim.validate("sft: optim", {"lr": self.optim.lr})
         _validate_lengths(self.data, "sft")
-        _validate_packing(self.data, "sft")
+        self.packing.validate("sft", self.data.max_prompt_length + self.data.max_response_length)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +228,8 @@ class RewardModelSettings(RunSettings):
     # model.path: a causal LM (the SFT model: its transformer, a fresh head) or a reward model; "" = fresh
     model: ModelSettings = ModelSettings()
     tokenizer_path: str = ""  # Hugging Face tokenizer directory; "" = model.path's (a tokenizer passed in code wins)
-    data: RewardDataSettings = RewardDataSettings()
+    data: PreferenceDataSettings = PreferenceDataSettings()
+    packing: PackingSettings = PackingSettings()  # the answers of a step packed into fewer rows (off by default)
     normalize: NormalizeSettings = NormalizeSettings()
     train: SupervisedTrainSettings = SupervisedTrainSettings(steps=500)
     optim: SupervisedOptimSettings = SupervisedOptimSettings(lr=3e-4)
@@ -260,7 +253,7 @@ class RewardModelSettings(RunSettings):
               "score head is trained from scratch and is not a LoRA adapter)")
         self.optim.validate(f"{what}: optim", {"lr": self.optim.lr})
         _validate_lengths(self.data, what)
-        _validate_packing(self.data, what)
+        self.packing.validate(what, self.data.max_prompt_length + self.data.max_response_length)
         n = self.normalize
         check(n.source in NORMALIZE_SOURCES, f"{what}: normalize.source={n.source!r}: use one of {NORMALIZE_SOURCES}")
         if n.source != "none":

@@ -31,7 +31,7 @@ from ppo_jax.models.forward import hidden_states, variables
 from ppo_jax.models.moe import RouterCoefs, RouterLosses
 from ppo_jax.models.lora import trained_variables
 from ppo_jax.supervised import base as supervised
-from ppo_jax.supervised.settings import SFTSettings, packed_shape, sft_config  # noqa: F401  (sft_config: the defaults)
+from ppo_jax.supervised.settings import SFTSettings, sft_config  # noqa: F401  (sft_config: the defaults)
 from ppo_jax.wandb_run import metric_writer
 
 Array = jax.Array
@@ -149,7 +149,7 @@ class SFTTrainer(supervised.SupervisedTrainer):
 
         # Model (validated before any compile).
         self.length = d.max_prompt_length + d.max_response_length
-        self.packed_shape = self._check_packing(packed_shape(d))
+        self.packed_shape = self._check_packing(s.packing.shape(self.length))
         cfg, _ = supervised.model_config(s.model, self.tokenizer, what="sft", data=d,
                                          kinds=("causal_lm",), compute=s.compute, lora_export=s.train.lora_export,
                                          mesh=self.mesh)
@@ -177,7 +177,7 @@ class SFTTrainer(supervised.SupervisedTrainer):
     # -- steps
 
     def _device_batch(self, batch: data_lib.SFTBatch):
-        """The step's batch on the mesh: packed when data.packed_rows is set and its examples fit."""
+        """The step's batch on the mesh: packed when packing.rows is set and its examples fit."""
         packed = pack_sft(batch, *self.packed_shape) if self.packed_shape else None
         return self._place(batch if packed is None else packed)
 
