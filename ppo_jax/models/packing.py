@@ -121,8 +121,8 @@ def scatter(values: Array, slots: Array, packing: Packing, fill=0) -> Array:
 
 
 def gather(packed: Array, slots: Array) -> Array:
-    """Packed values [K, M, T] read at `slots` [B, N] -> [B, N]; 0 at `end` (padding)."""
-    return packed.reshape(-1).at[slots].get(mode="fill", fill_value=0)
+    """Packed values [K, M, T, ...] read at `slots` [B, N] -> [B, N, ...]; 0 at `end` (padding)."""
+    return packed.reshape((-1,) + packed.shape[3:]).at[slots].get(mode="fill", fill_value=0)
 
 
 def pack_rows(seq_tokens: Array, packing: Packing, experts: Array | None = None) -> PackedRows:

@@ -368,6 +368,8 @@ def build_steps(s: Settings, mesh, sizes: DerivedSizes, hp: PPOHyper, modules: M
         exp_sh = exp_sh.replace(routed_experts=None)
     if not s.environment.enabled:  # one-turn rows: no action mask (the same programs)
         exp_sh = exp_sh.replace(action_mask=None)
+    if not hp.dense_kl_stored:  # the update recomputes the dense KL's reference (or has no dense KL)
+        exp_sh = exp_sh.replace(ref_vocab_logprobs=None)
     scoring_jit, scorer_sh = None, None
     if hp.scored_outside:  # roles.scoring="sampler": the frozen models score on the sampler's mesh
         scorer_sh = roles.scorer_shardings(modules, frozen_shardings, where, sampler_mesh)

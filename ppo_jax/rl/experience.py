@@ -82,7 +82,7 @@ def experience_from_outputs(out: ForwardOutputs, rollout: Rollout, kl_coef: jax.
         ref_logprobs=out.ref_logprobs, values=out.values, advantages=advantages * correction.pg_weights * mask,
         returns=returns * mask, scores=scores,
         sequence_kl=kl.sum(-1), routed_experts=rollout.routed_experts, action_mask=rollout.action_mask,
-        sequence_entropy=(out.entropy * mask).sum(-1))
+        sequence_entropy=(out.entropy * mask).sum(-1), ref_vocab_logprobs=out.ref_vocab_logprobs)
     non_score = -(kl_coef * kl).sum(-1)
     metrics = {
         "objective/scores": scores.mean(),

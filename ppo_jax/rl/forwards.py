@@ -53,6 +53,9 @@ class ForwardOutputs:
     scores: Array  # the reward model's raw scores (before gain and bias); 0 without one or when the sampler scored
     routing_flips: Array | None = None  # routing replay: 1 where the token's own top k differs from the recorded one
     teacher_logprobs: Array | None = None  # on-policy distillation: the teacher's, temperature applied (None: off)
+    # The reference's log-probs over the vocabulary [B, Lr, V] (packed: [M, T, V]) for the update's dense KL
+    # (hp.dense_kl_stored); None: not kept
+    ref_vocab_logprobs: Array | None = None
 
 
 def padded_forwards(modules: Modules, params: Trainable, frozen: FrozenParams, rows: ResponseRows,
@@ -64,9 +67,11 @@ def padded_forwards(modules: Modules, params: Trainable, frozen: FrozenParams, r
                               experts=rows.experts)
     logits = policy.hidden
     zeros = jnp.zeros(tokens.shape, jnp.float32)
-    ref_logp, scores = zeros, jnp.zeros(tokens.shape[:1], jnp.float32)
+    ref_logp, scores, ref_vocab = zeros, jnp.zeros(tokens.shape[:1], jnp.float32), None
     if not hp.scored_outside:
-        ref_logp, scores = score_responses(modules, frozen, rows, hp)
+        ref_logits = reference_logits(modules, frozen, rows, hp)
+        ref_logp, scores = token_logprobs(ref_logits, tokens, mask), reward_scores(modules, frozen, rows)
+        ref_vocab = jax.nn.log_softmax(ref_logits, axis=-1) if hp.dense_kl_stored else None
     value_params, value_adapters = value_variables(params.value, frozen.value)
     values = (response_values(modules.value, value_params, pt, pm, tokens, mask, adapters=value_adapters)
               if params.value is not None else zeros)
@@ -75,7 +80,7 @@ def padded_forwards(modules: Modules, params: Trainable, frozen: FrozenParams, r
         teacher_logp = token_logprobs(response_logits(modules.teacher, frozen.teacher, pt, pm, tokens, mask,
                                                       hp.temperature), tokens, mask)
     return ForwardOutputs(token_logprobs(logits, tokens, mask), ref_logp, ppo.entropy_from_logits(logits, mask),
-                          values, scores, policy.flips, teacher_logp)
+                          values, scores, policy.flips, teacher_logp, ref_vocab)
 
 
 def packed_forwards(modules: Modules, params: Trainable, frozen: FrozenParams, rows: packing.PackedRows,
@@ -86,9 +91,11 @@ def packed_forwards(modules: Modules, params: Trainable, frozen: FrozenParams, r
     policy = packing.next_token_outputs(modules.policy, policy_params, rows, hp.temperature, adapters)
     logits = policy.hidden
     zeros = jnp.zeros(rows.tokens.shape, jnp.float32)
-    ref_logp, scores = zeros, zeros
+    ref_logp, scores, ref_vocab = zeros, zeros, None
     if not hp.scored_outside:
-        ref_logp, scores = packed_scores(modules, frozen, rows, hp)
+        ref_logits = packed_reference_logits(modules, frozen, rows, hp)
+        ref_logp, scores = packing.next_token_logprobs(ref_logits, rows.tokens), packed_reward_scores(modules, frozen, rows)
+        ref_vocab = jax.nn.log_softmax(ref_logits, axis=-1) if hp.dense_kl_stored else None
     value_params, value_adapters = value_variables(params.value, frozen.value)
     values = (packing.scalar_outputs(modules.value, value_params, rows, value_adapters)
               if params.value is not None else zeros)
@@ -98,32 +105,52 @@ def packed_forwards(modules: Modules, params: Trainable, frozen: FrozenParams, r
                                                    hp.temperature)
         teacher_logp = packing.next_token_logprobs(teacher_logits, rows.tokens)
     return ForwardOutputs(packing.next_token_logprobs(logits, rows.tokens), ref_logp,
-                          ppo.entropy_from_logits(logits), values, scores, policy.flips, teacher_logp)
+                          ppo.entropy_from_logits(logits), values, scores, policy.flips, teacher_logp, ref_vocab)
+
+
+def reference_logits(modules: Modules, frozen: FrozenParams, rows: ResponseRows, hp: PPOHyper) -> Array:
+    """The reference's logits [B, Lr, V] over padded rows' responses, the rollout temperature applied."""
+    ref_params, ref_adapters = reference_variables(frozen)
+    return response_logits(modules.policy, ref_params, rows.prompt_tokens, rows.prompt_mask, rows.tokens,
+                           rows.mask, hp.temperature, adapters=ref_adapters)
+
+
+def reward_scores(modules: Modules, frozen: FrozenParams, rows: ResponseRows) -> Array:
+    """The reward model's raw scores [B] of padded rows; 0 without a reward model."""
+    if frozen.reward is None:
+        return jnp.zeros(rows.tokens.shape[:1], jnp.float32)
+    return response_scores(modules.reward, frozen.reward, rows.prompt_tokens, rows.prompt_mask, rows.tokens,
+                           rows.mask)
 
 
 def score_responses(modules: Modules, frozen: FrozenParams, rows: ResponseRows, hp: PPOHyper) -> tuple[Array, Array]:
     """(the reference's log-probs [B, Lr] under the rollout temperature, the reward model's raw scores
     [B]; 0 without a reward model) of padded rows."""
+    ref_logp = token_logprobs(reference_logits(modules, frozen, rows, hp), rows.tokens, rows.mask)
+    return ref_logp, reward_scores(modules, frozen, rows)
+
+
+def packed_reference_logits(modules: Modules, frozen: FrozenParams, rows: packing.PackedRows,
+                            hp: PPOHyper) -> Array:
+    """`reference_logits` per slot of one packed microbatch [M, T] -> [M, T, V]."""
     ref_params, ref_adapters = reference_variables(frozen)
-    ref_logits = response_logits(modules.policy, ref_params, rows.prompt_tokens, rows.prompt_mask, rows.tokens,
-                                 rows.mask, hp.temperature, adapters=ref_adapters)
-    ref_logp = token_logprobs(ref_logits, rows.tokens, rows.mask)
+    ref_rows = rows.replace(experts=None)  # the reference routes by its own router: replay is the policy's
+    return packing.next_token_logits(modules.policy, ref_params, ref_rows, hp.temperature, ref_adapters)
+
+
+def packed_reward_scores(modules: Modules, frozen: FrozenParams, rows: packing.PackedRows) -> Array:
+    """The reward model's scores per slot of one packed microbatch [M, T] (0 without one)."""
     if frozen.reward is None:
-        return ref_logp, jnp.zeros(rows.tokens.shape[:1], jnp.float32)
-    return ref_logp, response_scores(modules.reward, frozen.reward, rows.prompt_tokens, rows.prompt_mask,
-                                     rows.tokens, rows.mask)
+        return jnp.zeros(rows.tokens.shape, jnp.float32)
+    return packing.scalar_outputs(modules.reward, frozen.reward, rows)
 
 
 def packed_scores(modules: Modules, frozen: FrozenParams, rows: packing.PackedRows,
                   hp: PPOHyper) -> tuple[Array, Array]:
     """`score_responses` per slot of one packed microbatch [M, T]: the reference's log-probs and the
     reward model's scores (0 without one)."""
-    ref_params, ref_adapters = reference_variables(frozen)
-    ref_rows = rows.replace(experts=None)  # the reference routes by its own router: replay is the policy's
-    ref_logits = packing.next_token_logits(modules.policy, ref_params, ref_rows, hp.temperature, ref_adapters)
-    scores = (packing.scalar_outputs(modules.reward, frozen.reward, rows) if frozen.reward is not None
-              else jnp.zeros(rows.tokens.shape, jnp.float32))
-    return packing.next_token_logprobs(ref_logits, rows.tokens), scores
+    ref_logp = packing.next_token_logprobs(packed_reference_logits(modules, frozen, rows, hp), rows.tokens)
+    return ref_logp, packed_reward_scores(modules, frozen, rows)
 
 
 def microbatched(fn: Callable, num_chunks: int, *args):

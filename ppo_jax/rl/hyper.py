@@ -32,6 +32,7 @@ class DerivedSizes:
     packed_rows: int = 0  # packed rows per microbatch (M); 0 = packing off
     packed_length: int = 0  # slots per packed row (T = the padded row length)
     decode_slots: int = 0  # the continuous engine's decode rows; 0 = the static engine
+    dense_kl_stored: bool = False  # the dense KL's reference log-probs come with the experience (rl/sizes.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +75,9 @@ class PPOHyper:
     overlong_buffer: int = 0  # reward.overlong_buffer (0 = no overlong penalty)
     overlong_penalty: float = 0.0
     dense_kl_coef: float = 0.0  # ppo.dense_kl_coef (0 = no whole-vocabulary KL term, no reference forward in the update)
+    # The dense KL's reference log-probs [B, Lr, V] kept by the experience step (Experience.ref_vocab_logprobs):
+    # no reference forward in the update. False: recomputed per update microbatch.
+    dense_kl_stored: bool = False
     policy_objective: str = "ppo"  # ppo.policy_objective (ppo/policy_objectives.OBJECTIVES)
     loss_aggregation: str = "token_mean"  # ppo.loss_aggregation, "auto" resolved (ppo/aggregation.py)
     grpo_divide_by_std: bool = True
@@ -104,7 +108,8 @@ class PPOHyper:
             fixed_minibatches=p.minibatch_order == "fixed",
             forward_microbatches=sizes.rollout_rows // sizes.forward_rows, clip_eps=p.clip_eps,
             clip_eps_high=p.clip_eps_high or None, dual_clip=p.dual_clip or None, value_clip=p.value_clip,
-            vf_coef=p.vf_coef, ent_coef=p.ent_coef, dense_kl_coef=p.dense_kl_coef, router_aux_coef=p.router_aux_coef,
+            vf_coef=p.vf_coef, ent_coef=p.ent_coef, dense_kl_coef=p.dense_kl_coef, dense_kl_stored=sizes.dense_kl_stored,
+            router_aux_coef=p.router_aux_coef,
             router_z_coef=p.router_z_coef, packed_rows=sizes.packed_rows,
             packed_length=sizes.packed_length,
             off_policy_ratio=off_policy_ratio(p.off_policy_ratio, s.rollout.off_policy_steps, p.policy_objective),

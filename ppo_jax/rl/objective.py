@@ -59,7 +59,9 @@ class TokenOutputs:
     logprobs: Array  # the sampled tokens' log-probs under the policy, 0 off the mask
     values: Array | None = None  # the value model's predictions, 0 off the mask; None without a critic
     router: RouterLosses | None = None  # an MoE policy's router losses of this forward
-    ref_logits: Array | None = None  # [..., V] the reference's, temperature applied; only with hp.dense_kl_coef
+    # [..., V] the reference's logits (or log-probs, as the experience keeps them), temperature applied; only
+    # with hp.dense_kl_coef
+    ref_logits: Array | None = None
 
 
 def policy_term(out: TokenOutputs, batch: LossBatch, hp: PPOHyper, mask: Array,
@@ -138,8 +140,8 @@ def padded_outputs(modules: Modules, params: Trainable, frozen: FrozenParams, mb
         value_params, value_adapters = value_variables(params.value, frozen.value)
         values = response_values(value_model, value_params, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask,
                                  adapters=value_adapters)
-    ref_logits = None
-    if hp.dense_kl_coef:
+    ref_logits = mb.ref_vocab_logprobs if hp.dense_kl_stored else None
+    if hp.dense_kl_coef and not hp.dense_kl_stored:
         ref_params, ref_adapters = reference_variables(frozen)
         ref_logits = jax.lax.stop_gradient(response_logits(policy_model, ref_params, mb.prompt_tokens, mb.prompt_mask,
                                                            mb.tokens, mb.mask, hp.temperature, adapters=ref_adapters))
@@ -158,8 +160,8 @@ def packed_outputs(modules: Modules, params: Trainable, frozen: FrozenParams, mb
     if params.value is not None:
         value_params, value_adapters = value_variables(params.value, frozen.value)
         values = packing.scalar_outputs(value_model, value_params, mb.rows, value_adapters) * mb.mask
-    ref_logits = None
-    if hp.dense_kl_coef:  # the reference routes by its own router: replay is the policy's
+    ref_logits = mb.ref_vocab_logprobs if hp.dense_kl_stored else None
+    if hp.dense_kl_coef and not hp.dense_kl_stored:  # the reference routes by its own router: replay is the policy's
         ref_params, ref_adapters = reference_variables(frozen)
         ref_logits = jax.lax.stop_gradient(packing.next_token_logits(
             policy_model, ref_params, mb.rows.replace(experts=None), hp.temperature, ref_adapters))

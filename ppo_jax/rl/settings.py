@@ -34,6 +34,7 @@ ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
 DECODE_LOOPS = {"auto": None, "scan": False, "unrolled": True}
 REFERENCE_DTYPES = ("", "bfloat16", "float16", "float32")
 PACKING = ("auto", "on", "off")
+DENSE_KL_REFERENCES = ("auto", "experience", "recompute")
 MINIBATCH_ORDERS = ("reshuffle", "fixed")
 MAX_OFF_POLICY_STEPS = 4  # rollout.off_policy_steps: batches the sampler may run ahead of the trainer
 
@@ -172,7 +173,8 @@ class PPOLossSettings:
     kl_coef: float = 0.05  # initial KL coefficient beta
     kl_target: float = 6.0  # adaptive controller target KL (per sequence)
     kl_horizon: int = 10000  # adaptive controller horizon (samples)
-    dense_kl_coef: float = 0.0  # coefficient of the exact whole-vocabulary KL(pi || pi_ref) at every visited response position, a loss term beside kl_coef's sampled-token KL (ppo/losses.dense_kl_loss; docs/demo.md "The spike"); costs one reference forward per update microbatch; 0 = off
+    dense_kl_coef: float = 0.0  # coefficient of the exact whole-vocabulary KL(pi || pi_ref) at every visited response position, a loss term beside kl_coef's sampled-token KL (ppo/losses.dense_kl_loss; docs/demo.md "The spike"); 0 = off
+    dense_kl_reference: str = "auto"  # where the dense KL's reference distribution comes from: "experience": the experience step's reference forward keeps its log-probs over the vocabulary, [rows, response_length, V] float32 held through the update (no reference forward in the update); "recompute": one reference forward per update microbatch; "auto": experience when that array is at most 256 MiB per data-parallel device (rl/sizes.py), else recompute
 
     @property
     def uses_critic(self) -> bool:
@@ -391,6 +393,8 @@ class Settings(RunSettings):
         check(p.dense_kl_coef == 0 or self.roles.scoring == "trainer",
               "ppo.dense_kl_coef needs the reference on the trainer's mesh (its logits enter the update), but "
               "roles.scoring=sampler moves it to the sampler's; use roles.scoring=trainer or ppo.dense_kl_coef=0")
+        check(p.dense_kl_reference in DENSE_KL_REFERENCES,
+              f"ppo.dense_kl_reference={p.dense_kl_reference!r}: use one of {', '.join(DENSE_KL_REFERENCES)}")
         if p.kl_controller == "adaptive":
             check(p.kl_target > 0 and p.kl_horizon > 0,
                   "ppo.kl_target and ppo.kl_horizon must be > 0 for the adaptive controller")

@@ -65,7 +65,29 @@ def derive_sizes(s: Settings, *, batch_divisor: int = 1, max_positions: int | No
         packed_rows = packed_rows_per_microbatch(p.max_tokens_per_microbatch, length, micro, batch_divisor)
     return DerivedSizes(rollout_rows=rows, minibatch_rows=mini, microbatch_rows=micro, forward_rows=fwd,
                         packed_rows=packed_rows, packed_length=length if packed_rows else 0,
-                        decode_slots=decode_slots(r, sampler_divisor, s.environment.enabled))
+                        decode_slots=decode_slots(r, sampler_divisor, s.environment.enabled),
+                        dense_kl_stored=dense_kl_stored(s, rows // batch_divisor, vocab_size))
+
+
+# ppo.dense_kl_reference="auto" keeps the reference's log-probs over the vocabulary from the experience
+# step up to this many bytes per data-parallel device. The demo's are 1 MiB (64 rows x 16 x 262) and
+# save a reference forward in each of an iteration's 8 update microbatches (update 1.49 -> 1.27 s an
+# iteration on 2 cores without the dense term at all, docs/benchmarks.md); an LLM's are gigabytes
+# (8 rows x 512 x 151,936 = 2.3 GiB), where the forward is the cheaper way.
+STORED_REFERENCE_BUDGET = 256 * 2**20
+
+
+def dense_kl_stored(s: Settings, rows_per_device: int, vocab_size: int | None) -> bool:
+    """Whether the update reads the dense KL's reference log-probs from the experience (True) or runs
+    the reference forward per microbatch (False): ppo.dense_kl_reference resolved; "auto" needs the
+    vocabulary size (None: recompute)."""
+    p = s.ppo
+    if not p.dense_kl_coef or p.dense_kl_reference == "recompute":
+        return False
+    if p.dense_kl_reference == "experience":
+        return True
+    stored_bytes = rows_per_device * s.rollout.response_length * (vocab_size or 0) * 4
+    return vocab_size is not None and stored_bytes <= STORED_REFERENCE_BUDGET
 
 
 def decode_slots(r: RolloutSettings, batch_divisor: int, multi_turn: bool = False) -> int:

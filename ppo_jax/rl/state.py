@@ -177,6 +177,10 @@ class Experience:
     # [B] each response's summed token entropy over `loss_mask` under the policy about to be updated:
     # what the adaptive entropy coefficient steps on (None: not computed, e.g. a hand-made batch).
     sequence_entropy: Array | None = None
+    # [B, Lr, V] the reference's log-probs over the vocabulary at each response position, temperature
+    # applied: the dense KL's reference when the experience step keeps it (PPOHyper.dense_kl_stored);
+    # None: the update recomputes it.
+    ref_vocab_logprobs: Array | None = None
 
     @property
     def loss_mask(self) -> Array:
@@ -203,6 +207,7 @@ class PackedExperience:
     values: Array
     advantages: Array
     returns: Array
+    ref_vocab_logprobs: Array | None = None  # [..., M, T, V] (Experience.ref_vocab_logprobs at the slots)
 
     @property
     def loss_mask(self) -> Array:

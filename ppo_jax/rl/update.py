@@ -74,7 +74,8 @@ def pack_minibatch(exp: Experience, idx: Array, hp: PPOHyper) -> tuple[PackedExp
         rows=packing.pack_rows(seq, layout, picked.routed_experts),
         mask=at_slots(picked.loss_mask.astype(jnp.float32)),
         old_logprobs=at_slots(picked.old_logprobs), ref_logprobs=at_slots(picked.ref_logprobs),
-        values=at_slots(picked.values), advantages=at_slots(picked.advantages), returns=at_slots(picked.returns))
+        values=at_slots(picked.values), advantages=at_slots(picked.advantages), returns=at_slots(picked.returns),
+        ref_vocab_logprobs=None if picked.ref_vocab_logprobs is None else at_slots(picked.ref_vocab_logprobs))
     return packed, layout
 
 
@@ -176,8 +177,9 @@ def make_update_fn(modules: Modules, policy_tx: optax.GradientTransformation,
                    batch_sharding: NamedSharding) -> Callable:
     """Pure update: (state, frozen, experience) -> (state, metrics). Of the frozen trees it reads a
     LoRA policy's base (`FrozenParams.policy`, None for full fine-tuning), a LoRA value model's
-    transformer (`FrozenParams.value`, None for a full value model) and, with `hp.dense_kl_coef`, the
-    reference; none is donated, and the others never enter the program.
+    transformer (`FrozenParams.value`, None for a full value model) and, with `hp.dense_kl_coef` unless
+    the experience keeps the reference's log-probs (`hp.dense_kl_stored`), the reference; none is
+    donated, and the others never enter the program.
 
     `lax.scan` over epochs x shuffled minibatches; inside each minibatch microbatch gradients of
     `objective.padded_loss` are accumulated. Each microbatch loss is its token sum divided by the
@@ -225,7 +227,8 @@ def make_update_fn(modules: Modules, policy_tx: optax.GradientTransformation,
         return guarded_step(state, grads, ok, policy_tx, value_tx), metrics
 
     def update(state: PPOState, frozen: FrozenParams, exp: Experience):
-        frozen = FrozenParams(reference=frozen.reference if hp.dense_kl_coef else None, reward=None,
+        recompute_reference = hp.dense_kl_coef and not hp.dense_kl_stored
+        frozen = FrozenParams(reference=frozen.reference if recompute_reference else None, reward=None,
                               policy=frozen.policy, value=frozen.value)
         order = minibatch_order(jax.random.fold_in(jax.random.fold_in(state.key, state.step), 1), hp, rows)
         exp_finite = all_finite(exp)
