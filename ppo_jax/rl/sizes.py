@@ -71,9 +71,9 @@ def derive_sizes(s: Settings, *, batch_divisor: int = 1, max_positions: int | No
 
 # ppo.dense_kl_reference="auto" keeps the reference's log-probs over the vocabulary from the experience
 # step up to this many bytes per data-parallel device. The demo's are 1 MiB (64 rows x 16 x 262) and
-# save a reference forward in each of an iteration's 8 update microbatches (update 1.49 -> 1.27 s an
-# iteration on 2 cores without the dense term at all, docs/benchmarks.md); an LLM's are gigabytes
-# (8 rows x 512 x 151,936 = 2.3 GiB), where the forward is the cheaper way.
+# save a reference forward in each of an iteration's 8 update microbatches (update 3-4 % faster on 2
+# cores, docs/benchmarks.md "The dense KL's reference kept"); an LLM's are gigabytes (8 rows x 512 x
+# 151,936 = 2.3 GiB), where the forward is the cheaper way.
 STORED_REFERENCE_BUDGET = 256 * 2**20
 
 
