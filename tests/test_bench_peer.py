@@ -44,14 +44,14 @@ def test_the_pairs_carry_the_demo_values_across():
     demo = bp.demo_settings(0, quick=False)
     ppo = bp.trl_kwargs("ppo", bp.ppo_jax_settings("ppo", demo))
     assert (ppo["per_device_train_batch_size"], ppo["num_mini_batches"], ppo["num_ppo_epochs"]) == (64, 2, 4)
-    assert ppo["total_episodes"] == 64 * 120 and ppo["response_length"] == 16 and ppo["kl_coef"] == 0.1
+    assert ppo["total_episodes"] == 64 * 60 and ppo["response_length"] == 16 and ppo["kl_coef"] == 0.1
     assert ppo["learning_rate"] == 3e-4 and ppo["warmup_steps"] == 5 and ppo["stop_token"] == "eos"
     grpo_s = bp.ppo_jax_settings("grpo", demo)
     assert (grpo_s.rollout.batch_size, grpo_s.rollout.num_samples) == (16, 4)  # the methods table's GRPO
     grpo = bp.trl_kwargs("grpo", grpo_s)
     rows = grpo["per_device_train_batch_size"] * grpo["steps_per_generation"]
     assert rows == 64 and grpo["num_generations"] == 4 and grpo["num_iterations"] == 4
-    assert grpo["max_steps"] == 120 * 4 * 2 and grpo["beta"] == 0.0 and grpo["loss_type"] == "bnpo"
+    assert grpo["max_steps"] == 60 * 4 * 2 and grpo["beta"] == 0.0 and grpo["loss_type"] == "bnpo"
     dpo = bp.trl_kwargs("dpo", bp.ppo_jax_settings("dpo", demo))
     assert (dpo["beta"], dpo["max_steps"], dpo["per_device_train_batch_size"], dpo["max_length"]) == (0.3, 300, 64, 26)
 
