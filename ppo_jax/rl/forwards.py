@@ -94,7 +94,8 @@ def packed_forwards(modules: Modules, params: Trainable, frozen: FrozenParams, r
     ref_logp, scores, ref_vocab = zeros, zeros, None
     if not hp.scored_outside:
         ref_logits = packed_reference_logits(modules, frozen, rows, hp)
-        ref_logp, scores = packing.next_token_logprobs(ref_logits, rows.tokens), packed_reward_scores(modules, frozen, rows)
+        ref_logp = packing.next_token_logprobs(ref_logits, rows.tokens)
+        scores = packed_reward_scores(modules, frozen, rows)
         ref_vocab = jax.nn.log_softmax(ref_logits, axis=-1) if hp.dense_kl_stored else None
     value_params, value_adapters = value_variables(params.value, frozen.value)
     values = (packing.scalar_outputs(modules.value, value_params, rows, value_adapters)
