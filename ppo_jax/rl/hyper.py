@@ -120,5 +120,11 @@ class PPOHyper:
             entropy_target=p.entropy_target, teacher_coef=s.distill.coef if s.distill.enabled else 0.0)
 
     @property
+    def recomputes_reference(self) -> bool:
+        """The update runs the reference forward: the dense KL's reference, when the experience does
+        not keep its log-probs."""
+        return bool(self.dense_kl_coef) and not self.dense_kl_stored
+
+    @property
     def uses_critic(self) -> bool:
         return self.estimator == "gae"

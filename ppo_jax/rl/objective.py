@@ -141,7 +141,7 @@ def padded_outputs(modules: Modules, params: Trainable, frozen: FrozenParams, mb
         values = response_values(value_model, value_params, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask,
                                  adapters=value_adapters)
     ref_logits = mb.ref_vocab_logprobs if hp.dense_kl_stored else None
-    if hp.dense_kl_coef and not hp.dense_kl_stored:
+    if hp.recomputes_reference:
         ref_params, ref_adapters = reference_variables(frozen)
         ref_logits = jax.lax.stop_gradient(response_logits(policy_model, ref_params, mb.prompt_tokens, mb.prompt_mask,
                                                            mb.tokens, mb.mask, hp.temperature, adapters=ref_adapters))
@@ -161,7 +161,7 @@ def packed_outputs(modules: Modules, params: Trainable, frozen: FrozenParams, mb
         value_params, value_adapters = value_variables(params.value, frozen.value)
         values = packing.scalar_outputs(value_model, value_params, mb.rows, value_adapters) * mb.mask
     ref_logits = mb.ref_vocab_logprobs if hp.dense_kl_stored else None
-    if hp.dense_kl_coef and not hp.dense_kl_stored:  # the reference routes by its own router: replay is the policy's
+    if hp.recomputes_reference:  # the reference routes by its own router: replay is the policy's
         ref_params, ref_adapters = reference_variables(frozen)
         ref_logits = jax.lax.stop_gradient(packing.next_token_logits(
             policy_model, ref_params, mb.rows.replace(experts=None), hp.temperature, ref_adapters))

@@ -86,8 +86,9 @@ def dense_kl_stored(s: Settings, rows_per_device: int, vocab_size: int | None) -
         return False
     if p.dense_kl_reference == "experience":
         return True
-    stored_bytes = rows_per_device * s.rollout.response_length * (vocab_size or 0) * 4
-    return vocab_size is not None and stored_bytes <= STORED_REFERENCE_BUDGET
+    if vocab_size is None:
+        return False
+    return rows_per_device * s.rollout.response_length * vocab_size * 4 <= STORED_REFERENCE_BUDGET
 
 
 def decode_slots(r: RolloutSettings, batch_divisor: int, multi_turn: bool = False) -> int:

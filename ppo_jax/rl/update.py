@@ -227,8 +227,7 @@ def make_update_fn(modules: Modules, policy_tx: optax.GradientTransformation,
         return guarded_step(state, grads, ok, policy_tx, value_tx), metrics
 
     def update(state: PPOState, frozen: FrozenParams, exp: Experience):
-        recompute_reference = hp.dense_kl_coef and not hp.dense_kl_stored
-        frozen = FrozenParams(reference=frozen.reference if recompute_reference else None, reward=None,
+        frozen = FrozenParams(reference=frozen.reference if hp.recomputes_reference else None, reward=None,
                               policy=frozen.policy, value=frozen.value)
         order = minibatch_order(jax.random.fold_in(jax.random.fold_in(state.key, state.step), 1), hp, rows)
         exp_finite = all_finite(exp)
