@@ -118,6 +118,23 @@ def make_test_mesh(shape):
     return sharding.make_mesh(shape, jax.devices()[:n])
 
 
+def varied_rollout(vocab: int, seed: int = 3):
+    """A hand-made PPO `Rollout` of the tiny config's shape (32 rows, prompts and responses of 8 slots) with
+    varied prompt and response lengths (a response may be empty), as NumPy arrays."""
+    from ppo_jax.rl.state import Rollout
+
+    rng = np.random.default_rng(seed)
+    lq, lr, b = 8, 8, 32
+    q, r = rng.integers(1, lq + 1, b), rng.integers(0, lr + 1, b)
+    prompt_mask = (np.arange(lq)[None, :] >= lq - q[:, None]).astype(np.int32)
+    mask = (np.arange(lr)[None, :] < r[:, None]).astype(np.int32)
+    zeros = np.zeros((b, lr), np.float32)
+    return Rollout(prompt_tokens=(rng.integers(1, vocab, (b, lq)) * prompt_mask).astype(np.int32),
+                   prompt_mask=prompt_mask, tokens=(rng.integers(1, vocab, (b, lr)) * mask).astype(np.int32),
+                   mask=mask, sampler_logprobs=zeros, behaviour_logprobs=zeros, stopped=r < lr,
+                   host_scores=rng.standard_normal(b).astype(np.float32))
+
+
 def train_and_check_nothing_moved(trainer) -> None:
     """DESIGN.md §5, lr = 0 changes nothing: a trainer built with zero learning rates trains and ends
     with its parameters bit for bit as they were, the policy at KL 0 to its reference and ratio 1."""

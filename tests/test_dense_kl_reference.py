@@ -7,7 +7,7 @@ longer reads the reference, and the "auto" rule."""
 import jax
 import numpy as np
 import pytest
-from conftest import make_test_mesh
+from conftest import make_test_mesh, varied_rollout
 from tiny_configs import tiny_config
 
 from ppo_jax import sharding
@@ -16,7 +16,6 @@ from ppo_jax.models.forward import response_logits
 from ppo_jax.rl import sizes as rl_sizes
 from ppo_jax.rl.settings import Settings
 from ppo_jax.rl.sizes import derive_sizes
-from ppo_jax.rl.state import Rollout
 from ppo_jax.rl.trainer import PPOTrainer
 
 DENSE = {"ppo.dense_kl_coef": 0.5, "train.iterations": 1}
@@ -29,20 +28,6 @@ def _trainer(tmp_path, name, mesh_shape, **overrides):
                          trainer.frozen.reference)
     trainer.frozen = trainer.frozen.replace(reference=noisy)
     return trainer
-
-
-def _rollout(vocab: int, seed: int = 5) -> Rollout:
-    """32 rows (the tiny config's batch) of varied prompt and response lengths."""
-    rng = np.random.default_rng(seed)
-    lq, lr, b = 8, 8, 32
-    q, r = rng.integers(1, lq + 1, b), rng.integers(1, lr + 1, b)
-    prompt_mask = (np.arange(lq)[None, :] >= lq - q[:, None]).astype(np.int32)
-    mask = (np.arange(lr)[None, :] < r[:, None]).astype(np.int32)
-    zeros = np.zeros((b, lr), np.float32)
-    return Rollout(prompt_tokens=rng.integers(1, vocab, (b, lq)).astype(np.int32) * prompt_mask,
-                   prompt_mask=prompt_mask, tokens=rng.integers(1, vocab, (b, lr)).astype(np.int32) * mask, mask=mask,
-                   sampler_logprobs=zeros, behaviour_logprobs=zeros, stopped=r < lr,
-                   host_scores=rng.standard_normal(b).astype(np.float32))
 
 
 def _iteration(trainer, rollout, frozen=None):
@@ -66,7 +51,7 @@ def test_the_update_from_kept_reference_logprobs_equals_the_recomputing_one(layo
                           **{"ppo.packing": layout, "ppo.dense_kl_reference": "recompute"})
     assert kept.hp.dense_kl_stored and not recomputed.hp.dense_kl_stored
     assert kept.hp.packed == (layout == "on")
-    rollout = _rollout(kept.modules.policy.config.vocab_size)
+    rollout = varied_rollout(kept.modules.policy.config.vocab_size)
     exp, policy, value, metrics = _iteration(kept, rollout)
     want_exp, want_policy, want_value, want_metrics = _iteration(recomputed, rollout)
     assert want_exp.ref_vocab_logprobs is None
@@ -91,7 +76,7 @@ def test_an_update_from_kept_logprobs_never_reads_the_reference(tmp_path):
     rollout = None
     for mode, moves in (("experience", False), ("recompute", True)):
         trainer = _trainer(tmp_path, mode, (1, 1, 1), **{"ppo.packing": "off", "ppo.dense_kl_reference": mode})
-        rollout = rollout or _rollout(trainer.modules.policy.config.vocab_size)
+        rollout = rollout or varied_rollout(trainer.modules.policy.config.vocab_size)
         zeroed = trainer.frozen.replace(reference=jax.tree.map(lambda x: x * 0, trainer.frozen.reference))
         *_, metrics = _iteration(trainer, rollout)
         *_, swapped = _iteration(trainer, rollout, frozen=zeroed)

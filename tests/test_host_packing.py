@@ -2,6 +2,7 @@
 packed loss and gradient (SFT) and scores (reward model) against transformers' GPT-2 on the padded
 examples, the trainers' packed and fallback steps, and bad settings refused before anything compiles."""
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -68,8 +69,6 @@ def _torch_loss_and_grads(out_dir, batch):
 
 
 def test_packed_loss_and_gradient_match_transformers_on_the_padded_examples(tmp_path):
-    import jax
-
     trainer = make(tiny_config(**{"train.export": False}), tmp_path / "run")
     trainer.train_step()  # weights away from their init
     out_dir = trainer.export(str(tmp_path / "hf"))
@@ -173,8 +172,6 @@ def test_reward_model_steps_run_packed_like_padded(tmp_path, mesh_shape):
 
 
 def test_a_resumed_packed_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path):
-    import jax
-
     config = tiny_config(**{"train.steps": 6, "train.export": False, "packing.rows": 6})
     uninterrupted = make(config, tmp_path)
     for step in range(1, 7):

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_test_mesh
+from conftest import make_test_mesh, varied_rollout
 from tiny_configs import tiny_config
 
 from ppo_jax import sharding
@@ -19,7 +19,6 @@ from ppo_jax.models.transformer import ScalarModel
 from ppo_jax.rl.hyper import PPOHyper
 from ppo_jax.rl.settings import Settings
 from ppo_jax.rl.sizes import derive_sizes
-from ppo_jax.rl.state import Rollout
 from ppo_jax.rl.trainer import PPOTrainer
 
 LQ, LR = 6, 7
@@ -202,20 +201,6 @@ def _trainer(tmp_path, mesh_shape, name, **overrides):
     return PPOTrainer(c, str(tmp_path / name), mesh=make_test_mesh(mesh_shape))
 
 
-def _rollout(vocab: int, seed: int = 3) -> Rollout:
-    """32 rows (the tiny config's batch) of varied prompt and response lengths."""
-    rng = np.random.default_rng(seed)
-    lq, lr, b = 8, 8, 32
-    q, r = rng.integers(1, lq + 1, b), rng.integers(0, lr + 1, b)
-    prompt_mask = (np.arange(lq)[None, :] >= lq - q[:, None]).astype(np.int32)
-    mask = (np.arange(lr)[None, :] < r[:, None]).astype(np.int32)
-    return Rollout(prompt_tokens=jnp.asarray(rng.integers(1, vocab, (b, lq)) * prompt_mask, jnp.int32),
-                   prompt_mask=jnp.asarray(prompt_mask), tokens=jnp.asarray(rng.integers(1, vocab, (b, lr)) * mask,
-                                                                            jnp.int32),
-                   mask=jnp.asarray(mask), sampler_logprobs=jnp.zeros((b, lr), jnp.float32),
-                   behaviour_logprobs=jnp.zeros((b, lr), jnp.float32), stopped=jnp.asarray(r < lr), host_scores=jnp.asarray(rng.standard_normal(b), jnp.float32))
-
-
 def _step(trainer, rollout):
     rollout = jax.device_put(rollout, sharding.data_sharding(trainer.mesh))
     exp, exp_metrics = trainer.steps.experience_jit(trainer.state, trainer.frozen, rollout)
@@ -239,7 +224,7 @@ def test_packed_experience_and_update_equal_padded(case, tmp_path):
     padded = _trainer(tmp_path, mesh_shape, "padded", **overrides)
     packed = _trainer(tmp_path, mesh_shape, "packed", **{**overrides, "ppo.packing": "on"})
     assert packed.hp.packed and not padded.hp.packed
-    rollout = _rollout(padded.modules.policy.config.vocab_size)
+    rollout = varied_rollout(padded.modules.policy.config.vocab_size)
     want, got = _step(padded, rollout), _step(packed, rollout)
     (w_exp, w_emet, w_policy, w_value, w_met), (g_exp, g_emet, g_policy, g_value, g_met) = want, got
     for field in ("old_logprobs", "ref_logprobs", "values", "advantages", "returns", "scores"):
