@@ -17,6 +17,10 @@ MALLOC_TRIM_THRESHOLD_, GLIBC_TUNABLES) or set PPO_JAX_HOST_MALLOC=system.
 
 It must run before JAX starts its CPU backend (whose worker threads take their arenas then): importing
 `ppo_jax` before the first JAX computation is enough.
+
+The one arena makes XLA's compile threads wait on its lock: a cold run's compiles take about a quarter
+longer. jemalloc, where it is installed, gives both: `restart_with_jemalloc` (the demo's command line)
+runs the command again with it preloaded.
 """
 
 from __future__ import annotations
@@ -30,7 +34,15 @@ from collections.abc import Mapping
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
 KEEP_FREED_BYTES = 2**31 - 1  # mallopt's value is an int: the most freed memory it can keep (2 GB)
 USER_MALLOC_SETTINGS = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
-OPT_OUT = "PPO_JAX_HOST_MALLOC"  # "system": leave malloc as it is
+OPT_OUT = "PPO_JAX_HOST_MALLOC"  # "system": leave malloc as it is; "glibc": tune glibc's, never restart with jemalloc
+
+# The demo's command line restarts itself with jemalloc preloaded where it is installed (`restart_with_jemalloc`).
+# The one glibc arena above serialises XLA's compile threads (a cold run's compiles ~25 % slower); jemalloc
+# gives each thread a cache of its own, and with decay off it keeps every freed page, so the block of
+# temporaries is reused as the one arena reuses it. README command 1 from an empty cache: 308 s against 360 s,
+# the same result to the last digit (docs/benchmarks.md, "A cold run's compile").
+JEMALLOC = "jemalloc"  # ctypes.util.find_library's name: libjemalloc.so.2 (Debian/Ubuntu: apt install libjemalloc2)
+JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
 
 
 def should_tune(environ: Mapping[str, str], platform: str) -> bool:
@@ -60,3 +72,32 @@ def reuse_freed_host_memory(environ: Mapping[str, str] | None = None) -> bool:
     # mallopt returns 1 on success; the arena count first, so no later thread takes an arena of its own.
     return all(mallopt(param, value) == 1 for param, value in
                ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, KEEP_FREED_BYTES)))
+
+
+def jemalloc_environ(environ: Mapping[str, str], platform: str, library: str | None) -> dict[str, str] | None:
+    """The environment to restart a command in with jemalloc (`library`, None: not installed) preloaded,
+    or None to go on as it is: where `should_tune` says so, PPO_JAX_HOST_MALLOC is not "glibc", and
+    nothing is preloaded or configured yet (LD_PRELOAD, MALLOC_CONF: a restarted process has both, so
+    it never restarts again)."""
+    if library is None or not should_tune(environ, platform) or environ.get(OPT_OUT, "").strip().lower() == "glibc":
+        return None
+    if "LD_PRELOAD" in environ or "MALLOC_CONF" in environ:
+        return None
+    return {**environ, "LD_PRELOAD": library, "MALLOC_CONF": JEMALLOC_CONF}
+
+
+def restart_with_jemalloc(library: str | None = None) -> None:
+    """A command line's first step, before JAX starts: where `jemalloc_environ` says so, the same command
+    (`sys.orig_argv`) replaces this process with jemalloc preloaded; elsewhere it returns. library: the
+    allocator to preload (None: jemalloc, found by `ctypes.util.find_library`)."""
+    import ctypes.util
+
+    from ppo_jax.sweep.devices import local_accelerators
+
+    environ = jemalloc_environ(os.environ, local_accelerators(os.environ).platform,
+                               library or ctypes.util.find_library(JEMALLOC))
+    if environ is None or not sys.platform.startswith("linux"):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, environ)

@@ -63,3 +63,49 @@ def test_a_large_temporary_is_reused_instead_of_faulted_in_on_every_run():
 ])
 def test_only_a_cpu_process_with_no_malloc_settings_of_its_own_is_tuned(environ, platform, tuned):
     assert host_memory.should_tune(environ, platform) is (tuned and sys.platform.startswith("linux"))
+
+
+@pytest.mark.parametrize("environ, platform, library, restarts", [
+    ({}, "cpu", "libjemalloc.so.2", True),
+    ({}, "cpu", None, False),  # not installed: glibc, tuned as above
+    ({}, "gpu", "libjemalloc.so.2", False),
+    ({"PPO_JAX_HOST_MALLOC": "glibc"}, "cpu", "libjemalloc.so.2", False),
+    ({"PPO_JAX_HOST_MALLOC": "system"}, "cpu", "libjemalloc.so.2", False),
+    ({"LD_PRELOAD": "libtcmalloc.so.4"}, "cpu", "libjemalloc.so.2", False),  # the user's preload (or the restart's)
+    ({"MALLOC_CONF": "narenas:4"}, "cpu", "libjemalloc.so.2", False),
+    ({"MALLOC_ARENA_MAX": "4"}, "cpu", "libjemalloc.so.2", False),
+])
+def test_jemalloc_is_preloaded_only_where_malloc_is_ours_to_choose(environ, platform, library, restarts):
+    got = host_memory.jemalloc_environ(environ, platform, library)
+    if not (restarts and sys.platform.startswith("linux")):
+        assert got is None
+    else:
+        assert got == {**environ, "LD_PRELOAD": library, "MALLOC_CONF": host_memory.JEMALLOC_CONF}
+
+
+# A command that restarts itself with an allocator preloaded (libc itself stands in for jemalloc, which the
+# machine need not have): the same command again, once, with the preload and jemalloc's settings.
+RESTART = """
+import os, sys
+from ppo_jax import host_memory
+print("ran", os.environ.get("LD_PRELOAD"), os.environ.get("MALLOC_CONF"), sys.argv[1:], flush=True)
+host_memory.restart_with_jemalloc(library="libc.so.6")
+print("went on", flush=True)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the restart is for glibc's Linux")
+@pytest.mark.parametrize("opt_out", ["", "glibc"])
+def test_a_command_restarts_once_with_the_allocator_preloaded(opt_out):
+    env = {k: v for k, v in os.environ.items()
+           if k not in host_memory.USER_MALLOC_SETTINGS + (host_memory.OPT_OUT, "LD_PRELOAD", "MALLOC_CONF")}
+    env.update(JAX_PLATFORMS="cpu", **({host_memory.OPT_OUT: opt_out} if opt_out else {}))
+    out = subprocess.run([sys.executable, "-c", RESTART, "an-argument"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    first = "ran None None ['an-argument']"
+    if opt_out:
+        assert lines == [first, "went on"]
+    else:
+        assert lines == [first, f"ran libc.so.6 {host_memory.JEMALLOC_CONF} ['an-argument']", "went on"]

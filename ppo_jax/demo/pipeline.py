@@ -33,6 +33,7 @@ import time
 
 import jax
 
+from ppo_jax import host_memory
 from ppo_jax.cli.common import config_command
 from ppo_jax.config import to_dict
 from ppo_jax.demo import default_config
@@ -308,7 +309,11 @@ def _command(config, workdir: str) -> None:
 
 
 def main(argv=None) -> None:
-    """`python -m ppo_jax.demo` (console script `ppo-jax-demo`); without --config: the built-in demo."""
+    """`python -m ppo_jax.demo` (console script `ppo-jax-demo`); without --config: the built-in demo. From
+    the command line (argv None) it first restarts itself with jemalloc where that is installed
+    (`host_memory.restart_with_jemalloc`)."""
+    if argv is None:
+        host_memory.restart_with_jemalloc()
     config_command(_command, schema=DemoSettings, what="demo", default_config=default_config.__file__,
                    workdir=DEFAULT_WORKDIR, argv=argv)
 
