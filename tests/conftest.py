@@ -33,6 +33,11 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), f"ppo_jax_tests_xla_cache_{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# glibc as it comes, not `import ppo_jax`'s tuning (ppo_jax/host_memory.py): its one arena keeps XLA's
+# large temporaries mapped, which the tests' tiny programs never have, and makes XLA's compile threads
+# wait on one lock (the demo's programs compiled ~25 % slower, docs/benchmarks.md, "A cold run's compile").
+# The demo fixture, whose 1,000 steps do have them, keeps the tuning; test_host_memory tests it.
+os.environ.setdefault("PPO_JAX_HOST_MALLOC", "system")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

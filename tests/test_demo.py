@@ -44,7 +44,7 @@ def result(tmp_path_factory):
     with open(io / "in.pkl", "wb") as f:
         pickle.dump((config, workdir), f)
     env = {**os.environ, "XLA_FLAGS": f"{OPTIMISED_TEST_XLA_FLAGS} --xla_force_host_platform_device_count=1",
-           "JAX_PLATFORMS": "cpu"}
+           "JAX_PLATFORMS": "cpu", "PPO_JAX_HOST_MALLOC": "glibc"}  # the demo's malloc (the suite's: conftest)
     proc = subprocess.run([sys.executable, "-c", DEMO, str(io / "in.pkl"), str(io / "out.pkl")], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
