@@ -68,7 +68,7 @@ setup(
         "ppo-jax-dpo=ppo_jax.cli.dpo:main",
         "ppo-jax-export=ppo_jax.cli.export:main",
         "ppo-jax-plan=ppo_jax.cli.plan:main",
-        "ppo-jax-demo=ppo_jax.demo.pipeline:main",
+        "ppo-jax-demo=ppo_jax.demo.__main__:main",
         "ppo-jax-sweep=ppo_jax.cli.sweep:main",
     ]},
 )

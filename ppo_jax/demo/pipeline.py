@@ -33,7 +33,6 @@ import time
 
 import jax
 
-from ppo_jax import host_memory
 from ppo_jax.cli.common import config_command
 from ppo_jax.config import to_dict
 from ppo_jax.demo import default_config
@@ -309,11 +308,8 @@ def _command(config, workdir: str) -> None:
 
 
 def main(argv=None) -> None:
-    """`python -m ppo_jax.demo` (console script `ppo-jax-demo`); without --config: the built-in demo. From
-    the command line (argv None) it first restarts itself with jemalloc where that is installed
-    (`host_memory.restart_with_jemalloc`)."""
-    if argv is None:
-        host_memory.restart_with_jemalloc()
+    """The demo's command line (`python -m ppo_jax.demo`, console script `ppo-jax-demo`, both through
+    `ppo_jax.demo.__main__`, which first picks the allocator); without --config: the built-in demo."""
     config_command(_command, schema=DemoSettings, what="demo", default_config=default_config.__file__,
                    workdir=DEFAULT_WORKDIR, argv=argv)
 
