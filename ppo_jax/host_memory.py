@@ -96,7 +96,7 @@ def restart_with_jemalloc(library: str | None = None) -> None:
 
     environ = jemalloc_environ(os.environ, local_accelerators(os.environ).platform,
                                library or ctypes.util.find_library(JEMALLOC))
-    if environ is None:  # (off Linux `should_tune` said no)
+    if environ is None:  # no restart: jemalloc absent, opted out, already preloaded, or off Linux / off CPU
         return
     sys.stdout.flush()
     sys.stderr.flush()
