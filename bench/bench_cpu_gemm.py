@@ -17,9 +17,9 @@ Each GEMM and role runs alone on the same random operands in both libraries: in 
 models state it (an einsum over [B, T, K] activations, the two gradients taken with `jax.vjp`, so XLA
 sees the dots autodiff gives it), in PyTorch as `nn.Linear`'s forward and backward compute them
 (2-D matmuls on the flattened rows). The script checks that the two libraries' products agree, times
-each call (median of --reps calls; libraries alternate per GEMM) and prints ms, GFLOP/s and PyTorch's
-lead. The epoch's GEMM time at each library's rates, times --epochs, is a floor under each side's
-update that no change to the PPO code moves.
+each call (median of --reps calls, `probe_gpu_layers.bench`; the libraries alternate per role) and
+prints ms, GFLOP/s and PyTorch's lead. The epoch's GEMM time at each library's rates, times --epochs,
+is what each side's update spends in these GEMMs if they run there as fast as they run alone.
 
     python bench/bench_cpu_gemm.py --json gemm.json      # the bench_ppo shapes, float32 and bfloat16
     python bench/bench_cpu_gemm.py --hidden 32 --vocab 64 --batch 2 --prompt 4 --response 4 --reps 2   # smoke
@@ -31,13 +31,10 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
-import sys
-import time
 
 import numpy as np
-
 from bench_ppo import Shapes, add_shape_arguments, set_omp_wait_policy, versions
+from probe_gpu_layers import bench  # median seconds of a call after warm-ups (bench/ is on the path)
 
 # Agreement of the two libraries' products, relative to the reference's largest magnitude: float32 sums
 # in different orders, bfloat16 rounds each product's output (8 bits of mantissa) the same way in both.
@@ -63,9 +60,7 @@ class Gemm:
 
 
 def update_gemms(shapes: Shapes) -> list[Gemm]:
-    """The GEMMs of one epoch of bench_ppo's update: policy and value model forward and backward."""
-    if shapes.arch != "gpt2":
-        raise SystemExit(f"error: --arch {shapes.arch}: only the GPT-2 update's GEMMs are listed here")
+    """The GEMMs of one epoch of bench_ppo's GPT-2 update: policy and value model forward and backward."""
     d, tokens = shapes.hidden, (shapes.batch, shapes.prompt + shapes.response)
     per_layer = shapes.layers * 2  # the policy's and the value model's
     return [
@@ -111,24 +106,11 @@ def torch_calls(x, w, g, dtype: str) -> dict:
     t = getattr(torch, dtype)
     x, w, g = (torch.from_numpy(a).to(t) for a in (x, w, g))
     x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
-    fns = {
+    return {
         "forward": lambda: (x2 @ w).reshape(*g.shape),
         "input_gradient": lambda: (g2 @ w.T).reshape(*x.shape),
         "weight_gradient": lambda: x2.T @ g2,
     }
-    return fns
-
-
-def median_seconds(call, reps: int) -> float:
-    """Median wall seconds of call(), after two warm-up calls (the first compiles in JAX)."""
-    call()
-    call()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def check_agree(name: str, role: str, dtype: str, ours, theirs) -> float:
@@ -149,7 +131,7 @@ def measure(gemm: Gemm, dtype: str, reps: int) -> list[dict]:
     rows = []
     for role in ROLES:
         error = check_agree(gemm.name, role, dtype, ours[role](), theirs[role]())
-        jax_s, torch_s = median_seconds(ours[role], reps), median_seconds(theirs[role], reps)
+        jax_s, torch_s = bench(ours[role], reps=reps)[0], bench(theirs[role], reps=reps)[0]
         rows.append({"gemm": gemm.name, "role": role, "dtype": dtype, "rows": list(gemm.rows), "k": gemm.k,
                      "n": gemm.n, "count_per_epoch": gemm.count, "relative_difference": error,
                      "jax_ms": jax_s * 1e3, "torch_ms": torch_s * 1e3,
@@ -190,8 +172,12 @@ def main() -> None:
     args = p.parse_args()
     dtypes = args.dtypes.split(",")
     unknown = sorted(set(dtypes) - set(TOLERANCE))
-    if unknown or args.reps < 1:
-        p.error(f"--dtypes takes {', '.join(TOLERANCE)} (got {unknown})" if unknown else "--reps must be >= 1")
+    if unknown:
+        p.error(f"--dtypes takes {', '.join(TOLERANCE)} (got {unknown})")
+    if args.reps < 1:
+        p.error("--reps must be >= 1")
+    if args.arch != "gpt2":
+        p.error(f"--arch {args.arch}: only the GPT-2 update's GEMMs are listed here")
     set_omp_wait_policy(args.omp_wait_policy)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     shapes = Shapes.from_args(args)
@@ -205,4 +191,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

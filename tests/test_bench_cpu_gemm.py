@@ -2,6 +2,7 @@
 GPT-2 policy and value model), the two libraries' products agree on real operands and a wrong product
 is refused, and a smoke run reports every GEMM, role and dtype."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 sys.path.insert(0, BENCH)
 import bench_cpu_gemm as bg  # noqa: E402
-from bench_ppo import Shapes  # noqa: E402
+from bench_ppo import Shapes, add_shape_arguments  # noqa: E402
 
 SMOKE = ["--layers", "2", "--hidden", "32", "--heads", "2", "--vocab", "64", "--batch", "2", "--prompt", "4",
          "--response", "3", "--epochs", "2"]
@@ -54,7 +55,9 @@ def test_a_smoke_run_reports_every_gemm_role_and_dtype(tmp_path):
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    names = [g.name for g in bg.update_gemms(Shapes.from_args(_parse(SMOKE)))]
+    parser = argparse.ArgumentParser()
+    add_shape_arguments(parser)
+    names = [g.name for g in bg.update_gemms(Shapes.from_args(parser.parse_args(SMOKE)))]
     assert [(r["dtype"], r["gemm"], r["role"]) for r in result["rows"]] == [
         (d, n, role) for d in ("float32", "bfloat16") for n in names for role in bg.ROLES]
     assert all(r["jax_ms"] > 0 and r["torch_ms"] > 0 for r in result["rows"])
@@ -64,18 +67,13 @@ def test_a_smoke_run_reports_every_gemm_role_and_dtype(tmp_path):
     assert "the update's GEMMs (2 epochs)" in proc.stdout
 
 
-def test_bad_flags_are_one_error_line():
-    proc = subprocess.run([sys.executable, os.path.join(BENCH, "bench_cpu_gemm.py"), "--dtypes", "float16"],
+@pytest.mark.parametrize("flags, message", [
+    (["--dtypes", "float16"], "--dtypes takes float32, bfloat16"),
+    (["--arch", "qwen3_moe"], "--arch qwen3_moe: only the GPT-2 update's GEMMs are listed here"),
+])
+def test_bad_flags_are_one_error_line(flags, message):
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "bench_cpu_gemm.py"), *flags],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "--dtypes takes float32, bfloat16" in proc.stderr
-
-
-def _parse(argv):
-    import argparse
-
-    from bench_ppo import add_shape_arguments
-
-    p = argparse.ArgumentParser()
-    add_shape_arguments(p)
-    return p.parse_args(argv)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("bench_cpu_gemm.py: error: ") and message in last
